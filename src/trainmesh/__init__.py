@@ -1,0 +1,51 @@
+"""trainmesh: declare where tensors live, write the model once, run it on 1 or N processes.
+
+>>> import trainmesh as tm
+>>> mesh = tm.DeviceMesh((2, 2), ["data", "model"], devices=[f"cpu:{i}" for i in range(4)])
+>>> layout_map = tm.LayoutMap(mesh)
+>>> layout_map["d1.weight"] = ("model", None)
+>>> tm.ModelParallel(layout_map=layout_map, batch_dim_name="data").data_parallel_size
+2
+"""
+
+from .distribution import (
+    DataParallel,
+    DeviceMesh,
+    Distribution,
+    LayoutMap,
+    ModelParallel,
+    TensorLayout,
+    distribution,
+    set_distribution,
+)
+from .runtime import (
+    barrier,
+    initialize,
+    is_main_process,
+    list_devices,
+    local_rank,
+    rank,
+    shutdown,
+    world_size,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DataParallel",
+    "DeviceMesh",
+    "Distribution",
+    "LayoutMap",
+    "ModelParallel",
+    "TensorLayout",
+    "barrier",
+    "distribution",
+    "initialize",
+    "is_main_process",
+    "list_devices",
+    "local_rank",
+    "rank",
+    "set_distribution",
+    "shutdown",
+    "world_size",
+]

@@ -1,0 +1,35 @@
+"""DataParallel -> torch ``DistributedDataParallel`` over the batch axis."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from trainmesh import runtime
+
+from .mesh import to_torch_mesh
+
+
+def apply_data_parallel(model: nn.Module, distribution, **ddp_kwargs) -> DistributedDataParallel:
+    """Move ``model`` to this process's device and wrap it in DDP over the batch axis.
+
+    DDP broadcasts parameters and buffers from the first process at construction, so every
+    replica starts identical, and all-reduces gradients in buckets while backward runs.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"distribute_model expects a torch.nn.Module. Received: {type(model).__name__}")
+    if isinstance(model, DistributedDataParallel):
+        raise ValueError("The model is already wrapped in DistributedDataParallel; pass the plain module.")
+    torch_mesh = to_torch_mesh(distribution.device_mesh)
+    device = runtime.local_torch_device()
+    model.to(device)
+    if torch_mesh.ndim > 1:
+        # DDP syncs only inside its own group; start every group from the same weights.
+        with torch.no_grad():
+            for tensor in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(tensor.data, src=0)
+    group = torch_mesh.get_group(distribution.batch_dim_name)
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=group, **ddp_kwargs)

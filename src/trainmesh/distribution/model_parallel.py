@@ -1,0 +1,62 @@
+"""``ModelParallel``: parameters and module outputs laid out per a ``LayoutMap``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .distribution import Distribution, variable_path_and_shape
+from .layout import LayoutMap, TensorLayout
+
+
+class ModelParallel(Distribution):
+    """Model (tensor) parallelism with an optional batch axis (Keras ``ModelParallel``).
+
+    Parameters matched in ``layout_map`` are sharded per their layout (DTensor); the rest
+    are replicated; the batch axis (default: the mesh's first axis) splits the data and
+    gradients are reduced over it. Changing only the mesh shape (4x1, 2x2, 1x4) changes
+    the balance between data and model parallelism; nothing else changes.
+
+    >>> from trainmesh.distribution import DeviceMesh, LayoutMap
+    >>> mesh = DeviceMesh((2, 2), ["data", "model"], devices=[f"cpu:{i}" for i in range(4)])
+    >>> layout_map = LayoutMap(mesh)
+    >>> layout_map["d1.weight"] = ("model", None)
+    >>> mp = ModelParallel(layout_map=layout_map, batch_dim_name="data")
+    >>> mp.get_variable_layout(("d1.weight", __import__("torch").zeros(200, 784))).axes
+    ('model', None)
+    """
+
+    def __init__(self, *, layout_map: LayoutMap | None = None, batch_dim_name: str | None = None,
+                 auto_shard_dataset: bool = True):
+        if not isinstance(layout_map, LayoutMap):
+            raise ValueError(f"ModelParallel needs a LayoutMap. Received: layout_map={layout_map!r}")
+        mesh = layout_map.device_mesh
+        if mesh is None:
+            raise ValueError("The LayoutMap given to ModelParallel must carry a device mesh: LayoutMap(device_mesh).")
+        super().__init__(mesh, batch_dim_name=batch_dim_name or mesh.axis_names[0], auto_shard_dataset=auto_shard_dataset)
+        self._layout_map = layout_map
+
+    @property
+    def layout_map(self) -> LayoutMap:
+        return self._layout_map
+
+    def get_variable_layout(self, variable: Any) -> TensorLayout:
+        path, shape = variable_path_and_shape(variable)
+        layout = self._layout_map[path]
+        if layout is None:
+            return TensorLayout((None,) * len(shape), self.device_mesh)
+        layout.validate_for_shape(shape, path)
+        return layout
+
+    def get_tensor_layout(self, path: str) -> TensorLayout | None:
+        return self._layout_map[path]
+
+    def distribute_model(self, model):
+        """Shard ``model``'s parameters in place per the layout map (DTensor); returns the model."""
+        from trainmesh._torch.tensor_parallel import apply_model_parallel
+
+        return apply_model_parallel(model, self)
+
+    def _batch_to_global(self, local_batch):
+        from trainmesh._torch.tensor_parallel import batch_to_global
+
+        return batch_to_global(local_batch, self)

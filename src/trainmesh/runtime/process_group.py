@@ -1,0 +1,171 @@
+"""Start (once) and query the job's default torch.distributed process group.
+
+A single process still gets a real process group (gloo over an in-memory ``HashStore``),
+so DTensor, DeviceMesh and DDP run unchanged on 1 process and on N; no socket is opened.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import threading
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .cluster_env import ClusterEnv, detect_cluster_env
+
+DEFAULT_TIMEOUT_S = 300.0
+
+_lock = threading.Lock()
+_state: dict = {"cluster": None, "timeout": None, "owned": False}
+_on_shutdown: list = []
+
+
+def on_shutdown(callback) -> None:
+    """Run ``callback()`` when the process group goes away (e.g. to drop cached sub-meshes)."""
+    if callback not in _on_shutdown:
+        _on_shutdown.append(callback)
+
+
+def _resolve_timeout(timeout: float | _dt.timedelta | None) -> _dt.timedelta:
+    if isinstance(timeout, _dt.timedelta):
+        seconds = timeout.total_seconds()
+    elif timeout is not None:
+        seconds = float(timeout)
+    else:
+        raw = os.environ.get("TRAINMESH_TIMEOUT_S")
+        try:
+            seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise ValueError(f"TRAINMESH_TIMEOUT_S must be a number of seconds. Received: {raw!r}") from None
+    if not seconds > 0:
+        raise ValueError(f"The collective timeout must be positive. Received: timeout={timeout!r}")
+    return _dt.timedelta(seconds=seconds)
+
+
+def _resolve_backend(backend: str | None) -> str:
+    backend = backend or os.environ.get("TRAINMESH_BACKEND") or None
+    if backend is None:
+        # NCCL for the GPU; gloo keeps CPU tensors (object collectives, metadata) working too.
+        return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError(f"backend='nccl' needs CUDA, and torch sees no CUDA device. Received: backend={backend!r}")
+    return backend
+
+
+def initialize(
+    job_addresses: str | Sequence[str] | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    backend: str | None = None,
+    timeout: float | _dt.timedelta | None = None,
+) -> ClusterEnv:
+    """Join the job (Keras ``keras.distribution.initialize`` signature). Idempotent.
+
+    ``job_addresses`` is ``"host:port,host:port"`` or a list; its first entry is the
+    coordinator. Explicit arguments win over ``TRAINMESH_*``/torchrun variables, which win
+    over ``TF_CONFIG``, which wins over Slurm. With none of these, one process, no network.
+    ``timeout`` (seconds; default ``TRAINMESH_TIMEOUT_S`` or 300) bounds every collective.
+
+    >>> import trainmesh as tm
+    >>> tm.initialize().world_size   # doctest: +SKIP
+    1
+    """
+    with _lock:
+        # Validate first: a contradiction must surface before any connection attempt.
+        cluster = detect_cluster_env(job_addresses, num_processes, process_id)
+        explicit = job_addresses is not None or num_processes is not None or process_id is not None
+        if dist.is_available() and dist.is_initialized():
+            current = _state["cluster"] or _adopt_existing_group()
+            if explicit and (cluster.world_size, cluster.rank) != (current.world_size, current.rank):
+                raise ValueError(
+                    "trainmesh is already initialized as rank "
+                    f"{current.rank} of {current.world_size}; initialize() was called again with "
+                    f"rank {cluster.rank} of {cluster.world_size}. Call shutdown() first."
+                )
+            return current
+        td = _resolve_timeout(timeout)
+        chosen_backend = _resolve_backend(backend)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(cluster.local_rank % torch.cuda.device_count())
+        if cluster.world_size == 1:
+            dist.init_process_group(chosen_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
+        else:
+            dist.init_process_group(
+                chosen_backend,
+                init_method=cluster.init_method,
+                rank=cluster.rank,
+                world_size=cluster.world_size,
+                timeout=td,
+            )
+        _state.update(cluster=cluster, timeout=td, owned=True)
+        return cluster
+
+
+def _adopt_existing_group() -> ClusterEnv:
+    """Someone (a user, a test harness) started the group already: describe it, don't replace it."""
+    env = detect_cluster_env()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if (env.rank, env.world_size) != (rank, world):
+        env = ClusterEnv(rank, world, rank, world, 0, env.master_addr, env.master_port, "existing")
+    _state.update(cluster=env, timeout=_state["timeout"] or _resolve_timeout(None), owned=False)
+    return env
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def cluster_env() -> ClusterEnv:
+    """The running job's :class:`ClusterEnv` (detected from the environment if not initialized)."""
+    if is_initialized():
+        return _state["cluster"] or _adopt_existing_group()
+    return detect_cluster_env()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_initialized() else cluster_env().rank
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_initialized() else cluster_env().world_size
+
+
+def local_rank() -> int:
+    return cluster_env().local_rank
+
+
+def is_main_process() -> bool:
+    return rank() == 0
+
+
+def backend() -> str | None:
+    return dist.get_backend() if is_initialized() else None
+
+
+def collective_timeout() -> _dt.timedelta:
+    return _state["timeout"] or _resolve_timeout(None)
+
+
+def barrier() -> None:
+    """Wait for every process; a no-op on one uninitialized process. Bounded by the timeout."""
+    if not is_initialized() or dist.get_world_size() == 1:
+        return
+    if dist.get_backend() == "gloo":
+        # gloo's barrier takes no timeout of its own; monitored_barrier does and names the late rank.
+        dist.monitored_barrier(timeout=collective_timeout(), wait_all_ranks=True)
+    else:
+        dist.barrier()
+
+
+def shutdown() -> None:
+    """Leave the job: destroy the process group trainmesh started. Safe to call twice."""
+    with _lock:
+        for callback in _on_shutdown:
+            callback()
+        if is_initialized() and _state["owned"]:
+            dist.destroy_process_group()
+        _state.update(cluster=None, timeout=None, owned=False)
