@@ -1,0 +1,86 @@
+"""``trainmesh env``: what a trainmesh process started here would see, without joining any job.
+
+Everything is read from the environment and from torch's local queries: no socket is opened
+and no process group is started, so the command is safe to run on a login node or inside a
+worker's environment to debug rank detection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+
+import trainmesh
+from trainmesh.runtime import detect_cluster_env, list_devices
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``trainmesh env``."""
+    parser = subparsers.add_parser(
+        "env",
+        help="show the detected cluster environment, backend and devices",
+        description="Show the cluster environment this process would join (from torchrun, "
+        "TRAINMESH_*, TF_CONFIG or Slurm variables), the backend and devices, and versions. "
+        "Opens no connection.",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return parser
+
+
+def collect() -> dict[str, Any]:
+    """The report as a flat dict; raises ValueError when the environment contradicts itself."""
+    cluster = detect_cluster_env()
+    cuda = torch.cuda.is_available()
+    return {
+        "source": cluster.source,
+        "rank": cluster.rank,
+        "world_size": cluster.world_size,
+        "local_rank": cluster.local_rank,
+        "local_world_size": cluster.local_world_size,
+        "node_rank": cluster.node_rank,
+        "master_addr": cluster.master_addr,
+        "master_port": cluster.master_port,
+        # What initialize() would pick by default; it adds a gloo side channel for CPU tensors on GPU.
+        "backend": "nccl" if cuda else "gloo",
+        "devices": list_devices(),
+        "torch_version": torch.__version__,
+        "cuda_available": cuda,
+        "cuda_device_count": torch.cuda.device_count() if cuda else 0,
+        "trainmesh_version": trainmesh.__version__,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+
+
+def format_text(report: dict[str, Any]) -> str:
+    """Human-readable lines, one ``name: value`` per fact."""
+    lines = [
+        f"cluster source:   {report['source']}",
+        f"rank:             {report['rank']} of {report['world_size']}",
+        f"local rank:       {report['local_rank']} of {report['local_world_size']}",
+        f"node rank:        {report['node_rank']}",
+        f"master:           {report['master_addr']}:{report['master_port']}",
+        f"backend:          {report['backend']}",
+        f"devices:          {', '.join(report['devices']) or '(none)'}",
+        f"torch:            {report['torch_version']}",
+        f"cuda:             {'available' if report['cuda_available'] else 'not available'}"
+        f" ({report['cuda_device_count']} devices)",
+        f"trainmesh:        {report['trainmesh_version']}",
+        f"OMP_NUM_THREADS:  {report['omp_num_threads'] or '(not set)'}",
+    ]
+    return "\n".join(lines)
+
+
+def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Print the report; exit status 1 when the environment variables contradict each other."""
+    try:
+        report = collect()
+    except ValueError as exc:
+        print(f"trainmesh env: error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2) if args.json else format_text(report))
+    return 0

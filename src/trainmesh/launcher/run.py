@@ -1,0 +1,144 @@
+"""``trainmesh run``: start N worker processes per node through torchrun's elastic agent.
+
+This module only translates trainmesh's options into a ``torch.distributed.run`` argument
+list and runs it in this process; spawning, rendezvous, restarts and failure reporting are
+torchrun's. Workers find their rank in the torchrun variables (``RANK``, ``WORLD_SIZE``, ...)
+that :func:`trainmesh.initialize` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Iterator, Mapping
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1. Received: {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0. Received: {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0. Received: {value}")
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``trainmesh run``."""
+    parser = subparsers.add_parser(
+        "run",
+        help="launch a training script on N processes per node (via torchrun)",
+        description="Launch SCRIPT on N processes per node with torchrun's elastic agent "
+        "and c10d rendezvous. Arguments after SCRIPT are passed to it untouched.",
+    )
+    parser.add_argument("-n", "--nproc-per-node", type=_positive_int, required=True, metavar="N",
+                        help="worker processes on this node")
+    parser.add_argument("--nnodes", type=_positive_int, default=1, help="number of nodes (default: 1)")
+    parser.add_argument("--node-rank", type=_non_negative_int, default=None, metavar="R",
+                        help="this node's index; node 0 hosts the rendezvous store at --rdzv-endpoint")
+    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                        help="rendezvous address, required when --nnodes > 1 "
+                        "(default on one node: a free local port)")
+    parser.add_argument("--rdzv-id", default=None, metavar="ID",
+                        help="job id shared by all nodes of one job (ignored on a standalone node)")
+    parser.add_argument("--max-restarts", type=_non_negative_int, default=None, metavar="K",
+                        help="restart the worker group up to K times after a failure (default: 0)")
+    parser.add_argument("--monitor-interval", type=_positive_float, default=None, metavar="S",
+                        help="seconds between worker health checks")
+    parser.add_argument("-m", "--module", action="store_true",
+                        help="treat SCRIPT as a module name, like `python -m`")
+    parser.add_argument("script", metavar="SCRIPT", help="training script path (or module with -m)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
+                        help="arguments for SCRIPT")
+    return parser
+
+
+def torchrun_argv(args: argparse.Namespace) -> list[str]:
+    """The ``torch.distributed.run`` command line equivalent to a parsed ``trainmesh run``."""
+    argv = ["--nproc-per-node", str(args.nproc_per_node), "--nnodes", str(args.nnodes)]
+    if args.nnodes == 1 and args.rdzv_endpoint is None:
+        # A c10d store on a port the OS picks: two jobs on one machine never collide.
+        argv.append("--standalone")
+    else:
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint]
+        if args.rdzv_id is not None:
+            argv += ["--rdzv-id", args.rdzv_id]
+        if args.node_rank is not None:
+            # c10d assigns node ranks itself; what a fixed node rank can decide is who serves the
+            # store, which is more reliable than torch's guess from the host name.
+            argv += ["--rdzv-conf", f"is_host={int(args.node_rank == 0)}"]
+    if args.max_restarts is not None:
+        argv += ["--max-restarts", str(args.max_restarts)]
+    if args.monitor_interval is not None:
+        argv += ["--monitor-interval", str(args.monitor_interval)]
+    if args.module:
+        argv.append("--module")
+    return argv + [args.script, *args.script_args]
+
+
+def worker_env(nproc_per_node: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Variables to add to the workers' environment (none of them overrides the user's)."""
+    environ = os.environ if environ is None else environ
+    extra = {}
+    if "OMP_NUM_THREADS" not in environ:
+        # Share the cores instead of letting every worker start one thread per core; torchrun's
+        # own default of 1 (with a warning) wastes cores when there are more than workers.
+        extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
+    return extra
+
+
+@contextlib.contextmanager
+def _environ_added(extra: Mapping[str, str]) -> Iterator[None]:
+    """Add ``extra`` to ``os.environ`` (which workers inherit) and remove it afterwards,
+    so calling :func:`trainmesh.launcher.main` from Python leaves the caller's environment alone."""
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for name in extra:
+            os.environ.pop(name, None)
+
+
+def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.node_rank is not None and args.node_rank >= args.nnodes:
+        parser.error(f"--node-rank must be < --nnodes. Received: --node-rank {args.node_rank} --nnodes {args.nnodes}")
+    if args.nnodes > 1 and args.rdzv_endpoint is None:
+        parser.error(f"--rdzv-endpoint HOST:PORT is required when --nnodes > 1. Received: --nnodes {args.nnodes}")
+    if not args.module and not Path(args.script).is_file():
+        parser.error(f"script not found: {args.script!r}")
+
+
+def _exit_status(exitcode: int) -> int:
+    # A worker killed by signal k reports -k; shells report that as 128 + k.
+    return 128 - exitcode if exitcode < 0 else exitcode or 1
+
+
+def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Launch the workers; return 0, or the first failed worker's exit status."""
+    _validate(args, parser)
+    # Imported here so `trainmesh --help` and `trainmesh env` do not pay for torchrun.
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    with _environ_added(worker_env(args.nproc_per_node)):
+        try:
+            torchrun.main(torchrun_argv(args))
+        except ChildFailedError as failed:
+            print(failed, file=sys.stderr)
+            _, failure = failed.get_first_failure()
+            return _exit_status(failure.exitcode)
+    return 0
