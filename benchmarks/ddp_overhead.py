@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -162,7 +163,8 @@ def summarize(results: list[dict], cfg: dict) -> dict:
 def print_report(report: dict) -> None:
     cfg = report["config"]
     print(f"MLP {report['num_params'] / 1e6:.2f}M params, {cfg['nproc']} processes (gloo, CPU, fp32, SGD), "
-          f"global batch {cfg['batch']}, {cfg['rounds']} rounds x ({cfg['warmup']} warmup + {cfg['steps']} timed) steps")
+          f"global batch {cfg['batch']}, {cfg['rounds']} rounds x ({cfg['warmup']} warmup + {cfg['steps']} timed) steps, "
+          f"load avg {report['load_avg_1min']['before']:.2f} -> {report['load_avg_1min']['after']:.2f}")
     header = f"{'variant':<14}{'median ms/step':>16}{'IQR ms/step':>18}{'round medians ms':>20}{'steps':>8}"
     print(header)
     print("-" * len(header))
@@ -185,9 +187,9 @@ def print_report(report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 10; --quick 2)")
-    parser.add_argument("--steps", type=int, help="timed steps per variant per round (default 30; --quick 4)")
-    parser.add_argument("--warmup", type=int, help="untimed steps before each timed block (default 3; --quick 1)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 20; --quick 2)")
+    parser.add_argument("--steps", type=int, help="timed steps per variant per round (default 12; --quick 4)")
+    parser.add_argument("--warmup", type=int, help="untimed steps before each timed block (default 2; --quick 1)")
     parser.add_argument("--batch", type=int, default=64, help="global batch size, split over the processes")
     parser.add_argument("--nproc", type=int, default=2, help="number of processes (world size)")
     parser.add_argument("--seed", type=int, default=0)
@@ -195,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a ~20 s smoke run")
     args = parser.parse_args(argv)
     quick = {"rounds": 2, "steps": 4, "warmup": 1}
-    full = {"rounds": 10, "steps": 30, "warmup": 3}
+    # Many short rounds rather than a few long ones: load from elsewhere on the machine then
+    # lands on both variants alike, and the per-round ratios average it out.
+    full = {"rounds": 20, "steps": 12, "warmup": 2}
     cfg = {key: getattr(args, key) if getattr(args, key) is not None else (quick if args.quick else full)[key]
            for key in ("rounds", "steps", "warmup")}
     # lr 0.5 makes every SGD step move some weight by > 3e-4, far above PARAM_TOLERANCE, so
@@ -208,8 +212,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # Generous wall limit (about 1 s per step and variant) so only a real hang trips it.
     total_steps = 2 * cfg["rounds"] * (cfg["warmup"] + cfg["steps"])
+    load_before = os.getloadavg()[0]  # context for the reader: a busy machine widens the spread
     results = run_distributed(worker, world_size=cfg["nproc"], args=(cfg,), timeout=120.0 + total_steps)
     report = summarize(results, cfg)
+    report["load_avg_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
     print_report(report)
     if args.json:
         with open(args.json, "w") as fh:

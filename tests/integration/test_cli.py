@@ -164,11 +164,12 @@ def test_run_returns_failed_worker_status(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_run_restarts_after_failure(tmp_path: Path) -> None:
-    script = write_script(tmp_path / "flaky.py", """
+    crash_first_attempt = textwrap.dedent("""
         import os, sys
         if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
             sys.exit(1)
-    """ + textwrap.dedent(_REPORT_SCRIPT))
+    """)
+    script = write_script(tmp_path / "flaky.py", crash_first_attempt + textwrap.dedent(_REPORT_SCRIPT))
     proc = run_trainmesh("run", "-n", "2", "--max-restarts", "1", "--monitor-interval", "0.1",
                          script.name, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -314,8 +314,6 @@ def test_malformed_tf_config_is_value_error_naming_it(raw):
 
 # Every member of a TF_CONFIG cluster must get a distinct rank: a task that lands on another
 # task's rank would make two processes join the process group as the same rank.
-@pytest.mark.xfail(strict=True, reason="bug: cluster_env._from_tf_config: chief index not checked against the chief "
-                                       "list, so a 'chief' task collides with a worker's rank instead of raising")
 @pytest.mark.parametrize(
     "spec",
     [
@@ -329,17 +327,12 @@ def test_tf_config_chief_index_outside_chief_list_raises(spec):
         detect_cluster_env(environ=tf_config(spec))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: cluster_env._from_tf_config: worker index -1 with a chief gives "
-                                       "rank len(chief)-1 = 0 (the chief's rank) instead of a ValueError")
 def test_tf_config_negative_worker_index_with_chief_raises():
     spec = {"cluster": {"chief": ["c:1"], "worker": ["w0:1", "w1:1"]}, "task": {"type": "worker", "index": -1}}
     with pytest.raises(ValueError, match="TF_CONFIG"):
         detect_cluster_env(environ=tf_config(spec))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: cluster_env._from_tf_config: a malformed worker list/entry is not "
-                                       "reported as a TF_CONFIG ValueError ('ab' -> 2 workers 'a','b'; "
-                                       "'h:1' -> unparsable ':'; [1234] -> AttributeError)")
 @pytest.mark.parametrize("workers", ["ab", "h:1", [1234], [""]], ids=["str", "str-with-port", "int-entry", "empty-entry"])
 def test_tf_config_malformed_worker_entries_name_tf_config(workers):
     spec = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": 0}}
@@ -441,3 +434,31 @@ def test_detect_reads_os_environ_by_default(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     c = detect_cluster_env()
     assert (c.source, c.rank, c.world_size) == ("torchrun", 1, 3)
+
+
+# --- torchrun's elastic agent and Slurm task counts -------------------------------------------
+
+
+def test_under_elastic_agent_torchrun_outranks_stale_trainmesh_variables():
+    env = {**ENVS["trainmesh"], **ENVS["torchrun"], "TORCHELASTIC_RUN_ID": "job-1"}
+    assert _summary(detect_cluster_env(environ=env)) == ("torchrun", EXPECTED["torchrun"])
+    # explicit arguments still win
+    assert _summary(detect_cluster_env(environ=env, **ARGS)) == ("arguments", EXPECTED["arguments"])
+    # the agent's marker alone, without torchrun's rank variables, changes nothing
+    env = {**ENVS["trainmesh"], "TORCHELASTIC_RUN_ID": "job-1"}
+    assert _summary(detect_cluster_env(environ=env)) == ("trainmesh", EXPECTED["trainmesh"])
+
+
+@pytest.mark.parametrize(
+    "extra,local_world",
+    [
+        ({"SLURM_NTASKS_PER_NODE": "2"}, 2),
+        ({"SLURM_NTASKS_PER_NODE": "2(x3)"}, 2),
+        ({"SLURM_NNODES": "3"}, 2),
+        ({}, 6),
+    ],
+)
+def test_slurm_tasks_per_node(extra, local_world):
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1", "SLURM_NODEID": "2", **extra}
+    c = detect_cluster_env(environ=env)
+    assert (c.rank, c.world_size, c.local_rank, c.local_world_size, c.node_rank) == (5, 6, 1, local_world, 2)

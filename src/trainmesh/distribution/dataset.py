@@ -64,6 +64,11 @@ class DistributedBatches:
         self.drop_remainder = bool(drop_remainder)
         self.epoch = 0
         self._to_global = to_global or (lambda batch: batch)
+        if self.data_parallel_size < 1 or self.global_batch_size < 1 or self.global_batch_size % self.data_parallel_size:
+            raise ValueError(
+                f"global_batch_size must be a positive multiple of data_parallel_size. "
+                f"Received: global_batch_size={global_batch_size}, data_parallel_size={data_parallel_size}"
+            )
         if not 0 <= self.data_index < self.data_parallel_size:
             raise ValueError(f"data_index must be in [0, {self.data_parallel_size}). Received: {self.data_index}")
         if len(self.dataset) < self.global_batch_size and drop_remainder:
@@ -114,6 +119,5 @@ class DistributedBatches:
 
     def __iter__(self) -> Iterator[Any]:
         epoch = self.epoch
-        self.epoch += 1  # TF's reshuffle_each_iteration: a new order every pass
-        for indices in self.local_indices(epoch):
-            yield self._to_global(self._fetch(indices))
+        self.epoch += 1  # TF's reshuffle_each_iteration: every iter() is the next pass
+        return (self._to_global(self._fetch(indices)) for indices in self.local_indices(epoch))

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import threading
 from typing import Any, Iterator, Sequence
 
 from .layout import TensorLayout
 from .mesh import DeviceMesh
 
-_global = threading.local()
-_process_default: list["Distribution | None"] = [None]
+# Process-wide, not per thread: data-loading and monitoring threads must see the same one.
+_current: list["Distribution | None"] = [None]
 
 
 class Distribution(abc.ABC):
@@ -98,16 +97,14 @@ class Distribution(abc.ABC):
     # --- scope ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def scope(self) -> Iterator["Distribution"]:
-        """Make this the current distribution inside the ``with`` block; restored on exit."""
-        previous = getattr(_global, "distribution", _UNSET)
-        _global.distribution = self
+        """Make this the current distribution inside the ``with`` block; the previous one
+        is restored on exit, even on an exception (Keras semantics)."""
+        previous = distribution()
+        set_distribution(self)
         try:
             yield self
         finally:
-            if previous is _UNSET:
-                del _global.distribution
-            else:
-                _global.distribution = previous
+            set_distribution(previous)
 
     # --- applying it ---------------------------------------------------------------------
     @abc.abstractmethod
@@ -154,9 +151,6 @@ class Distribution(abc.ABC):
         return f"<{type(self).__name__} mesh={self._device_mesh!r}, batch_dim_name={self._batch_dim_name!r}>"
 
 
-_UNSET = object()
-
-
 def variable_path_and_shape(variable: Any) -> tuple[str, tuple[int, ...]]:
     """Accept Keras-like variables (``.path``, ``.shape``) and torch ``(name, parameter)`` pairs."""
     if isinstance(variable, tuple) and len(variable) == 2 and isinstance(variable[0], str):
@@ -172,13 +166,12 @@ def variable_path_and_shape(variable: Any) -> tuple[str, tuple[int, ...]]:
 
 
 def set_distribution(value: Distribution | None) -> None:
-    """Set the process-wide distribution (``None`` clears it). A ``scope()`` overrides it."""
+    """Set the process-wide distribution (``None`` clears it)."""
     if value is not None and not isinstance(value, Distribution):
         raise ValueError(f"set_distribution expects a Distribution or None. Received: value={value!r}")
-    _process_default[0] = value
+    _current[0] = value
 
 
 def distribution() -> Distribution | None:
-    """The distribution in force: the innermost ``scope()``, else ``set_distribution``'s."""
-    scoped = getattr(_global, "distribution", _UNSET)
-    return _process_default[0] if scoped is _UNSET else scoped
+    """The distribution in force (the innermost ``scope()``'s, or ``set_distribution``'s)."""
+    return _current[0]

@@ -8,6 +8,7 @@ only then must it match the running job.
 from __future__ import annotations
 
 import math
+import re
 from typing import Sequence
 
 import numpy as np
@@ -21,11 +22,10 @@ def _default_devices() -> list[str]:
 
 def device_index(device: str) -> int:
     """``"cpu:3"`` -> 3: the global index (= process rank) of a device name."""
-    try:
-        kind, index = str(device).rsplit(":", 1)
-        return int(index)
-    except ValueError:
-        raise ValueError(f"A device name must look like 'cpu:0' or 'gpu:3'. Received: device={device!r}") from None
+    match = re.fullmatch(r"[A-Za-z_]+:(\d+)", str(device))
+    if match is None:
+        raise ValueError(f"A device name must look like 'cpu:0' or 'gpu:3'. Received: device={device!r}")
+    return int(match.group(1))
 
 
 class DeviceMesh:
@@ -63,10 +63,10 @@ class DeviceMesh:
                 f"Received: shape={shape}, {devices.size} devices={devices.ravel().tolist()}"
             )
         flat = [str(d) for d in devices.ravel()]
-        if len(set(flat)) != len(flat):
-            raise ValueError(f"A device may appear only once in a mesh. Received: devices={flat}")
-        for d in flat:
-            device_index(d)
+        indices = [device_index(d) for d in flat]
+        if len(set(indices)) != len(indices):
+            # The index is the process rank: "cpu:0" and "gpu:0" would be the same process twice.
+            raise ValueError(f"A device (process) may appear only once in a mesh. Received: devices={flat}")
         self._shape = shape
         self._axis_names = axis_names
         self._devices = np.asarray(flat, dtype=object).reshape(shape)

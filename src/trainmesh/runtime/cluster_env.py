@@ -10,6 +10,10 @@ Sources are tried in a fixed order and the first one that applies wins:
 4. Slurm (``SLURM_PROCID SLURM_NTASKS SLURM_LOCALID ...``);
 5. nothing: a single process that needs no network at all.
 
+(Under torchrun's elastic agent, ``TORCHELASTIC_RUN_ID`` is set and torchrun's variables
+outrank stale ``TRAINMESH_*`` ones. A process group someone else started is adopted as
+source ``"existing"``.)
+
 Everything here is a pure function of its arguments and an environment mapping, so it
 is unit-tested without starting a single process.
 """
@@ -36,7 +40,7 @@ class ClusterEnv:
     node_rank: int
     master_addr: str
     master_port: int
-    source: str  # "arguments" | "trainmesh" | "torchrun" | "tf_config" | "slurm" | "single"
+    source: str  # "arguments" | "trainmesh" | "torchrun" | "tf_config" | "slurm" | "single" | "existing"
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -125,8 +129,8 @@ def _from_arguments(job_addresses, num_processes, process_id, env) -> ClusterEnv
     if addresses:
         host, port = parse_address(addresses[0])
     else:
-        host = env.get("MASTER_ADDR", "127.0.0.1")
-        port = _int_env(env, "MASTER_PORT") or DEFAULT_PORT
+        host = env.get("TRAINMESH_MASTER_ADDR") or env.get("MASTER_ADDR") or "127.0.0.1"
+        port = _int_env(env, "TRAINMESH_MASTER_PORT") or _int_env(env, "MASTER_PORT") or DEFAULT_PORT
     local_rank = _int_env(env, "LOCAL_RANK")
     local_world = _int_env(env, "LOCAL_WORLD_SIZE")
     if local_rank is None:
@@ -176,47 +180,56 @@ def _from_torchrun(env: Mapping[str, str], prefix: str, source: str) -> ClusterE
     )
 
 
+_TF_CONFIG_SHAPE = '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}'
+
+
+def _tf_config_error(raw: str, why: str) -> ValueError:
+    return ValueError(f"TF_CONFIG {why}; expected JSON like {_TF_CONFIG_SHAPE}. Received: TF_CONFIG={raw!r}")
+
+
+def _tf_config_members(spec: dict, role: str, raw: str) -> list[tuple[str, int]]:
+    entries = spec["cluster"].get(role, [])
+    if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+        raise _tf_config_error(raw, f"cluster.{role} must be a list of 'host:port' strings")
+    try:
+        return [parse_address(e) for e in entries]
+    except ValueError as exc:
+        raise _tf_config_error(raw, f"has a bad cluster.{role} address ({exc})") from None
+
+
 def _from_tf_config(env: Mapping[str, str]) -> ClusterEnv | None:
     raw = env.get("TF_CONFIG")
     if not raw:
         return None
     try:
         spec = json.loads(raw)
-        workers = list(spec["cluster"]["worker"])
+        spec["cluster"]["worker"]
         task = spec.get("task", {})
         task_type = task.get("type", "worker")
         index = int(task.get("index", 0))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(
-            "TF_CONFIG must be JSON like "
-            '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}. '
-            f"Received: TF_CONFIG={raw!r} ({exc})"
-        ) from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _tf_config_error(raw, f"cannot be read ({type(exc).__name__}: {exc})") from None
     if task_type not in ("worker", "chief"):
-        raise ValueError(
-            f"TF_CONFIG task type {task_type!r} is not a training worker; parameter servers are started "
-            f"with `trainmesh ps-server`. Received: task={task!r}"
-        )
-    # A "chief" entry, when present, is rank 0 and the workers follow it (TF's convention).
-    chief = list(spec["cluster"].get("chief", []))
+        raise _tf_config_error(raw, f"task type {task_type!r} is not a training task (only 'worker' and 'chief' train)")
+    # A "chief", when present, is rank 0 and the workers follow it (TF's convention).
+    chief = _tf_config_members(spec, "chief", raw)
+    workers = _tf_config_members(spec, "worker", raw)
+    own_list = chief if task_type == "chief" else workers
+    if not 0 <= index < len(own_list):
+        raise _tf_config_error(raw, f"task index {index} is outside cluster.{task_type} ({len(own_list)} entries)")
     members = chief + workers
     rank = index if task_type == "chief" else len(chief) + index
-    if not workers and not chief:
-        raise ValueError(f"TF_CONFIG cluster has no workers. Received: TF_CONFIG={raw!r}")
-    if not 0 <= rank < len(members):
-        raise ValueError(f"TF_CONFIG task index {index} is outside the cluster of {len(members)}. Received: {raw!r}")
-    host, port = parse_address(members[0])
-    my_host = parse_address(members[rank])[0]
-    same_host = [i for i, m in enumerate(members) if parse_address(m)[0] == my_host]
-    hosts_in_order = list(dict.fromkeys(parse_address(m)[0] for m in members))
+    my_host = members[rank][0]
+    same_host = [i for i, (host, _) in enumerate(members) if host == my_host]
+    hosts_in_order = list(dict.fromkeys(host for host, _ in members))
     return ClusterEnv(
         rank=rank,
         world_size=len(members),
         local_rank=same_host.index(rank),
         local_world_size=len(same_host),
         node_rank=hosts_in_order.index(my_host),
-        master_addr=host,
-        master_port=port,
+        master_addr=members[0][0],
+        master_port=members[0][1],
         source="tf_config",
     )
 
@@ -244,10 +257,10 @@ def _from_slurm(env: Mapping[str, str]) -> ClusterEnv | None:
     job_id = _int_env(env, "SLURM_JOB_ID") or 0
     # A port derived from the job id keeps two jobs sharing a node apart.
     port = _int_env(env, "MASTER_PORT") or 20000 + job_id % 10000
-    local_world = _int_env(env, "SLURM_NTASKS_PER_NODE") or _int_env(env, "SLURM_STEP_NUM_TASKS") or world_size
+    # SLURM_NTASKS_PER_NODE may read "2(x3)" (2 tasks on each of 3 nodes): its leading count is ours.
+    per_node = re.match(r"\d+", env.get("SLURM_NTASKS_PER_NODE", ""))
     num_nodes = _int_env(env, "SLURM_NNODES") or 1
-    if num_nodes > 1 and local_world == world_size:
-        local_world = world_size // num_nodes
+    local_world = int(per_node.group()) if per_node else max(world_size // num_nodes, 1)
     return ClusterEnv(
         rank=rank,
         world_size=world_size,
@@ -274,8 +287,12 @@ def detect_cluster_env(
     1
     """
     env = os.environ if environ is None else environ
+    # Under torchrun's elastic agent its variables describe this very restart of the job, so
+    # they outrank TRAINMESH_* values that may linger in the shell that started the launcher.
+    under_elastic_agent = "TORCHELASTIC_RUN_ID" in env
     for found in (
         lambda: _from_arguments(job_addresses, num_processes, process_id, env),
+        lambda: _from_torchrun(env, "", "torchrun") if under_elastic_agent else None,
         lambda: _from_torchrun(env, "TRAINMESH_", "trainmesh"),
         lambda: _from_torchrun(env, "", "torchrun"),
         lambda: _from_tf_config(env),
