@@ -41,8 +41,12 @@ class DataParallel(Distribution):
         _, shape = variable_path_and_shape(variable)
         return TensorLayout((None,) * len(shape), self.device_mesh)
 
-    def distribute_model(self, model):
-        """Replicate ``model`` (identical on every process at start) under DDP; returns the DDP module."""
+    def distribute_model(self, model, **ddp_options):
+        """Replicate ``model`` (identical on every process at start) under DDP; returns the DDP module.
+
+        ``ddp_options`` go to ``DistributedDataParallel`` (``find_unused_parameters``,
+        ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``, ...).
+        """
         from trainmesh._torch.data_parallel import apply_data_parallel
 
-        return apply_data_parallel(model, self)
+        return apply_data_parallel(model, self, **ddp_options)
