@@ -29,9 +29,38 @@ from .runtime import (
     world_size,
 )
 
+from .trainer import (
+    Accuracy,
+    Callback,
+    EarlyStopping,
+    History,
+    LambdaCallback,
+    Mean,
+    Metric,
+    ModelCheckpoint,
+    Trainer,
+    TrainerConfig,
+    scale_lr,
+    warmup_cosine,
+    warmup_linear,
+)
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "Accuracy",
+    "Callback",
+    "EarlyStopping",
+    "History",
+    "LambdaCallback",
+    "Mean",
+    "Metric",
+    "ModelCheckpoint",
+    "Trainer",
+    "TrainerConfig",
+    "scale_lr",
+    "warmup_cosine",
+    "warmup_linear",
     "DataParallel",
     "DeviceMesh",
     "Distribution",

@@ -22,3 +22,34 @@ def global_mean(value) -> float:
         tensor = tensor.cuda()
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return float(tensor.item()) / dist.get_world_size()
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """SUM a small float64 vector over every process (a no-op on one process)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    tensor = values.cuda() if dist.get_backend() == "nccl" else values
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.cpu()
+
+
+def gather_batches(local_outputs: list, distribution) -> list[torch.Tensor]:
+    """Every batch's full outputs, in order, on every process.
+
+    ``local_outputs[b]`` is this process's share of batch b: a DTensor (already global), a
+    plain tensor of its rows, or None when its share was empty. Plain shares are exchanged
+    once, at the end, over the batch axis and concatenated in data-index order (the order
+    ``covering_parts`` hands rows out).
+    """
+    if all(isinstance(o, DTensor) for o in local_outputs):
+        return [o.full_tensor().detach().cpu() for o in local_outputs]
+    local = [None if o is None else o.detach().cpu() for o in local_outputs]
+    dp = distribution.data_parallel_size
+    if dp == 1:
+        return local
+    from .mesh import to_torch_mesh
+
+    group = to_torch_mesh(distribution.device_mesh).get_group(distribution.batch_dim_name)
+    shares: list = [None] * dp
+    dist.all_gather_object(shares, local, group=group)
+    return [torch.cat([share[b] for share in shares if share[b] is not None]) for b in range(len(local))]

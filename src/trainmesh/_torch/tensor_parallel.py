@@ -15,13 +15,15 @@ Order, and why:
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainmesh import runtime
+from trainmesh.distribution.layout import TensorLayout
 
 from .dtensor_fixes import install_dtensor_fixes
 from .mesh import to_placements, to_torch_mesh
@@ -47,8 +49,25 @@ def _output_layouts(model: nn.Module, distribution) -> dict[str, Any]:
     return layouts
 
 
+_grad_sync_enabled = [True]
+
+
+@contextlib.contextmanager
+def no_grad_sync() -> Iterator[None]:
+    """Let gradients accumulate un-reduced (``Partial``) during non-final micro-steps, as DDP's
+    ``no_sync`` does: the reduction then happens once, on the final micro-step's backward."""
+    previous = _grad_sync_enabled[0]
+    _grad_sync_enabled[0] = False
+    try:
+        yield
+    finally:
+        _grad_sync_enabled[0] = previous
+
+
 def _bring_grad_to_param_placements(param: DTensor) -> None:
     grad = param.grad
+    if not _grad_sync_enabled[0]:
+        return
     if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
         param.grad = grad.redistribute(param.device_mesh, param.placements)
 
@@ -99,22 +118,54 @@ def _output_layout_hook(path: str, layout, distribution, torch_mesh):
     return hook
 
 
-def batch_to_global(batch: Any, distribution) -> Any:
-    """Treat every plain tensor in ``batch`` as this process's slice of a global batch (DTensor)."""
+def batch_to_global(batch: Any, distribution, global_rows: int | None = None) -> Any:
+    """Treat every plain tensor in ``batch`` as this process's slice of a global batch (DTensor).
+
+    ``global_rows`` gives the global batch size when the slices are unequal (evaluation's last
+    batch, split as DTensor's ``Shard`` splits: ``torch.chunk`` sizes); by default every
+    process holds an equal slice.
+    """
     if isinstance(batch, DTensor):
         return batch
     if isinstance(batch, torch.Tensor):
         if batch.dim() == 0:
             return batch
         torch_mesh = to_torch_mesh(distribution.device_mesh)
-        global_shape = (batch.shape[0] * distribution.data_parallel_size,) + tuple(batch.shape[1:])
-        placements = to_placements(distribution.get_data_layout(global_shape), distribution.device_mesh)
+        rows = global_rows if global_rows is not None else batch.shape[0] * distribution.data_parallel_size
+        global_shape = torch.Size((rows,) + tuple(batch.shape[1:]))
+        if global_rows is None:
+            layout = distribution.get_data_layout(global_shape)
+        else:  # an uneven split is legitimate here; skip the divisibility check
+            layout = TensorLayout((distribution.batch_dim_name,) + (None,) * (batch.dim() - 1), distribution.device_mesh)
+        placements = to_placements(layout, distribution.device_mesh)
         local = batch.to(runtime.local_torch_device())
-        return DTensor.from_local(local, torch_mesh, placements, run_check=False)
-    if isinstance(batch, tuple):
-        return tuple(batch_to_global(item, distribution) for item in batch)
-    if isinstance(batch, list):
-        return [batch_to_global(item, distribution) for item in batch]
+        return DTensor.from_local(local, torch_mesh, placements, run_check=False, shape=global_shape,
+                                  stride=_contiguous_strides(global_shape))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(batch_to_global(item, distribution, global_rows) for item in batch)
     if isinstance(batch, dict):
-        return {key: batch_to_global(item, distribution) for key, item in batch.items()}
+        return {key: batch_to_global(item, distribution, global_rows) for key, item in batch.items()}
+    return batch
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def batch_to_local(batch: Any, distribution) -> Any:
+    """The inverse: this process's rows of every DTensor in ``batch`` (for metrics), plain tensors as they are."""
+    if isinstance(batch, DTensor):
+        if batch.dim() == 0:
+            return batch.full_tensor()
+        torch_mesh = to_torch_mesh(distribution.device_mesh)
+        layout = TensorLayout((distribution.batch_dim_name,) + (None,) * (batch.dim() - 1), distribution.device_mesh)
+        return batch.redistribute(torch_mesh, to_placements(layout, distribution.device_mesh)).to_local()
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(batch_to_local(item, distribution) for item in batch)
+    if isinstance(batch, dict):
+        return {key: batch_to_local(item, distribution) for key, item in batch.items()}
     return batch

@@ -37,10 +37,11 @@ def as_dataset(data: Any) -> Dataset:
 class DistributedBatches:
     """This process's local batches, epoch after epoch (each ``iter()`` starts the next epoch).
 
-    ``len()`` is the number of steps per epoch. The remainder policy: with
-    ``drop_remainder=False`` a final partial global batch is kept when it can be split over the
-    batch axis into equal parts, and otherwise dropped with a warning (unequal local
-    batches would weigh samples unequally in the averaged gradient).
+    ``len()`` is the number of steps per epoch. With ``micro_batches=k`` every local batch is
+    also split into k equal micro-batches (gradient accumulation; ``iter_steps()``). The
+    remainder policy: with ``drop_remainder=False`` a final partial global batch is kept when
+    it splits into equal parts (data-parallel size x micro-batches), and otherwise dropped
+    with a warning (unequal parts would weigh samples unequally in the averaged gradient).
     """
 
     def __init__(
@@ -54,6 +55,7 @@ class DistributedBatches:
         seed: int,
         drop_remainder: bool,
         to_global: Callable[[Any], Any] | None = None,
+        micro_batches: int = 1,
     ):
         self.dataset = as_dataset(dataset)
         self.global_batch_size = int(global_batch_size)
@@ -64,10 +66,15 @@ class DistributedBatches:
         self.drop_remainder = bool(drop_remainder)
         self.epoch = 0
         self._to_global = to_global or (lambda batch: batch)
-        if self.data_parallel_size < 1 or self.global_batch_size < 1 or self.global_batch_size % self.data_parallel_size:
+        self.micro_batches = int(micro_batches)
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1. Received: micro_batches={micro_batches}")
+        self._parts = self.data_parallel_size * self.micro_batches
+        if self.data_parallel_size < 1 or self.global_batch_size < 1 or self.global_batch_size % self._parts:
             raise ValueError(
-                f"global_batch_size must be a positive multiple of data_parallel_size. "
-                f"Received: global_batch_size={global_batch_size}, data_parallel_size={data_parallel_size}"
+                f"global_batch_size must be a positive multiple of data_parallel_size x micro_batches. "
+                f"Received: global_batch_size={global_batch_size}, data_parallel_size={data_parallel_size}, "
+                f"micro_batches={micro_batches}"
             )
         if not 0 <= self.data_index < self.data_parallel_size:
             raise ValueError(f"data_index must be in [0, {self.data_parallel_size}). Received: {self.data_index}")
@@ -77,10 +84,10 @@ class DistributedBatches:
                 f"{self.global_batch_size} with drop_remainder=True."
             )
         self._remainder = len(self.dataset) % self.global_batch_size
-        if self._remainder and not drop_remainder and self._remainder % self.data_parallel_size:
+        if self._remainder and not drop_remainder and self._remainder % self._parts:
             warnings.warn(
                 f"The last {self._remainder} samples cannot be split evenly over {self.data_parallel_size} "
-                "data-parallel processes and are dropped each epoch.",
+                f"data-parallel processes x {self.micro_batches} micro-batches and are dropped each epoch.",
                 stacklevel=3,
             )
 
@@ -90,7 +97,7 @@ class DistributedBatches:
 
     def __len__(self) -> int:
         full = len(self.dataset) // self.global_batch_size
-        keep_last = self._remainder and not self.drop_remainder and self._remainder % self.data_parallel_size == 0
+        keep_last = self._remainder and not self.drop_remainder and self._remainder % self._parts == 0
         return full + int(bool(keep_last))
 
     def set_epoch(self, epoch: int) -> None:
@@ -112,12 +119,64 @@ class DistributedBatches:
             yield batch[self.data_index * part : (self.data_index + 1) * part]
 
     def _fetch(self, indices: np.ndarray):
-        if isinstance(self.dataset, TensorDataset):
-            index = torch.as_tensor(indices, dtype=torch.long)
-            return tuple(t[index] for t in self.dataset.tensors)
-        return default_collate([self.dataset[int(i)] for i in indices])
+        return fetch(self.dataset, indices)
 
     def __iter__(self) -> Iterator[Any]:
-        epoch = self.epoch
-        self.epoch += 1  # TF's reshuffle_each_iteration: every iter() is the next pass
+        epoch = self._next_epoch()
         return (self._to_global(self._fetch(indices)) for indices in self.local_indices(epoch))
+
+    def iter_steps(self) -> Iterator[list[Any]]:
+        """One list of ``micro_batches`` micro-batches per optimizer step (the next epoch)."""
+        epoch = self._next_epoch()
+        for indices in self.local_indices(epoch):
+            yield [self._to_global(self._fetch(part)) for part in np.split(indices, self.micro_batches)]
+
+    def _next_epoch(self) -> int:
+        epoch = self.epoch
+        self.epoch += 1  # TF's reshuffle_each_iteration: every pass is the next epoch
+        return epoch
+
+
+def covering_parts(num_rows: int, parts: int) -> list[range]:
+    """Split rows 0..num_rows-1 over ``parts`` the way DTensor's ``Shard`` does (``torch.chunk``):
+    parts of ceil(n/parts) rows, the last ones shorter or empty."""
+    size = -(-num_rows // parts) if num_rows else 0
+    return [range(min(i * size, num_rows), min((i + 1) * size, num_rows)) for i in range(parts)]
+
+
+class CoveringBatches:
+    """For evaluation and prediction: every sample exactly once, in order, no padding.
+
+    Yields ``(global_rows, local_indices, local_batch)`` per global batch; the last global
+    batch may be short and local batches may be unequal or empty (exact metrics are sums,
+    so unequal parts are fine here, unlike in training).
+    """
+
+    def __init__(self, dataset: Any, *, batch_size: int, data_parallel_size: int, data_index: int):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1. Received: batch_size={batch_size}")
+        self.dataset = as_dataset(dataset)
+        self.batch_size = int(batch_size)
+        self.data_parallel_size = int(data_parallel_size)
+        self.data_index = int(data_index)
+
+    def __len__(self) -> int:
+        return -(-len(self.dataset) // self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[int, np.ndarray, Any]]:
+        n = len(self.dataset)
+        for start in range(0, n, self.batch_size):
+            rows = min(self.batch_size, n - start)
+            mine = covering_parts(rows, self.data_parallel_size)[self.data_index]
+            indices = np.arange(start + mine.start, start + mine.stop)
+            yield rows, indices, fetch(self.dataset, indices)
+
+
+def fetch(dataset: Dataset, indices: np.ndarray):
+    """Collate ``dataset[indices]``; tensor datasets are sliced in one go."""
+    if isinstance(dataset, TensorDataset):
+        index = torch.as_tensor(indices, dtype=torch.long)
+        return tuple(t[index] for t in dataset.tensors)
+    if len(indices) == 0:
+        return None
+    return default_collate([dataset[int(i)] for i in indices])

@@ -141,6 +141,10 @@ class Distribution(abc.ABC):
         """Hook for subclasses whose models take global (DTensor) batches."""
         return local_batch
 
+    def _batch_to_global_rows(self, local_batch, global_rows: int):
+        """As ``_batch_to_global``, for unequal shares of a batch of ``global_rows`` rows."""
+        return local_batch
+
     def global_mean(self, value):
         """``value`` (a loss or metric computed on this process's batch) as a one-device run reports it."""
         from trainmesh._torch.reduce import global_mean

@@ -1,0 +1,36 @@
+"""Full (unsharded) state dicts of distributed models and optimizers, and loading them back.
+
+Built on ``torch.distributed.checkpoint.state_dict``, which knows DDP prefixes and gathers
+DTensor parameters and optimizer state. Every process must call these together.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_model_state(model: nn.Module) -> dict[str, Any]:
+    return get_model_state_dict(model, options=_FULL)
+
+
+def full_optimizer_state(model: nn.Module, optimizer) -> dict[str, Any]:
+    return get_optimizer_state_dict(model, optimizer, options=_FULL)
+
+
+def load_full_model_state(model: nn.Module, state: dict[str, Any]) -> None:
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer, state: dict[str, Any]) -> None:
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

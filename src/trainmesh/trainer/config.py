@@ -1,0 +1,131 @@
+"""``TrainerConfig``: every knob of the loop, validated at construction, and the values derived
+from it (``Plan``) computed and printed before the first step.
+
+global batch = micro-batch x accumulation steps x data-parallel size
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable
+
+from .precision import PRECISIONS
+from .schedules import scale_lr
+
+_LR_RULES = ("linear", "sqrt")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """Configuration of :class:`trainmesh.Trainer` (all keyword-only).
+
+    >>> TrainerConfig(precision="bf16-mixed", grad_accum_steps=2).grad_accum_steps
+    2
+    """
+
+    precision: str = "fp32"
+    grad_accum_steps: int = 1
+    max_grad_norm: float | None = None
+    lr_scaling: str | None = None  # "linear" | "sqrt": scale the optimizer's lr by global / base batch
+    base_batch_size: int | None = None
+    scheduler: Callable[[Any], Any] | None = None  # optimizer -> LRScheduler, stepped once per optimizer step
+    log_dir: str | Path | None = None
+    log_every_n_steps: int = 1  # also how often a stop request is looked for, and the loss all-reduced
+    progress: bool | str = "auto"
+    seed: int = 0
+    drop_remainder: bool = False
+    eval_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}. Received: precision={self.precision!r}")
+        if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be an int >= 1. Received: grad_accum_steps={self.grad_accum_steps!r}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None. Received: max_grad_norm={self.max_grad_norm!r}")
+        if self.lr_scaling is not None:
+            if self.lr_scaling not in _LR_RULES:
+                raise ValueError(f"lr_scaling must be one of {_LR_RULES} or None. Received: lr_scaling={self.lr_scaling!r}")
+            if not self.base_batch_size or self.base_batch_size < 1:
+                raise ValueError(
+                    f"lr_scaling={self.lr_scaling!r} needs base_batch_size (the batch the lr was tuned for). "
+                    f"Received: base_batch_size={self.base_batch_size!r}"
+                )
+        if self.log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps must be >= 1. Received: log_every_n_steps={self.log_every_n_steps!r}")
+        if self.progress not in (True, False, "auto"):
+            raise ValueError(f"progress must be True, False or 'auto'. Received: progress={self.progress!r}")
+        if self.eval_batch_size is not None and self.eval_batch_size < 1:
+            raise ValueError(f"eval_batch_size must be >= 1. Received: eval_batch_size={self.eval_batch_size!r}")
+
+    @classmethod
+    def from_kwargs(cls, config: "TrainerConfig | None", kwargs: dict) -> "TrainerConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"Unknown Trainer option(s) {unknown}. Known: {sorted(names)}")
+        if config is None:
+            return cls(**kwargs)
+        if kwargs:
+            raise ValueError(f"Pass either config=TrainerConfig(...) or keyword options, not both. Received: {sorted(kwargs)}")
+        return config
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one ``fit`` will do, derived from the config, the batch size and the data."""
+
+    global_batch_size: int | None  # None: set by the batches an iterable yields
+    micro_batch_size: int | None
+    grad_accum_steps: int
+    data_parallel_size: int
+    steps_per_epoch: int | None
+    epochs: int
+    base_lr: float | None
+    lr: float | None
+    precision: str
+
+    @classmethod
+    def derive(cls, config: TrainerConfig, *, global_batch_size: int | None, data_parallel_size: int,
+               num_samples: int | None, epochs: int, base_lr: float | None) -> "Plan":
+        per_step = config.grad_accum_steps * data_parallel_size
+        if global_batch_size is None:
+            if config.lr_scaling is not None:
+                raise ValueError(f"lr_scaling={config.lr_scaling!r} needs fit(batch_size=...), the global batch.")
+            return cls(None, None, config.grad_accum_steps, data_parallel_size, None, epochs, base_lr, base_lr,
+                       config.precision)
+        if global_batch_size < 1 or global_batch_size % per_step:
+            raise ValueError(
+                "batch_size (the global batch) must be a multiple of grad_accum_steps x data-parallel size "
+                f"= {config.grad_accum_steps} x {data_parallel_size} = {per_step}. "
+                f"Received: batch_size={global_batch_size}"
+            )
+        if epochs < 1:
+            raise ValueError(f"epochs must be >= 1. Received: epochs={epochs}")
+        steps = None
+        if num_samples is not None:
+            steps = num_samples // global_batch_size if config.drop_remainder else math.ceil(num_samples / global_batch_size)
+            if steps == 0:
+                raise ValueError(
+                    f"The dataset ({num_samples} samples) is smaller than one global batch of {global_batch_size}."
+                )
+        lr = base_lr
+        if base_lr is not None and config.lr_scaling is not None:
+            lr = scale_lr(base_lr, global_batch_size, config.base_batch_size, rule=config.lr_scaling)
+        return cls(global_batch_size, global_batch_size // per_step, config.grad_accum_steps, data_parallel_size,
+                   steps, epochs, base_lr, lr, config.precision)
+
+    def describe(self) -> str:
+        lr = "-" if self.lr is None else f"{self.lr:.6g}" + (
+            "" if self.lr == self.base_lr else f" (scaled from {self.base_lr:.6g})")
+        if self.global_batch_size is None:
+            return (f"global batch from the data; accumulation {self.grad_accum_steps} x data-parallel "
+                    f"{self.data_parallel_size}; epochs {self.epochs}; lr {lr}; precision {self.precision}")
+        return (
+            f"global batch {self.global_batch_size} = micro-batch {self.micro_batch_size} x accumulation "
+            f"{self.grad_accum_steps} x data-parallel {self.data_parallel_size}; "
+            f"steps/epoch {self.steps_per_epoch if self.steps_per_epoch is not None else 'unknown'}; "
+            f"epochs {self.epochs}; lr {lr}; precision {self.precision}"
+        )

@@ -1,0 +1,99 @@
+"""The loops of ``evaluate`` and ``predict``: every sample exactly once, exact sums.
+
+Each process sees its share of every global batch (shares may be unequal or empty on the
+last batch). Loss and metric states are accumulated as sums and all-reduced once at the
+end, so the result is the same on 1, 2 or 4 processes. Under DDP the forward runs on the
+unwrapped module (a forward with no collective, so an empty share can simply be skipped);
+DTensor models run on the global batch, which every process enters together.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainmesh._torch.reduce import all_reduce_sum, gather_batches
+from trainmesh._torch.sync import unwrap
+
+from .data_input import eval_batches
+from .metrics import Metric
+from .step import batch_rows, split_batch
+
+
+def _is_dtensor_model(trainer) -> bool:
+    return getattr(trainer.model, "_trainmesh_distribution", None) is not None
+
+
+def _forward_model(trainer) -> torch.nn.Module:
+    return trainer.model if _is_dtensor_model(trainer) else unwrap(trainer.model)
+
+
+def _to_model_input(trainer, value: Any, rows: int) -> Any:
+    if _is_dtensor_model(trainer):
+        return trainer.distribution._batch_to_global_rows(value, rows)
+    return value
+
+
+def run_evaluation(trainer, data: Any, batch_size: int | None, metrics: list[Metric]) -> tuple[torch.Tensor, dict]:
+    """Returns the reduced ``[loss x samples, samples]`` and the reduced metric values."""
+    model = _forward_model(trainer)
+    was_training = model.training
+    model.eval()
+    for metric in metrics:
+        metric.reset()
+    sums = torch.zeros(2, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            for step, (rows, batch) in enumerate(eval_batches(data, trainer.distribution, batch_size=batch_size)):
+                trainer.callbacks.on_test_batch_begin(step, {})
+                if batch is None or (batch_rows(batch) == 0 and not _is_dtensor_model(trainer)):
+                    trainer.callbacks.on_test_batch_end(step, {})
+                    continue
+                inputs, targets = split_batch(trainer.precision.convert_input(batch))
+                local_targets = targets
+                inputs, targets = _to_model_input(trainer, inputs, rows), _to_model_input(trainer, targets, rows)
+                with trainer.precision.forward_context():
+                    outputs = model(inputs)
+                    loss = trainer.loss_fn(outputs, targets)
+                value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+                samples = batch_rows(local_targets)
+                if samples:
+                    sums += torch.tensor([float(value) * samples, samples], dtype=torch.float64)
+                if metrics:
+                    from trainmesh._torch.tensor_parallel import batch_to_local
+
+                    local_out = batch_to_local(outputs, trainer.distribution).float()
+                    for metric in metrics:
+                        if samples:
+                            metric.update(local_out, local_targets)
+                trainer.callbacks.on_test_batch_end(step, {})
+    finally:
+        model.train(was_training)
+    states = [m.state().to(torch.float64) for m in metrics]
+    reduced = all_reduce_sum(torch.cat([sums, *states]))
+    logs, offset = {}, 2
+    for metric, state in zip(metrics, states):
+        logs[metric.name] = metric.compute(reduced[offset : offset + len(state)])
+        offset += len(state)
+    return reduced[:2], logs
+
+
+def run_prediction(trainer, data: Any, batch_size: int | None) -> torch.Tensor:
+    model = _forward_model(trainer)
+    was_training = model.training
+    model.eval()
+    shares = []
+    try:
+        with torch.no_grad():
+            for rows, batch in eval_batches(data, trainer.distribution, batch_size=batch_size):
+                if batch is None or (batch_rows(batch) == 0 and not _is_dtensor_model(trainer)):
+                    shares.append(None)
+                    continue
+                batch = trainer.precision.convert_input(batch)
+                inputs = batch[0] if isinstance(batch, (tuple, list)) else batch  # Keras: predict takes x
+                with trainer.precision.forward_context():
+                    shares.append(model(_to_model_input(trainer, inputs, rows)))
+    finally:
+        model.train(was_training)
+    return torch.cat(gather_batches(shares, trainer.distribution))

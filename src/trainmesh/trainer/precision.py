@@ -1,0 +1,84 @@
+"""Precision as a small object (Lightning's plugin idea): how to run forward, and whether
+gradients need a loss scaler.
+
+=============  ==============================  =================  ============
+name           compute                         weights            loss scaler
+=============  ==============================  =================  ============
+fp32           fp32                            fp32               no
+bf16-mixed     bf16 autocast                   fp32 (master)      no
+fp16-mixed     fp16 autocast                   fp32 (master)      dynamic
+bf16-true      bf16                            bf16               no
+=============  ==============================  =================  ============
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from .loss_scaler import DynamicLossScaler
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
+
+
+class Precision:
+    name = "fp32"
+
+    def __init__(self, device_type: str = "cpu"):
+        self.device_type = device_type
+        self.scaler: DynamicLossScaler | None = None
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module
+
+    def convert_input(self, batch: Any) -> Any:
+        return batch
+
+
+class MixedPrecision(Precision):
+    """Autocast to ``dtype``; parameters (the optimizer's master copy) stay fp32."""
+
+    def __init__(self, dtype: torch.dtype, device_type: str = "cpu"):
+        super().__init__(device_type)
+        self.dtype = dtype
+        self.name = "bf16-mixed" if dtype == torch.bfloat16 else "fp16-mixed"
+        if dtype == torch.float16:
+            self.scaler = DynamicLossScaler()
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+
+class TrueBF16(Precision):
+    """Everything in bf16: half the memory of fp32 weights, no master copy."""
+
+    name = "bf16-true"
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.to(torch.bfloat16)
+
+    def convert_input(self, batch: Any) -> Any:
+        if isinstance(batch, torch.Tensor):
+            return batch.to(torch.bfloat16) if batch.is_floating_point() else batch
+        if isinstance(batch, (tuple, list)):
+            return type(batch)(self.convert_input(b) for b in batch)
+        if isinstance(batch, dict):
+            return {k: self.convert_input(v) for k, v in batch.items()}
+        return batch
+
+
+def build_precision(name: str, device_type: str = "cpu") -> Precision:
+    if name == "fp32":
+        return Precision(device_type)
+    if name == "bf16-mixed":
+        return MixedPrecision(torch.bfloat16, device_type)
+    if name == "fp16-mixed":
+        return MixedPrecision(torch.float16, device_type)
+    if name == "bf16-true":
+        return TrueBF16(device_type)
+    raise ValueError(f"precision must be one of {PRECISIONS}. Received: precision={name!r}")

@@ -1,0 +1,114 @@
+"""One optimizer step: k micro-batches of forward+backward, then unscale, clip, step.
+
+Gradient communication happens once per step: every micro-step but the last runs under
+``no_sync`` (DDP's, or trainmesh's for DTensor models), so with k micro-batches of b samples
+the update equals one batch of k*b (the loss of each micro-batch is divided by k).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from trainmesh._torch.sync import no_sync
+
+from .precision import Precision
+
+
+@dataclass
+class MicroStepOutput:
+    outputs: Any
+    targets: Any
+    loss_sum: float  # loss x samples on this process (a DTensor loss counts as its global value)
+    samples: int
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """``(inputs, targets)`` from a batch; Keras-style ``(x, y)`` pairs."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ValueError(
+        "Each batch must be an (inputs, targets) pair for fit/evaluate. "
+        f"Received: a {type(batch).__name__}" + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+    )
+
+
+def batch_rows(value: Any) -> int:
+    """Rows on this process: local rows of a tensor (a DTensor's local shard)."""
+    if hasattr(value, "to_local"):
+        value = value.to_local()
+    if isinstance(value, torch.Tensor):
+        return int(value.shape[0]) if value.dim() else 1
+    if isinstance(value, (tuple, list)) and value:
+        return batch_rows(value[0])
+    if isinstance(value, dict) and value:
+        return batch_rows(next(iter(value.values())))
+    raise ValueError(f"Cannot tell the batch size of a {type(value).__name__}")
+
+
+def forward_backward(model: torch.nn.Module, micro_batches: list, loss_fn: Callable, precision: Precision,
+                     on_outputs: Callable[[Any, Any], None] | None = None) -> list[MicroStepOutput]:
+    """Accumulate gradients of ``mean(loss over the step)`` over the micro-batches."""
+    k = len(micro_batches)
+    results = []
+    for index, batch in enumerate(micro_batches):
+        inputs, targets = split_batch(precision.convert_input(batch))
+        final = index == k - 1
+        with no_sync(model) if not final else contextlib.nullcontext():
+            with precision.forward_context():
+                outputs = model(inputs)
+                loss = loss_fn(outputs, targets)
+            if not torch.is_tensor(loss) or loss.dim() != 0:
+                raise ValueError(f"loss_fn must return a scalar tensor. Received: {type(loss).__name__} "
+                                 f"with shape {tuple(getattr(loss, 'shape', ()))}")
+            scaled = loss.float() / k
+            if precision.scaler is not None:
+                scaled = precision.scaler.scale(scaled)
+            scaled.backward()
+        value = loss.detach()
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        samples = batch_rows(targets)
+        results.append(MicroStepOutput(outputs, targets, float(value) * samples, samples))
+        if on_outputs is not None:
+            on_outputs(outputs.detach() if torch.is_tensor(outputs) else outputs, targets)
+    return results
+
+
+def _replication(grad: torch.Tensor) -> int:
+    """On how many processes this very gradient value lives (so the global norm counts it once)."""
+    if hasattr(grad, "placements"):
+        mesh = grad.device_mesh
+        return math.prod(mesh.size(i) for i, p in enumerate(grad.placements) if p.is_replicate())
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
+    """L2 norm of all gradients across every process and shard (one float64 all-reduce)."""
+    total = torch.zeros(1, dtype=torch.float64)
+    for param in params:
+        if param.grad is None:
+            continue
+        grad = param.grad
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        total += local.detach().double().pow(2).sum().cpu() / _replication(grad)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.get_backend() == "nccl":
+            total = total.cuda()
+        dist.all_reduce(total)
+    return float(total.sqrt().item())
+
+
+def clip_gradients_(params: Iterable[torch.nn.Parameter], max_norm: float, norm: float) -> None:
+    """Scale gradients so their global norm is at most ``max_norm`` (torch's 1e-6 guard)."""
+    coef = max_norm / (norm + 1e-6)
+    if coef >= 1.0 or not math.isfinite(norm):
+        return
+    for param in params:
+        if param.grad is not None:
+            local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+            local.mul_(coef)

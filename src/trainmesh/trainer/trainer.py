@@ -1,0 +1,371 @@
+"""``Trainer``: the training loop, and only the loop.
+
+Where tensors live comes from the distribution (DDP or DTensor underneath); how to run a
+step from ``step.py``; precision from ``precision.py``; the rest are callbacks, metrics and
+logs. Read ``fit`` top to bottom: that is the whole algorithm.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import sys
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+
+from trainmesh import runtime
+from trainmesh._torch.reduce import all_reduce_sum
+from trainmesh._torch.state import (
+    full_model_state,
+    full_optimizer_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+)
+from trainmesh._torch.sync import unwrap
+from trainmesh.distribution import DataParallel, Distribution, distribution as current_distribution
+
+from .callbacks import Callback, CallbackList, ModelCheckpoint
+from .config import Plan, TrainerConfig
+from .data_input import TrainSteps
+from .evaluation import run_evaluation, run_prediction
+from .history import History
+from .log_writer import LogWriter
+from .metrics import Metric, resolve_metric
+from .precision import build_precision
+from .progress import ProgressBar
+from .schedules import scale_lr
+from .step import clip_gradients_, forward_backward, global_grad_norm
+
+
+def _resolve_distribution(distribution: Any) -> Distribution:
+    if distribution is None:
+        distribution = current_distribution() or DataParallel()
+    distribution = getattr(distribution, "distribution", distribution)  # a Strategy adapts a Distribution
+    if not isinstance(distribution, Distribution):
+        raise TypeError(f"distribution must be a trainmesh Distribution or Strategy. Received: {distribution!r}")
+    return distribution
+
+
+class Trainer:
+    """Keras-``fit``-style training on any trainmesh distribution.
+
+    >>> trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.MSELoss(),
+    ...                   precision="bf16-mixed", grad_accum_steps=2)   # doctest: +SKIP
+    >>> history = trainer.fit(dataset, epochs=3, batch_size=64)        # doctest: +SKIP
+    >>> history.history["loss"]                                          # doctest: +SKIP
+    [0.91, 0.62, 0.47]
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Callable, loss_fn: Callable, *,
+                 distribution: Any = None, metrics: Iterable[str | Metric] | None = None,
+                 callbacks: Iterable[Callback] | None = None, config: TrainerConfig | None = None, **options: Any):
+        self.config = TrainerConfig.from_kwargs(config, options)
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module. Received: {type(model).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable. Received: {loss_fn!r}")
+        runtime.initialize()
+        self.distribution = _resolve_distribution(distribution)
+        self.precision = build_precision(self.config.precision, runtime.torch_device_type())
+        names_before = {id(p): name for name, p in model.named_parameters()}
+        model = self.precision.convert_module(model)
+        with self.distribution.scope():
+            self.model = self.distribution.distribute_model(model)
+        self.optimizer = self._bind_optimizer(optimizer, names_before)
+        self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        self.scheduler = None  # built in fit, after any lr scaling, so it starts from the scaled lr
+        self.loss_fn = loss_fn
+        self.metrics = [resolve_metric(m) for m in (metrics or [])]
+        self.callbacks = CallbackList(callbacks or [], self)
+        self.history = History()
+        self.global_step = 0
+        self.epoch = 0
+        self.plan: Plan | None = None
+        self._stop_local = False
+        self.stop_requested = False
+        self.stop_reason = ""
+
+    # --- small public surface ---------------------------------------------------------
+    @property
+    def unwrapped_model(self) -> torch.nn.Module:
+        return unwrap(self.model)
+
+    @property
+    def is_main_process(self) -> bool:
+        return runtime.is_main_process()
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def request_stop(self, reason: str = "") -> None:
+        """Ask every process to stop; all stop after the same step (at the next synchronisation)."""
+        self._stop_local = True
+        self.stop_reason = reason or self.stop_reason
+
+    # --- fit ----------------------------------------------------------------------------
+    def fit(self, train_data: Any, *, epochs: int = 1, batch_size: int | None = None, eval_data: Any = None,
+            shuffle: bool = True, resume: bool | str = False) -> History:
+        """Train for ``epochs`` (counted from 0, so a resumed run finishes the same schedule)."""
+        steps = TrainSteps(train_data, self.distribution, global_batch_size=batch_size,
+                           grad_accum_steps=self.config.grad_accum_steps, shuffle=shuffle, seed=self.config.seed,
+                           drop_remainder=self.config.drop_remainder)
+        self.plan = Plan.derive(self.config, global_batch_size=batch_size, data_parallel_size=steps.dp,
+                                num_samples=steps.num_samples, epochs=epochs, base_lr=self._base_lrs[0])
+        self._apply_lr_scaling(batch_size)
+        if self.scheduler is None and self.config.scheduler is not None:
+            self.scheduler = self.config.scheduler(self.optimizer)
+        if resume:
+            self._resume(resume)
+        if self.is_main_process:
+            print(f"[trainmesh] {self.plan.describe()}", flush=True)
+        writer = LogWriter(self.config.log_dir) if self.config.log_dir and self.is_main_process else None
+        self._stop_local = self.stop_requested = False
+        self.callbacks.on_train_begin({})
+        try:
+            while self.epoch < epochs and not self.stop_requested:
+                logs = self._train_epoch(steps, epochs, writer)
+                if eval_data is not None:
+                    logs.update({f"val_{k}": v for k, v in self.evaluate(eval_data, batch_size=batch_size).items()})
+                self.history.record_epoch(self.epoch, logs)
+                if writer:
+                    writer.log_epoch({"epoch": self.epoch, **logs})
+                self._progress_close_line(logs)
+                self.epoch += 1
+                self.callbacks.on_epoch_end(self.epoch - 1, logs)
+                self._agree_on_stop()
+        finally:
+            if writer:
+                writer.close()
+        self.callbacks.on_train_end(self.history.last_epoch())
+        return self.history
+
+    def _train_epoch(self, steps: TrainSteps, epochs: int, writer: LogWriter | None) -> dict[str, float]:
+        self.model.train()
+        for metric in self.metrics:
+            metric.reset()
+        steps.set_epoch(self.epoch)
+        self.callbacks.on_epoch_begin(self.epoch, {})
+        self._bar = ProgressBar(len(steps) if steps.has_length() else None, epoch=self.epoch + 1, epochs=epochs,
+                                enabled=self._show_progress())
+        pending = torch.zeros(2, dtype=torch.float64)  # loss x samples, samples since the last sync
+        epoch_sums = torch.zeros(2, dtype=torch.float64)
+        skipped_before = self._skipped()
+        iterator = iter(steps)
+        step = 0
+        while True:
+            started = time.perf_counter()
+            micro_batches = next(iterator, None)
+            data_wait = time.perf_counter() - started
+            if micro_batches is None:
+                break
+            self.callbacks.on_train_batch_begin(step, {})
+            record = self._optimizer_step(micro_batches, pending)
+            record.update(epoch=self.epoch, step=step, data_wait_s=data_wait,
+                          step_time_s=time.perf_counter() - started)
+            last = steps.has_length() and step + 1 == len(steps)
+            if (self.global_step % self.config.log_every_n_steps == 0) or last:
+                loss, samples = self._sync(pending)
+                epoch_sums += torch.tensor([loss * samples, samples], dtype=torch.float64)
+                pending.zero_()
+                record.update(loss=loss, samples_per_s=samples / max(record["step_time_s"], 1e-9))
+                self.history.record_step(record)
+                if writer:
+                    writer.log_step(record)
+                self._bar.update(step + 1, {"loss": loss, "skipped": self._skipped() - skipped_before},
+                                 record["samples_per_s"])
+            self.callbacks.on_train_batch_end(step, record)
+            step += 1
+            if self.stop_requested:
+                break
+        if pending[1] > 0:  # steps after the last sync point (unsized data)
+            loss, samples = self._sync(pending)
+            epoch_sums += torch.tensor([loss * samples, samples], dtype=torch.float64)
+        logs = {"loss": float(epoch_sums[0] / epoch_sums[1]) if epoch_sums[1] > 0 else math.nan}
+        logs.update(self._reduced_metrics(self.metrics))
+        if self.precision.scaler is not None:
+            logs["skipped_steps"] = self._skipped() - skipped_before
+            logs["loss_scale"] = self.precision.scaler.scale_value
+        return logs
+
+    def _optimizer_step(self, micro_batches: list, pending: torch.Tensor) -> dict[str, Any]:
+        outputs = forward_backward(self.model, micro_batches, self.loss_fn, self.precision,
+                                   on_outputs=self._update_metrics if self.metrics else None)
+        for out in outputs:
+            pending += torch.tensor([out.loss_sum, out.samples], dtype=torch.float64)
+        scaler = self.precision.scaler
+        found_inf = scaler.unscale_(self.params) if scaler is not None else False
+        grad_norm = None
+        if self.config.max_grad_norm is not None and not found_inf:
+            grad_norm = global_grad_norm(self.params)
+            clip_gradients_(self.params, self.config.max_grad_norm, grad_norm)
+        if not found_inf:
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.update(found_inf)
+        self.global_step += 1
+        record: dict[str, Any] = {"global_step": self.global_step, "lr": self.optimizer.param_groups[0]["lr"],
+                                  "skipped": bool(found_inf)}
+        if grad_norm is not None:
+            record["grad_norm"] = grad_norm
+        if scaler is not None:
+            record["loss_scale"] = scaler.scale_value
+        return record
+
+    def _sync(self, pending: torch.Tensor) -> tuple[float, float]:
+        """One small all-reduce: the loss since the last sync, and whether anyone wants to stop."""
+        stop = 1.0 if self._stop_local else 0.0
+        reduced = all_reduce_sum(torch.tensor([pending[0], pending[1], stop], dtype=torch.float64))
+        if reduced[2] > 0:
+            self.stop_requested = True
+        samples = float(reduced[1])
+        return (float(reduced[0]) / samples if samples else math.nan), samples
+
+    def _agree_on_stop(self) -> None:
+        if self.stop_requested:
+            return
+        reduced = all_reduce_sum(torch.tensor([1.0 if self._stop_local else 0.0], dtype=torch.float64))
+        self.stop_requested = bool(reduced[0] > 0)
+
+    # --- metrics ------------------------------------------------------------------------
+    def _update_metrics(self, outputs: Any, targets: Any) -> None:
+        from trainmesh._torch.tensor_parallel import batch_to_local
+
+        outputs, targets = batch_to_local(outputs, self.distribution), batch_to_local(targets, self.distribution)
+        for metric in self.metrics:
+            metric.update(outputs.float() if torch.is_tensor(outputs) else outputs, targets)
+
+    @staticmethod
+    def _reduced_metrics(metrics: list[Metric]) -> dict[str, float]:
+        """Exact across processes: sums of states are reduced, never means of per-process results."""
+        if not metrics:
+            return {}
+        states = [m.state().to(torch.float64) for m in metrics]
+        reduced = all_reduce_sum(torch.cat(states))
+        out, offset = {}, 0
+        for metric, state in zip(metrics, states):
+            out[metric.name] = metric.compute(reduced[offset : offset + len(state)])
+            offset += len(state)
+        return out
+
+    # --- evaluate / predict -------------------------------------------------------------
+    def evaluate(self, data: Any, *, batch_size: int | None = None) -> dict[str, float]:
+        """Loss and metrics over every sample exactly once; the same number on 1 or N processes."""
+        batch_size = batch_size or self.config.eval_batch_size or (self.plan.global_batch_size if self.plan else None)
+        metrics = [copy.deepcopy(m) for m in self.metrics]
+        self.callbacks.on_test_begin({})
+        sums, metric_logs = run_evaluation(self, data, batch_size, metrics)
+        logs = {"loss": float(sums[0] / sums[1]) if sums[1] > 0 else math.nan}
+        logs.update(metric_logs)
+        self.callbacks.on_test_end(logs)
+        return logs
+
+    def predict(self, data: Any, *, batch_size: int | None = None) -> torch.Tensor:
+        """Outputs for every sample, in dataset order, on every process."""
+        batch_size = batch_size or self.config.eval_batch_size or (self.plan.global_batch_size if self.plan else None)
+        self.callbacks.on_predict_begin({})
+        result = run_prediction(self, data, batch_size)
+        self.callbacks.on_predict_end({})
+        return result
+
+    # --- state --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Full state (every process must call: sharded parameters are gathered)."""
+        return {
+            "model": full_model_state(self.model),
+            "optimizer": full_optimizer_state(self.model, self.optimizer),
+            "scaler": self.precision.scaler.state_dict() if self.precision.scaler else None,
+            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+            "global_step": self.global_step,
+            "epoch": self.epoch,
+            "history": self.history.state_dict(),
+            "precision": self.config.precision,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("precision", self.config.precision) != self.config.precision:
+            raise ValueError(f"The checkpoint was trained with precision {state['precision']!r}; this Trainer "
+                             f"uses {self.config.precision!r}.")
+        load_full_model_state(self.model, state["model"])
+        load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        if self.precision.scaler is not None and state.get("scaler"):
+            self.precision.scaler.load_state_dict(state["scaler"])
+        if self.scheduler is not None and state.get("scheduler"):
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.global_step, self.epoch = int(state["global_step"]), int(state["epoch"])
+        self.history.load_state_dict(state.get("history", {}))
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Write the full state to ``path`` from the main process (atomically: a temp file, then rename)."""
+        state = self.state_dict()
+        if self.is_main_process:
+            path = os.fspath(path)
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            tmp = f"{path}.tmp"
+            torch.save(state, tmp)
+            os.replace(tmp, path)
+        runtime.barrier()
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        self.load_state_dict(torch.load(os.fspath(path), map_location="cpu", weights_only=False))
+
+    def _resume(self, resume: bool | str) -> None:
+        if isinstance(resume, (str, os.PathLike)):
+            path = os.fspath(resume)
+        else:
+            checkpoints = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
+            if not checkpoints:
+                raise ValueError("fit(resume=True) needs a ModelCheckpoint callback (or resume='path/to/last.pt').")
+            path = checkpoints[0].last_path
+        if os.path.exists(path):
+            self.load_checkpoint(path)
+            if self.is_main_process:
+                print(f"[trainmesh] resumed from {path} at epoch {self.epoch}, step {self.global_step}", flush=True)
+        elif self.is_main_process:
+            print(f"[trainmesh] no checkpoint at {path}; starting fresh", flush=True)
+
+    # --- helpers ------------------------------------------------------------------------
+    def _bind_optimizer(self, optimizer: Any, names_before: dict[int, str]) -> torch.optim.Optimizer:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            if not callable(optimizer):
+                raise TypeError(f"optimizer must be a torch Optimizer or a callable params -> Optimizer. "
+                                f"Received: {optimizer!r}")
+            return optimizer(self.model.parameters())
+        # A distribution may replace parameters (DTensor); point the optimizer at the new ones.
+        new_by_name = dict(unwrap(self.model).named_parameters())
+        for group in optimizer.param_groups:
+            rebound = []
+            for param in group["params"]:
+                name = names_before.get(id(param))
+                if name is None or name not in new_by_name:
+                    raise ValueError("The optimizer holds parameters that are not the model's. Build it from "
+                                     "model.parameters(), or pass a callable params -> optimizer.")
+                rebound.append(new_by_name[name])
+            if any(p is not q for p, q in zip(group["params"], rebound)) and optimizer.state:
+                raise ValueError("The optimizer already has state; pass a fresh one (or a callable) to the Trainer.")
+            group["params"] = rebound
+        return optimizer
+
+    def _apply_lr_scaling(self, batch_size: int | None) -> None:
+        if self.config.lr_scaling is None or batch_size is None:
+            return
+        for group, base in zip(self.optimizer.param_groups, self._base_lrs):
+            group["lr"] = scale_lr(base, batch_size, self.config.base_batch_size, rule=self.config.lr_scaling)
+            group.pop("initial_lr", None)  # a scheduler built later takes the scaled lr as its base
+
+    def _skipped(self) -> int:
+        return self.precision.scaler.skipped_steps if self.precision.scaler is not None else 0
+
+    def _show_progress(self) -> bool:
+        if not self.is_main_process or self.config.progress is False:
+            return False
+        return True if self.config.progress is True else (sys.stdout is not None)
+
+    def _progress_close_line(self, logs: dict[str, float]) -> None:
+        self._bar.close(logs)
