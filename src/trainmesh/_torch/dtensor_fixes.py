@@ -14,6 +14,8 @@ Installed once, on first use of a ModelParallel distribution.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -34,6 +36,9 @@ def _global_item(op_call, args, kwargs):
 def install_dtensor_fixes() -> None:
     if _installed[0]:
         return
+    # DTensor logs a performance warning for every 2-axis reduction of a Partial scalar (the loss,
+    # each step); for a scalar it costs nothing worth a warning per step.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     handlers = DTensor._op_dispatcher._custom_op_handlers
     handlers.setdefault(aten.mse_loss_backward.default, _mse_loss_backward)
     handlers.setdefault(aten._local_scalar_dense.default, _global_item)

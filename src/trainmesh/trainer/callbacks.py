@@ -53,6 +53,13 @@ class Callback:
     def on_predict_begin(self, logs: Logs = None) -> None: ...
     def on_predict_end(self, logs: Logs = None) -> None: ...
 
+    def state_dict(self) -> dict:
+        """What a checkpoint must carry for this callback to resume where it was (default: nothing)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; called by ``fit(resume=...)`` after ``on_train_begin``."""
+
 
 # Hook names, and whether the hook takes an index (epoch or step) before ``logs``.
 HOOKS: dict[str, bool] = {
@@ -220,6 +227,14 @@ class EarlyStopping(Callback):
                 f"best {self.best!r} at epoch {self.best_epoch}"
             )
 
+    def state_dict(self) -> dict:
+        # The best weights themselves are not carried (they can be a whole model); after a resume,
+        # restore_best_weights restores the best epoch seen since the resume.
+        return {"wait": self.wait, "best": self.best, "best_epoch": self.best_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.wait, self.best, self.best_epoch = state["wait"], state["best"], state["best_epoch"]
+
     def on_train_end(self, logs=None) -> None:
         if self.restore_best_weights and self.best_weights is not None:
             _restore(self.trainer.unwrapped_model, self.best_weights)
@@ -291,6 +306,12 @@ class ModelCheckpoint(Callback):
     def on_train_begin(self, logs=None) -> None:
         if _is_main(self.trainer):
             os.makedirs(self.dirpath, exist_ok=True)
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "best_epoch": self.best_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.best_epoch = state["best"], state["best_epoch"]
 
     def on_epoch_end(self, epoch: int, logs=None) -> None:
         if self.save_last:

@@ -118,13 +118,13 @@ class Trainer:
         self._apply_lr_scaling(batch_size)
         if self.scheduler is None and self.config.scheduler is not None:
             self.scheduler = self.config.scheduler(self.optimizer)
-        if resume:
-            self._resume(resume)
         if self.is_main_process:
             print(f"[trainmesh] {self.plan.describe()}", flush=True)
-        writer = LogWriter(self.config.log_dir) if self.config.log_dir and self.is_main_process else None
         self._stop_local = self.stop_requested = False
         self.callbacks.on_train_begin({})
+        if resume:  # after on_train_begin, which resets callbacks, so their saved state survives
+            self._resume(resume)
+        writer = LogWriter(self.config.log_dir) if self.config.log_dir and self.is_main_process else None
         try:
             while self.epoch < epochs and not self.stop_requested:
                 logs = self._train_epoch(steps, epochs, writer)
@@ -276,7 +276,10 @@ class Trainer:
 
     # --- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Full state (every process must call: sharded parameters are gathered)."""
+        """Full state, gathered onto the main process (the others get empty model/optimizer dicts).
+
+        Every process must call it: sharded parameters are gathered with collectives.
+        """
         return {
             "model": full_model_state(self.model),
             "optimizer": full_optimizer_state(self.model, self.optimizer),
@@ -286,6 +289,7 @@ class Trainer:
             "epoch": self.epoch,
             "history": self.history.state_dict(),
             "precision": self.config.precision,
+            "callbacks": [cb.state_dict() for cb in self.callbacks],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -300,6 +304,11 @@ class Trainer:
             self.scheduler.load_state_dict(state["scheduler"])
         self.global_step, self.epoch = int(state["global_step"]), int(state["epoch"])
         self.history.load_state_dict(state.get("history", {}))
+        saved = state.get("callbacks") or []
+        if len(saved) == len(self.callbacks):  # same callbacks in the same order: carry their state on
+            for callback, callback_state in zip(self.callbacks, saved):
+                if callback_state:
+                    callback.load_state_dict(callback_state)
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Write the full state to ``path`` from the main process (atomically: a temp file, then rename)."""
