@@ -7,18 +7,19 @@ the step time of one process versus N processes.
 The data is random, CIFAR-10-shaped (3x32x32 images, 10 classes), generated with a fixed
 seed (no download): this measures speed, not accuracy.
 
-What is compared (same model, same global batch of ``--per-replica-batch`` x N images):
+What is compared, as in the exercise "one GPU versus several" (same model, same global
+batch of ``--per-replica-batch`` x N images, a "device" being one process's share):
 
-* "1 process": before the distributed run, process 0 trains alone on the whole global
-  batch while the others wait, with as many threads as the N processes of this node have
-  together (so it gets the machine a one-process job would get);
-* "N processes": the MirroredStrategy custom loop, each replica on its slice of the batch,
+* "1 device": before the distributed run, process 0 trains alone on the whole global batch
+  with plain torch while the others wait (blocked in a barrier, using no CPU), with the
+  threads one replica has (``--baseline-threads`` to give it more, e.g. the whole machine);
+* "N devices": the MirroredStrategy custom loop, each replica on its slice of the batch,
   gradients summed over replicas at every ``optimizer.step()``.
 
-Both report the median step time after ``--warmup`` steps. For a fully independent
-baseline, run ``trainmesh run -n 1 examples/cifar_cnn_mirrored.py --no-compare`` with the
-same ``--per-replica-batch`` times N. On a CPU-only machine N processes share its cores,
-so expect a speed-up well below N; on N GPUs each replica has its own device.
+Both report the median step time after ``--warmup`` steps. For a fully separate baseline,
+run ``trainmesh run -n 1 examples/cifar_cnn_mirrored.py --no-compare --per-replica-batch B``
+with B the global batch. Timings on a shared machine are noisy; on N GPUs each replica has
+its own device.
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
     parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                         help="time one process first (default: on)")
+    parser.add_argument("--baseline-threads", type=int, default=None,
+                        help="threads of the one-process baseline (default: as many as one replica)")
     args = parser.parse_args()
     if args.steps <= args.warmup:
         parser.error(f"--steps must exceed --warmup. Received: --steps {args.steps}, --warmup {args.warmup}")
@@ -124,11 +127,11 @@ def main() -> None:
     rows = []
     if args.compare:
         if tm.is_main_process():
-            threads = torch.get_num_threads() * tm.runtime.cluster_env().local_world_size
-            rows.append((f"1 process ({threads} threads)", single_process_times(batches, threads)))
+            threads = args.baseline_threads or torch.get_num_threads()
+            rows.append((f"1 device ({threads} threads)", single_process_times(batches, threads)))
         tm.barrier()  # the others wait, so process 0 has the machine to itself
     losses, times = mirrored_times(strategy, batches, global_batch_size)
-    rows.append((f"{replicas} processes ({torch.get_num_threads()} threads each)", times))
+    rows.append((f"{replicas} devices ({torch.get_num_threads()} threads each)", times))
 
     say(f"loss: first step {losses[0]:.4f}, last step {losses[-1]:.4f}")
     medians = []
@@ -137,7 +140,7 @@ def main() -> None:
         medians.append(median)
         say(f"{label:<32} {median * 1e3:8.1f} ms/step  {global_batch_size / median:9.1f} samples/s")
     if len(medians) == 2:
-        say(f"speed-up: {medians[0] / medians[1]:.2f}x with {replicas} processes")
+        say(f"speed-up: {medians[0] / medians[1]:.2f}x with {replicas} devices")
     strategy.close()
     tm.shutdown()
 

@@ -81,14 +81,18 @@ def _scenarios() -> dict:
     optimizer.step()
     out["after_aggregated_step"] = a.detach().clone()
 
-    # --- the DDP path (the Trainer's): gradients averaged once, not summed on top --------------
-    with strategy.scope():
-        net = torch.nn.Linear(4, 1)
-    x = torch.full((2, 4), float(rank + 1))
-    local = torch.autograd.grad(net(x).pow(2).mean(), net.weight)[0]
-    ddp = strategy.distribution.distribute_model(net)
-    ddp(x).pow(2).mean().backward()
-    out["ddp_grad"] = (net.weight.grad.clone(), strategy.reduce(ReduceOp.MEAN, local))
+    # --- wrapped in DDP (the Trainer's way): gradients averaged once, not summed on top -------
+    for wrap in (strategy.distribution.distribute_model, torch.nn.parallel.DistributedDataParallel):
+        with strategy.scope():
+            net = torch.nn.Linear(4, 1)
+        before = net.weight.detach().clone()
+        x = torch.full((2, 4), float(rank + 1))
+        local = torch.autograd.grad(net(x).pow(2).mean(), net.weight)[0]
+        wrapped = wrap(net)  # keep it alive through backward: its reducer does the all-reduce
+        wrapped(x).pow(2).mean().backward()
+        torch.optim.SGD(net.parameters(), lr=0.1).step()
+        out.setdefault("ddp", []).append((net.weight.grad.clone(), strategy.reduce(ReduceOp.MEAN, local),
+                                          before, net.weight.detach().clone()))
 
     # --- the custom loop of the example (even and uneven global batches) ----------------------
     out["loop"] = strategy_custom_loop.train(strategy, epochs=2)["weights"]
@@ -207,8 +211,9 @@ def test_mirrored_strategy(world):
         assert c_grad_is_none                                     # no replica had one: untouched
         assert torch.equal(r["aggregated_grad"], torch.full((3,), total))
         assert torch.equal(r["after_aggregated_step"], torch.full((3,), -2 * total))  # reduced once
-        ddp_grad, mean_of_local = r["ddp_grad"]
-        torch.testing.assert_close(ddp_grad, mean_of_local)     # averaged once, never summed again
+        for ddp_grad, mean_of_local, before, after in r["ddp"]:  # distribute_model, then DDP by hand
+            torch.testing.assert_close(ddp_grad, mean_of_local)  # DDP averaged; the step did not sum again
+            torch.testing.assert_close(after, before - 0.1 * mean_of_local)
 
     expected = reference_loop(64 * n, strategy_custom_loop.NUM_SAMPLES)
     gbs, samples = UNEVEN[n]

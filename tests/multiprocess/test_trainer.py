@@ -34,7 +34,8 @@ def params_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train_with_trainer(grad_accum_steps: int = 1, precision: str = "fp32", max_grad_norm=None,
-                       distribution=None, callbacks=None, epochs: int = EPOCHS, batch: int = GLOBAL_BATCH) -> dict:
+                       distribution=None, callbacks=None, epochs: int = EPOCHS, batch: int = GLOBAL_BATCH,
+                       data=None) -> dict:
     import trainmesh as tm
 
     model = make_model()
@@ -42,7 +43,8 @@ def train_with_trainer(grad_accum_steps: int = 1, precision: str = "fp32", max_g
                          torch.nn.CrossEntropyLoss(), metrics=["accuracy"], distribution=distribution,
                          callbacks=callbacks, grad_accum_steps=grad_accum_steps, precision=precision,
                          max_grad_norm=max_grad_norm, progress=False)
-    history = trainer.fit(make_data(), epochs=epochs, batch_size=batch)
+    history = trainer.fit(make_data() if data is None else data, epochs=epochs,
+                          batch_size=None if data is not None else batch)
     return {
         "step_losses": [s["loss"] for s in history.steps],
         "epoch_loss": history.history["loss"],
@@ -81,7 +83,21 @@ def _one_process() -> dict:
     clipped = train_with_trainer(max_grad_norm=0.5)
     accumulated = train_with_trainer(grad_accum_steps=4)
     return {"plain": _strip(plain), "clipped": _strip(clipped), "accumulated": _strip(accumulated),
-            "eval": _evaluate_uneven()}
+            "eval": _evaluate_uneven(), "loaders": _from_loaders()}
+
+
+def _from_loaders() -> dict:
+    """A DataLoader of GLOBAL batches (split by trainmesh), and one with a DistributedSampler (already split)."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    import trainmesh as tm
+
+    dataset = TensorDataset(*make_data())
+    global_batches = DataLoader(dataset, batch_size=GLOBAL_BATCH, shuffle=False)
+    sampler = DistributedSampler(dataset, num_replicas=tm.world_size(), rank=tm.rank(), shuffle=False)
+    presharded = DataLoader(dataset, batch_size=GLOBAL_BATCH // tm.world_size(), sampler=sampler)
+    return {"global": _strip(train_with_trainer(data=global_batches)),
+            "presharded": _strip(train_with_trainer(data=presharded, grad_accum_steps=1))}
 
 
 def _strip(result: dict) -> dict:
@@ -135,7 +151,8 @@ def _multi_process() -> dict:
 
     rank = tm.rank()
     out = {"plain": _strip(train_with_trainer()), "accumulated": _strip(train_with_trainer(grad_accum_steps=2)),
-           "clipped": _strip(train_with_trainer(max_grad_norm=0.5)), "eval": _evaluate_uneven()}
+           "clipped": _strip(train_with_trainer(max_grad_norm=0.5)), "eval": _evaluate_uneven(),
+           "loaders": _from_loaders()}
 
     # Collectives per optimizer step do not grow with accumulation: count DDP's all-reduces.
     counts = {}
@@ -253,3 +270,16 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_all(world, request):
         assert fp16["skipped_total"] == 1 and fp16["epoch_logs"]["skipped_steps"] == 1
         for name, value in results[0]["fp16"]["params"].items():
             assert torch.equal(fp16["params"][name], value), name  # replicas still identical
+
+
+@pytest.mark.parametrize("world", ["two", "four"])
+def test_dataloader_inputs_give_the_same_training(single, world, request):
+    # Unshuffled global batches, whether the loader yields global batches or this rank's share.
+    want = single["loaders"]["global"]
+    assert single["loaders"]["presharded"]["step_losses"] == want["step_losses"]
+    for result in request.getfixturevalue(world):
+        for kind in ("global", "presharded"):
+            got = result["loaders"][kind]
+            np.testing.assert_allclose(got["step_losses"], want["step_losses"], rtol=1e-5)
+            for name, value in want["params"].items():
+                torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-5)

@@ -112,19 +112,24 @@ class Canvas:
         return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b"")
 
 
-def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
-    """Round tick values (1, 2 or 5 times a power of ten apart) covering [low, high]."""
+def nice_ticks(low: float, high: float, count: int = 5, *, cover: bool = False) -> list[float]:
+    """Round tick values (1, 2 or 5 times a power of ten apart) inside [low, high],
+    or with ``cover`` from the tick at or below ``low`` to the one at or above ``high``."""
     if not high > low:
         high = low + 1.0
     raw = (high - low) / max(1, count)
     power = 10 ** math.floor(math.log10(raw))
     step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
-    first = math.ceil(low / step) * step
-    return [first + i * step for i in range(int((high - first) / step + 1e-9) + 1)]
+    first = (math.floor if cover else math.ceil)(low / step - 1e-9) * step
+    last = (math.ceil if cover else math.floor)(high / step + 1e-9) * step
+    return [first + i * step for i in range(round((last - first) / step) + 1)]
 
 
-def _fmt(value: float) -> str:
-    return f"{value:.0f}" if abs(value) >= 100 or float(value).is_integer() else f"{value:.2f}".rstrip("0")
+def _labels(ticks: Sequence[float]) -> list[str]:
+    """Tick labels with as many decimals as the tick spacing needs, and no more."""
+    step = ticks[1] - ticks[0] if len(ticks) > 1 else 1.0
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9))
+    return [f"{t:.{decimals}f}" for t in ticks]
 
 
 def moving_average(values: Sequence[float], window: int) -> list[float]:
@@ -155,7 +160,8 @@ def draw_loss_png(
     left, right, top, bottom = 90, width - 30, 60, height - 70
     xs = [p[0] for p in points + dots] or [0.0, 1.0]
     ys = [p[1] for p in points + dots] or [0.0, 1.0]
-    x_ticks, y_ticks = nice_ticks(min(xs), max(xs)), nice_ticks(min(ys), max(ys))
+    # The y axis starts and ends on a tick so the lowest loss can be read off it.
+    x_ticks, y_ticks = nice_ticks(min(xs), max(xs)), nice_ticks(min(ys), max(ys), cover=True)
     x_lo, x_hi = min(x_ticks[0], min(xs)), max(x_ticks[-1], max(xs))
     y_lo, y_hi = min(y_ticks[0], min(ys)), max(y_ticks[-1], max(ys))
 
@@ -165,13 +171,11 @@ def draw_loss_png(
     def py(y: float) -> int:
         return round(bottom - (y - y_lo) / ((y_hi - y_lo) or 1.0) * (bottom - top))
 
-    for t in y_ticks:
+    for t, label in zip(y_ticks, _labels(y_ticks)):
         canvas.line(left, py(t), right, py(t), GRID)
-        label = _fmt(t)
         canvas.text(left - 12 - 12 * len(label), py(t) - 7, label)
-    for t in x_ticks:
+    for t, label in zip(x_ticks, _labels(x_ticks)):
         canvas.line(px(t), top, px(t), bottom, GRID)
-        label = _fmt(t)
         canvas.text(px(t) - 6 * len(label), bottom + 10, label)
     canvas.line(left, bottom, right, bottom, BLACK)
     canvas.line(left, top, left, bottom, BLACK)

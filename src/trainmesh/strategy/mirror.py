@@ -13,94 +13,45 @@ its gradients in ``apply_gradients``. The torch equivalent, with torch's global 
   mirrored parameters an optimizer is about to step, bucketed into flat buffers of at most
   ``bucket_cap_mb``, all buckets in flight at once. A per-parameter "has a gradient" flag
   rides in each bucket, so a parameter unused on some replicas still gets the sum of the
-  others and one unused everywhere keeps ``grad=None`` (the optimizer skips it, as on one device).
+  others and one unused everywhere keeps ``grad=None`` (the optimizer skips it, as on one device);
+* a module wrapped in ``DistributedDataParallel`` (``strategy.distribution.distribute_model``,
+  the Trainer, or by hand) is noticed through ``register_module_module_registration_hook``
+  (DDP registers it as its ``.module``): DDP *averages* those gradients in backward, for a
+  per-replica mean loss, so the step hook leaves them alone instead of reducing them twice.
 
-Lifetime: the registration hooks live only while a scope is open. The step hook is installed
-when the first parameter is mirrored (only with more than one replica) and removed by
-``close()``, or by itself at the first optimizer step after every mirrored parameter has
-been garbage-collected (parameters are held weakly). Buffers are broadcast once, at the
-start, and not synchronised afterwards (BatchNorm statistics stay per replica, as in TF).
+Lifetime: the parameter/buffer registration hooks live only while a scope is open. The step
+hook is installed when the first parameter is mirrored (only with more than one replica) and
+removed by ``close()``, or by itself at the first optimizer step after every mirrored
+parameter has been garbage-collected (parameters are held weakly). The DDP watcher lives
+while either does. Buffers are broadcast once, at the start, and not synchronised
+afterwards (BatchNorm statistics stay per replica).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 import weakref
 from typing import Callable, Iterable, Iterator
 
 import torch
-import torch.distributed as dist
-from torch.nn.modules.module import register_module_buffer_registration_hook, register_module_parameter_registration_hook
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.nn.parameter import is_lazy
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-
-def _buckets(tensors: list[torch.Tensor], cap_bytes: int) -> Iterator[list[torch.Tensor]]:
-    """Group tensors by (device, dtype), in order, into runs of at most ``cap_bytes`` each.
-
-    The grouping depends only on parameters' metadata, identical on every replica, so every
-    replica issues the same collectives in the same order.
-    """
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    for group in groups.values():
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for tensor in group:
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > cap_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append(tensor)
-            size += nbytes
-        if bucket:
-            yield bucket
+from .buckets import all_reduce_gradients, broadcast_tensors
 
 
-@torch.no_grad()
-def broadcast_tensors(tensors: list[torch.Tensor], src: int, cap_bytes: int) -> None:
-    """Overwrite ``tensors`` on every process with process ``src``'s values (flat buffers)."""
-    for bucket in _buckets(tensors, cap_bytes):
-        flat = torch.cat([t.reshape(-1) for t in bucket])
-        dist.broadcast(flat, src=src)
-        if dist.get_rank() != src:
-            for tensor, part in zip(bucket, flat.split([t.numel() for t in bucket])):
-                tensor.copy_(part.view_as(tensor))
-
-
-@torch.no_grad()
-def all_reduce_gradients(params: list[torch.Tensor], cap_bytes: int) -> None:
-    """SUM every parameter's ``.grad`` over all processes, in place; ``None`` counts as zeros."""
-    for param in params:
-        if param.grad is not None and param.grad.layout != torch.strided:
-            raise ValueError(f"Mirrored parameters need dense gradients. Received: grad layout={param.grad.layout}")
-    in_flight = []
-    for bucket in _buckets(params, cap_bytes):
-        sizes = [p.numel() for p in bucket]
-        total = sum(sizes)
-        flat = torch.zeros(total + len(bucket), dtype=bucket[0].dtype, device=bucket[0].device)
-        offset = 0
-        for i, (param, size) in enumerate(zip(bucket, sizes)):
-            if param.grad is not None:
-                flat[offset:offset + size].copy_(param.grad.reshape(-1))
-                flat[total + i] = 1  # "this replica has a gradient" flag, summed with the rest
-            offset += size
-        in_flight.append((bucket, sizes, flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)))
-    for bucket, sizes, flat, work in in_flight:
-        work.wait()
-        total = sum(sizes)
-        parts = flat[:total].split(sizes)
-        flags = flat[total:].tolist()  # one device->host copy per bucket, not one per parameter
-        for param, part, flag in zip(bucket, parts, flags):
-            if flag == 0:
-                continue  # no replica produced a gradient: stays None, the optimizer skips it
-            if param.grad is None:
-                param.grad = part.view_as(param).clone()
-            else:
-                param.grad.copy_(part.view_as(param.grad))
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    # No DTensor can exist unless its module was imported; don't import it (slow) to find out.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 class MirroredVariables:
@@ -122,6 +73,7 @@ class MirroredVariables:
         self._capture_handles: list = []
         self._capture_depth = 0
         self._step_handle = None
+        self._watch_handle = None
 
     # --- capture while a scope is open ---------------------------------------------------
     @contextlib.contextmanager
@@ -130,6 +82,7 @@ class MirroredVariables:
             self._capture_handles = [register_module_parameter_registration_hook(self._on_register),
                                      register_module_buffer_registration_hook(self._on_register)]
         self._capture_depth += 1
+        self._update_watch()
         try:
             yield
         finally:
@@ -139,10 +92,25 @@ class MirroredVariables:
                 for handle in self._capture_handles:
                     handle.remove()
                 self._capture_handles = []
+            self._update_watch()
 
     def _on_register(self, module, name, tensor) -> None:
         if tensor is not None:
             self._pending.append(tensor)
+
+    def _update_watch(self) -> None:
+        wanted = self._capture_depth > 0 or self._step_handle is not None
+        if wanted and self._watch_handle is None:
+            self._watch_handle = register_module_module_registration_hook(self._on_module_registered)
+        elif not wanted and self._watch_handle is not None:
+            self._watch_handle.remove()
+            self._watch_handle = None
+
+    def _on_module_registered(self, parent, name, module) -> None:
+        from torch.nn.parallel import DistributedDataParallel  # already imported by torch.nn
+
+        if isinstance(parent, DistributedDataParallel) and module is not None:
+            self.exclude(module.parameters())
 
     @property
     def num_pending(self) -> int:
@@ -165,6 +133,8 @@ class MirroredVariables:
             if id(tensor) in seen or tensor in self._mirrored:
                 continue
             seen.add(id(tensor))
+            if _is_dtensor(tensor):
+                continue  # laid out by ModelParallel, which keeps its own replicas consistent
             # Lazy (uninitialised) and meta tensors have no values yet: mirror them once they do.
             (later if is_lazy(tensor) or tensor.is_meta else ready).append(tensor)
         self._pending = later
@@ -180,6 +150,7 @@ class MirroredVariables:
             self._mirrored[param] = True
         if params and self._num_replicas > 1 and self._step_handle is None:
             self._step_handle = register_optimizer_step_pre_hook(self._before_step)
+            self._update_watch()
 
     def exclude(self, params: Iterable[torch.Tensor]) -> None:
         """Leave these parameters' gradients to someone else (DDP averages them in backward)."""
@@ -227,6 +198,7 @@ class MirroredVariables:
         if self._step_handle is not None:
             self._step_handle.remove()
             self._step_handle = None
+        self._update_watch()
 
     def close(self) -> None:
         """Stop mirroring: remove every hook and forget every parameter (they keep their values)."""
@@ -234,6 +206,7 @@ class MirroredVariables:
         for handle in self._capture_handles:
             handle.remove()
         self._capture_handles, self._capture_depth = [], 0
+        self._update_watch()
         self._pending = []
         self._mirrored = WeakIdKeyDictionary()
         self._reduced_elsewhere = WeakIdKeyDictionary()

@@ -17,11 +17,11 @@ variables created in ``strategy.scope()``     parameters (and buffers) of module
 ``experimental_distribute_dataset``           this replica's contiguous slice of each global batch
 ============================================  =================================================
 
-Two ways to train, do not mix them on one model: a custom loop (mirrored parameters,
-``compute_average_loss``, gradients SUMmed at ``optimizer.step()``); or
-``strategy.distribution.distribute_model(model)`` (DDP, which *averages* gradients, for a
-per-replica *mean* loss: the Trainer's way). ``distribute_model`` takes the model's
-parameters out of the step hook so they are never reduced twice.
+Two ways to train a model built in ``scope()``: a custom loop (``compute_average_loss``,
+gradients SUMmed at ``optimizer.step()``); or wrap it in DDP, e.g. with
+``strategy.distribution.distribute_model(model)`` or the Trainer, for a per-replica *mean*
+loss: DDP averages the gradients in backward and the step hook then leaves those
+parameters alone (it notices the wrapping), so nothing is reduced twice.
 """
 
 from __future__ import annotations
@@ -42,21 +42,6 @@ from .reduce import ReduceOp, gather_across_replicas, reduce_across_replicas
 
 # Strategies whose scope is open, innermost last (process-wide, like the current distribution).
 _open_scopes: list["MirroredStrategy"] = []
-
-
-class _StrategyDataParallel(DataParallel):
-    """The strategy's ``DataParallel``: DDP for models handed to ``distribute_model``, whose
-    gradients DDP averages itself, so the strategy's step hook must leave them alone."""
-
-    def __init__(self, devices: Sequence[str], mirror: MirroredVariables):
-        super().__init__(devices=devices)
-        self._mirror = mirror
-
-    def distribute_model(self, model, **ddp_options):
-        self._mirror.flush()  # a scope may still be open: replicas must be identical first
-        if isinstance(model, torch.nn.Module):
-            self._mirror.exclude(model.parameters())
-        return super().distribute_model(model, **ddp_options)
 
 
 def _normalize_device(name: str) -> str:
@@ -95,7 +80,7 @@ class MirroredStrategy:
         self._replica_ranks = indices  # replica i runs on process indices[i]
         self._mirror = MirroredVariables(src_rank=indices[0], num_replicas=len(indices),
                                          device=runtime.local_torch_device, ensure_group=self._ensure_group)
-        self._distribution = _StrategyDataParallel(names, self._mirror)
+        self._distribution = DataParallel(devices=names)
 
     # --- attributes -------------------------------------------------------------------------
     @property

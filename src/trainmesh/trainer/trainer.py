@@ -175,8 +175,10 @@ class Trainer:
                 self.history.record_step(record)
                 if writer:
                     writer.log_step(record)
-                self._bar.update(step + 1, {"loss": loss, "skipped": self._skipped() - skipped_before},
-                                 record["samples_per_s"])
+                shown = {"loss": loss}
+                if self.precision.scaler is not None:
+                    shown["skipped"] = self._skipped() - skipped_before
+                self._bar.update(step + 1, shown, record["samples_per_s"])
             self.callbacks.on_train_batch_end(step, record)
             step += 1
             if self.stop_requested:

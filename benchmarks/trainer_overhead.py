@@ -1,0 +1,425 @@
+"""Per-step cost of trainmesh's ``Trainer`` against a hand-written loop, HF Accelerate and Lightning Fabric.
+
+    python benchmarks/trainer_overhead.py [--rounds R] [--steps S] [--warmup W] [--batch B]
+                                          [--seed N] [--json PATH] [--quick]
+
+Two parts, each in its own set of gloo processes started by ``trainmesh.testing.run_distributed``
+(CPU, fp32, SGD, one torch thread per process), all variants training the same ~3.9M-parameter
+MLP from the same seed on the same batches:
+
+(a) ONE process: ``tm.Trainer(...).fit`` against a hand-written torch loop (plain module, no
+    wrapper). Target: trainer / hand-written <= 1.02.
+(b) TWO processes: the Trainer (default ``log_every_n_steps=1``, the headline, and
+    ``log_every_n_steps=50``) against ``accelerate.Accelerator`` and ``lightning_fabric.Fabric``
+    (strategy "ddp", accelerator "cpu", devices 2) built inside the same processes, where they
+    adopt the process group the harness started. Targets: trainer / Accelerate <= 1.00 and
+    trainer / Fabric <= 1.00.
+
+The variants are interleaved: every round runs W warmup + S timed steps of each variant in
+turn, and the order rotates and reverses from round to round, so drift of the machine hits
+every variant alike. ``Trainer.fit`` owns its loop, so each Trainer runs one ``fit`` (one epoch
+covering all its rounds) in a helper thread that a callback pauses between its phases; only
+one thread ever runs at a time, and every process runs the phases in the same order. At the end
+every model has taken the same steps on the same data, so all parameters must agree; if not,
+the timings compare different work and the run says so loudly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+import warnings
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+import trainmesh as tm
+from trainmesh.testing import run_distributed
+from trainmesh.trainer.callbacks import Callback
+
+PARAM_TOLERANCE = 1e-5
+IN_DIM, HIDDEN, OUT_DIM = 512, 1536, 512  # 512->1536->1536->512: 3.94M parameters
+LOG_EVERY_LONG = 50  # the Trainer variant that all-reduces its loss only every 50 steps
+
+SINGLE = ("trainmesh", "hand-written")  # part (a), one process
+MULTI = ("trainmesh", f"trainmesh-log{LOG_EVERY_LONG}", "accelerate", "fabric")  # part (b), two processes
+# (numerator, denominator, target, headline): the headline is the Trainer as users get it (log_every_n_steps=1).
+COMPARISONS = {
+    "single": [("trainmesh", "hand-written", 1.02, True)],
+    "multi": [
+        ("trainmesh", "accelerate", 1.00, True),
+        ("trainmesh", "fabric", 1.00, True),
+        (f"trainmesh-log{LOG_EVERY_LONG}", "accelerate", 1.00, False),
+        (f"trainmesh-log{LOG_EVERY_LONG}", "fabric", 1.00, False),
+    ],
+}
+
+
+def build_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)  # same seed -> bit-identical initial weights for every variant
+    return nn.Sequential(
+        nn.Linear(IN_DIM, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT_DIM)
+    )
+
+
+def make_data(cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """One distinct global batch for every step a variant takes: the Trainer sees the whole run as
+    one epoch (so its per-epoch work, a forced loss sync on the last step and an all-reduce at the
+    end, is not charged to every round), and every variant's k-th step uses global batch k."""
+    gen = torch.Generator().manual_seed(cfg["seed"] + 1)  # identical on every process, no broadcast needed
+    n = cfg["rounds"] * (cfg["warmup"] + cfg["steps"]) * cfg["batch"]
+    return torch.randn(n, IN_DIM, generator=gen), torch.randn(n, OUT_DIM, generator=gen)
+
+
+def round_order(variants: tuple[str, ...], r: int) -> list[str]:
+    """Rotate by one each round and reverse every other cycle: each variant takes every position,
+    and follows every other variant, equally often (for two variants: ab, ba, ba, ab, ...)."""
+    n = len(variants)
+    order = list(variants[r % n:] + variants[: r % n])
+    return order[::-1] if (r // n) % 2 else order
+
+
+class _PhaseClock(Callback):
+    """Times the Trainer's steps from inside ``fit`` and hands control back between phases.
+
+    A step is the time between two ``on_train_batch_end`` calls: the Trainer's batch fetch, hooks,
+    forward/backward/step/zero_grad, loss bookkeeping and (when due) its loss all-reduce. After a
+    phase's last step the callback blocks (outside the clock) until the main thread asks for the
+    next phase; the phase's timed steps start after a barrier, as for the other variants.
+    """
+
+    def __init__(self, warmup: int, steps: int, phases: int):
+        self.warmup, self.steps, self.phases = warmup, steps, phases
+        self.go, self.done = threading.Semaphore(0), threading.Semaphore(0)
+        self.finished_phases: list[list[float]] = []
+        self._count, self._times, self._last = 0, [], 0.0
+
+    def _start_phase(self) -> None:
+        self._count, self._times = 0, []
+        if self.warmup == 0:
+            torch_dist.barrier()
+            self._last = time.perf_counter()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start_phase()
+
+    def on_train_batch_end(self, step, logs=None):
+        now = time.perf_counter()
+        self._count += 1
+        if self._count > self.warmup:
+            self._times.append(now - self._last)
+        if self._count == self.warmup:  # warmup over: start the clock with every process at the same point
+            torch_dist.barrier()
+            now = time.perf_counter()
+        self._last = now
+        if self._count == self.warmup + self.steps:
+            self.finished_phases.append(self._times)
+            self.done.release()
+            self.go.acquire()  # paused here while the other variants run
+            if len(self.finished_phases) < self.phases:
+                self._start_phase()
+
+
+class _TrainerRunner:
+    """One ``Trainer.fit`` in a daemon thread, advanced one phase at a time by ``run_phase``."""
+
+    def __init__(self, trainer: tm.Trainer, clock: _PhaseClock, data, batch: int):
+        self.trainer, self.clock, self.error = trainer, clock, None
+        self.thread = threading.Thread(target=self._fit, args=(data, batch), daemon=True)
+        self.thread.start()
+
+    def _fit(self, data, batch: int) -> None:
+        self.clock.go.acquire()
+        try:
+            self.trainer.fit(data, epochs=1, batch_size=batch, shuffle=False)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+            self.error = exc
+        finally:
+            self.clock.done.release()
+
+    def _advance(self) -> None:
+        self.clock.go.release()
+        self.clock.done.acquire()
+        if self.error is not None:
+            raise RuntimeError("Trainer.fit failed in its benchmark thread") from self.error
+
+    def run_phase(self) -> list[float]:
+        self._advance()
+        return self.clock.finished_phases[-1]
+
+    def finish(self) -> None:
+        self._advance()  # lets fit end its epoch (one all-reduce) while nothing else runs
+        self.thread.join()
+
+
+def worker(cfg: dict, part: str) -> dict:
+    torch.set_num_threads(1)  # one core per process: 2 processes on 2 cores, no oversubscription
+    rank, world = torch_dist.get_rank(), torch_dist.get_world_size()
+    variants = SINGLE if part == "single" else MULTI
+    x, y = make_data(cfg)
+    batch, local = cfg["batch"], cfg["batch"] // world
+    warmup, steps = cfg["warmup"], cfg["steps"]
+    mse = nn.functional.mse_loss
+    captured = io.StringIO()  # the Trainer prints its plan; keep it out of the table (it goes to the JSON)
+
+    def slicer():
+        """This process's rows of global batch k, as views: the cheapest honest input for a hand loop."""
+        k = 0
+
+        def next_batch():
+            nonlocal k
+            start = k * batch + rank * local
+            k += 1
+            return x[start : start + local], y[start : start + local]
+
+        return next_batch
+
+    raw, sides, runners = {}, {}, {}
+    with contextlib.redirect_stdout(captured), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name in variants:
+            model = raw[name] = build_model(cfg["seed"])
+            if name.startswith("trainmesh"):
+                log_every = LOG_EVERY_LONG if name.endswith(f"log{LOG_EVERY_LONG}") else 1
+                clock = _PhaseClock(warmup, steps, cfg["rounds"])
+                trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=cfg["lr"]), mse, progress=False,
+                                     log_every_n_steps=log_every, callbacks=[clock])
+                runners[name] = _TrainerRunner(trainer, clock, (x, y), batch)
+            elif name == "hand-written":  # one process: no wrapper at all
+                opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
+
+                def hand_step(inputs, targets, model=model, opt=opt):
+                    mse(model(inputs), targets).backward()
+                    opt.step()
+                    opt.zero_grad()
+
+                sides[name] = (hand_step, slicer())
+            elif name == "accelerate":
+                from accelerate import Accelerator
+
+                accelerator = Accelerator(cpu=True)  # MULTI_CPU: adopts the gloo group from RANK/WORLD_SIZE
+                assert accelerator.num_processes == world, accelerator.state
+                acc_model, acc_opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=cfg["lr"]))
+
+                def acc_step(inputs, targets, model=acc_model, opt=acc_opt, accelerator=accelerator):
+                    accelerator.backward(mse(model(inputs), targets))
+                    opt.step()
+                    opt.zero_grad()
+
+                sides[name] = (acc_step, slicer())
+            elif name == "fabric":
+                from lightning_fabric import Fabric
+
+                fabric = Fabric(accelerator="cpu", strategy="ddp", devices=world, precision="32-true")
+                fabric.launch()  # processes exist (LOCAL_RANK set): starts none, adopts the group
+                assert fabric.world_size == world and fabric.global_rank == rank
+                fab_model, fab_opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=cfg["lr"]))
+
+                def fab_step(inputs, targets, model=fab_model, opt=fab_opt, fabric=fabric):
+                    fabric.backward(mse(model(inputs), targets))
+                    opt.step()
+                    opt.zero_grad()
+
+                sides[name] = (fab_step, slicer())
+        torch.set_num_threads(1)
+        warning_texts = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
+
+        def run_phase(name: str) -> list[float]:
+            if name in runners:
+                return runners[name].run_phase()
+            step, next_batch = sides[name]
+            for _ in range(warmup):  # refill caches the other variants just evicted
+                step(*next_batch())
+            torch_dist.barrier()  # start the clock with every process at the same point
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                step(*next_batch())  # fetching the batch is part of the cost
+                times.append(time.perf_counter() - t0)
+            return times
+
+        times = {name: [] for name in variants}
+        orders = []
+        for r in range(cfg["rounds"]):
+            order = round_order(variants, r)
+            orders.append(order)
+            for name in order:
+                times[name].append(run_phase(name))
+        for runner in runners.values():
+            runner.finish()
+    threads = torch.get_num_threads()
+
+    # Same seed, same batches, same number of steps: the parameters must match.
+    reference = variants[0]
+    with torch.no_grad():
+        init = list(build_model(cfg["seed"]).parameters())
+        diffs = {name: max((a - b).abs().max().item() for a, b in zip(raw[reference].parameters(), raw[name].parameters()))
+                 for name in variants}
+        moved = max((a - b).abs().max().item() for a, b in zip(raw[reference].parameters(), init))
+        finite = all(bool(torch.isfinite(p).all()) for m in raw.values() for p in m.parameters())
+    return {"times": times, "orders": orders, "max_abs_diff": diffs, "max_change_from_init": moved,
+            "finite": finite, "trainer_output": captured.getvalue(), "warnings": warning_texts, "torch_threads": threads}
+
+
+def _bootstrap_ci(values: list[float]) -> list[float]:
+    rng = random.Random(0)
+    boots = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(2000))
+    return [boots[50], boots[1949]]
+
+
+def summarize(results: list[dict], cfg: dict, part: str) -> dict:
+    variants = SINGLE if part == "single" else MULTI
+    rounds_n = cfg["rounds"]
+    summary = {}
+    for name in variants:
+        # A step is as slow as its slowest process: combine ranks step by step with max.
+        rounds = [[1e3 * max(step) for step in zip(*(res["times"][name][r] for res in results))] for r in range(rounds_n)]
+        pooled = [t for rnd in rounds for t in rnd]
+        q1, _, q3 = statistics.quantiles(pooled, n=4, method="inclusive") if len(pooled) > 1 else pooled * 3
+        summary[name] = {
+            "median_ms": statistics.median(pooled), "p25_ms": q1, "p75_ms": q3,
+            "round_medians_ms": [statistics.median(rnd) for rnd in rounds], "per_step_ms": rounds, "steps": len(pooled),
+        }
+    diffs = {name: max(res["max_abs_diff"][name] for res in results) for name in variants}
+    diff = max(diffs.values())
+    params_match = diff <= PARAM_TOLERANCE and all(res["finite"] for res in results)
+    comparisons = []
+    for num, den, target, headline in COMPARISONS[part]:
+        a, b = summary[num], summary[den]
+        round_ratios = [p / q for p, q in zip(a["round_medians_ms"], b["round_medians_ms"])]
+        ratio = a["median_ms"] / b["median_ms"]
+        comparisons.append({
+            "numerator": num, "denominator": den, "headline": headline,
+            "ratio": ratio,
+            "round_ratios": round_ratios,
+            "ratio_round_median": statistics.median(round_ratios),
+            # How far the noise alone moves the per-round figure: a 95% bootstrap interval over rounds.
+            "ratio_round_median_ci95": _bootstrap_ci(round_ratios),
+            # Load from other programs only ever adds time, so the fast quartile is the least disturbed.
+            "ratio_p25": a["p25_ms"] / b["p25_ms"],
+            "target": target,
+            "met": ratio <= target and params_match,  # a ratio of unequal work proves nothing
+        })
+    return {
+        "part": part,
+        "world_size": len(results),
+        "variants": summary,
+        "round_order": results[0]["orders"],
+        "comparisons": comparisons,
+        "max_abs_param_diff": diff,
+        "max_abs_param_diff_by_variant": diffs,
+        "param_reference": variants[0],
+        "max_param_change_from_init": max(res["max_change_from_init"] for res in results),
+        "params_match": params_match,
+        "param_tolerance": PARAM_TOLERANCE,
+        "trainer_output_rank0": results[0]["trainer_output"],
+        "warnings_rank0": results[0]["warnings"],
+        "torch_threads": [res["torch_threads"] for res in results],
+    }
+
+
+def print_part(report: dict, title: str, quick: bool) -> None:
+    print(title)
+    header = f"{'variant':<18}{'median ms/step':>16}{'IQR ms/step':>18}{'round medians ms':>20}{'steps':>8}"
+    print(header)
+    print("-" * len(header))
+    for name, s in report["variants"].items():
+        iqr = f"{s['p25_ms']:.2f}-{s['p75_ms']:.2f}"
+        rounds = f"{min(s['round_medians_ms']):.2f}-{max(s['round_medians_ms']):.2f}"
+        print(f"{name:<18}{s['median_ms']:>16.2f}{iqr:>18}{rounds:>20}{s['steps']:>8}")
+    for c in report["comparisons"]:
+        verdict = "MET" if c["met"] else "NOT MET" if report["params_match"] else "INVALID (parameters differ)"
+        if quick:
+            verdict += " (--quick: too few steps to judge)"
+        low, high = c["ratio_round_median_ci95"]
+        tag = "headline" if c["headline"] else "reference"
+        print(f"{c['numerator']} / {c['denominator']} = {c['ratio']:.4f}, target <= {c['target']:.2f}: {verdict} [{tag}]"
+              f"\n    per-round ratios: median {c['ratio_round_median']:.4f} (95% CI {low:.3f}-{high:.3f}); "
+              f"ratio of p25s {c['ratio_p25']:.4f}")
+    if report["params_match"]:
+        print(f"parameters agree after equal steps: max |diff| vs {report['param_reference']} = "
+              f"{report['max_abs_param_diff']:.3g} (tolerance {report['param_tolerance']:g}; "
+              f"max change from init {report['max_param_change_from_init']:.3g})")
+    else:
+        print("!" * 78 + f"\n!!! PARAMETERS DIFFER (or are not finite): max |diff| by variant = "
+              f"{report['max_abs_param_diff_by_variant']} > {report['param_tolerance']:g}."
+              "\n!!! The variants did not do the same work; the timing comparison is NOT valid.\n" + "!" * 78)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, help="interleaved rounds per part (default 40; --quick 2)")
+    parser.add_argument("--steps", type=int, help="timed steps per variant per round (default 6; --quick 3)")
+    parser.add_argument("--warmup", type=int, help="untimed steps before each timed block (default 1; --quick 1)")
+    parser.add_argument("--batch", type=int, default=64, help="global batch size (split over the 2 processes in part b)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parts", default="single,multi", help="comma list of parts to run: single, multi")
+    parser.add_argument("--json", metavar="PATH", help="write the full results as JSON here")
+    parser.add_argument("--quick", action="store_true", help="a ~20 s smoke run")
+    args = parser.parse_args(argv)
+    quick = {"rounds": 2, "steps": 3, "warmup": 1}
+    # Many short rounds rather than a few long ones: load from elsewhere on the machine then
+    # lands on all variants alike, and the per-round ratios average it out.
+    full = {"rounds": 40, "steps": 6, "warmup": 1}
+    cfg = {key: getattr(args, key) if getattr(args, key) is not None else (quick if args.quick else full)[key]
+           for key in ("rounds", "steps", "warmup")}
+    # lr 0.05 moves every run's weights far above PARAM_TOLERANCE (printed as "max change from
+    # init"), so a skipped step or a different batch cannot hide below it, and stays stable.
+    cfg.update(batch=args.batch, seed=args.seed, lr=0.05, quick=args.quick)
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if not parts or any(p not in ("single", "multi") for p in parts):
+        parser.error(f"--parts takes 'single', 'multi' or both. Received: {args.parts!r}")
+    if min(cfg["rounds"], cfg["steps"], cfg["batch"]) < 1 or cfg["warmup"] < 0:
+        parser.error("--rounds, --steps and --batch must be >= 1, --warmup >= 0")
+    if cfg["batch"] % 2:
+        parser.error(f"--batch {cfg['batch']} must be even (it is split over 2 processes)")
+
+    versions = {"torch": torch.__version__, "trainmesh": getattr(tm, "__version__", "?")}
+    for module in ("accelerate", "lightning_fabric"):
+        try:
+            versions[module] = __import__(module).__version__
+        except ImportError:
+            if "multi" in parts:
+                print(f"part (b) needs {module}: pip install 'trainmesh[bench]' (or --parts single)", file=sys.stderr)
+                return 2
+    n_params = sum(p.numel() for p in build_model(0).parameters())
+    report = {"config": cfg, "num_params": n_params, "versions": versions, "parts": {}}
+    load_before = os.getloadavg()[0]  # context for the reader: a busy machine widens the spread
+    print(f"MLP {n_params / 1e6:.2f}M params ({IN_DIM}->{HIDDEN}->{HIDDEN}->{OUT_DIM}), gloo, CPU, fp32, SGD, "
+          f"1 thread/process, global batch {cfg['batch']}, {cfg['rounds']} rounds x ({cfg['warmup']} warmup + "
+          f"{cfg['steps']} timed) steps per variant; " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    titles = {"single": "(a) one process: Trainer vs a hand-written loop",
+              "multi": f"(b) two processes: Trainer (log_every_n_steps 1 = default, and {LOG_EVERY_LONG}) "
+                       "vs Accelerate and Fabric (DDP)"}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}  # read by Accelerate/Fabric; the group already exists
+    for part in parts:
+        world = 1 if part == "single" else 2
+        n_variants = len(SINGLE if part == "single" else MULTI)
+        # Generous wall limit (about 1 s per step and variant) so only a real hang trips it.
+        total_steps = n_variants * cfg["rounds"] * (cfg["warmup"] + cfg["steps"])
+        results = run_distributed(worker, world_size=world, args=(cfg, part), timeout=180.0 + total_steps,
+                                  collective_timeout=120.0, env=env)
+        report["parts"][part] = summarize(results, cfg, part)
+        print()
+        print_part(report["parts"][part], titles[part], cfg["quick"])
+    report["load_avg_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
+    print(f"\nload avg {load_before:.2f} -> {report['load_avg_1min']['after']:.2f} (2 cores: above ~2 other "
+          "programs share them; trust the interleaved ratios, not the absolute times)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+        print(f"wrote {args.json}")
+    return 0 if all(p["params_match"] for p in report["parts"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The demo's per-process training program: ``python -m trainmesh.demo.job [--out DIR] [--quick]``.
+
+``trainmesh demo`` starts it on N local processes (through ``trainmesh run``); it also runs as
+one plain process. Every process builds the same corpus and the same initial model (same
+seed), the Trainer splits each global batch over them (DataParallel), and the main process
+then writes the loss curve, samples some text and prints where everything went.
+
+Outputs under ``--out``: ``checkpoints/{last,best}.pt`` (Trainer state dicts), ``logs/``
+(``steps.jsonl``/``epochs.jsonl`` and CSVs), ``loss_curve.png``, ``sample.txt`` and
+``demo.json`` (vocabulary, model config, settings and per-epoch losses: what is needed to
+load the checkpoint and sample again without the corpus).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+import trainmesh as tm
+
+from .char_gpt import CharGPT, GPTConfig, lm_loss
+from .corpus import build_corpus
+from .generate import generate
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """Everything that sizes the run. ``full()`` takes ~2 minutes on 4 processes on 2 CPU cores."""
+
+    char_budget: int = 1_200_000
+    max_file_chars: int = 50_000  # per module, so that many modules contribute
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 128
+    epochs: int = 3
+    global_batch_size: int = 128  # windows per optimizer step, over all processes
+    grad_accum_steps: int = 2
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup_fraction: float = 0.05
+    min_lr_ratio: float = 0.1
+    sample_chars: int = 300
+    prompt: str = "def "
+    seed: int = 0
+
+    @classmethod
+    def full(cls) -> "DemoSettings":
+        return cls()
+
+    @classmethod
+    def quick(cls) -> "DemoSettings":
+        """Seconds instead of minutes, for tests: same code path, tiny corpus and model."""
+        return cls(char_budget=60_000, max_file_chars=5_000, block_size=32, n_layer=1, n_head=2, d_model=32, epochs=2,
+                   global_batch_size=32, sample_chars=60)
+
+    def global_batch_for(self, world_size: int) -> int:
+        """The global batch rounded up to a multiple of accumulation x processes (the Trainer needs
+        equal micro-batches); with 1, 2, 4 or 8 processes it is exactly ``global_batch_size``."""
+        per_step = self.grad_accum_steps * world_size
+        return math.ceil(self.global_batch_size / per_step) * per_step
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m trainmesh.demo.job", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="trainmesh-demo", help="output directory (default: ./trainmesh-demo)")
+    parser.add_argument("--epochs", type=int, default=None, help="epochs (default: 3, or 2 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="a tiny run that takes seconds (for tests)")
+    args = parser.parse_args(argv)
+    if args.epochs is not None and args.epochs < 1:
+        parser.error(f"--epochs must be >= 1. Received: {args.epochs}")
+    return args
+
+
+def build_optimizer(model: torch.nn.Module, settings: DemoSettings) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only: decaying LayerNorm gains and biases toward 0 only hurts."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.95))
+
+
+def draw_curves(log_dir: Path, png: Path) -> str:
+    """Write the loss curve; returns which renderer drew it.
+
+    ``trainmesh plot``'s matplotlib figure when matplotlib is installed, otherwise the
+    dependency-free :mod:`trainmesh.demo.curve_png` (the demo must produce a PNG after a
+    plain ``pip install -e .``).
+    """
+    from trainmesh.trainer.log_writer import read_log
+
+    steps = read_log(log_dir, "steps")
+    epochs = read_log(log_dir, "epochs")
+    try:
+        from trainmesh.launcher import plot
+
+        plot.draw(steps, epochs, png, title="trainmesh demo: character GPT on the Python standard library")
+        return "matplotlib"
+    except ImportError:
+        from .curve_png import draw_loss_png
+
+        # The epoch log has no step number: an epoch's value goes at its last logged step.
+        epoch_end = {r["epoch"]: r["global_step"] for r in steps if "epoch" in r and "global_step" in r}
+        val = [(epoch_end[r["epoch"]], r["val_loss"]) for r in epochs if r.get("epoch") in epoch_end and "val_loss" in r]
+        draw_loss_png(png, [r["global_step"] for r in steps if "loss" in r], [r["loss"] for r in steps if "loss" in r],
+                      [x for x, _ in val], [y for _, y in val])
+        return "built-in"
+
+
+def train(out: Path, settings: DemoSettings) -> dict[str, Any]:
+    """Run the whole job on this process (collectives with the others); the summary on every process."""
+    started = time.perf_counter()
+    tm.initialize()
+    corpus = build_corpus(settings.char_budget, max_file_chars=settings.max_file_chars)
+    train_ds, heldout_ds = corpus.datasets(settings.block_size)
+    config = GPTConfig(vocab_size=len(corpus.vocab), block_size=settings.block_size, n_layer=settings.n_layer,
+                       n_head=settings.n_head, d_model=settings.d_model)
+    # The same seed on every process gives the same initial weights (DDP would broadcast rank 0's
+    # anyway; equal seeds also keep dropout-free runs reproducible from 1 to N processes).
+    torch.manual_seed(settings.seed)
+    model = CharGPT(config)
+    global_batch = settings.global_batch_for(tm.world_size())
+    total_steps = (len(train_ds) // global_batch) * settings.epochs  # drop_remainder: full batches only
+    warmup = max(1, round(settings.warmup_fraction * total_steps))
+    scheduler = functools.partial(tm.warmup_cosine, warmup_steps=warmup, total_steps=max(total_steps, warmup),
+                                  min_lr_ratio=settings.min_lr_ratio)
+    if tm.is_main_process():
+        print(f"[demo] corpus: {len(corpus.train_text):,} training + {len(corpus.heldout_text):,} held-out characters "
+              f"from {len(corpus.train_files) + len(corpus.heldout_files)} standard-library modules; "
+              f"vocabulary {len(corpus.vocab)}; model {model.num_parameters():,} parameters; "
+              f"{tm.world_size()} process(es)", flush=True)
+    trainer = tm.Trainer(
+        model, build_optimizer(model, settings), lm_loss,
+        distribution=tm.DataParallel(),
+        precision="bf16-mixed",
+        grad_accum_steps=settings.grad_accum_steps,
+        max_grad_norm=1.0,
+        scheduler=scheduler,
+        log_dir=out / "logs",
+        seed=settings.seed,
+        # Full global batches only: every step weighs the same, and no "remainder dropped"
+        # warning from every process.
+        drop_remainder=True,
+        callbacks=[tm.ModelCheckpoint(out / "checkpoints", monitor="val_loss")],
+    )
+    history = trainer.fit(train_ds, epochs=settings.epochs, batch_size=global_batch, eval_data=heldout_ds)
+    summary: dict[str, Any] = {
+        "train_loss": history.history["loss"],
+        "heldout_loss": history.history.get("val_loss", []),
+        "train_seconds": round(time.perf_counter() - started, 1),
+        "processes": tm.world_size(),
+        "global_batch_size": global_batch,
+        "optimizer_steps": trainer.global_step,
+    }
+    if trainer.is_main_process:
+        sample = generate(trainer.unwrapped_model, corpus.vocab, settings.prompt, settings.sample_chars,
+                          temperature=0.8, top_k=20, seed=settings.seed)
+        summary["sample"] = sample
+        summary["plot"] = draw_curves(out / "logs", out / "loss_curve.png")
+        (out / "sample.txt").write_text(sample + "\n", encoding="utf-8")
+        # Relative names only: the output directory may be moved or shared between machines.
+        (out / "demo.json").write_text(json.dumps({
+            "model_config": config.to_dict(),
+            "vocab_chars": corpus.vocab.chars,
+            "settings": asdict(settings),
+            "train_files": list(corpus.train_files),
+            "heldout_files": list(corpus.heldout_files),
+            "checkpoints": ["checkpoints/last.pt", "checkpoints/best.pt"],
+            **{k: v for k, v in summary.items() if k != "sample"},
+        }, indent=2) + "\n", encoding="utf-8")
+    return summary
+
+
+def report(out: Path, summary: dict[str, Any], prompt: str) -> str:
+    """The closing message: per-epoch losses, where the outputs are, and the sample."""
+    losses = "  ".join(f"epoch {i + 1}: {v:.3f}" for i, v in enumerate(summary["heldout_loss"]))
+    lines = [
+        "",
+        f"[demo] done in {summary['train_seconds']}s on {summary['processes']} process(es), "
+        f"{summary['optimizer_steps']} optimizer steps of {summary['global_batch_size']} windows",
+        f"[demo] held-out loss (nats/char): {losses}",
+        f"[demo] outputs in {out.resolve()}",
+        "         checkpoints/last.pt, checkpoints/best.pt    Trainer state (model, optimizer, scheduler)",
+        "         logs/steps.jsonl, logs/epochs.jsonl (+csv)  per-step and per-epoch records",
+        "         loss_curve.png                              loss per step, held-out loss per epoch",
+        "         demo.json, sample.txt                       vocabulary, model config, losses; the sample",
+        f"[demo] sample (prompt {prompt!r}, temperature 0.8, top-k 20):",
+        "-" * 72,
+        summary["sample"],
+        "-" * 72,
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    settings = DemoSettings.quick() if args.quick else DemoSettings.full()
+    if args.epochs is not None:
+        settings = replace(settings, epochs=args.epochs)
+    out = Path(args.out)
+    try:
+        summary = train(out, settings)
+        if tm.is_main_process():
+            print(report(out, summary, settings.prompt), flush=True)
+    finally:
+        tm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
