@@ -357,7 +357,7 @@ def print_part(report: dict, title: str, quick: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, help="interleaved rounds per part (default 40; --quick 2)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds per part (default 60; --quick 2)")
     parser.add_argument("--steps", type=int, help="timed steps per variant per round (default 6; --quick 3)")
     parser.add_argument("--warmup", type=int, help="untimed steps before each timed block (default 1; --quick 1)")
     parser.add_argument("--batch", type=int, default=64, help="global batch size (split over the 2 processes in part b)")
@@ -369,12 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     quick = {"rounds": 2, "steps": 3, "warmup": 1}
     # Many short rounds rather than a few long ones: load from elsewhere on the machine then
     # lands on all variants alike, and the per-round ratios average it out.
-    full = {"rounds": 40, "steps": 6, "warmup": 1}
+    full = {"rounds": 60, "steps": 6, "warmup": 1}
     cfg = {key: getattr(args, key) if getattr(args, key) is not None else (quick if args.quick else full)[key]
            for key in ("rounds", "steps", "warmup")}
-    # lr 0.05 moves every run's weights far above PARAM_TOLERANCE (printed as "max change from
-    # init"), so a skipped step or a different batch cannot hide below it, and stays stable.
-    cfg.update(batch=args.batch, seed=args.seed, lr=0.05, quick=args.quick)
+    # lr 0.5 makes every SGD step move some weight by > 6e-4, far above PARAM_TOLERANCE, so a
+    # skipped step or a different batch on one side cannot hide below it (and stays stable).
+    cfg.update(batch=args.batch, seed=args.seed, lr=0.5, quick=args.quick)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     if not parts or any(p not in ("single", "multi") for p in parts):
         parser.error(f"--parts takes 'single', 'multi' or both. Received: {args.parts!r}")

@@ -29,6 +29,13 @@ from .runtime import (
     world_size,
 )
 
+from .strategy import (
+    InputContext,
+    MirroredStrategy,
+    MultiWorkerMirroredStrategy,
+    ReduceOp,
+    compute_average_loss,
+)
 from .trainer import (
     Accuracy,
     Callback,
@@ -48,6 +55,11 @@ from .trainer import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "InputContext",
+    "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
+    "ReduceOp",
+    "compute_average_loss",
     "Accuracy",
     "Callback",
     "EarlyStopping",

@@ -124,7 +124,8 @@ def _scenarios() -> dict:
 
     # --- input ---------------------------------------------------------------------------------
     global_batches = [(torch.arange(7), {"y": torch.arange(7) * 10}), (torch.arange(7, 10), {"y": torch.zeros(3)})]
-    out["slices"] = [(ids.tolist(), d["y"].tolist()) for ids, d in strategy.experimental_distribute_dataset(global_batches)]
+    distributed = strategy.experimental_distribute_dataset(global_batches)
+    out["slices"] = [(ids.tolist(), d["y"].tolist()) for ids, d in distributed]
 
     def dataset_fn(ctx):
         size = ctx.get_per_replica_batch_size(4 * ctx.num_replicas_in_sync)

@@ -238,3 +238,13 @@ def test_scope_restores_on_exception_and_mirrors_nothing_from_the_failed_block()
         assert distribution() is previous
     finally:
         tm.set_distribution(None)
+
+
+# --- flat buffers for the collectives --------------------------------------------------------
+def test_buckets_group_by_dtype_keep_order_and_respect_the_cap():
+    from trainmesh.strategy.buckets import buckets
+
+    a, b, c = torch.zeros(4), torch.zeros(4, dtype=torch.float64), torch.zeros(2)
+    big = torch.zeros(300)  # 1200 bytes: alone in its bucket under a 1 KiB cap
+    assert [[id(t) for t in bucket] for bucket in buckets([a, b, c], 1 << 20)] == [[id(a), id(c)], [id(b)]]
+    assert [len(bucket) for bucket in buckets([a, big, c, a], 1024)] == [1, 1, 2]

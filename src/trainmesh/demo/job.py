@@ -210,7 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         summary = train(out, settings)
         if tm.is_main_process():
-            print(report(out, summary, settings.prompt), flush=True)
+            text = report(out, summary, settings.prompt)
+            # A sampled character the console cannot encode must not fail a finished run.
+            encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+            print(text.encode(encoding, errors="replace").decode(encoding), flush=True)
     finally:
         tm.shutdown()
     return 0

@@ -28,7 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """Register ``trainmesh demo``."""
     parser = subparsers.add_parser(
         "demo",
-        help="train a small character-level GPT on the Python standard library's sources (N local processes)",
+        help="train a small character-level GPT on the Python stdlib (N local processes)",
         description="Train a small GPT-style character model on this Python's own standard-library sources "
         "(no download) with DataParallel on N local processes, bf16 mixed precision and gradient "
         "accumulation; write a checkpoint, logs and a loss-curve PNG to --out and print a generated "

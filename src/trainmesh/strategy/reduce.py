@@ -33,7 +33,9 @@ class ReduceOp(enum.Enum):
             return op
         if isinstance(op, str) and op.upper() in cls.__members__:
             return cls[op.upper()]
-        raise ValueError(f"reduce_op must be ReduceOp.SUM or ReduceOp.MEAN (or 'sum'/'mean'). Received: reduce_op={op!r}")
+        raise ValueError(
+            f"reduce_op must be ReduceOp.SUM or ReduceOp.MEAN (or 'sum'/'mean'). Received: reduce_op={op!r}"
+        )
 
 
 def _as_tensor(value: Any) -> torch.Tensor:
@@ -42,7 +44,9 @@ def _as_tensor(value: Any) -> torch.Tensor:
     try:
         return torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"Only tensors and numbers can be reduced across replicas. Received: value={value!r}") from None
+        raise ValueError(
+            f"Only tensors and numbers can be reduced across replicas. Received: value={value!r}"
+        ) from None
 
 
 def _floating(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,85 @@
+"""``trainmesh demo --quick`` end to end: a real 2-process torchrun job through the CLI.
+
+One run (module-scoped) is shared by the assertions: the outputs exist and are usable (the
+checkpoint loads into a fresh model that samples the same text), and the output names them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainmesh.demo import CharGPT, CharVocab, GPTConfig, generate
+
+pytestmark = pytest.mark.timeout(180)
+
+# Job variables an outer launcher may have left behind would change what the workers detect.
+_JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+             "MASTER_PORT", "TF_CONFIG", "OMP_NUM_THREADS")
+_JOB_PREFIXES = ("TRAINMESH_", "SLURM_", "TORCHELASTIC_")
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _JOB_VARS and not k.startswith(_JOB_PREFIXES)}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    cwd = tmp_path_factory.mktemp("demo")
+    proc = subprocess.run([sys.executable, "-m", "trainmesh", "demo", "--quick", "-n", "2", "--out", "out"],
+                          cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=150)
+    return proc, cwd / "out"
+
+
+def test_quick_demo_succeeds_and_reports(quick_run) -> None:
+    proc, out = quick_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stdout = proc.stdout
+    assert "data-parallel 2" in stdout and "precision bf16-mixed" in stdout  # the Trainer's plan line
+    assert "Epoch 1/2" in stdout and "Epoch 2/2" in stdout and "val_loss:" in stdout  # progress, held-out loss
+    assert f"[demo] outputs in {out.resolve()}" in stdout
+    sample = (out / "sample.txt").read_text(encoding="utf-8").rstrip("\n")
+    assert sample.startswith("def ") and len(sample) > len("def ")
+    assert sample in stdout
+    assert "[demo] finished in" in stdout
+    assert "Traceback" not in proc.stderr
+
+
+def test_quick_demo_writes_its_outputs(quick_run) -> None:
+    proc, out = quick_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("checkpoints/last.pt", "checkpoints/best.pt", "logs/steps.jsonl", "logs/epochs.jsonl",
+                 "loss_curve.png", "demo.json", "sample.txt"):
+        assert (out / name).is_file(), name
+    assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    epochs = [json.loads(line) for line in (out / "logs" / "epochs.jsonl").read_text().splitlines() if line]
+    assert [e["epoch"] for e in epochs] == [0, 1]
+    meta = json.loads((out / "demo.json").read_text())
+    assert meta["processes"] == 2 and meta["heldout_loss"] == [e["val_loss"] for e in epochs]
+    # Trained: below the loss of a uniform guess over the vocabulary.
+    assert all(math.isfinite(v) and v < math.log(len(meta["vocab_chars"]) + 1) for v in meta["heldout_loss"])
+    # No machine paths in the file: neither where the run happened nor where the stdlib lives.
+    text = (out / "demo.json").read_text()
+    assert str(out.parent.resolve()) not in text and sysconfig.get_paths()["stdlib"] not in text
+
+
+def test_checkpoint_reloads_and_samples_the_same_text(quick_run) -> None:
+    proc, out = quick_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((out / "demo.json").read_text())
+    model = CharGPT(GPTConfig(**meta["model_config"]))
+    state = torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"])
+    settings = meta["settings"]
+    text = generate(model, CharVocab(meta["vocab_chars"]), settings["prompt"], settings["sample_chars"],
+                    temperature=0.8, top_k=20, seed=settings["seed"])
+    # sample.txt is the sample plus one newline.
+    assert text + "\n" == (out / "sample.txt").read_text(encoding="utf-8")
