@@ -1,14 +1,17 @@
 """Per-step cost of trainmesh's ``Trainer`` against a hand-written loop, HF Accelerate and Lightning Fabric.
 
+    pip install -e '.[bench]'      # accelerate + lightning-fabric; keeps the installed torch
     python benchmarks/trainer_overhead.py [--rounds R] [--steps S] [--warmup W] [--batch B]
-                                          [--seed N] [--json PATH] [--quick]
+                                          [--seed N] [--parts single,multi] [--json PATH] [--quick]
 
 Two parts, each in its own set of gloo processes started by ``trainmesh.testing.run_distributed``
 (CPU, fp32, SGD, one torch thread per process), all variants training the same ~3.9M-parameter
 MLP from the same seed on the same batches:
 
 (a) ONE process: ``tm.Trainer(...).fit`` against a hand-written torch loop (plain module, no
-    wrapper). Target: trainer / hand-written <= 1.02.
+    wrapper). Target: trainer / hand-written <= 1.02. A diagnostic third variant runs the hand
+    loop under torch DDP on the 1-process group (the Trainer wraps its model so even on one
+    process), to tell the cost of that wrapper from the cost of the Trainer's own loop.
 (b) TWO processes: the Trainer (default ``log_every_n_steps=1``, the headline, and
     ``log_every_n_steps=50``) against ``accelerate.Accelerator`` and ``lightning_fabric.Fabric``
     (strategy "ddp", accelerator "cpu", devices 2) built inside the same processes, where they
@@ -50,16 +53,24 @@ PARAM_TOLERANCE = 1e-5
 IN_DIM, HIDDEN, OUT_DIM = 512, 1536, 512  # 512->1536->1536->512: 3.94M parameters
 LOG_EVERY_LONG = 50  # the Trainer variant that all-reduces its loss only every 50 steps
 
-SINGLE = ("trainmesh", "hand-written")  # part (a), one process
+# Part (a), one process. "hand-written-ddp" is a diagnostic: the same hand loop under torch DDP on the
+# 1-process group, which is what the Trainer's model is wrapped in; it splits the Trainer's cost
+# into "DDP on one process" and "the Trainer's own loop".
+SINGLE = ("trainmesh", "hand-written", "hand-written-ddp")
 MULTI = ("trainmesh", f"trainmesh-log{LOG_EVERY_LONG}", "accelerate", "fabric")  # part (b), two processes
-# (numerator, denominator, target, headline): the headline is the Trainer as users get it (log_every_n_steps=1).
+# (numerator, denominator, target or None, role). Headline: the Trainer as users get it (log_every_n_steps=1).
 COMPARISONS = {
-    "single": [("trainmesh", "hand-written", 1.02, True)],
+    "single": [
+        ("trainmesh", "hand-written", 1.02, "headline"),
+        ("hand-written-ddp", "hand-written", None, "diagnostic"),
+        ("trainmesh", "hand-written-ddp", None, "diagnostic"),
+    ],
     "multi": [
-        ("trainmesh", "accelerate", 1.00, True),
-        ("trainmesh", "fabric", 1.00, True),
-        (f"trainmesh-log{LOG_EVERY_LONG}", "accelerate", 1.00, False),
-        (f"trainmesh-log{LOG_EVERY_LONG}", "fabric", 1.00, False),
+        ("trainmesh", "accelerate", 1.00, "headline"),
+        ("trainmesh", "fabric", 1.00, "headline"),
+        (f"trainmesh-log{LOG_EVERY_LONG}", "accelerate", 1.00, "reference"),
+        (f"trainmesh-log{LOG_EVERY_LONG}", "fabric", 1.00, "reference"),
+        ("trainmesh", f"trainmesh-log{LOG_EVERY_LONG}", None, "diagnostic"),
     ],
 }
 
@@ -92,22 +103,22 @@ class _PhaseClock(Callback):
     """Times the Trainer's steps from inside ``fit`` and hands control back between phases.
 
     A step is the time between two ``on_train_batch_end`` calls: the Trainer's batch fetch, hooks,
-    forward/backward/step/zero_grad, loss bookkeeping and (when due) its loss all-reduce. After a
-    phase's last step the callback blocks (outside the clock) until the main thread asks for the
-    next phase; the phase's timed steps start after a barrier, as for the other variants.
+    forward/backward/step/zero_grad, loss bookkeeping and (when due) its loss all-reduce. The timed
+    steps of a phase run between two barriers, as for the other variants. After a phase's last step
+    the callback blocks (off the clock) until the main thread asks for the next phase.
     """
 
     def __init__(self, warmup: int, steps: int, phases: int):
         self.warmup, self.steps, self.phases = warmup, steps, phases
         self.go, self.done = threading.Semaphore(0), threading.Semaphore(0)
-        self.finished_phases: list[list[float]] = []
-        self._count, self._times, self._last = 0, [], 0.0
+        self.finished_phases: list[tuple[list[float], float]] = []  # (per-step seconds, barrier-to-barrier seconds)
+        self._count, self._times, self._last, self._start = 0, [], 0.0, 0.0
 
     def _start_phase(self) -> None:
         self._count, self._times = 0, []
         if self.warmup == 0:
             torch_dist.barrier()
-            self._last = time.perf_counter()
+            self._last = self._start = time.perf_counter()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._start_phase()
@@ -119,10 +130,11 @@ class _PhaseClock(Callback):
             self._times.append(now - self._last)
         if self._count == self.warmup:  # warmup over: start the clock with every process at the same point
             torch_dist.barrier()
-            now = time.perf_counter()
+            now = self._start = time.perf_counter()
         self._last = now
         if self._count == self.warmup + self.steps:
-            self.finished_phases.append(self._times)
+            torch_dist.barrier()  # the phase ends when the slowest process is done
+            self.finished_phases.append((self._times, time.perf_counter() - self._start))
             self.done.release()
             self.go.acquire()  # paused here while the other variants run
             if len(self.finished_phases) < self.phases:
@@ -152,7 +164,7 @@ class _TrainerRunner:
         if self.error is not None:
             raise RuntimeError("Trainer.fit failed in its benchmark thread") from self.error
 
-    def run_phase(self) -> list[float]:
+    def run_phase(self) -> tuple[list[float], float]:
         self._advance()
         return self.clock.finished_phases[-1]
 
@@ -194,7 +206,9 @@ def worker(cfg: dict, part: str) -> dict:
                 trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=cfg["lr"]), mse, progress=False,
                                      log_every_n_steps=log_every, callbacks=[clock])
                 runners[name] = _TrainerRunner(trainer, clock, (x, y), batch)
-            elif name == "hand-written":  # one process: no wrapper at all
+            elif name.startswith("hand-written"):  # one process: no wrapper at all (or DDP, the diagnostic)
+                if name == "hand-written-ddp":
+                    model = nn.parallel.DistributedDataParallel(model)
                 opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
 
                 def hand_step(inputs, targets, model=model, opt=opt):
@@ -233,7 +247,7 @@ def worker(cfg: dict, part: str) -> dict:
         torch.set_num_threads(1)
         warning_texts = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
 
-        def run_phase(name: str) -> list[float]:
+        def run_phase(name: str) -> tuple[list[float], float]:
             if name in runners:
                 return runners[name].run_phase()
             step, next_batch = sides[name]
@@ -241,19 +255,24 @@ def worker(cfg: dict, part: str) -> dict:
                 step(*next_batch())
             torch_dist.barrier()  # start the clock with every process at the same point
             times = []
+            start = time.perf_counter()
             for _ in range(steps):
                 t0 = time.perf_counter()
                 step(*next_batch())  # fetching the batch is part of the cost
                 times.append(time.perf_counter() - t0)
-            return times
+            torch_dist.barrier()  # the phase ends when the slowest process is done
+            return times, time.perf_counter() - start
 
         times = {name: [] for name in variants}
+        walls = {name: [] for name in variants}
         orders = []
         for r in range(cfg["rounds"]):
             order = round_order(variants, r)
             orders.append(order)
             for name in order:
-                times[name].append(run_phase(name))
+                step_times, wall = run_phase(name)
+                times[name].append(step_times)
+                walls[name].append(wall)
         for runner in runners.values():
             runner.finish()
     threads = torch.get_num_threads()
@@ -266,7 +285,7 @@ def worker(cfg: dict, part: str) -> dict:
                  for name in variants}
         moved = max((a - b).abs().max().item() for a, b in zip(raw[reference].parameters(), init))
         finite = all(bool(torch.isfinite(p).all()) for m in raw.values() for p in m.parameters())
-    return {"times": times, "orders": orders, "max_abs_diff": diffs, "max_change_from_init": moved,
+    return {"times": times, "walls": walls, "orders": orders, "max_abs_diff": diffs, "max_change_from_init": moved,
             "finite": finite, "trainer_output": captured.getvalue(), "warnings": warning_texts, "torch_threads": threads}
 
 
@@ -276,38 +295,56 @@ def _bootstrap_ci(values: list[float]) -> list[float]:
     return [boots[50], boots[1949]]
 
 
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
+
+
 def summarize(results: list[dict], cfg: dict, part: str) -> dict:
     variants = SINGLE if part == "single" else MULTI
-    rounds_n = cfg["rounds"]
+    rounds_n, steps = cfg["rounds"], cfg["steps"]
     summary = {}
     for name in variants:
-        # A step is as slow as its slowest process: combine ranks step by step with max.
-        rounds = [[1e3 * max(step) for step in zip(*(res["times"][name][r] for res in results))] for r in range(rounds_n)]
-        pooled = [t for rnd in rounds for t in rnd]
-        q1, _, q3 = statistics.quantiles(pooled, n=4, method="inclusive") if len(pooled) > 1 else pooled * 3
+        # Per round: the timed block from barrier to barrier, per step (every process leaves the
+        # closing barrier together, so the max over processes is the slowest one's time). This is
+        # the figure the ratios use: a step-by-step max over processes would favour a variant that
+        # synchronises the processes at the end of every step (the Trainer's loss all-reduce),
+        # because unsynchronised processes split scheduling noise over different steps.
+        round_ms = [1e3 * max(res["walls"][name][r] for res in results) / steps for r in range(rounds_n)]
+        # Per step (as ddp_overhead.py): each step as slow as its slowest process; for the spread.
+        per_step = [[1e3 * max(step) for step in zip(*(res["times"][name][r] for res in results))] for r in range(rounds_n)]
+        pooled = [t for rnd in per_step for t in rnd]
+        r1, r3 = _quartiles(round_ms)
+        s1, s3 = _quartiles(pooled)
         summary[name] = {
-            "median_ms": statistics.median(pooled), "p25_ms": q1, "p75_ms": q3,
-            "round_medians_ms": [statistics.median(rnd) for rnd in rounds], "per_step_ms": rounds, "steps": len(pooled),
+            "median_ms": statistics.median(round_ms), "round_p25_ms": r1, "round_p75_ms": r3, "round_ms": round_ms,
+            "step_median_ms": statistics.median(pooled), "step_p25_ms": s1, "step_p75_ms": s3,
+            "per_step_ms": per_step, "steps": len(pooled),
         }
     diffs = {name: max(res["max_abs_diff"][name] for res in results) for name in variants}
     diff = max(diffs.values())
     params_match = diff <= PARAM_TOLERANCE and all(res["finite"] for res in results)
     comparisons = []
-    for num, den, target, headline in COMPARISONS[part]:
+    for num, den, target, role in COMPARISONS[part]:
         a, b = summary[num], summary[den]
-        round_ratios = [p / q for p, q in zip(a["round_medians_ms"], b["round_medians_ms"])]
+        # Both sides ran in the same round, minutes apart at most: their ratio cancels slow drift.
+        round_ratios = [p / q for p, q in zip(a["round_ms"], b["round_ms"])]
         ratio = a["median_ms"] / b["median_ms"]
         comparisons.append({
-            "numerator": num, "denominator": den, "headline": headline,
+            "numerator": num, "denominator": den, "role": role,
             "ratio": ratio,
             "round_ratios": round_ratios,
             "ratio_round_median": statistics.median(round_ratios),
             # How far the noise alone moves the per-round figure: a 95% bootstrap interval over rounds.
             "ratio_round_median_ci95": _bootstrap_ci(round_ratios),
+            "ratio_step_median": a["step_median_ms"] / b["step_median_ms"],
             # Load from other programs only ever adds time, so the fast quartile is the least disturbed.
-            "ratio_p25": a["p25_ms"] / b["p25_ms"],
+            "ratio_step_p25": a["step_p25_ms"] / b["step_p25_ms"],
             "target": target,
-            "met": ratio <= target and params_match,  # a ratio of unequal work proves nothing
+            # A ratio of unequal work proves nothing; diagnostics have no target.
+            "met": None if target is None else ratio <= target and params_match,
         })
     return {
         "part": part,
@@ -329,22 +366,27 @@ def summarize(results: list[dict], cfg: dict, part: str) -> dict:
 
 def print_part(report: dict, title: str, quick: bool) -> None:
     print(title)
-    header = f"{'variant':<18}{'median ms/step':>16}{'IQR ms/step':>18}{'round medians ms':>20}{'steps':>8}"
+    header = (f"{'variant':<18}{'ms/step':>9}{'rounds IQR':>15}{'rounds min-max':>17}"
+              f"{'step median':>13}{'step IQR':>15}{'steps':>7}")
     print(header)
     print("-" * len(header))
     for name, s in report["variants"].items():
-        iqr = f"{s['p25_ms']:.2f}-{s['p75_ms']:.2f}"
-        rounds = f"{min(s['round_medians_ms']):.2f}-{max(s['round_medians_ms']):.2f}"
-        print(f"{name:<18}{s['median_ms']:>16.2f}{iqr:>18}{rounds:>20}{s['steps']:>8}")
+        rounds_iqr = f"{s['round_p25_ms']:.2f}-{s['round_p75_ms']:.2f}"
+        rounds_range = f"{min(s['round_ms']):.2f}-{max(s['round_ms']):.2f}"
+        step_iqr = f"{s['step_p25_ms']:.2f}-{s['step_p75_ms']:.2f}"
+        print(f"{name:<18}{s['median_ms']:>9.2f}{rounds_iqr:>15}{rounds_range:>17}"
+              f"{s['step_median_ms']:>13.2f}{step_iqr:>15}{s['steps']:>7}")
     for c in report["comparisons"]:
-        verdict = "MET" if c["met"] else "NOT MET" if report["params_match"] else "INVALID (parameters differ)"
-        if quick:
-            verdict += " (--quick: too few steps to judge)"
+        if c["target"] is None:
+            verdict = "diagnostic, no target"
+        else:
+            verdict = "MET" if c["met"] else "NOT MET" if report["params_match"] else "INVALID (parameters differ)"
+            verdict = f"target <= {c['target']:.2f}: {verdict}" + (" (--quick: too few steps to judge)" if quick else "")
+            verdict += f" [{c['role']}]"
         low, high = c["ratio_round_median_ci95"]
-        tag = "headline" if c["headline"] else "reference"
-        print(f"{c['numerator']} / {c['denominator']} = {c['ratio']:.4f}, target <= {c['target']:.2f}: {verdict} [{tag}]"
-              f"\n    per-round ratios: median {c['ratio_round_median']:.4f} (95% CI {low:.3f}-{high:.3f}); "
-              f"ratio of p25s {c['ratio_p25']:.4f}")
+        print(f"{c['numerator']} / {c['denominator']} = {c['ratio']:.4f}, {verdict}"
+              f"\n    median of per-round ratios {c['ratio_round_median']:.4f} (95% CI {low:.3f}-{high:.3f}); "
+              f"per-step medians {c['ratio_step_median']:.4f}, per-step p25s {c['ratio_step_p25']:.4f}")
     if report["params_match"]:
         print(f"parameters agree after equal steps: max |diff| vs {report['param_reference']} = "
               f"{report['max_abs_param_diff']:.3g} (tolerance {report['param_tolerance']:g}; "
@@ -357,7 +399,7 @@ def print_part(report: dict, title: str, quick: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, help="interleaved rounds per part (default 60; --quick 2)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds per part (default 50; --quick 2)")
     parser.add_argument("--steps", type=int, help="timed steps per variant per round (default 6; --quick 3)")
     parser.add_argument("--warmup", type=int, help="untimed steps before each timed block (default 1; --quick 1)")
     parser.add_argument("--batch", type=int, default=64, help="global batch size (split over the 2 processes in part b)")
@@ -369,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     quick = {"rounds": 2, "steps": 3, "warmup": 1}
     # Many short rounds rather than a few long ones: load from elsewhere on the machine then
     # lands on all variants alike, and the per-round ratios average it out.
-    full = {"rounds": 60, "steps": 6, "warmup": 1}
+    full = {"rounds": 50, "steps": 6, "warmup": 1}
     cfg = {key: getattr(args, key) if getattr(args, key) is not None else (quick if args.quick else full)[key]
            for key in ("rounds", "steps", "warmup")}
     # lr 0.5 makes every SGD step move some weight by > 6e-4, far above PARAM_TOLERANCE, so a

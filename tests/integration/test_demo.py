@@ -80,6 +80,6 @@ def test_checkpoint_reloads_and_samples_the_same_text(quick_run) -> None:
     model.load_state_dict(state["model"])
     settings = meta["settings"]
     text = generate(model, CharVocab(meta["vocab_chars"]), settings["prompt"], settings["sample_chars"],
-                    temperature=0.8, top_k=20, seed=settings["seed"])
+                    temperature=settings["temperature"], top_k=settings["top_k"], seed=settings["seed"])
     # sample.txt is the sample plus one newline.
     assert text + "\n" == (out / "sample.txt").read_text(encoding="utf-8")

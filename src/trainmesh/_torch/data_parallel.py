@@ -12,11 +12,13 @@ from trainmesh import runtime
 from .mesh import to_torch_mesh
 
 
-def apply_data_parallel(model: nn.Module, distribution, **ddp_kwargs) -> DistributedDataParallel:
+def apply_data_parallel(model: nn.Module, distribution, **ddp_kwargs) -> nn.Module:
     """Move ``model`` to this process's device and wrap it in DDP over the batch axis.
 
     DDP broadcasts parameters and buffers from the first process at construction, so every
-    replica starts identical, and all-reduces gradients in buckets while backward runs.
+    replica starts identical, and all-reduces gradients in buckets while backward runs. With a
+    batch axis of one process there is nothing to average: the model is returned unwrapped
+    (DDP would still copy every gradient into its buckets and back, ~20% of a small step).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"distribute_model expects a torch.nn.Module. Received: {type(model).__name__}")
@@ -30,6 +32,8 @@ def apply_data_parallel(model: nn.Module, distribution, **ddp_kwargs) -> Distrib
         with torch.no_grad():
             for tensor in list(model.parameters()) + list(model.buffers()):
                 dist.broadcast(tensor.data, src=0)
+    if distribution.data_parallel_size == 1 and torch_mesh.ndim == 1:
+        return model
     group = torch_mesh.get_group(distribution.batch_dim_name)
     device_ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids, process_group=group, **ddp_kwargs)

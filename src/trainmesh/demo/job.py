@@ -51,6 +51,8 @@ class DemoSettings:
     min_lr_ratio: float = 0.1
     sample_chars: int = 300
     prompt: str = "def "
+    temperature: float = 0.8
+    top_k: int = 20
     seed: int = 0
 
     @classmethod
@@ -163,7 +165,7 @@ def train(out: Path, settings: DemoSettings) -> dict[str, Any]:
     }
     if trainer.is_main_process:
         sample = generate(trainer.unwrapped_model, corpus.vocab, settings.prompt, settings.sample_chars,
-                          temperature=0.8, top_k=20, seed=settings.seed)
+                          temperature=settings.temperature, top_k=settings.top_k, seed=settings.seed)
         summary["sample"] = sample
         summary["plot"] = draw_curves(out / "logs", out / "loss_curve.png")
         (out / "sample.txt").write_text(sample + "\n", encoding="utf-8")
@@ -180,7 +182,7 @@ def train(out: Path, settings: DemoSettings) -> dict[str, Any]:
     return summary
 
 
-def report(out: Path, summary: dict[str, Any], prompt: str) -> str:
+def report(out: Path, summary: dict[str, Any], settings: DemoSettings) -> str:
     """The closing message: per-epoch losses, where the outputs are, and the sample."""
     losses = "  ".join(f"epoch {i + 1}: {v:.3f}" for i, v in enumerate(summary["heldout_loss"]))
     lines = [
@@ -193,7 +195,7 @@ def report(out: Path, summary: dict[str, Any], prompt: str) -> str:
         "         logs/steps.jsonl, logs/epochs.jsonl (+csv)  per-step and per-epoch records",
         "         loss_curve.png                              loss per step, held-out loss per epoch",
         "         demo.json, sample.txt                       vocabulary, model config, losses; the sample",
-        f"[demo] sample (prompt {prompt!r}, temperature 0.8, top-k 20):",
+        f"[demo] sample (prompt {settings.prompt!r}, temperature {settings.temperature}, top-k {settings.top_k}):",
         "-" * 72,
         summary["sample"],
         "-" * 72,
@@ -210,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         summary = train(out, settings)
         if tm.is_main_process():
-            text = report(out, summary, settings.prompt)
+            text = report(out, summary, settings)
             # A sampled character the console cannot encode must not fail a finished run.
             encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
             print(text.encode(encoding, errors="replace").decode(encoding), flush=True)

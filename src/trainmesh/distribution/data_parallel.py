@@ -42,7 +42,8 @@ class DataParallel(Distribution):
         return TensorLayout((None,) * len(shape), self.device_mesh)
 
     def distribute_model(self, model, **ddp_options):
-        """Replicate ``model`` (identical on every process at start) under DDP; returns the DDP module.
+        """Replicate ``model`` (identical on every process at start) under DDP; returns the DDP module
+        (or the module itself when the batch axis has a single process: nothing to average).
 
         ``ddp_options`` go to ``DistributedDataParallel`` (``find_unused_parameters``,
         ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``, ...).

@@ -129,7 +129,8 @@ class DistributedBatches:
         """One list of ``micro_batches`` micro-batches per optimizer step (the next epoch)."""
         epoch = self._next_epoch()
         for indices in self.local_indices(epoch):
-            yield [self._to_global(self._fetch(part)) for part in np.split(indices, self.micro_batches)]
+            parts = [indices] if self.micro_batches == 1 else np.split(indices, self.micro_batches)
+            yield [self._to_global(self._fetch(part)) for part in parts]
 
     def _next_epoch(self) -> int:
         epoch = self.epoch

@@ -37,7 +37,7 @@ from .metrics import Metric, resolve_metric
 from .precision import build_precision
 from .progress import ProgressBar
 from .schedules import scale_lr
-from .step import clip_gradients_, forward_backward, global_grad_norm
+from .step import LossAccumulator, clip_gradients_, forward_backward, global_grad_norm
 
 
 def _resolve_distribution(distribution: Any) -> Distribution:
@@ -151,8 +151,10 @@ class Trainer:
         self.callbacks.on_epoch_begin(self.epoch, {})
         self._bar = ProgressBar(len(steps) if steps.has_length() else None, epoch=self.epoch + 1, epochs=epochs,
                                 enabled=self._show_progress())
-        pending = torch.zeros(2, dtype=torch.float64)  # loss x samples, samples since the last sync
-        epoch_sums = torch.zeros(2, dtype=torch.float64)
+        losses = LossAccumulator()  # since the last sync
+        epoch_loss_sum, epoch_samples = 0.0, 0.0
+        sized = steps.has_length()
+        num_steps = len(steps) if sized else None
         skipped_before = self._skipped()
         iterator = iter(steps)
         step = 0
@@ -163,14 +165,13 @@ class Trainer:
             if micro_batches is None:
                 break
             self.callbacks.on_train_batch_begin(step, {})
-            record = self._optimizer_step(micro_batches, pending)
+            record = self._optimizer_step(micro_batches, losses)
             record.update(epoch=self.epoch, step=step, data_wait_s=data_wait,
                           step_time_s=time.perf_counter() - started)
-            last = steps.has_length() and step + 1 == len(steps)
+            last = sized and step + 1 == num_steps
             if (self.global_step % self.config.log_every_n_steps == 0) or last:
-                loss, samples = self._sync(pending)
-                epoch_sums += torch.tensor([loss * samples, samples], dtype=torch.float64)
-                pending.zero_()
+                loss, samples = self._sync(losses)
+                epoch_loss_sum, epoch_samples = epoch_loss_sum + loss * samples, epoch_samples + samples
                 record.update(loss=loss, samples_per_s=samples / max(record["step_time_s"], 1e-9))
                 self.history.record_step(record)
                 if writer:
@@ -183,21 +184,19 @@ class Trainer:
             step += 1
             if self.stop_requested:
                 break
-        if pending[1] > 0:  # steps after the last sync point (unsized data)
-            loss, samples = self._sync(pending)
-            epoch_sums += torch.tensor([loss * samples, samples], dtype=torch.float64)
-        logs = {"loss": float(epoch_sums[0] / epoch_sums[1]) if epoch_sums[1] > 0 else math.nan}
+        if losses.samples:  # steps after the last sync point (unsized data)
+            loss, samples = self._sync(losses)
+            epoch_loss_sum, epoch_samples = epoch_loss_sum + loss * samples, epoch_samples + samples
+        logs = {"loss": epoch_loss_sum / epoch_samples if epoch_samples else math.nan}
         logs.update(self._reduced_metrics(self.metrics))
         if self.precision.scaler is not None:
             logs["skipped_steps"] = self._skipped() - skipped_before
             logs["loss_scale"] = self.precision.scaler.scale_value
         return logs
 
-    def _optimizer_step(self, micro_batches: list, pending: torch.Tensor) -> dict[str, Any]:
-        outputs = forward_backward(self.model, micro_batches, self.loss_fn, self.precision,
-                                   on_outputs=self._update_metrics if self.metrics else None)
-        for out in outputs:
-            pending += torch.tensor([out.loss_sum, out.samples], dtype=torch.float64)
+    def _optimizer_step(self, micro_batches: list, losses: LossAccumulator) -> dict[str, Any]:
+        forward_backward(self.model, micro_batches, self.loss_fn, self.precision, losses,
+                         on_outputs=self._update_metrics if self.metrics else None)
         scaler = self.precision.scaler
         found_inf = scaler.unscale_(self.params) if scaler is not None else False
         grad_norm = None
@@ -220,14 +219,11 @@ class Trainer:
             record["loss_scale"] = scaler.scale_value
         return record
 
-    def _sync(self, pending: torch.Tensor) -> tuple[float, float]:
+    def _sync(self, losses: LossAccumulator) -> tuple[float, float]:
         """One small all-reduce: the loss since the last sync, and whether anyone wants to stop."""
-        stop = 1.0 if self._stop_local else 0.0
-        reduced = all_reduce_sum(torch.tensor([pending[0], pending[1], stop], dtype=torch.float64))
-        if reduced[2] > 0:
-            self.stop_requested = True
-        samples = float(reduced[1])
-        return (float(reduced[0]) / samples if samples else math.nan), samples
+        loss, samples, stop = losses.sync(self._stop_local)
+        self.stop_requested = self.stop_requested or stop
+        return loss, samples
 
     def _agree_on_stop(self) -> None:
         if self.stop_requested:
