@@ -162,10 +162,21 @@ def barrier() -> None:
 
 
 def shutdown() -> None:
-    """Leave the job: destroy the process group trainmesh started. Safe to call twice."""
+    """Leave the job: destroy the process group trainmesh started. Safe to call twice.
+
+    Call it on every process (as ``destroy_process_group``): it first waits, bounded by the
+    collective timeout, until every process got here, because a process that tears its gloo
+    connections down while a peer is still working (e.g. the main process writing reports)
+    could abort in gloo's teardown ("terminate called without an active exception").
+    """
     with _lock:
         for callback in _on_shutdown:
             callback()
         if is_initialized() and _state["owned"]:
+            if dist.get_world_size() > 1:
+                try:
+                    barrier()
+                except RuntimeError:
+                    pass  # a peer is gone already; leaving is all that is left to do
             dist.destroy_process_group()
         _state.update(cluster=None, timeout=None, owned=False)
