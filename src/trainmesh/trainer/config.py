@@ -37,6 +37,10 @@ class TrainerConfig:
     seed: int = 0
     drop_remainder: bool = False
     eval_batch_size: int | None = None
+    # Memory (see trainmesh._torch.parallelize): None = the distribution's own setting.
+    zero_stage: int | None = None  # 0..3: DDP, + sharded optimizer state, + sharded gradients, + sharded parameters
+    cpu_offload: bool = False
+    activation_checkpointing: str | None = None  # None | "full" | "selective" | "every:K" | a regex on module paths
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -57,6 +61,8 @@ class TrainerConfig:
             raise ValueError(f"log_every_n_steps must be >= 1. Received: log_every_n_steps={self.log_every_n_steps!r}")
         if self.progress not in (True, False, "auto"):
             raise ValueError(f"progress must be True, False or 'auto'. Received: progress={self.progress!r}")
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2, 3 or None. Received: zero_stage={self.zero_stage!r}")
         if self.eval_batch_size is not None and self.eval_batch_size < 1:
             raise ValueError(f"eval_batch_size must be >= 1. Received: eval_batch_size={self.eval_batch_size!r}")
 
