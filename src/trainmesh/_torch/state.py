@@ -1,7 +1,10 @@
 """Full (unsharded) state dicts of distributed models and optimizers, and loading them back.
 
 Built on ``torch.distributed.checkpoint.state_dict``, which knows DDP prefixes and gathers
-DTensor parameters and optimizer state. Every process must call these together.
+DTensor parameters and optimizer state (FSDP2 included). ``ZeroRedundancyOptimizer`` (ZeRO
+stage 1) is the exception torch's helpers do not know: it is consolidated on the main process
+first (``zero_optimizer.full_state``) into the same FQN-keyed format. Every process must call
+these together.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ def full_model_state(model: nn.Module) -> dict[str, Any]:
 
 
 def full_optimizer_state(model: nn.Module, optimizer) -> dict[str, Any]:
+    from .zero_optimizer import full_state, is_zero_optimizer
+
+    if is_zero_optimizer(optimizer):
+        return full_state(model, optimizer)
     return get_optimizer_state_dict(model, optimizer, options=_FULL)
 
 
@@ -33,4 +40,8 @@ def load_full_model_state(model: nn.Module, state: dict[str, Any]) -> None:
 
 
 def load_full_optimizer_state(model: nn.Module, optimizer, state: dict[str, Any]) -> None:
+    from .zero_optimizer import is_zero_optimizer, load_full_state
+
+    if is_zero_optimizer(optimizer):
+        return load_full_state(model, optimizer, state)
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

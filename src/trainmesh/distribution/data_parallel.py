@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 from .distribution import Distribution, variable_path_and_shape
 from .layout import TensorLayout
+from .memory_options import MemoryOptions
 from .mesh import DeviceMesh, _default_devices
 
 
@@ -16,13 +17,25 @@ class DataParallel(Distribution):
     mesh, its first axis is the batch axis. Underneath: torch ``DistributedDataParallel``
     (bucketed all-reduce overlapped with backward).
 
+    ``zero_stage`` 1-3 shards optimizer state / + gradients / + parameters over the batch axis
+    (``ZeroRedundancyOptimizer``, FSDP2); ``shard_unit`` picks the FSDP units (a module class,
+    a tuple of classes, or an int byte threshold; default: each block of the first
+    ``nn.ModuleList``); ``cpu_offload`` keeps FSDP2 state in host memory (CUDA only, a no-op
+    with a warning on CPU); ``reduce_dtype`` is the gradient-reduction dtype under mixed
+    precision. See :class:`~trainmesh.distribution.memory_options.MemoryOptions`.
+
+    >>> DataParallel(devices=["cpu:0", "cpu:1"], zero_stage=3).zero_stage
+    3
     >>> dp = DataParallel(devices=["cpu:0", "cpu:1"])
     >>> dp.batch_dim_name, dp.device_mesh.shape
     ('batch', (2,))
     """
 
     def __init__(self, device_mesh: DeviceMesh | None = None, devices: Sequence[str] | None = None,
-                 auto_shard_dataset: bool = True):
+                 auto_shard_dataset: bool = True, *, zero_stage: int = 0, shard_unit: Any = None,
+                 cpu_offload: bool = False, reduce_dtype: Any = None):
+        self._memory = MemoryOptions(zero_stage=zero_stage, shard_unit=shard_unit, cpu_offload=cpu_offload,
+                                     reduce_dtype=reduce_dtype)
         if device_mesh is not None and devices is not None:
             raise ValueError(
                 "Pass either device_mesh or devices to DataParallel, not both. "
@@ -37,6 +50,14 @@ class DataParallel(Distribution):
             raise ValueError(f"device_mesh must be a trainmesh DeviceMesh. Received: device_mesh={device_mesh!r}")
         super().__init__(device_mesh, batch_dim_name=device_mesh.axis_names[0], auto_shard_dataset=auto_shard_dataset)
 
+    @property
+    def memory(self) -> MemoryOptions:
+        return self._memory
+
+    @property
+    def zero_stage(self) -> int:
+        return self._memory.zero_stage
+
     def get_variable_layout(self, variable: Any) -> TensorLayout:
         _, shape = variable_path_and_shape(variable)
         return TensorLayout((None,) * len(shape), self.device_mesh)
@@ -44,10 +65,23 @@ class DataParallel(Distribution):
     def distribute_model(self, model, **ddp_options):
         """Replicate ``model`` (identical on every process at start) under DDP; returns the DDP module
         (or the module itself when the batch axis has a single process: nothing to average).
+        With ``zero_stage`` 2 or 3 the FSDP2-sharded module is returned instead.
 
         ``ddp_options`` go to ``DistributedDataParallel`` (``find_unused_parameters``,
-        ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``, ...).
+        ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``, ...), stages 0-1 only.
         """
-        from trainmesh._torch.data_parallel import apply_data_parallel
+        from trainmesh._torch.parallelize import parallelize
 
-        return apply_data_parallel(model, self, **ddp_options)
+        return parallelize(model, self, ddp_options=ddp_options)
+
+    def prepare_optimizer(self, optimizer, model):
+        """Stage 1: the same optimizer with its state sharded (``ZeroRedundancyOptimizer``).
+
+        The stage is the one ``model`` was distributed with (a Trainer's ``zero_stage`` may
+        override the distribution's)."""
+        stage = getattr(model, "_trainmesh_memory", {}).get("zero_stage", self._memory.zero_stage)
+        if stage != 1:
+            return optimizer
+        from trainmesh._torch.zero_optimizer import shard_optimizer_state
+
+        return shard_optimizer_state(optimizer, self)

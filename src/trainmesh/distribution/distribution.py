@@ -111,6 +111,11 @@ class Distribution(abc.ABC):
     def distribute_model(self, model):
         """Place ``model``'s parameters per this distribution; returns the model to train."""
 
+    def prepare_optimizer(self, optimizer, model):
+        """The optimizer to train ``model`` (already distributed) with; identity unless a
+        distribution shards optimizer state (``DataParallel(zero_stage=1)``)."""
+        return optimizer
+
     def distribute_dataset(self, dataset, global_batch_size: int, *, shuffle: bool = False, seed: int = 0,
                            drop_remainder: bool = False):
         """This process's iterable of local batches of ``dataset`` (global-batch semantics).

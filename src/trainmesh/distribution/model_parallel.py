@@ -6,6 +6,7 @@ from typing import Any
 
 from .distribution import Distribution, variable_path_and_shape
 from .layout import LayoutMap, TensorLayout
+from .memory_options import MemoryOptions
 
 
 class ModelParallel(Distribution):
@@ -26,7 +27,10 @@ class ModelParallel(Distribution):
     """
 
     def __init__(self, *, layout_map: LayoutMap | None = None, batch_dim_name: str | None = None,
-                 auto_shard_dataset: bool = True):
+                 auto_shard_dataset: bool = True, zero_stage: int = 0, shard_unit: Any = None,
+                 cpu_offload: bool = False, reduce_dtype: Any = None):
+        self._memory = MemoryOptions(zero_stage=zero_stage, shard_unit=shard_unit, cpu_offload=cpu_offload,
+                                     reduce_dtype=reduce_dtype)
         if not isinstance(layout_map, LayoutMap):
             raise ValueError(f"ModelParallel needs a LayoutMap. Received: layout_map={layout_map!r}")
         mesh = layout_map.device_mesh
@@ -38,6 +42,15 @@ class ModelParallel(Distribution):
     @property
     def layout_map(self) -> LayoutMap:
         return self._layout_map
+
+    @property
+    def memory(self) -> MemoryOptions:
+        """ZeRO over the batch axis (see ``DataParallel``); stages 2-3 with tensor parallelism: 2-D FSDP2."""
+        return self._memory
+
+    @property
+    def zero_stage(self) -> int:
+        return self._memory.zero_stage
 
     def get_variable_layout(self, variable: Any) -> TensorLayout:
         path, shape = variable_path_and_shape(variable)
@@ -52,9 +65,9 @@ class ModelParallel(Distribution):
 
     def distribute_model(self, model):
         """Shard ``model``'s parameters in place per the layout map (DTensor); returns the model."""
-        from trainmesh._torch.tensor_parallel import apply_model_parallel
+        from trainmesh._torch.parallelize import parallelize
 
-        return apply_model_parallel(model, self)
+        return parallelize(model, self)
 
     def _batch_to_global(self, local_batch):
         from trainmesh._torch.tensor_parallel import batch_to_global

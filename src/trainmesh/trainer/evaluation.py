@@ -4,7 +4,9 @@ Each process sees its share of every global batch (shares may be unequal or empt
 last batch). Loss and metric states are accumulated as sums and all-reduced once at the
 end, so the result is the same on 1, 2 or 4 processes. Under DDP the forward runs on the
 unwrapped module (a forward with no collective, so an empty share can simply be skipped);
-DTensor models run on the global batch, which every process enters together.
+DTensor models run on the global batch, which every process enters together; FSDP2 (ZeRO
+2-3) models all-gather parameters in forward, so every process runs every forward too, with
+its local rows (possibly none).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 import torch
 
 from trainmesh._torch.reduce import all_reduce_sum, gather_batches
-from trainmesh._torch.sync import unwrap
+from trainmesh._torch.sync import runs_collectives_in_forward, unwrap
 
 from .data_input import eval_batches
 from .metrics import Metric
@@ -25,8 +27,12 @@ def _is_dtensor_model(trainer) -> bool:
     return getattr(trainer.model, "_trainmesh_distribution", None) is not None
 
 
+def _every_process_forwards(trainer) -> bool:
+    return runs_collectives_in_forward(trainer.model)
+
+
 def _forward_model(trainer) -> torch.nn.Module:
-    return trainer.model if _is_dtensor_model(trainer) else unwrap(trainer.model)
+    return trainer.model if _every_process_forwards(trainer) else unwrap(trainer.model)
 
 
 def _to_model_input(trainer, value: Any, rows: int) -> Any:
@@ -47,7 +53,7 @@ def run_evaluation(trainer, data: Any, batch_size: int | None, metrics: list[Met
         with torch.no_grad():
             for step, (rows, batch) in enumerate(eval_batches(data, trainer.distribution, batch_size=batch_size)):
                 trainer.callbacks.on_test_batch_begin(step, {})
-                if batch is None or (batch_rows(batch) == 0 and not _is_dtensor_model(trainer)):
+                if batch is None or (batch_rows(batch) == 0 and not _every_process_forwards(trainer)):
                     trainer.callbacks.on_test_batch_end(step, {})
                     continue
                 inputs, targets = split_batch(trainer.precision.convert_input(batch))
@@ -87,7 +93,7 @@ def run_prediction(trainer, data: Any, batch_size: int | None) -> torch.Tensor:
     try:
         with torch.no_grad():
             for rows, batch in eval_batches(data, trainer.distribution, batch_size=batch_size):
-                if batch is None or (batch_rows(batch) == 0 and not _is_dtensor_model(trainer)):
+                if batch is None or (batch_rows(batch) == 0 and not _every_process_forwards(trainer)):
                     shares.append(None)
                     continue
                 batch = trainer.precision.convert_input(batch)

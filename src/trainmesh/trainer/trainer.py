@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from trainmesh import runtime
+from trainmesh._torch.parallelize import parallelize
 from trainmesh._torch.reduce import all_reduce_sum
 from trainmesh._torch.state import (
     full_model_state,
@@ -73,7 +74,10 @@ class Trainer:
         names_before = {id(p): name for name, p in model.named_parameters()}
         model = self.precision.convert_module(model)
         with self.distribution.scope():
-            self.model = self.distribution.distribute_model(model)
+            self.model = parallelize(model, self.distribution, zero_stage=self.config.zero_stage,
+                                     activation_checkpointing=self.config.activation_checkpointing,
+                                     cpu_offload=self.config.cpu_offload or None,
+                                     mixed_precision=getattr(self.precision, "dtype", None))
         self.optimizer = self._bind_optimizer(optimizer, names_before)
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.scheduler = None  # built in fit, after any lr scaling, so it starts from the scaled lr
@@ -120,6 +124,9 @@ class Trainer:
             self.scheduler = self.config.scheduler(self.optimizer)
         if self.is_main_process:
             print(f"[trainmesh] {self.plan.describe()}", flush=True)
+            memory = getattr(self.model, "_trainmesh_memory", None)
+            if memory and (memory["zero_stage"] or memory["cpu_offload"] != "off"):
+                print(f"[trainmesh] memory: {', '.join(f'{k} {v}' for k, v in memory.items())}", flush=True)
         self._stop_local = self.stop_requested = False
         self.callbacks.on_train_begin({})
         if resume:  # after on_train_begin, which resets callbacks, so their saved state survives
@@ -343,7 +350,7 @@ class Trainer:
             if not callable(optimizer):
                 raise TypeError(f"optimizer must be a torch Optimizer or a callable params -> Optimizer. "
                                 f"Received: {optimizer!r}")
-            return optimizer(self.model.parameters())
+            return self.distribution.prepare_optimizer(optimizer(self.model.parameters()), self.model)
         # A distribution may replace parameters (DTensor); point the optimizer at the new ones.
         new_by_name = dict(unwrap(self.model).named_parameters())
         for group in optimizer.param_groups:
@@ -357,7 +364,7 @@ class Trainer:
             if any(p is not q for p, q in zip(group["params"], rebound)) and optimizer.state:
                 raise ValueError("The optimizer already has state; pass a fresh one (or a callable) to the Trainer.")
             group["params"] = rebound
-        return optimizer
+        return self.distribution.prepare_optimizer(optimizer, self.model)  # ZeRO-1 shards its state
 
     def _apply_lr_scaling(self, batch_size: int | None) -> None:
         if self.config.lr_scaling is None or batch_size is None:

@@ -1,0 +1,154 @@
+"""ZeRO stages 2 and 3 -> FSDP2 ``fully_shard`` over the batch axis.
+
+Stage 2 shards gradients (reduce-scatter instead of all-reduce) and optimizer state;
+stage 3 also frees each unit's gathered parameters after its forward and gathers them
+again for its backward. Both are FSDP2 with a different resharding policy:
+
+* stage 2: ``reshard_after_forward=False``: a unit's parameters stay gathered from its
+  forward through its backward (no second all-gather). FSDP2 still keeps parameters
+  *sharded between steps* (they are DTensor shards the optimizer updates in place), so
+  stage 2 here shards a superset of what ZeRO-2 promises: the full parameters exist only
+  from a unit's forward to its backward, not for the whole run.
+* stage 3: ``reshard_after_forward=True``: gathered before use, freed after, again in
+  backward; the next unit is prefetched (explicitly, in execution order, where we know it;
+  FSDP2's implicit prefetch otherwise) so communication overlaps compute.
+
+The units (which sub-modules are gathered at once) come from ``shard_unit``: see
+``select_shard_units``. We use torch's engine rather than our own sharding because FSDP2
+already gives exact numerics (it reduce-scatters a SUM and divides by the group size, as
+DDP averages), overlap and sharded state dicts.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from trainmesh import runtime
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_warned_offload = [False]
+
+
+def _param_bytes(module: nn.Module, skip: set[int]) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in skip)
+
+
+def _first_module_list(model: nn.Module) -> nn.ModuleList | None:
+    for _, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module):
+            return module
+    return None
+
+
+def _units_by_size(model: nn.Module, threshold: int) -> list[nn.Module]:
+    """Bottom-up, as FSDP1's size policy: a module becomes a unit when the parameters it holds
+    that no unit below it already holds exceed ``threshold`` bytes."""
+    units: list[nn.Module] = []
+    claimed: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            visit(child)
+        if module is not model and _param_bytes(module, claimed) > threshold:
+            units.append(module)
+            claimed.update(id(p) for p in module.parameters())
+
+    visit(model)
+    return units
+
+
+def select_shard_units(model: nn.Module, shard_unit) -> tuple[list[nn.Module], bool]:
+    """The sub-modules to shard as their own FSDP unit (children before parents; the root is
+    always a unit too and is not listed), and whether their order is the execution order.
+
+    * ``None``: each child of the first non-empty ``nn.ModuleList`` (the transformer blocks of
+      most models); without one, by size with a threshold of 1/8 of the model's bytes (so at
+      most ~8 units of comparable size; a tiny model stays one unit).
+    * a class or tuple of classes: every instance is a unit (e.g. each ``Block``).
+    * an int: a byte threshold (see ``_units_by_size``).
+    """
+    if shard_unit is None:
+        blocks = _first_module_list(model)
+        if blocks is not None:
+            return list(blocks), True
+        return _units_by_size(model, max(_param_bytes(model, set()) // 8, 1)), False
+    if isinstance(shard_unit, int):
+        return _units_by_size(model, shard_unit), False
+    units = [m for m in model.modules() if m is not model and isinstance(m, shard_unit)]
+    # A unit nested in another is fine for FSDP2 only when the inner one is sharded first.
+    units.sort(key=lambda m: -_depth(model, m))
+    in_order = [m for m in model.modules() if any(m is u for u in units)]
+    return units, _no_nesting(units) and len(in_order) == len(units)
+
+
+def _depth(root: nn.Module, target: nn.Module) -> int:
+    for name, module in root.named_modules():
+        if module is target:
+            return name.count(".") + 1
+    return 0
+
+
+def _no_nesting(units: list[nn.Module]) -> bool:
+    ids = {id(u) for u in units}
+    return all(not any(id(m) in ids for m in u.modules() if m is not u) for u in units)
+
+
+def build_mixed_precision(compute_dtype: torch.dtype | None, reduce_dtype: str | None) -> MixedPrecisionPolicy:
+    """fp32 master shards (the parameters the optimizer sees); ``compute_dtype`` copies are
+    gathered for forward/backward; gradients are reduced in ``reduce_dtype`` (default fp32
+    under mixed precision: a bf16 reduce-scatter loses low bits of the averaged gradient)."""
+    reduce = _DTYPES[reduce_dtype] if reduce_dtype else (torch.float32 if compute_dtype is not None else None)
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce)
+
+
+def offload_policy(cpu_offload: bool) -> tuple[OffloadPolicy, str]:
+    """FSDP2's ``CPUOffloadPolicy`` on CUDA (sharded parameters, gradients and optimizer state
+    live in pinned host memory, the optimizer steps there). On a CPU run everything is in host
+    memory already: accepted, reported once, a no-op."""
+    if not cpu_offload:
+        return OffloadPolicy(), "off"
+    if runtime.torch_device_type() == "cuda":
+        return CPUOffloadPolicy(), "on"
+    if not _warned_offload[0]:
+        warnings.warn("cpu_offload=True on a CPU-only run is a no-op: model state is already in host memory.",
+                      stacklevel=3)
+        _warned_offload[0] = True
+    return OffloadPolicy(), "no-op (CPU run)"
+
+
+def apply_fsdp(model: nn.Module, dp_mesh, *, zero_stage: int, shard_unit=None,
+               compute_dtype: torch.dtype | None = None, reduce_dtype: str | None = None,
+               cpu_offload: bool = False) -> nn.Module:
+    """Shard ``model`` over ``dp_mesh`` (a 1-D torch DeviceMesh) as ZeRO ``zero_stage`` (2 or 3)."""
+    assert zero_stage in (2, 3), zero_stage
+    if isinstance(model, FSDPModule):
+        raise ValueError("The model is already sharded with fully_shard; pass the plain module.")
+    units, ordered = select_shard_units(model, shard_unit)
+    offload, offload_state = offload_policy(cpu_offload)
+    options = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3,
+                   mp_policy=build_mixed_precision(compute_dtype, reduce_dtype), offload_policy=offload)
+    model.to(runtime.local_torch_device())
+    # fully_shard keeps each process's own chunk of its own copy; start every copy from the
+    # first process's weights, as DDP does, so all stages start (and stay) identical.
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(tensor.data, src=0)
+    for unit in units:
+        fully_shard(unit, **options)
+    fully_shard(model, **options)
+    if zero_stage == 3 and ordered and len(units) > 1:
+        # Gather unit i+1 while unit i computes (forward), and unit i-1 while unit i's backward runs.
+        for current, following in zip(units, units[1:]):
+            current.set_modules_to_forward_prefetch([following])
+            following.set_modules_to_backward_prefetch([current])
+    model._trainmesh_memory = {"zero_stage": zero_stage, "shard_units": len(units) + 1, "cpu_offload": offload_state}
+    return model
+
+
+def is_fsdp_model(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)

@@ -1,0 +1,71 @@
+"""ZeRO stage 1 -> ``torch.distributed.optim.ZeroRedundancyOptimizer`` over the batch axis.
+
+Each process keeps the optimizer state of ~1/N of the parameters and steps only those, then
+the updated parameters are broadcast from their owners. Gradients are still all-reduced by
+DDP, so the update is the same as stage 0's (Adam & co. are elementwise).
+
+Its ``state_dict`` is the full state only after ``consolidate_state_dict``; ``full_state`` /
+``load_full_state`` below convert it to and from torch's FQN-keyed full optimizer state
+(the format ``get_optimizer_state_dict`` writes for the other stages), so a checkpoint of any
+stage resumes under any other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from trainmesh import runtime
+
+from .mesh import to_torch_mesh
+
+
+def shard_optimizer_state(optimizer: torch.optim.Optimizer, distribution) -> torch.optim.Optimizer:
+    """The same optimizer class and hyper-parameters over the same parameters, state sharded."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"zero_stage=1 needs a torch.optim.Optimizer. Received: {type(optimizer).__name__}")
+    if any(optimizer.state.values()):
+        raise ValueError("zero_stage=1 shards optimizer state from the first step; pass a fresh optimizer "
+                         f"(it has state for {len(optimizer.state)} parameters). Received: optimizer={optimizer!r}")
+    group = to_torch_mesh(distribution.device_mesh).get_group(distribution.batch_dim_name)
+    groups = [{k: v for k, v in g.items() if k != "initial_lr"} for g in optimizer.param_groups]
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group,
+                                   **optimizer.defaults)
+
+
+def is_zero_optimizer(optimizer: Any) -> bool:
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def _index_to_name(model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> list[str]:
+    from .sync import unwrap
+
+    names = {id(p): n for n, p in unwrap(model).named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def full_state(model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> dict[str, Any]:
+    """Gathered on the main process (collective: every process calls it); others get ``{}``."""
+    optimizer.consolidate_state_dict(to=0)
+    if runtime.rank() != 0:
+        return {}
+    state = optimizer.state_dict()
+    names = _index_to_name(model, optimizer)
+    return {
+        "state": {names[i]: value for i, value in state["state"].items() if value is not None},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def load_full_state(model: nn.Module, optimizer: ZeroRedundancyOptimizer, state: dict[str, Any]) -> None:
+    """Each process keeps the state of the parameters it owns (ZeroRedundancyOptimizer's rule)."""
+    index = {name: i for i, name in enumerate(_index_to_name(model, optimizer))}
+    optimizer.load_state_dict({
+        "state": {index[name]: value for name, value in state["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+    })

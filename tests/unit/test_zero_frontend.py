@@ -1,0 +1,90 @@
+"""ZeRO options on DataParallel / ModelParallel (validated at construction) and shard-unit selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainmesh.distribution import DataParallel, DeviceMesh, LayoutMap, ModelParallel
+from trainmesh.distribution.memory_options import MemoryOptions
+
+pytestmark = pytest.mark.timeout(60)
+
+TWO = ["cpu:0", "cpu:1"]
+
+
+def test_defaults_are_stage_0_without_offload():
+    dp = DataParallel(devices=TWO)
+    assert dp.zero_stage == 0 and dp.memory == MemoryOptions()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(zero_stage=4), "zero_stage=4"),
+    (dict(zero_stage=True), "zero_stage=True"),
+    (dict(zero_stage=3, cpu_offload="yes"), "cpu_offload='yes'"),
+    (dict(zero_stage=1, cpu_offload=True), "zero_stage=1, cpu_offload=True"),
+    (dict(shard_unit=0), "shard_unit=0"),
+    (dict(shard_unit="Block"), "shard_unit='Block'"),
+    (dict(reduce_dtype="int8"), "reduce_dtype='int8'"),
+])
+def test_bad_options_raise_naming_the_value(bad, match):
+    with pytest.raises(ValueError, match=match):
+        DataParallel(devices=TWO, **bad)
+    mesh = DeviceMesh((2,), ["data"], devices=TWO)
+    with pytest.raises(ValueError, match=match):
+        ModelParallel(layout_map=LayoutMap(mesh), **bad)
+
+
+def test_reduce_dtype_spellings_and_shard_unit_forms():
+    assert DataParallel(devices=TWO, reduce_dtype=torch.bfloat16).memory.reduce_dtype == "bfloat16"
+    assert DataParallel(devices=TWO, reduce_dtype="fp32").memory.reduce_dtype == "float32"
+    assert DataParallel(devices=TWO, shard_unit=torch.nn.Linear).memory.shard_unit == (torch.nn.Linear,)
+    assert DataParallel(devices=TWO, shard_unit=1 << 20).memory.shard_unit == 1 << 20
+    assert MemoryOptions(zero_stage=2).replace(zero_stage=None, cpu_offload=True).cpu_offload is True
+
+
+def test_prepare_optimizer_is_identity_unless_stage_1():
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert DataParallel(devices=TWO).prepare_optimizer(optimizer, model) is optimizer
+    mesh = DeviceMesh((2,), ["data"], devices=TWO)
+    assert ModelParallel(layout_map=LayoutMap(mesh)).prepare_optimizer(optimizer, model) is optimizer
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width=16):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+
+
+class WithBlocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 16)
+        self.blocks = torch.nn.ModuleList([Block(), Block(), Block()])
+
+
+def test_shard_units_default_class_and_size():
+    from trainmesh._torch.zero import select_shard_units
+
+    model = WithBlocks()
+    units, ordered = select_shard_units(model, None)
+    assert units == list(model.blocks) and ordered
+    units, _ = select_shard_units(model, (torch.nn.Linear,))
+    assert len(units) == 7
+    one_linear = (16 * 16 + 16) * 4
+    units, _ = select_shard_units(model, one_linear)  # each Block holds two Linears: above, a Linear alone: not
+    assert units == list(model.blocks)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert select_shard_units(plain, None)[0] == [plain[0]]  # by size: 1/8 of the model
+    assert select_shard_units(plain, 10**9)[0] == []  # the root alone
+
+
+def test_activation_checkpointing_missing_module_is_a_clear_error(monkeypatch):
+    import sys
+
+    from trainmesh._torch import parallelize as module
+
+    monkeypatch.setitem(sys.modules, "trainmesh._torch.activation_checkpointing", None)
+    with pytest.raises(ValueError, match="activation_checkpointing='full'"):
+        module._apply_activation_checkpointing(torch.nn.Linear(2, 2), "full")
