@@ -18,6 +18,7 @@ from .distribution import (
     distribution,
     set_distribution,
 )
+from .planner import plan
 from .runtime import (
     barrier,
     initialize,
@@ -80,6 +81,7 @@ __all__ = [
     "ModelParallel",
     "TensorLayout",
     "barrier",
+    "plan",
     "distribution",
     "initialize",
     "is_main_process",

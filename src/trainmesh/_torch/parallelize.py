@@ -21,16 +21,7 @@ from torch import nn
 
 from trainmesh.distribution.memory_options import MemoryOptions
 
-
-def _apply_activation_checkpointing(model: nn.Module, policy: Any) -> nn.Module:
-    try:
-        from .activation_checkpointing import apply_activation_checkpointing
-    except ImportError as error:  # built in parallel with this module; fail only when asked for
-        raise ValueError(
-            "activation_checkpointing needs trainmesh._torch.activation_checkpointing, which is not "
-            f"available in this installation. Received: activation_checkpointing={policy!r}"
-        ) from error
-    return apply_activation_checkpointing(model, policy)
+from .activation_checkpointing import apply_activation_checkpointing
 
 
 def resolve_memory_options(distribution, *, zero_stage: int | None = None, cpu_offload: bool | None = None
@@ -58,7 +49,7 @@ def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None
     if not isinstance(distribution, (DataParallel, ModelParallel)):
         # A user's own Distribution subclass: its distribute_model decides, after checkpointing.
         if activation_checkpointing is not None:
-            model = _apply_activation_checkpointing(model, activation_checkpointing)
+            model = apply_activation_checkpointing(model, activation_checkpointing)
         return distribution.distribute_model(model)
     is_tp = isinstance(distribution, ModelParallel)
     if is_tp and options.zero_stage > 0:
@@ -78,7 +69,7 @@ def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None
         model = apply_model_parallel(model, distribution)
     # 2. activation checkpointing
     if activation_checkpointing is not None:
-        model = _apply_activation_checkpointing(model, activation_checkpointing)
+        model = apply_activation_checkpointing(model, activation_checkpointing)
     if is_tp:
         return model  # TP already reduces gradients over the batch axis (its grad hooks)
     # 3. data parallelism / ZeRO over the batch axis

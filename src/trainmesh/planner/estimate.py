@@ -1,0 +1,159 @@
+"""``plan``: per-rank memory of training a model, for each ZeRO stage and checkpointing choice.
+
+What each row adds up (per rank, N = world size, P/G/O = full parameters incl. buffers,
+gradients, optimizer state; "/N" = dim-0 shards on the fullest rank):
+
+=====  ======  ======  ======  ==============================================================
+stage  params  grads   optim.  buffers (working copies during a step)
+=====  ======  ======  ======  ==============================================================
+0      P       G       O       DDP's gradient buckets, one more G (N > 1)
+1      P       G       O/N     DDP's gradient buckets (ZeroRedundancyOptimizer shards only O)
+2      P/N     G/N     O/N     every unit's gathered parameters (FSDP2 reshard_after_forward=False
+                               keeps them from forward to backward) + the largest unit's
+                               unsharded gradient before its reduce-scatter
+3      P/N     G/N     O/N     the root unit's gathered parameters (FSDP2 keeps the root
+                               unsharded) + one gathered block + the largest unsharded gradient
+=====  ======  ======  ======  ==============================================================
+
+Units are the repeated blocks (``meta_model.find_blocks``) plus the root. ``activations`` is
+measured (``activations.py``); with checkpointing it includes one block's recompute. ``total``
+is the sum of the columns: it assumes gradients and activations are all alive at once, which
+over-states the true peak by at most min(G, activations) (backward frees activations as it makes
+gradients). Not counted: the batch, the loss's own saved tensors, allocator/runtime overhead.
+
+>>> import torch
+>>> report = plan(lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)),
+...               world_size=2, micro_batch=4, example_input=torch.zeros(4, 64), budget_bytes="1MiB")
+>>> [(r.zero_stage, r.activation_checkpointing) for r in report.rows][:3]
+[(0, None), (0, 'full'), (1, None)]
+>>> report.best().zero_stage
+0
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .activations import ActivationProfile, checkpoint_paths, measure_activations
+from .meta_model import build_meta_model, find_blocks
+from .model_states import ModelStates, count_model_states
+from .report import PlanReport, PlanRow, parse_bytes
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
+
+
+def _default_input(meta_model: nn.Module, micro_batch: int, seq_len: int | None) -> torch.Tensor:
+    first = next((m for m in meta_model.modules() if next(m.parameters(recurse=False), None) is not None), None)
+    if not isinstance(first, nn.Embedding):
+        raise ValueError("example_input is required unless the model's first layer is an nn.Embedding "
+                         f"(then (micro_batch, seq_len) token ids are used). Received: first layer "
+                         f"{type(first).__name__}, example_input=None")
+    if seq_len is None:
+        raise ValueError("seq_len is required for a model that starts with an nn.Embedding. Received: seq_len=None")
+    return torch.zeros((micro_batch, seq_len), dtype=torch.long, device="meta")
+
+
+def _has_full(meta_model: nn.Module) -> bool:
+    """Whether "full" checkpointing applies (the default second row): the model has repeated blocks."""
+    try:
+        return bool(checkpoint_paths(meta_model, "full"))
+    except ValueError:
+        return False
+
+
+def _stage_row(states: ModelStates, blocks: list[str], stage: int, world_size: int, *, cpu_offload: bool,
+               policy: str | None, activations: int, budget: int | None, accumulate: bool) -> PlanRow:
+    n = world_size
+    p_full, g_full, o_full = states.param_bytes + states.buffer_bytes, states.grad_bytes, states.optimizer_bytes
+    p_shard, g_shard, o_shard = states.sharded(n)
+    p_shard += states.buffer_bytes  # FSDP2 does not shard buffers
+    units = [states.subset([b]) for b in blocks] or [states]
+    root = ModelStates(tuple(p for p in states.params if p not in {q for u in units for q in u.params}), 0)
+    largest_grad = max([u.grad_bytes for u in units] + [root.grad_bytes])
+    notes: list[str] = []
+    if stage == 0:
+        params, grads, optimizer, buffers = p_full, g_full, o_full, g_full if n > 1 else 0
+    elif stage == 1:
+        params, grads, optimizer, buffers = p_full, g_full, o_shard, g_full if n > 1 else 0
+    elif stage == 2:
+        params, grads, optimizer = p_shard, g_shard, o_shard
+        buffers = states.param_bytes + largest_grad
+    else:
+        params, grads, optimizer = p_shard, g_shard, o_shard
+        buffers = root.param_bytes + max(u.param_bytes for u in units) + largest_grad
+    host = 0
+    if cpu_offload and stage >= 2:
+        host = params - states.buffer_bytes + grads + optimizer
+        params, grads, optimizer = states.buffer_bytes, 0, 0
+        notes.append("sharded states offloaded to host memory (a no-op on a CPU-only run)")
+    elif cpu_offload:
+        notes.append("cpu_offload needs stage 2 or 3; not applied")
+    return PlanRow(zero_stage=stage, activation_checkpointing=policy, params=params, grads=grads,
+                   optimizer=optimizer, activations=activations, buffers=buffers, host=host, budget=budget,
+                   grads_with_activations=accumulate, notes=tuple(notes))
+
+
+def plan(model_or_factory: nn.Module | Callable[[], nn.Module], *, world_size: int, zero_stage: int | None = None,
+         precision: str = "fp32", micro_batch: int, seq_len: int | None = None, example_input: Any = None,
+         activation_checkpointing: str | None = None, cpu_offload: bool = False,
+         budget_bytes: int | str | None = None, optimizer: Any = "adam", grad_accum_steps: int = 1,
+         device: str = "cpu") -> PlanReport:
+    """Plan per-rank memory without allocating the model (it is built on the meta device).
+
+    ``example_input`` is one micro-batch (leading dimension ``micro_batch``; a tuple is passed as
+    positional arguments); for a model that starts with an ``nn.Embedding`` it may be left out and
+    ``(micro_batch, seq_len)`` token ids are used. ``optimizer``: ``"adam"``, ``"adamw"``, ``"sgd"``
+    (momentum 0.9), an optimizer class, or ``params -> optimizer``. ``device`` is where the real
+    run computes (kernel choice changes what is saved for backward). ``grad_accum_steps > 1``
+    keeps gradients alive across micro-steps, so they add to the activations.
+
+    >>> import torch
+    >>> r = plan(lambda: torch.nn.Linear(1000, 1000), world_size=4, zero_stage=3, micro_batch=8,
+    ...          example_input=torch.zeros(8, 1000), activation_checkpointing=None)
+    >>> r.rows[0].params   # (1000*1000 + 1000) * 4 bytes, split in 4 along dim 0
+    1001000
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1. Received: world_size={world_size!r}")
+    if zero_stage not in (None, 0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be None or 0..3. Received: zero_stage={zero_stage!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}. Received: precision={precision!r}")
+    if not isinstance(micro_batch, int) or micro_batch < 1:
+        raise ValueError(f"micro_batch must be an int >= 1. Received: micro_batch={micro_batch!r}")
+    if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps must be an int >= 1. Received: grad_accum_steps={grad_accum_steps!r}")
+    budget = parse_bytes(budget_bytes) if budget_bytes is not None else None
+    meta_model = build_meta_model(model_or_factory)
+    if precision == "bf16-true":
+        meta_model.to(torch.bfloat16)
+    if example_input is None:
+        example_input = _default_input(meta_model, micro_batch, seq_len)
+    elif isinstance(example_input, torch.Tensor) and example_input.dim() and example_input.shape[0] != micro_batch:
+        raise ValueError(f"example_input must be one micro-batch (leading dim {micro_batch}). "
+                         f"Received: shape {tuple(example_input.shape)}")
+    blocks = find_blocks(meta_model)
+    policies = [None, activation_checkpointing] if activation_checkpointing else [None] + ["full"] * _has_full(meta_model)
+    activations: dict[str | None, int] = {}
+    for policy in policies:
+        paths = checkpoint_paths(meta_model, policy)
+        profile: ActivationProfile = measure_activations(meta_model, example_input, precision,
+                                                         checkpoint_paths=paths, device=device)
+        kept, transient = profile.with_checkpointing(paths) if policy else (profile.total_bytes, 0)
+        activations[policy] = kept + transient
+    states = count_model_states(meta_model, precision, optimizer)
+    stages = [zero_stage] if zero_stage is not None else [0, 1, 2, 3]
+    rows = [_stage_row(states, blocks, stage, world_size, cpu_offload=cpu_offload, policy=policy,
+                       activations=activations[policy], budget=budget,
+                       accumulate=grad_accum_steps > 1)
+            for stage in stages for policy in policies]
+    notes = ["total = params + optimizer + buffers + " + ("grads + activations (accumulation keeps gradients alive)"
+             if grad_accum_steps > 1 else "max(grads, activations) (gradients are freed after each step)")]
+    if activation_checkpointing == "selective":
+        notes.append("selective checkpointing is planned as full checkpointing of the same blocks: the "
+                     "saved matmul outputs it keeps are not counted (activations are under-stated)")
+    return PlanReport(rows=rows, world_size=world_size, precision=precision, micro_batch=micro_batch,
+                      grad_accum_steps=grad_accum_steps, num_parameters=states.num_parameters, budget=budget, notes=notes)
