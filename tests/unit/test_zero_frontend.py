@@ -79,12 +79,3 @@ def test_shard_units_default_class_and_size():
     assert select_shard_units(plain, None)[0] == [plain[0]]  # by size: 1/8 of the model
     assert select_shard_units(plain, 10**9)[0] == []  # the root alone
 
-
-def test_activation_checkpointing_missing_module_is_a_clear_error(monkeypatch):
-    import sys
-
-    from trainmesh._torch import parallelize as module
-
-    monkeypatch.setitem(sys.modules, "trainmesh._torch.activation_checkpointing", None)
-    with pytest.raises(ValueError, match="activation_checkpointing='full'"):
-        module._apply_activation_checkpointing(torch.nn.Linear(2, 2), "full")
