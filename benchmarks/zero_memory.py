@@ -8,11 +8,11 @@
 Every variant (a system at a stage) trains the same ~50M-parameter GPT-style transformer
 (8 blocks, d_model 640, vocab 8192, seq 128) from the same seed on the same token batches, on N
 (default 4) gloo CPU processes started with ``python -m torch.distributed.run --standalone``,
-bf16 compute with fp32 master weights and fp32 AdamW state on both sides:
+bf16 compute with fp32 master weights and fp32 Adam state on both sides:
 
-* trainmesh: ``tm.Trainer(model, AdamW, loss, zero_stage=k, precision="bf16-mixed", progress=False)``
+* trainmesh: ``tm.Trainer(model, Adam, loss, zero_stage=k, precision="bf16-mixed", progress=False)``
   (stage 0: DDP; 1: DDP + ZeroRedundancyOptimizer; 2/3: FSDP2 ``fully_shard``).
-* DeepSpeed: ``deepspeed.initialize(model=..., optimizer=AdamW, config={"bf16": {"enabled": True},
+* DeepSpeed: ``deepspeed.initialize(model=..., optimizer=Adam, config={"bf16": {"enabled": True},
   "zero_optimization": {"stage": k, ...}})`` with ``DS_ACCELERATOR=cpu`` (bf16 parameters and
   gradients, fp32 master partitions inside its ZeRO optimizer: the ZeRO paper's mixed precision).
 
@@ -66,9 +66,6 @@ FULL_MODEL = {"vocab": 8192, "d_model": 640, "n_layer": 8, "n_head": 10, "seq": 
 QUICK_MODEL = {"vocab": 4096, "d_model": 256, "n_layer": 4, "n_head": 4, "seq": 64}
 MODEL_STATE_TOLERANCE = 0.10
 LR = 1e-3
-# DeepSpeed's bucket defaults (5e8 elements) would allocate a 1 GB reduce bucket per rank for a
-# 50M model, more than the model; 2e7 elements (40 MB in bf16) is closer to DDP's 25 MB buckets.
-DS_BUCKET = int(2e7)
 
 
 # --------------------------------------------------------------------------- the model
@@ -100,6 +97,15 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+def ds_bucket_elements(model: nn.Module) -> int:
+    """DeepSpeed's reduce / all-gather / prefetch bucket size, in elements. Its defaults (5e8) would
+    allocate a 1 GB bf16 reduce bucket per rank at stage 3 (and in backward at stages 1-2), 10x this
+    model; we give it the size of trainmesh's largest FSDP unit (a block, or the embedding), the
+    amount FSDP2 reduce-scatters or gathers at once, so neither side is charged for an oversized buffer."""
+    block = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
+    return int(max(block, max(p.numel() for p in model.parameters())))
 
 
 def build_model(model_cfg: dict, seed: int) -> nn.Module:
@@ -377,10 +383,11 @@ def worker(cfg: dict, variant: str, out_path: str) -> None:
         rank, world = torch_dist.get_rank(), torch_dist.get_world_size()
         base = make_optimizer(model)
         local = cfg["batch"] // world
-        zero = {"stage": stage, "reduce_bucket_size": DS_BUCKET, "allgather_bucket_size": DS_BUCKET,
+        bucket = ds_bucket_elements(model)
+        zero = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
                 "overlap_comm": False, "contiguous_gradients": True}
         if stage == 3:
-            zero.update(stage3_prefetch_bucket_size=DS_BUCKET)
+            zero.update(stage3_prefetch_bucket_size=bucket)
         ds_config = {
             "train_micro_batch_size_per_gpu": local, "gradient_accumulation_steps": 1,
             "train_batch_size": cfg["batch"], "bf16": {"enabled": True},
@@ -527,7 +534,7 @@ def print_report(report: dict) -> None:
     any_v = next(iter(vs.values()))
     m = cfg["model"]
     print(f"GPT {any_v['num_params'] / 1e6:.2f}M params ({m['n_layer']} blocks, d {m['d_model']}, vocab {m['vocab']}, "
-          f"seq {m['seq']}), {cfg['nproc']} processes (gloo, CPU), bf16 compute + fp32 master/AdamW, global batch "
+          f"seq {m['seq']}), {cfg['nproc']} processes (gloo, CPU), bf16 compute + fp32 master/Adam, global batch "
           f"{cfg['batch']}, {cfg['rounds']} round(s) x ({cfg['mem_steps']} memory + {cfg['warmup']} warmup + "
           f"{cfg['steps']} timed steps), load avg {report['load_avg_1min']['before']:.2f} -> "
           f"{report['load_avg_1min']['after']:.2f}")
@@ -625,6 +632,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.setdefault(variant, []).append(run_variant(variant, cfg, tmp, timeout=900))
     report = summarize(runs, cfg)
     report["schedule"] = schedule
+    report["raw_per_rank"] = runs  # every rank's own numbers, DeepSpeed's config and version included
     report["load_avg_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
     print_report(report)
     if args.json:

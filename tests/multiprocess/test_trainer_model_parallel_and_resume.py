@@ -36,7 +36,7 @@ class Net(torch.nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
-def model_parallel(mesh_shape):
+def model_parallel(mesh_shape, zero_stage=0):
     import trainmesh as tm
 
     mesh = tm.DeviceMesh(mesh_shape, ["data", "model"], devices=tm.list_devices())
@@ -44,7 +44,7 @@ def model_parallel(mesh_shape):
     layout_map["up.weight"] = ("model", None)
     layout_map["up.bias"] = ("model",)
     layout_map["down.weight"] = (None, "model")
-    return tm.ModelParallel(layout_map=layout_map, batch_dim_name="data")
+    return tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", zero_stage=zero_stage)
 
 
 def full_params(trainer) -> dict:
@@ -73,10 +73,12 @@ def _four(checkpoint_dir: str) -> dict:
     import trainmesh as tm
 
     out = {}
-    for shape in [(2, 2), (1, 4)]:
-        trainer, history = run(model_parallel(shape), accum=2)
-        local = trainer.unwrapped_model.up.weight.to_local().shape
-        out[shape] = {"losses": [s["loss"] for s in history.steps], "norms": [s["grad_norm"] for s in history.steps],
+    for shape, stage in CONFIGS:
+        trainer, history = run(model_parallel(shape, stage), accum=2)
+        # The optimizer's parameter is the shard held at rest (a stage-2 model may still have its
+        # gathered copy registered after the last evaluation forward).
+        local = trainer.optimizer.param_groups[0]["params"][0].to_local().shape
+        out[(shape, stage)] = {"losses": [s["loss"] for s in history.steps], "norms": [s["grad_norm"] for s in history.steps],
                       "val_loss": history.history["val_loss"], "params": full_params(trainer), "up_local": tuple(local)}
 
     # Checkpoint + resume on DataParallel, 4 processes.
@@ -99,18 +101,23 @@ def four(tmp_path_factory):
     return run_distributed(_four, world_size=4, args=(str(tmp_path_factory.mktemp("ckpt")),), timeout=500)
 
 
-@pytest.mark.parametrize("shape", [(2, 2), (1, 4)], ids=["2x2", "1x4"])
-def test_model_parallel_trainer_matches_one_process(single, four, shape):
+CONFIGS = [((2, 2), 0), ((1, 4), 0), ((2, 2), 2), ((2, 2), 3)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["2x2", "1x4", "2x2-zero2", "2x2-zero3"])
+def test_model_parallel_trainer_matches_one_process(single, four, config):
+    (shape, stage) = config
     for rank, result in enumerate(four):
-        got = result[shape]
+        got = result[config]
         # fp32, Adam, clipping at 1.0 and accumulation 2 vs 1: 1e-5 relative on losses and norms.
         np.testing.assert_allclose(got["losses"], single["losses"], rtol=1e-5)
         np.testing.assert_allclose(got["norms"], single["norms"], rtol=1e-5)
         np.testing.assert_allclose(got["val_loss"], single["val_loss"], rtol=1e-5)
-        assert got["up_local"] == (32 // shape[1], 16)
+        # TP shards dim 0 over "model"; ZeRO then shards it again over "data" (2-D).
+        assert got["up_local"] == (32 // shape[1] // (shape[0] if stage else 1), 16)
         assert (got["params"] == {}) == (rank != 0)
     for name, value in single["params"].items():
-        torch.testing.assert_close(four[0][shape]["params"][name], value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(four[0][config]["params"][name], value, rtol=1e-5, atol=1e-6)
     assert max(single["norms"]) > 1.0  # clipping engaged
 
 

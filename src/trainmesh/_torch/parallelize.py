@@ -52,25 +52,22 @@ def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None
             model = apply_activation_checkpointing(model, activation_checkpointing)
         return distribution.distribute_model(model)
     is_tp = isinstance(distribution, ModelParallel)
-    if is_tp and options.zero_stage > 0:
-        # 2-D (ZeRO over the batch axis, TP over the model axis) needs parameters as DTensors on the
-        # model sub-mesh before fully_shard over the batch sub-mesh; apply_model_parallel places them
-        # on the whole mesh. Not built yet: refuse before any collective rather than train wrongly.
-        raise ValueError("zero_stage > 0 with ModelParallel is not supported yet; use DataParallel(zero_stage=...) "
-                         f"or zero_stage=0. Received: zero_stage={options.zero_stage}")
+    if is_tp and options.zero_stage == 1:
+        raise ValueError("ModelParallel shards optimizer state with its parameters at stages 2-3 (FSDP2 over the "
+                         f"batch axis); stage 1 alone is not offered there. Received: zero_stage=1")
     if ddp_options and options.zero_stage >= 2:
         raise ValueError(f"DDP options do not apply to zero_stage {options.zero_stage} (FSDP2). "
                          f"Received: {sorted(ddp_options)}")
 
-    # 1. tensor parallelism
+    # 1. tensor parallelism (with ZeRO, FSDP2 reduces gradients over the batch axis instead of TP's hooks)
     if is_tp:
         from .tensor_parallel import apply_model_parallel
 
-        model = apply_model_parallel(model, distribution)
+        model = apply_model_parallel(model, distribution, reduce_grads=options.zero_stage == 0)
     # 2. activation checkpointing
     if activation_checkpointing is not None:
         model = apply_activation_checkpointing(model, activation_checkpointing)
-    if is_tp:
+    if is_tp and options.zero_stage == 0:
         return model  # TP already reduces gradients over the batch axis (its grad hooks)
     # 3. data parallelism / ZeRO over the batch axis
     if options.zero_stage >= 2:
@@ -78,10 +75,14 @@ def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None
         from .zero import apply_fsdp
 
         torch_mesh = to_torch_mesh(distribution.device_mesh)
-        dp_mesh = torch_mesh[distribution.batch_dim_name] if torch_mesh.ndim > 1 else torch_mesh
+        if is_tp:  # parameters are DTensors on the whole mesh: shard them over its batch axis (2-D)
+            dp_mesh, batch_axis = torch_mesh, distribution.batch_dim_name
+        else:
+            dp_mesh = torch_mesh[distribution.batch_dim_name] if torch_mesh.ndim > 1 else torch_mesh
+            batch_axis = None
         return apply_fsdp(model, dp_mesh, zero_stage=options.zero_stage, shard_unit=options.shard_unit,
                           compute_dtype=mixed_precision, reduce_dtype=options.reduce_dtype,
-                          cpu_offload=options.cpu_offload)
+                          cpu_offload=options.cpu_offload, batch_axis=batch_axis)
     from .data_parallel import apply_data_parallel
 
     model = apply_data_parallel(model, distribution, **(ddp_options or {}))

@@ -72,8 +72,12 @@ def _bring_grad_to_param_placements(param: DTensor) -> None:
         param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
-def apply_model_parallel(model: nn.Module, distribution) -> nn.Module:
-    """Shard ``model`` in place per ``distribution``'s layout map; returns the same module."""
+def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool = True) -> nn.Module:
+    """Shard ``model`` in place per ``distribution``'s layout map; returns the same module.
+
+    ``reduce_grads=False`` leaves gradient reduction over the batch axis to someone else (FSDP2,
+    when ZeRO shards the batch axis too).
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"distribute_model expects a torch.nn.Module. Received: {type(model).__name__}")
     plan = _parameter_placements(model, distribution)  # 1. validate everything, no collective yet
@@ -91,7 +95,7 @@ def apply_model_parallel(model: nn.Module, distribution) -> nn.Module:
                 dparam = nn.Parameter(
                     distribute_tensor(param.detach(), torch_mesh, placements), requires_grad=param.requires_grad
                 )
-                if dparam.requires_grad:
+                if dparam.requires_grad and reduce_grads:
                     dparam.register_post_accumulate_grad_hook(_bring_grad_to_param_placements)
                 converted[key] = dparam
             module.register_parameter(name, converted[key])

@@ -12,6 +12,8 @@ stage resumes under any other.
 
 from __future__ import annotations
 
+import inspect
+
 from typing import Any
 
 import torch
@@ -33,9 +35,12 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, distribution) -> tor
         raise ValueError("zero_stage=1 shards optimizer state from the first step; pass a fresh optimizer "
                          f"(it has state for {len(optimizer.state)} parameters). Received: optimizer={optimizer!r}")
     group = to_torch_mesh(distribution.device_mesh).get_group(distribution.batch_dim_name)
-    groups = [{k: v for k, v in g.items() if k != "initial_lr"} for g in optimizer.param_groups]
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group,
-                                   **optimizer.defaults)
+    # Only the hyper-parameters the class's constructor takes: some defaults are internal (AdamW on
+    # torch 2.13 records ``decoupled_weight_decay``, which AdamW.__init__ does not accept).
+    accepted = set(inspect.signature(type(optimizer).__init__).parameters) - {"self", "params"}
+    groups = [{k: v for k, v in g.items() if k in accepted or k == "params"} for g in optimizer.param_groups]
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group, **defaults)
 
 
 def is_zero_optimizer(optimizer: Any) -> bool:
