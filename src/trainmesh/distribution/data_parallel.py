@@ -50,14 +50,6 @@ class DataParallel(Distribution):
             raise ValueError(f"device_mesh must be a trainmesh DeviceMesh. Received: device_mesh={device_mesh!r}")
         super().__init__(device_mesh, batch_dim_name=device_mesh.axis_names[0], auto_shard_dataset=auto_shard_dataset)
 
-    @property
-    def memory(self) -> MemoryOptions:
-        return self._memory
-
-    @property
-    def zero_stage(self) -> int:
-        return self._memory.zero_stage
-
     def get_variable_layout(self, variable: Any) -> TensorLayout:
         _, shape = variable_path_and_shape(variable)
         return TensorLayout((None,) * len(shape), self.device_mesh)

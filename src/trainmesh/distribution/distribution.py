@@ -12,6 +12,7 @@ import contextlib
 from typing import Any, Iterator, Sequence
 
 from .layout import TensorLayout
+from .memory_options import MemoryOptions
 from .mesh import DeviceMesh
 
 # Process-wide, not per thread: data-loading and monitoring threads must see the same one.
@@ -41,6 +42,15 @@ class Distribution(abc.ABC):
     @property
     def batch_dim_name(self) -> str | None:
         return self._batch_dim_name
+
+    @property
+    def memory(self) -> "MemoryOptions":
+        """ZeRO stage, shard unit, CPU offload and reduce dtype over the batch axis."""
+        return getattr(self, "_memory", None) or MemoryOptions()
+
+    @property
+    def zero_stage(self) -> int:
+        return self.memory.zero_stage
 
     @property
     def auto_shard_dataset(self) -> bool:

@@ -43,15 +43,6 @@ class ModelParallel(Distribution):
     def layout_map(self) -> LayoutMap:
         return self._layout_map
 
-    @property
-    def memory(self) -> MemoryOptions:
-        """ZeRO over the batch axis (see ``DataParallel``); stages 2-3 with tensor parallelism: 2-D FSDP2."""
-        return self._memory
-
-    @property
-    def zero_stage(self) -> int:
-        return self._memory.zero_stage
-
     def get_variable_layout(self, variable: Any) -> TensorLayout:
         path, shape = variable_path_and_shape(variable)
         layout = self._layout_map[path]
