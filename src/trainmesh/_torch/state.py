@@ -44,4 +44,10 @@ def load_full_optimizer_state(model: nn.Module, optimizer, state: dict[str, Any]
 
     if is_zero_optimizer(optimizer):
         return load_full_state(model, optimizer, state)
+    if not state.get("state"):
+        # A stateless optimizer (plain SGD): torch's loader cannot place an empty state on a device
+        # ("Expected device to be set"); only the hyper-parameters are there to restore.
+        for group, saved in zip(optimizer.param_groups, state.get("param_groups", [])):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        return None
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

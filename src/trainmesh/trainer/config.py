@@ -37,6 +37,9 @@ class TrainerConfig:
     seed: int = 0
     drop_remainder: bool = False
     eval_batch_size: int | None = None
+    # What a non-finite loss on any process does to its step: "skip" it, "stop" training, or
+    # "rollback" to the last checkpoint (then skip); None: no check (and no per-step all-reduce).
+    nonfinite_loss: str | None = "skip"
     # Memory (see trainmesh._torch.parallelize): None = the distribution's own setting.
     zero_stage: int | None = None  # 0..3: DDP, + sharded optimizer state, + sharded gradients, + sharded parameters
     cpu_offload: bool = False
@@ -61,6 +64,9 @@ class TrainerConfig:
             raise ValueError(f"log_every_n_steps must be >= 1. Received: log_every_n_steps={self.log_every_n_steps!r}")
         if self.progress not in (True, False, "auto"):
             raise ValueError(f"progress must be True, False or 'auto'. Received: progress={self.progress!r}")
+        if self.nonfinite_loss not in (None, "skip", "stop", "rollback"):
+            raise ValueError("nonfinite_loss must be 'skip', 'stop', 'rollback' or None. "
+                             f"Received: nonfinite_loss={self.nonfinite_loss!r}")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2, 3 or None. Received: zero_stage={self.zero_stage!r}")
         if self.eval_batch_size is not None and self.eval_batch_size < 1:

@@ -14,38 +14,10 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from trainmesh._torch.reduce import all_reduce_sum
 from trainmesh._torch.sync import no_sync
 
+from .loss_tracking import LossAccumulator
 from .precision import Precision
-
-
-class LossAccumulator:
-    """Loss x samples summed on the device between synchronisations: no host sync per micro-step
-    (a ``float(loss)`` each step would stall a GPU), one small all-reduce per sync.
-
-    A DTensor loss counts as its global value times this process's rows; processes that share a
-    data index then contribute equally to numerator and denominator, so the ratio stays exact.
-    """
-
-    def __init__(self) -> None:
-        self.loss_sum: torch.Tensor | float = 0.0
-        self.samples = 0
-
-    def add(self, loss: torch.Tensor, samples: int) -> None:
-        value = loss.detach()
-        value = value.full_tensor() if hasattr(value, "full_tensor") else value
-        self.loss_sum = self.loss_sum + value.double() * samples
-        self.samples += samples
-
-    def sync(self, stop_local: bool) -> tuple[float, float, bool]:
-        """``(mean loss, samples, anyone asked to stop)`` over every process since the last sync."""
-        loss_sum = self.loss_sum.cpu() if torch.is_tensor(self.loss_sum) else torch.tensor(self.loss_sum)
-        vector = torch.stack([loss_sum.double().reshape(()), torch.tensor(float(self.samples), dtype=torch.float64),
-                              torch.tensor(1.0 if stop_local else 0.0, dtype=torch.float64)])
-        reduced = all_reduce_sum(vector).tolist()
-        self.loss_sum, self.samples = 0.0, 0
-        return (reduced[0] / reduced[1] if reduced[1] else math.nan), reduced[1], reduced[2] > 0
 
 
 def split_batch(batch: Any) -> tuple[Any, Any]:

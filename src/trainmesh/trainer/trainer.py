@@ -38,7 +38,8 @@ from .metrics import Metric, resolve_metric
 from .precision import build_precision
 from .progress import ProgressBar
 from .schedules import scale_lr
-from .step import LossAccumulator, clip_gradients_, forward_backward, global_grad_norm
+from .loss_tracking import LossAccumulator
+from .step import clip_gradients_, forward_backward, global_grad_norm
 
 
 def _resolve_distribution(distribution: Any) -> Distribution:
@@ -91,6 +92,8 @@ class Trainer:
         self._stop_local = False
         self.stop_requested = False
         self.stop_reason = ""
+        self.nonfinite_steps = 0
+        self.rollbacks = 0
 
     # --- small public surface ---------------------------------------------------------
     @property
@@ -131,7 +134,8 @@ class Trainer:
         self.callbacks.on_train_begin({})
         if resume:  # after on_train_begin, which resets callbacks, so their saved state survives
             self._resume(resume)
-        writer = LogWriter(self.config.log_dir) if self.config.log_dir and self.is_main_process else None
+        writer = (LogWriter(self.config.log_dir, append=bool(resume))
+                  if self.config.log_dir and self.is_main_process else None)
         try:
             while self.epoch < epochs and not self.stop_requested:
                 logs = self._train_epoch(steps, epochs, writer)
@@ -178,7 +182,8 @@ class Trainer:
             last = sized and step + 1 == num_steps
             if (self.global_step % self.config.log_every_n_steps == 0) or last:
                 loss, samples = self._sync(losses)
-                epoch_loss_sum, epoch_samples = epoch_loss_sum + loss * samples, epoch_samples + samples
+                if samples:  # a window of skipped steps only has no loss (nan), and adds nothing
+                    epoch_loss_sum, epoch_samples = epoch_loss_sum + loss * samples, epoch_samples + samples
                 record.update(loss=loss, samples_per_s=samples / max(record["step_time_s"], 1e-9))
                 self.history.record_step(record)
                 if writer:
@@ -191,11 +196,14 @@ class Trainer:
             step += 1
             if self.stop_requested:
                 break
-        if losses.samples:  # steps after the last sync point (unsized data)
+        if losses.pending:  # steps after the last sync point (unsized data)
             loss, samples = self._sync(losses)
-            epoch_loss_sum, epoch_samples = epoch_loss_sum + loss * samples, epoch_samples + samples
+            if samples:
+                epoch_loss_sum, epoch_samples = epoch_loss_sum + loss * samples, epoch_samples + samples
         logs = {"loss": epoch_loss_sum / epoch_samples if epoch_samples else math.nan}
         logs.update(self._reduced_metrics(self.metrics))
+        if self.nonfinite_steps:
+            logs["nonfinite_steps"] = self.nonfinite_steps
         if self.precision.scaler is not None:
             logs["skipped_steps"] = self._skipped() - skipped_before
             logs["loss_scale"] = self.precision.scaler.scale_value
@@ -204,8 +212,14 @@ class Trainer:
     def _optimizer_step(self, micro_batches: list, losses: LossAccumulator) -> dict[str, Any]:
         forward_backward(self.model, micro_batches, self.loss_fn, self.precision, losses,
                          on_outputs=self._update_metrics if self.metrics else None)
+        guard = self.config.nonfinite_loss
+        nonfinite, stop = losses.end_step(check=guard is not None, stop_local=self._stop_local)
+        self.stop_requested = self.stop_requested or stop
         scaler = self.precision.scaler
-        found_inf = scaler.unscale_(self.params) if scaler is not None else False
+        if nonfinite and scaler is None:
+            return self._nonfinite_step(guard)
+        # Under fp16 a non-finite loss is an overflow like any other: the scaler skips and backs off.
+        found_inf = nonfinite or (scaler.unscale_(self.params) if scaler is not None else False)
         grad_norm = None
         if self.config.max_grad_norm is not None and not found_inf:
             grad_norm = global_grad_norm(self.params)
@@ -225,6 +239,38 @@ class Trainer:
         if scaler is not None:
             record["loss_scale"] = scaler.scale_value
         return record
+
+    def _nonfinite_step(self, policy: str) -> dict[str, Any]:
+        """A non-finite loss somewhere: every process takes the same branch (the flag was all-reduced)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_steps += 1
+        self.global_step += 1
+        if policy == "stop":
+            self.request_stop(f"non-finite loss at step {self.global_step}")
+            self.stop_requested = True
+        elif policy == "rollback":
+            self._rollback()
+        if self.is_main_process and self.nonfinite_steps <= 5:
+            print(f"[trainmesh] non-finite loss at step {self.global_step}: {policy}", file=sys.stderr, flush=True)
+        return {"global_step": self.global_step, "lr": self.optimizer.param_groups[0]["lr"], "skipped": True,
+                "nonfinite": True}
+
+    def _rollback(self) -> None:
+        """Back to the last checkpoint's weights and optimizer state; the data position, step counter
+        and history go on (re-reading the batches that diverged would likely diverge again)."""
+        checkpoints = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
+        path = checkpoints[0].last_path if checkpoints else None
+        if path is None or not os.path.exists(path):
+            if self.is_main_process:
+                print("[trainmesh] rollback requested but no checkpoint exists yet; the step is skipped",
+                      file=sys.stderr, flush=True)
+            return
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        load_full_model_state(self.model, state["model"])
+        load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        if self.precision.scaler is not None and state.get("scaler"):
+            self.precision.scaler.load_state_dict(state["scaler"])
+        self.rollbacks += 1
 
     def _sync(self, losses: LossAccumulator) -> tuple[float, float]:
         """One small all-reduce: the loss since the last sync, and whether anyone wants to stop."""

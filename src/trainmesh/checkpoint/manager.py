@@ -1,0 +1,225 @@
+"""``CheckpointManager``: sharded save (sync or async), commit, keep last k + best, latest, load.
+
+Layout of one checkpoint ``<dir>/step_00000123/``::
+
+    dcp/            model + optimizer, torch.distributed.checkpoint shards (each rank its own)
+    rank_00000.pt   per-rank extras: RNG states, data-loader state ("data")
+    shared.pt       rank 0: other stateful objects (scheduler, scaler, ...) and plain values
+    meta.json       the plain values again, human-readable
+    COMPLETE.json   written LAST: files + sha256, step, world size, layout, metrics
+
+Every method except ``latest``/``best``/``checkpoints`` is collective: all ranks call it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import runtime
+from .._torch import dcp as _dcp
+from . import integrity, retention, rng
+from .async_save import PendingSave, all_ranks_ok
+
+PER_RANK_KEYS = ("data",)  # state that differs per rank (its sampler cursor / worker state)
+FORMAT_VERSION = 1
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _split(state: dict[str, Any]):
+    """-> (model, optimizer, per-rank stateful, shared stateful, plain values)."""
+    if not isinstance(state, dict):
+        raise ValueError(f"state must be a dict of stateful objects and plain values. Received: {type(state).__name__}")
+    modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
+    optims = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
+    if len(modules) > 1 or len(optims) > 1:
+        raise ValueError(f"A checkpoint holds one model and one optimizer. Received modules={modules}, optimizers={optims}")
+    model = state[modules[0]] if modules else None
+    optimizer = state[optims[0]] if optims else None
+    if optimizer is not None and model is None:
+        raise ValueError("state has an optimizer but no nn.Module: the optimizer state is keyed by the model's FQNs.")
+    per_rank, shared, plain = {}, {}, {}
+    for key, value in state.items():
+        if key in modules or key in optims or value is None:
+            continue
+        target = (per_rank if key in PER_RANK_KEYS else shared) if _is_stateful(value) else plain
+        target[key] = value
+    return model, optimizer, per_rank, shared, plain
+
+
+def _layout_info(model: nn.Module | None, optimizer: Any) -> dict[str, Any]:
+    memory = {}
+    for module in (model.modules() if model is not None else ()):
+        memory = getattr(module, "_trainmesh_memory", None) or memory
+        if memory:
+            break
+    return {"zero_stage": memory.get("zero_stage", 1 if type(optimizer).__name__ == "ZeroRedundancyOptimizer" else 0),
+            "model_class": type(model).__name__ if model is not None else None,
+            "optimizer_class": type(optimizer).__name__ if optimizer is not None else None}
+
+
+class CheckpointManager:
+    """Sharded, crash-safe checkpoints under ``directory``. Constructing it is collective.
+
+    >>> manager = CheckpointManager("ckpt", keep_last=3, keep_best=("val_loss", "min"))   # doctest: +SKIP
+    >>> manager.save(step, {"model": model, "optimizer": opt, "trainer": {"epoch": 2}})  # doctest: +SKIP
+    >>> meta = manager.load("latest", {"model": model, "optimizer": opt})                # doctest: +SKIP
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep_last: int = 3, keep_best: Any = None,
+                 async_save: bool = False, verify_checksums: bool = True):
+        if not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(f"keep_last must be an int >= 1. Received: keep_last={keep_last!r}")
+        self.directory = os.fspath(directory)
+        self.keep_last = keep_last
+        self.keep_best = retention.resolve_keep_best(keep_best)
+        self.async_save = bool(async_save)
+        self.verify_checksums = verify_checksums
+        self.last_blocking_s: float | None = None  # how long the last save() held the caller
+        self._pending: PendingSave | None = None
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._group = _dcp.new_checkpoint_group()
+
+    # --- save ---------------------------------------------------------------------------
+    def save(self, step: int, state: dict[str, Any], *, metrics: dict[str, float] | None = None) -> str:
+        """Save ``state`` as step ``step``; returns the final directory (committed now, or at the
+        next ``save``/``wait``/``close`` when ``async_save``)."""
+        start = time.perf_counter()
+        model, optimizer, per_rank, shared, plain = _split(state)
+        self.wait()  # the previous async save commits first: saves commit in order
+        final_dir = os.path.join(self.directory, integrity.step_dirname(step))
+        tmp_dir = final_dir + integrity.TMP_SUFFIX
+        rank, world = runtime.rank(), runtime.world_size()
+        if rank == 0:
+            retention.remove_partial(self.directory)
+            os.makedirs(tmp_dir)
+        self._barrier()
+        extras = {"rng": rng.capture(), **{k: v.state_dict() for k, v in per_rank.items()}}
+        torch.save(extras, os.path.join(tmp_dir, f"rank_{rank:05d}.pt"))
+        if rank == 0:
+            torch.save({"stateful": {k: v.state_dict() for k, v in shared.items()}, "plain": plain},
+                       os.path.join(tmp_dir, "shared.pt"))
+            integrity.write_json_atomic(os.path.join(tmp_dir, "meta.json"), plain)
+        info = {"format": FORMAT_VERSION, "step": int(step), "world_size": world, "time": time.time(),
+                "metrics": {k: float(v) for k, v in (metrics or {}).items()},
+                "layout": _layout_info(model, optimizer), "has_optimizer": optimizer is not None,
+                "per_rank": sorted(per_rank), "shared": sorted(shared)}
+        pending = PendingSave(int(step), tmp_dir, final_dir, info)
+        if model is not None:
+            sharded = _dcp.sharded_state(model, optimizer)
+            dcp_dir = os.path.join(tmp_dir, "dcp")
+            if self.async_save:
+                pending.future = _dcp.async_save(sharded, dcp_dir, self._group)
+            else:
+                _dcp.save(sharded, dcp_dir, self._group)
+        self._pending = pending
+        if not self.async_save:
+            self.wait()
+        self.last_blocking_s = time.perf_counter() - start
+        return final_dir
+
+    def wait(self) -> str | None:
+        """Finish and commit the save in flight, if any (collective); returns its directory."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        error = pending.wait_local()
+        if not all_ranks_ok(error is None, self._group):
+            if runtime.rank() == 0:
+                retention.remove_partial(self.directory)
+            self._barrier()
+            raise RuntimeError(f"Checkpoint step {pending.step} failed on at least one rank; nothing was "
+                               f"committed (this rank's error: {error!r}).") from error
+        if runtime.rank() == 0:
+            integrity.seal(pending.tmp_dir, pending.final_dir, pending.info)
+            retention.prune(self.directory, self.keep_last, self.keep_best)
+        self._barrier()
+        return pending.final_dir
+
+    finalize = wait
+
+    def close(self) -> None:
+        self.wait()
+
+    # --- discovery ----------------------------------------------------------------------
+    def checkpoints(self) -> list[str]:
+        """Committed checkpoint directories, oldest first (markers only; no checksum pass)."""
+        return [e.path for e in retention.complete_entries(self.directory)]
+
+    def latest(self) -> str | None:
+        """The newest checkpoint that passes validation; a broken one is skipped with a warning.
+
+        Rank 0 checks and tells the others, so every rank resumes from the same one.
+        """
+        choice = None
+        if runtime.rank() == 0:
+            for entry in reversed(retention.complete_entries(self.directory)):
+                problem = integrity.validate(entry.path, checksums=self.verify_checksums)
+                if problem is None:
+                    choice = entry.path
+                    break
+                warnings.warn(f"Skipping checkpoint {entry.path}: {problem}; falling back to the previous one.",
+                              RuntimeWarning, stacklevel=2)
+        return self._broadcast(choice)
+
+    def best(self) -> str | None:
+        entry = retention.best_entry(retention.complete_entries(self.directory), self.keep_best)
+        return entry.path if entry else None
+
+    # --- load ---------------------------------------------------------------------------
+    def load(self, path: str | os.PathLike | None, state: dict[str, Any]) -> dict[str, Any] | None:
+        """Load ``path`` (or the latest complete checkpoint for ``None``/``"latest"``) into ``state``.
+
+        Model and optimizer are read as they are laid out now (any world size, ZeRO stage or
+        mesh). Rank r restores saved rank ``r % saved_world_size``'s RNG and ``data`` state
+        (see ``rng``). Returns the saved plain values (e.g. ``{"trainer": {...}}``) plus
+        ``"step"`` and ``"metrics"``, or None when there is no checkpoint yet.
+        """
+        if path is None or path == "latest":
+            path = self.latest()
+            if path is None:
+                return None
+        path = os.fspath(path)
+        marker = integrity.read_marker(path)
+        if marker is None:
+            raise ValueError(f"{path!r} is not a complete checkpoint (no {integrity.MARKER}).")
+        model, optimizer, per_rank, shared, _ = _split(state)
+        if model is not None:
+            if optimizer is not None and not marker.get("has_optimizer", True):
+                raise ValueError(f"{path} holds no optimizer state, but state has an optimizer.")
+            _dcp.load_sharded(model, optimizer, os.path.join(path, "dcp"), self._group)
+        saved_world = int(marker["world_size"])
+        source = rng.source_rank(runtime.rank(), saved_world)
+        # Our own files, checksummed at commit: pickled RNG tuples need weights_only=False.
+        extras = torch.load(os.path.join(path, f"rank_{source:05d}.pt"), map_location="cpu", weights_only=False)
+        rng.restore_for_rank(extras["rng"], runtime.rank(), saved_world)
+        for key, obj in per_rank.items():
+            if key in extras:
+                obj.load_state_dict(extras[key])
+        common = torch.load(os.path.join(path, "shared.pt"), map_location="cpu", weights_only=False)
+        for key, obj in shared.items():
+            if key in common["stateful"]:
+                obj.load_state_dict(common["stateful"][key])
+        self._barrier()
+        return {**common["plain"], "step": marker["step"], "metrics": marker.get("metrics", {})}
+
+    # --- helpers ------------------------------------------------------------------------
+    def _barrier(self) -> None:
+        if self._distributed and self._group is not None:
+            dist.barrier(group=self._group)
+
+    def _broadcast(self, value):
+        if not (self._distributed and self._group is not None):
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]

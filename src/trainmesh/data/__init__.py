@@ -1,0 +1,8 @@
+"""Resumable, prefetching input pipeline: ``GlobalBatchSampler`` (exactly-once on any world size)
+and ``DataLoader`` (torch workers + a prefetch thread, cache, retries, corrupt-sample policy)."""
+
+from trainmesh.data.guard import CorruptSampleError
+from trainmesh.data.loader import DataLoader, LoaderStats
+from trainmesh.data.sampler import GlobalBatchSampler
+
+__all__ = ["CorruptSampleError", "DataLoader", "GlobalBatchSampler", "LoaderStats"]

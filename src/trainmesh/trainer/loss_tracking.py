@@ -1,0 +1,90 @@
+"""The training loss as one process-group-wide number, and the per-step agreement on whether a
+step is usable (its loss finite everywhere) and whether anyone asked to stop.
+
+Two modes:
+
+* checked (the default, ``nonfinite_loss`` set): one tiny all-reduce per step, before the
+  optimizer step, carries [loss since the last sync, samples, this step's loss and samples (when
+  finite here), stop request, non-finite flag]. Every process then takes the same decision
+  from the same numbers; a step that was non-finite anywhere is left out of the reported loss.
+* unchecked (``nonfinite_loss=None``): loss x samples is summed on the device, with no host sync,
+  and reduced only every ``log_every_n_steps`` steps (with the stop request).
+
+A DTensor loss counts as its global value times this process's rows; processes that share a
+data index then contribute equally to numerator and denominator, so the ratio stays exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from trainmesh._torch.reduce import all_reduce_sum
+
+
+class LossAccumulator:
+    def __init__(self) -> None:
+        self._local_sum: torch.Tensor | float = 0.0  # not reduced yet
+        self._local_samples = 0
+        self._global_sum = 0.0  # reduced by per-step checks
+        self._global_samples = 0.0
+        self._step_sum: torch.Tensor | float = 0.0  # the step in progress, this process
+        self._step_samples = 0
+
+    def add(self, loss: torch.Tensor, samples: int) -> None:
+        value = loss.detach()
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        self._step_sum = self._step_sum + value.double() * samples
+        self._step_samples += samples
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._local_samples or self._global_samples or self._step_samples)
+
+    def end_step(self, *, check: bool, stop_local: bool) -> tuple[bool, bool]:
+        """Fold the step in. Returns ``(non-finite on some process, stop requested somewhere)``,
+        both identical on every process when ``check`` (unchecked: ``(False, False)``)."""
+        step_sum, step_samples = self._step_sum, self._step_samples
+        self._step_sum, self._step_samples = 0.0, 0
+        if not check:
+            self._local_sum = self._local_sum + step_sum
+            self._local_samples += step_samples
+            return False, False
+        step_value = _to_cpu_double(step_sum)
+        finite = bool(torch.isfinite(step_value))
+        vector = torch.stack([
+            _to_cpu_double(self._local_sum), _f64(self._local_samples),
+            step_value if finite else _f64(0.0), _f64(step_samples if finite else 0),
+            _f64(1.0 if stop_local else 0.0), _f64(0.0 if finite else 1.0),
+        ])
+        reduced = all_reduce_sum(vector).tolist()
+        self._local_sum, self._local_samples = 0.0, 0
+        nonfinite = reduced[5] > 0
+        self._global_sum += reduced[0] + (0.0 if nonfinite else reduced[2])
+        self._global_samples += reduced[1] + (0.0 if nonfinite else reduced[3])
+        return nonfinite, reduced[4] > 0
+
+    def sync(self, stop_local: bool) -> tuple[float, float, bool]:
+        """``(mean loss, samples, anyone asked to stop)`` over every process since the last sync."""
+        if not self._local_samples:  # checked mode: every step was reduced (and the stop agreed) already
+            samples = self._global_samples
+            mean = self._global_sum / samples if samples else math.nan
+            self._global_sum, self._global_samples = 0.0, 0.0
+            return mean, samples, False
+        reduced = all_reduce_sum(torch.stack([
+            _to_cpu_double(self._local_sum), _f64(self._local_samples), _f64(1.0 if stop_local else 0.0)])).tolist()
+        total = self._global_sum + reduced[0]
+        samples = self._global_samples + reduced[1]
+        self._local_sum, self._local_samples, self._global_sum, self._global_samples = 0.0, 0, 0.0, 0.0
+        return (total / samples if samples else math.nan), samples, reduced[2] > 0
+
+
+def _f64(value: float) -> torch.Tensor:
+    return torch.tensor(float(value), dtype=torch.float64)
+
+
+def _to_cpu_double(value: torch.Tensor | float) -> torch.Tensor:
+    if torch.is_tensor(value):
+        return value.detach().double().cpu().reshape(())
+    return _f64(value)
