@@ -11,12 +11,12 @@ import torch
 from trainmesh.data import GlobalBatchSampler
 from trainmesh.distribution.dataset import DistributedBatches
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:The last .* samples cannot be split")]
 
 
-def samplers(n, gbs, world, *, k=1, **kw):
+def samplers(n, gbs, world, *, k=1, seed=3, **kw):
     return [GlobalBatchSampler(n, global_batch_size=gbs, data_parallel_size=world, data_index=r, micro_batches=k,
-                               seed=kw.pop("seed", 3), **kw) for r in range(world)]
+                               seed=seed, **kw) for r in range(world)]
 
 
 def consume(ranks, steps=None):
@@ -131,10 +131,14 @@ def test_resume_at_every_cursor_on_another_world_size(old_world, new_world, n):
             after = samplers(n, gbs, new_world, seed=0)
             for s in after:
                 s.load_state_dict(state)
-                s.set_epoch(epoch)  # what a training loop does at the top of the epoch: must not reset
-            if stop_after < total_steps:
+                s.set_epoch(state["epoch"])  # what a training loop does at the top of the epoch: must not reset
+            finished_before = state["epoch"] == epoch + 1
+            if not finished_before:
                 seen += consume(after)
+            assert all((s.epoch, s.cursor) == (epoch + 1, 0) for s in after)
+            # The tail (n % gbs) is kept when it splits over the world size that reaches it.
             tail = n % gbs
-            kept = n - tail if tail % new_world or (stop_after == total_steps and tail % old_world) else n
+            world_at_tail = old_world if finished_before else new_world
+            kept = n - tail if tail % world_at_tail else n
             assert len(seen) == len(set(seen)), (epoch, stop_after)
             assert sorted(seen) == sorted(before[0].global_order(epoch)[:kept].tolist()), (epoch, stop_after)

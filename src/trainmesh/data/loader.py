@@ -214,7 +214,7 @@ class DataLoader:
 
     def close(self) -> None:
         """Stop the prefetch thread and the persistent workers. Idempotent."""
-        if self._closed:
+        if getattr(self, "_closed", True):  # closed, or __init__ failed before the loader existed
             return
         self._closed = True
         self._stop_prefetcher()

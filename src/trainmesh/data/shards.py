@@ -193,7 +193,7 @@ class TokenShardDataset(Dataset):
         """
         gbs = self._resolve_batch_size(global_batch_size)
         end = self._epoch_end(gbs)
-        if end < len(self) and self.cursor == 0:
+        if end < len(self) and self.cursor == 0 and not self.drop_remainder:
             warnings.warn(f"The last {len(self) - end} of {len(self)} windows are dropped each epoch: they do not "
                           f"fill a global batch of {gbs} split over {self.data_parallel_size} processes.", stacklevel=2)
         if self.cursor >= end:  # saved after the last batch of an epoch: continue with the next one

@@ -26,6 +26,7 @@ from trainmesh._torch.state import (
     load_full_optimizer_state,
 )
 from trainmesh._torch.sync import unwrap
+from trainmesh.comm import ProgressBeacon
 from trainmesh.distribution import DataParallel, Distribution, distribution as current_distribution
 
 from .callbacks import Callback, CallbackList, ModelCheckpoint
@@ -131,6 +132,7 @@ class Trainer:
             if memory and (memory["zero_stage"] or memory["cpu_offload"] != "off"):
                 print(f"[trainmesh] memory: {', '.join(f'{k} {v}' for k, v in memory.items())}", flush=True)
         self._stop_local = self.stop_requested = False
+        self._beacon = ProgressBeacon()
         self.callbacks.on_train_begin({})
         if resume:  # after on_train_begin, which resets callbacks, so their saved state survives
             self._resume(resume)
@@ -176,7 +178,14 @@ class Trainer:
             if micro_batches is None:
                 break
             self.callbacks.on_train_batch_begin(step, {})
-            record = self._optimizer_step(micro_batches, losses)
+            self._beacon.mark(self.global_step + 1)
+            try:
+                record = self._optimizer_step(micro_batches, losses)
+            except RuntimeError as error:  # a collective failed: name who did not arrive
+                diagnosed = self._beacon.diagnose(error)
+                if diagnosed is None:
+                    raise
+                raise diagnosed from error
             record.update(epoch=self.epoch, step=step, data_wait_s=data_wait,
                           step_time_s=time.perf_counter() - started)
             last = sized and step + 1 == num_steps
@@ -210,8 +219,10 @@ class Trainer:
         return logs
 
     def _optimizer_step(self, micro_batches: list, losses: LossAccumulator) -> dict[str, Any]:
+        self._beacon.phase = "forward/backward and gradient reduction"
         forward_backward(self.model, micro_batches, self.loss_fn, self.precision, losses,
                          on_outputs=self._update_metrics if self.metrics else None)
+        self._beacon.phase = "loss all-reduce (non-finite check, stop request)"
         guard = self.config.nonfinite_loss
         nonfinite, stop = losses.end_step(check=guard is not None, stop_local=self._stop_local)
         self.stop_requested = self.stop_requested or stop
@@ -221,6 +232,7 @@ class Trainer:
         # Under fp16 a non-finite loss is an overflow like any other: the scaler skips and backs off.
         found_inf = nonfinite or (scaler.unscale_(self.params) if scaler is not None else False)
         grad_norm = None
+        self._beacon.phase = "gradient clipping and optimizer step"
         if self.config.max_grad_norm is not None and not found_inf:
             grad_norm = global_grad_norm(self.params)
             clip_gradients_(self.params, self.config.max_grad_norm, grad_norm)

@@ -1,0 +1,48 @@
+"""A deliberately stalled rank: the survivors' error names it, the step and the operation."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from trainmesh.testing import run_distributed
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
+
+STALL_AT_STEP = 3  # global step (1-based) that rank 1 never reaches in time
+
+
+def _stalling_job() -> dict:
+    import trainmesh as tm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+
+    class StallRank1(tm.Callback):
+        def on_train_batch_begin(self, step, logs=None):
+            if tm.rank() == 1 and self.trainer.global_step + 1 == STALL_AT_STEP:
+                time.sleep(12)
+
+    trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.MSELoss(),
+                         callbacks=[StallRank1()], progress=False)
+    started = time.monotonic()
+    try:
+        trainer.fit((torch.randn(64, 4), torch.randn(64, 1)), epochs=1, batch_size=8)
+        return {"error": None}
+    except Exception as error:  # noqa: BLE001 - what it says is the point
+        return {"type": type(error).__name__, "error": str(error), "after_s": time.monotonic() - started,
+                "missing": getattr(error, "missing_ranks", None), "step": getattr(error, "step", None)}
+
+
+def test_stalled_rank_is_named_by_the_survivor():
+    # Collectives time out after 4 s; rank 1 sleeps 12 s before its third step.
+    results = run_distributed(_stalling_job, world_size=2, timeout=120, collective_timeout=4)
+    survivor = results[0]
+    assert survivor["type"] == "CollectiveTimeoutError", survivor
+    assert survivor["missing"] == [1] and survivor["step"] == STALL_AT_STEP
+    assert "rank(s) [1]" in survivor["error"] and f"step {STALL_AT_STEP}" in survivor["error"]
+    assert "forward/backward" in survivor["error"] or "all-reduce" in survivor["error"]
+    assert survivor["after_s"] < 12  # it did not wait for the sleeper
+    assert results[1]["error"] is not None  # the sleeper finds its peer gone, and says so too
