@@ -18,7 +18,7 @@ from trainmesh.testing import run_distributed
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
-N, GLOBAL_BATCH, STOP_AFTER = 120, 12, 4  # 10 steps per epoch; the first launch stops after 4
+N, GLOBAL_BATCH, STOP_AFTER = 160, 16, 4  # 10 steps per epoch; the first launch stops after 4
 
 
 class Indexed(torch.utils.data.Dataset):
