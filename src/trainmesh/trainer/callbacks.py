@@ -267,7 +267,8 @@ def _restore(model: torch.nn.Module, snapshot: dict[str, torch.Tensor]) -> None:
 
 
 class ModelCheckpoint(Callback):
-    """Save ``dirpath/last.pt`` every epoch and ``dirpath/best.pt`` when ``monitor`` improves.
+    """Save ``dirpath/last.pt`` every epoch (and every ``save_every_n_steps`` steps, mid-epoch
+    included) and ``dirpath/best.pt`` when ``monitor`` improves.
 
     Every rank calls ``trainer.save_checkpoint(path)`` (gathering sharded state can need
     all of them); the Trainer writes on the main process. ``fit(..., resume=True)`` picks
@@ -285,7 +286,11 @@ class ModelCheckpoint(Callback):
         mode: str = "auto",
         save_last: bool = True,
         save_best: bool = True,
+        save_every_n_steps: int | None = None,
     ) -> None:
+        if save_every_n_steps is not None and (isinstance(save_every_n_steps, bool) or save_every_n_steps < 1):
+            raise ValueError(f"save_every_n_steps must be a positive int or None. Received: {save_every_n_steps!r}")
+        self.save_every_n_steps = save_every_n_steps
         self.dirpath = os.fspath(dirpath)
         self.monitor = monitor
         # Only a best-checkpoint needs a direction; last.pt alone must not demand a mode.
@@ -312,6 +317,12 @@ class ModelCheckpoint(Callback):
 
     def load_state_dict(self, state: dict) -> None:
         self.best, self.best_epoch = state["best"], state["best_epoch"]
+
+    def on_train_batch_end(self, step: int, logs=None) -> None:
+        # Mid-epoch saves carry the data position, so a crash loses at most n steps.
+        n = self.save_every_n_steps
+        if n and self.save_last and self.trainer.global_step % n == 0:
+            self.trainer.save_checkpoint(self.last_path)
 
     def on_epoch_end(self, epoch: int, logs=None) -> None:
         if self.save_last:

@@ -17,13 +17,15 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import Dataset, DistributedSampler, IterableDataset, TensorDataset
 
-from trainmesh.distribution.dataset import CoveringBatches, DistributedBatches, as_dataset, covering_parts
+from trainmesh.data import DataLoader, GlobalBatchSampler
+from trainmesh.distribution.dataset import CoveringBatches, as_dataset, covering_parts, fetch
 
 
 def is_map_style(data: Any) -> bool:
-    if isinstance(data, (DataLoader, IterableDataset)):
+    if isinstance(data, (TorchDataLoader, IterableDataset)):
         return False
     if isinstance(data, Dataset) and hasattr(data, "__len__"):
         return True
@@ -31,7 +33,7 @@ def is_map_style(data: Any) -> bool:
 
 
 def is_presharded(data: Any) -> bool:
-    return isinstance(data, DataLoader) and isinstance(getattr(data, "sampler", None), DistributedSampler)
+    return isinstance(data, TorchDataLoader) and isinstance(getattr(data, "sampler", None), DistributedSampler)
 
 
 def _slice_rows(batch: Any, rows: range) -> Any:
@@ -63,20 +65,29 @@ class TrainSteps:
         self.k = grad_accum_steps
         self.dp = distribution.data_parallel_size if distribution.auto_shard_dataset else 1
         self.data_index = distribution.data_index() if distribution.auto_shard_dataset else 0
-        self._batches: DistributedBatches | None = None
+        self.sampler: GlobalBatchSampler | None = None
+        self.loader: DataLoader | None = None
+        self.last_indices: list[int] = []  # this process's samples of the step last handed out
         self.data = data
+        self.num_samples = None
         if is_map_style(data):
             if global_batch_size is None:
                 raise ValueError("fit(batch_size=...) is required for a Dataset: it is the global batch size.")
-            self._batches = DistributedBatches(
-                as_dataset(data), global_batch_size=global_batch_size, data_parallel_size=self.dp,
-                data_index=self.data_index, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
-                to_global=distribution._batch_to_global, micro_batches=self.k)
-        self.num_samples = len(self._batches.dataset) if self._batches is not None else None
+            self.dataset = as_dataset(data)
+            self.num_samples = len(self.dataset)
+            # (seed, epoch, cursor) state: a checkpoint taken mid-epoch resumes exactly there, on
+            # any number of processes; same order and split as distribute_dataset.
+            self.sampler = GlobalBatchSampler(
+                self.num_samples, global_batch_size=global_batch_size, data_parallel_size=self.dp,
+                data_index=self.data_index, micro_batches=self.k, shuffle=shuffle, seed=seed,
+                drop_remainder=drop_remainder)
+            if not isinstance(self.dataset, TensorDataset):
+                # Real datasets read samples: fetch them ahead of the step (a thread; workers optional).
+                self.loader = DataLoader(self.dataset, self.sampler, prefetch=2)
 
     def __len__(self) -> int:
-        if self._batches is not None:
-            return len(self._batches)
+        if self.sampler is not None:
+            return len(self.sampler)  # steps left in this epoch (fewer after a mid-epoch resume)
         if is_presharded(self.data):
             return len(self.data) // self.k
         return len(self.data)  # raises TypeError for unsized iterables, as len() should
@@ -89,18 +100,42 @@ class TrainSteps:
         return True
 
     def set_epoch(self, epoch: int) -> None:
-        if self._batches is not None:
-            self._batches.set_epoch(epoch)
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch)  # the current epoch keeps its cursor (a resume)
         sampler = getattr(self.data, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
 
+    def state_dict(self) -> dict | None:
+        return self.sampler.state_dict() if self.sampler is not None else None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state and self.sampler is not None:
+            self.sampler.load_state_dict(state)
+
+    def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
+
     def __iter__(self) -> Iterator[list[Any]]:
-        if self._batches is not None:
-            return self._batches.iter_steps()
+        if self.loader is not None:
+            return self._loader_steps()
+        if self.sampler is not None:
+            return self._tensor_steps()
         if is_presharded(self.data):
             return self._presharded_steps()
         return self._global_batch_steps()
+
+    def _tensor_steps(self) -> Iterator[list[Any]]:
+        for micro in self.sampler.iter_steps():
+            self.last_indices = [i for m in micro for i in m]
+            # In-memory tensors: slice them (a view when contiguous), no loader needed.
+            yield [self.distribution._batch_to_global(fetch(self.dataset, np.asarray(m, dtype=np.int64)))
+                   for m in micro]
+
+    def _loader_steps(self) -> Iterator[list[Any]]:
+        for micro in self.loader.iter_steps():
+            yield [self.distribution._batch_to_global(b) for b in micro]
 
     def _presharded_steps(self) -> Iterator[list[Any]]:
         iterator = iter(self.data)

@@ -95,6 +95,7 @@ class Trainer:
         self.stop_reason = ""
         self.nonfinite_steps = 0
         self.rollbacks = 0
+        self._steps: TrainSteps | None = None
 
     # --- small public surface ---------------------------------------------------------
     @property
@@ -121,6 +122,7 @@ class Trainer:
         steps = TrainSteps(train_data, self.distribution, global_batch_size=batch_size,
                            grad_accum_steps=self.config.grad_accum_steps, shuffle=shuffle, seed=self.config.seed,
                            drop_remainder=self.config.drop_remainder)
+        self._steps = steps  # its data position goes into checkpoints
         self.plan = Plan.derive(self.config, global_batch_size=batch_size, data_parallel_size=steps.dp,
                                 num_samples=steps.num_samples, epochs=epochs, base_lr=self._base_lrs[0])
         self._apply_lr_scaling(batch_size)
@@ -151,6 +153,7 @@ class Trainer:
                 self.callbacks.on_epoch_end(self.epoch - 1, logs)
                 self._agree_on_stop()
         finally:
+            steps.close()
             if writer:
                 writer.close()
         self.callbacks.on_train_end(self.history.last_epoch())
@@ -353,6 +356,8 @@ class Trainer:
             "history": self.history.state_dict(),
             "precision": self.config.precision,
             "callbacks": [cb.state_dict() for cb in self.callbacks],
+            # (seed, epoch, cursor): a mid-epoch checkpoint resumes at the next unseen sample.
+            "data": self._steps.state_dict() if self._steps is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -367,6 +372,8 @@ class Trainer:
             self.scheduler.load_state_dict(state["scheduler"])
         self.global_step, self.epoch = int(state["global_step"]), int(state["epoch"])
         self.history.load_state_dict(state.get("history", {}))
+        if self._steps is not None:
+            self._steps.load_state_dict(state.get("data"))
         saved = state.get("callbacks") or []
         if len(saved) == len(self.callbacks):  # same callbacks in the same order: carry their state on
             for callback, callback_state in zip(self.callbacks, saved):
