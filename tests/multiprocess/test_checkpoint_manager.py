@@ -6,6 +6,8 @@ size / ZeRO stage takes that same step 4 and must land within 1e-6 of the refere
 so model *and* optimizer state (Adam moments, step count) were restored. Also checked:
 an async save loads to the same numbers as a sync one, per-rank RNG and data state come
 back (rank r <- saved rank r % old world), and a safetensors export loads into a plain module.
+Transitions: 2 -> 4 (stage 0 -> 3, 3 -> 0, async -> 0), 4 -> 2 (0 -> 0, 3 -> 3, 3 -> 0, 0 -> 1),
+and on 2, stage 1 (ZeroRedundancyOptimizer) -> 3.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ class MLP(torch.nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.inp = torch.nn.Linear(8, 32)
-        self.blocks = torch.nn.ModuleList([torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)])
-        self.head = torch.nn.Linear(32, 4)
+        # 64 x 64 weights are large enough that DDP's replicas get split between writers.
+        self.inp = torch.nn.Linear(8, 64)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)])
+        self.head = torch.nn.Linear(64, 4)
 
     def forward(self, x):
         x = torch.tanh(self.inp(x))

@@ -12,11 +12,15 @@ Every function here is collective over ``process_group`` (all ranks call it toge
 
 from __future__ import annotations
 
+import datetime
 from concurrent.futures import Future
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -38,31 +42,112 @@ def new_checkpoint_group():
     """
     if not dist.is_available() or not dist.is_initialized():
         return None
-    return dist.new_group(backend="gloo")
+    from .. import runtime
+
+    # Bounded, so a dead rank surfaces; but at least 10 minutes, since peers legitimately wait
+    # while rank 0 hashes a multi-GB checkpoint or a slow rank finishes its write.
+    timeout = max(runtime.collective_timeout(), datetime.timedelta(minutes=10))
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def sharded_state(model: nn.Module, optimizer: Any | None) -> dict[str, Any]:
     """This rank's shards of model (+ optimizer) state, keyed ``model`` / ``optimizer``."""
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
-    if optimizer is None:
-        return state
-    if is_zero_optimizer(optimizer):
+    if optimizer is not None and not is_zero_optimizer(optimizer):
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # Before the ZeRO-1 part is added: that one exists on rank 0 only, so splitting it
+        # would give ranks different views of what is shared.
+        _keep_owned_replicas(state, dist.get_rank(), dist.get_world_size())
+    if optimizer is not None and is_zero_optimizer(optimizer):
         # Replicated parameters, sharded optimizer: gather once on rank 0, which alone writes it.
         full = full_state(model, optimizer)
         if full:
             state["optimizer"] = full
-    else:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     return state
 
 
+_MIN_SPLIT_NUMEL = 4096  # smaller tensors stay on every rank: not worth the bookkeeping
+
+
+def _keep_owned_replicas(state: dict[str, Any], rank: int, world_size: int) -> None:
+    """Drop (from copies of the dicts) the replicated, non-DTensor tensors another rank writes.
+
+    DCP keeps one copy of a tensor every rank holds anyway (it treats plain tensors as
+    replicas); deciding the owner here, balanced by bytes, means each rank also *stages*
+    (async) and plans only ~1/N of the replicated state: DDP's whole model + optimizer.
+    The assignment depends only on keys and sizes, identical on every rank. The dicts are
+    copied, never edited: ``get_optimizer_state_dict`` hands out the optimizer's own ones.
+    """
+    entries = []
+
+    def visit(container, path):
+        for key, value in container.items():
+            if isinstance(value, dict):
+                visit(value, path + (str(key),))
+            elif isinstance(value, torch.Tensor) and not hasattr(value, "to_local") and value.numel() >= _MIN_SPLIT_NUMEL:
+                entries.append((value.numel() * value.element_size(), path + (str(key),)))
+
+    visit(state, ())
+    loads, dropped = [0] * world_size, set()
+    for size, path in sorted(entries, key=lambda e: (-e[0], e[1])):
+        owner = loads.index(min(loads))  # greedy: largest first onto the least-loaded rank
+        loads[owner] += size
+        if owner != rank:
+            dropped.add(path)
+
+    def pruned(container, path):
+        return {key: pruned(value, path + (str(key),)) if isinstance(value, dict) else value
+                for key, value in container.items() if path + (str(key),) not in dropped}
+
+    state.update(pruned(state, ()))
+    for key in [k for k in state if (str(k),) in dropped]:
+        del state[key]
+
+
+def _no_dist() -> bool:
+    # One process without a group: say so, rather than have DCP warn that it assumed it.
+    return not (dist.is_available() and dist.is_initialized())
+
+
 def save(state: dict[str, Any], path: str, process_group=None) -> None:
-    dcp.save(state, checkpoint_id=path, process_group=process_group)
+    dcp.save(state, checkpoint_id=path, process_group=process_group, no_dist=_no_dist())
 
 
-def async_save(state: dict[str, Any], path: str, process_group=None) -> Future:
+class ReusableStager(BlockingAsyncStager):
+    """Stages into CPU buffers kept between saves: after the first save, staging is a copy
+    into memory already allocated (no page faults), which is most of ``save()``'s blocking
+    time. Costs one extra CPU copy of this rank's state for the run's lifetime. The buffers
+    are rebuilt when the state's structure changes (keys, shapes, dtypes)."""
+
+    def __init__(self):
+        super().__init__(cache_staged_state_dict=True)
+        self._signature = None
+
+    def stage(self, state_dict):
+        signature = _signature(state_dict)
+        if signature != self._signature or self.state_dict_cache is None:
+            # Pinned memory speeds device-to-host copies, and only exists with an accelerator.
+            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+            self._signature = signature
+        return _copy_state_dict(state_dict, self.state_dict_cache)
+
+
+def _signature(obj) -> Any:
+    if isinstance(obj, dict):
+        return tuple((k, _signature(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return tuple(_signature(v) for v in obj)
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return (type(obj).__name__, tuple(obj.shape), tuple(local.shape), obj.dtype)
+    return type(obj).__name__
+
+
+def async_save(state: dict[str, Any], path: str, process_group=None, stager=None) -> Future:
     """Stage a CPU copy now (the only blocking part), write it in a background thread."""
-    result = dcp.async_save(state, checkpoint_id=path, process_group=process_group)
+    result = dcp.async_save(state, checkpoint_id=path, process_group=process_group, no_dist=_no_dist(),
+                            async_stager=stager)
     return getattr(result, "upload_completion", result)
 
 
@@ -74,7 +159,7 @@ def load_sharded(model: nn.Module, optimizer: Any | None, path: str, process_gro
     """
     if optimizer is not None and is_zero_optimizer(optimizer):
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=path, process_group=process_group)
+        dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=_no_dist())
         set_model_state_dict(model, state["model"])
         # No template to read shards into: the optimizer state arrives as full tensors.
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
@@ -85,7 +170,7 @@ def load_sharded(model: nn.Module, optimizer: Any | None, path: str, process_gro
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    dcp.load(state, checkpoint_id=path, process_group=process_group)
+    dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=_no_dist())
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])

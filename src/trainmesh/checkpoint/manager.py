@@ -88,6 +88,7 @@ class CheckpointManager:
         self._pending: PendingSave | None = None
         self._distributed = dist.is_available() and dist.is_initialized()
         self._group = _dcp.new_checkpoint_group()
+        self._stager = _dcp.ReusableStager() if self.async_save else None
 
     # --- save ---------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], *, metrics: dict[str, float] | None = None) -> str:
@@ -118,7 +119,7 @@ class CheckpointManager:
             sharded = _dcp.sharded_state(model, optimizer)
             dcp_dir = os.path.join(tmp_dir, "dcp")
             if self.async_save:
-                pending.future = _dcp.async_save(sharded, dcp_dir, self._group)
+                pending.future = _dcp.async_save(sharded, dcp_dir, self._group, self._stager)
             else:
                 _dcp.save(sharded, dcp_dir, self._group)
         self._pending = pending

@@ -94,9 +94,13 @@ def initialize(
         if cluster.world_size == 1:
             dist.init_process_group(chosen_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
         else:
+            # Under torchrun's elastic agent, "env://" joins the agent's store under this restart
+            # round's prefix; a tcp:// address would reuse the previous round's keys after a restart
+            # and try to reach peers that are dead (seen: "connectFullMesh ... Connection refused").
+            elastic = cluster.source == "torchrun" and "TORCHELASTIC_RUN_ID" in os.environ
             dist.init_process_group(
                 chosen_backend,
-                init_method=cluster.init_method,
+                init_method="env://" if elastic else cluster.init_method,
                 rank=cluster.rank,
                 world_size=cluster.world_size,
                 timeout=td,

@@ -1,0 +1,68 @@
+"""A small, deterministic training job for the fault-tolerance tests (run through `trainmesh run`).
+
+It checkpoints every 2 steps, auto-resumes from the last checkpoint, logs which samples each
+process trained on at every step, and (with --kill-at) SIGKILLs rank 1 at that global step
+in the first attempt of the launch.
+"""
+
+import argparse
+import os
+import signal
+
+import torch
+
+import trainmesh as tm
+
+N, GLOBAL_BATCH = 96, 16  # 6 steps per epoch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tag", default="run")
+    parser.add_argument("--kill-at", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=2)
+    args = parser.parse_args()
+    tm.initialize()
+    torch.set_num_threads(1)
+    rank, restart = tm.rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = f"{args.tag}-{restart}"
+    log_path = os.path.join(args.out, f"samples.rank{rank}.log")
+
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(N, 8, generator=g), torch.randn(N, 2, generator=g))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+    def log(line: str) -> None:
+        with open(log_path, "a") as fh:
+            fh.write(line + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    class SampleLog(tm.Callback):
+        started = False
+
+        def on_train_batch_begin(self, step, logs=None):
+            if not self.started:  # after the auto-resume: where this attempt starts
+                log(f"RESUME {attempt} {self.trainer.global_step}")
+                self.started = True
+
+        def on_train_batch_end(self, step, logs=None):
+            indices = " ".join(map(str, self.trainer._steps.last_indices))
+            log(f"STEP {attempt} {self.trainer.epoch} {self.trainer.global_step} {indices}")
+            if args.kill_at and restart == 0 and rank == 1 and self.trainer.global_step == args.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    checkpoint = tm.ModelCheckpoint(os.path.join(args.out, "ckpt"), save_best=False, save_every_n_steps=2)
+    trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), torch.nn.MSELoss(),
+                         callbacks=[checkpoint, SampleLog()], progress=False)
+    trainer.fit(data, epochs=args.epochs, batch_size=GLOBAL_BATCH, resume=True)
+    final = trainer.state_dict()["model"]
+    if tm.is_main_process():
+        torch.save(final, os.path.join(args.out, "final.pt"))
+    tm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Kill a real rank with SIGKILL mid-epoch; the job restarts (torchrun's elastic agent, via
+`trainmesh run --max-restarts`), resumes from its last checkpoint and finishes with exactly the
+parameters of an uninterrupted run, every sample seen exactly once per epoch. Then the same
+with the resume on a different number of processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.timeout(420)]
+
+JOB = os.path.join(os.path.dirname(__file__), "ft_job.py")
+N, STEPS_PER_EPOCH, EPOCHS = 96, 6, 2
+
+
+def launch(out, nproc: int, *extra: str, max_restarts: int = 0, tag: str = "run") -> subprocess.CompletedProcess:
+    os.makedirs(out, exist_ok=True)
+    cmd = [sys.executable, "-m", "trainmesh", "run", "-n", str(nproc), "--max-restarts", str(max_restarts),
+           "--monitor-interval", "0.2", JOB, "--out", str(out), "--tag", tag, *extra]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC"))}
+    env["TRAINMESH_TIMEOUT_S"] = "30"
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def effective_steps(out) -> dict[int, dict[int, list[int]]]:
+    """{epoch: {global_step: samples}} over all ranks, keeping from each attempt only the steps the
+    next attempt did not roll back (those after its resume point were trained again)."""
+    lines = []
+    for name in sorted(os.listdir(out)):
+        if name.startswith("samples.rank"):
+            with open(os.path.join(out, name)) as fh:
+                lines += [line.split() for line in fh if line.strip()]
+    resumes = {}  # attempt -> global step it resumed at
+    order = []
+    for parts in lines:
+        if parts[0] == "RESUME":
+            resumes.setdefault(parts[1], int(parts[2]))
+            if parts[1] not in order:
+                order.append(parts[1])
+    order.sort(key=lambda attempt: resumes[attempt])
+    kept: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for parts in lines:
+        if parts[0] != "STEP":
+            continue
+        attempt, epoch, step, samples = parts[1], int(parts[2]), int(parts[3]), [int(x) for x in parts[4:]]
+        later = order[order.index(attempt) + 1 :]
+        if later and step > resumes[later[0]]:
+            continue  # rolled back: trained again by the next attempt
+        kept[epoch][step] += samples
+    return kept, order
+
+
+def assert_exactly_once(out) -> list[str]:
+    kept, attempts = effective_steps(out)
+    assert sorted(kept) == list(range(EPOCHS))
+    for epoch, steps in kept.items():
+        assert len(steps) == STEPS_PER_EPOCH, (epoch, sorted(steps))
+        seen = sorted(i for samples in steps.values() for i in samples)
+        assert seen == list(range(N)), f"epoch {epoch}: not every sample exactly once"
+    return attempts
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    proc = launch(out, 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, torch.load(os.path.join(out, "final.pt"))
+
+
+def test_sigkill_mid_epoch_restarts_and_matches_an_uninterrupted_run(tmp_path, uninterrupted):
+    reference_dir, reference = uninterrupted
+    proc = launch(tmp_path, 2, "--kill-at", "5", max_restarts=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    attempts = assert_exactly_once(tmp_path)
+    assert attempts == ["run-0", "run-1"]  # a real restart happened
+    assert effective_steps(tmp_path)[0]  # and resumed from step 4 (checkpoint every 2 steps)
+    final = torch.load(os.path.join(tmp_path, "final.pt"))
+    for name, value in reference.items():
+        assert torch.equal(final[name], value), name  # exactly: fp32, deterministic CPU
+    assert_exactly_once(reference_dir)
+
+
+def test_resume_on_a_different_number_of_processes(tmp_path, uninterrupted):
+    _, reference = uninterrupted
+    first = launch(tmp_path, 2, "--kill-at", "5", tag="two")  # no restarts: the job dies
+    assert first.returncode != 0
+    second = launch(tmp_path, 4, tag="four")  # a new launch, 4 processes, resumes from the checkpoint
+    assert second.returncode == 0, second.stderr[-3000:]
+    attempts = assert_exactly_once(tmp_path)
+    assert attempts == ["two-0", "four-0"]
+    final = torch.load(os.path.join(tmp_path, "final.pt"))
+    for name, value in reference.items():
+        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6)
