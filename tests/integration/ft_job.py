@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("--tag", default="run")
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--checkpoint", choices=["full", "sharded"], default="full")
     args = parser.parse_args()
     tm.initialize()
     torch.set_num_threads(1)
@@ -54,7 +55,10 @@ def main() -> None:
             if args.kill_at and restart == 0 and rank == 1 and self.trainer.global_step == args.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    checkpoint = tm.ModelCheckpoint(os.path.join(args.out, "ckpt"), save_best=False, save_every_n_steps=2)
+    if args.checkpoint == "sharded":  # DCP shards, async, sealed with a checksummed marker
+        checkpoint = tm.ShardedCheckpoint(os.path.join(args.out, "ckpt"), every_n_steps=2, async_save=True)
+    else:  # one full state file, written atomically by the main process
+        checkpoint = tm.ModelCheckpoint(os.path.join(args.out, "ckpt"), save_best=False, save_every_n_steps=2)
     trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), torch.nn.MSELoss(),
                          callbacks=[checkpoint, SampleLog()], progress=False)
     trainer.fit(data, epochs=args.epochs, batch_size=GLOBAL_BATCH, resume=True)

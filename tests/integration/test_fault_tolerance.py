@@ -74,9 +74,10 @@ def uninterrupted(tmp_path_factory):
     return out, torch.load(os.path.join(out, "final.pt"))
 
 
-def test_sigkill_mid_epoch_restarts_and_matches_an_uninterrupted_run(tmp_path, uninterrupted):
+@pytest.mark.parametrize("checkpoint", ["full", "sharded"])
+def test_sigkill_mid_epoch_restarts_and_matches_an_uninterrupted_run(tmp_path, uninterrupted, checkpoint):
     reference_dir, reference = uninterrupted
-    proc = launch(tmp_path, 2, "--kill-at", "5", max_restarts=1)
+    proc = launch(tmp_path, 2, "--kill-at", "5", "--checkpoint", checkpoint, max_restarts=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     attempts = assert_exactly_once(tmp_path)
     assert attempts == ["run-0", "run-1"]  # a real restart happened
@@ -87,11 +88,12 @@ def test_sigkill_mid_epoch_restarts_and_matches_an_uninterrupted_run(tmp_path, u
     assert_exactly_once(reference_dir)
 
 
-def test_resume_on_a_different_number_of_processes(tmp_path, uninterrupted):
+@pytest.mark.parametrize("checkpoint", ["full", "sharded"])
+def test_resume_on_a_different_number_of_processes(tmp_path, uninterrupted, checkpoint):
     _, reference = uninterrupted
-    first = launch(tmp_path, 2, "--kill-at", "5", tag="two")  # no restarts: the job dies
+    first = launch(tmp_path, 2, "--kill-at", "5", "--checkpoint", checkpoint, tag="two")  # no restarts: it dies
     assert first.returncode != 0
-    second = launch(tmp_path, 4, tag="four")  # a new launch, 4 processes, resumes from the checkpoint
+    second = launch(tmp_path, 4, "--checkpoint", checkpoint, tag="four")  # 4 processes resume from the checkpoint
     assert second.returncode == 0, second.stderr[-3000:]
     attempts = assert_exactly_once(tmp_path)
     assert attempts == ["two-0", "four-0"]

@@ -94,19 +94,29 @@ def initialize(
         if cluster.world_size == 1:
             dist.init_process_group(chosen_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
         else:
-            # Under torchrun's elastic agent, "env://" joins the agent's store under this restart
-            # round's prefix; a tcp:// address would reuse the previous round's keys after a restart
-            # and try to reach peers that are dead (seen: "connectFullMesh ... Connection refused").
             elastic = cluster.source == "torchrun" and "TORCHELASTIC_RUN_ID" in os.environ
-            dist.init_process_group(
-                chosen_backend,
-                init_method="env://" if elastic else cluster.init_method,
-                rank=cluster.rank,
-                world_size=cluster.world_size,
-                timeout=td,
-            )
+            if elastic:
+                dist.init_process_group(chosen_backend, store=_elastic_store(cluster, td), rank=cluster.rank,
+                                        world_size=cluster.world_size, timeout=td)
+            else:
+                dist.init_process_group(chosen_backend, init_method=cluster.init_method, rank=cluster.rank,
+                                        world_size=cluster.world_size, timeout=td)
         _state.update(cluster=cluster, timeout=td, owned=True)
         return cluster
+
+
+def _elastic_store(cluster: ClusterEnv, timeout: _dt.timedelta):
+    """torchrun's store (its ``env://`` rendezvous), with keys under this restart's own prefix.
+
+    After an elastic restart the store can still hold the previous round's keys; without a
+    prefix a fresh worker may read a dead peer's address and fail in gloo's connectFullMesh
+    ("Connection refused") -- seen in the SIGKILL restart test, depending on timing.
+    """
+    from torch.distributed.rendezvous import rendezvous
+
+    store, _, _ = next(rendezvous("env://", cluster.rank, cluster.world_size, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"trainmesh/restart_{attempt}", store)
 
 
 def _adopt_existing_group() -> ClusterEnv:

@@ -6,6 +6,7 @@ from .history import History
 from .loss_scaler import DynamicLossScaler
 from .metrics import Accuracy, Mean, Metric, resolve_metric
 from .schedules import scale_lr, warmup_cosine, warmup_linear
+from .sharded_checkpoint import ShardedCheckpoint
 from .trainer import Trainer
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "Metric",
     "ModelCheckpoint",
     "Plan",
+    "ShardedCheckpoint",
     "Trainer",
     "TrainerConfig",
     "resolve_metric",

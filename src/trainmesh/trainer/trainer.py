@@ -39,6 +39,7 @@ from .metrics import Metric, resolve_metric
 from .precision import build_precision
 from .progress import ProgressBar
 from .schedules import scale_lr
+from .sharded_checkpoint import ShardedCheckpoint
 from .loss_tracking import LossAccumulator
 from .step import clip_gradients_, forward_backward, global_grad_norm
 
@@ -273,6 +274,11 @@ class Trainer:
     def _rollback(self) -> None:
         """Back to the last checkpoint's weights and optimizer state; the data position, step counter
         and history go on (re-reading the batches that diverged would likely diverge again)."""
+        sharded = [cb for cb in self.callbacks if isinstance(cb, ShardedCheckpoint)]
+        if sharded:
+            if sharded[0].rollback():
+                self.rollbacks += 1
+            return
         checkpoints = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
         path = checkpoints[0].last_path if checkpoints else None
         if path is None or not os.path.exists(path):
@@ -351,11 +357,7 @@ class Trainer:
             "optimizer": full_optimizer_state(self.model, self.optimizer),
             "scaler": self.precision.scaler.state_dict() if self.precision.scaler else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-            "global_step": self.global_step,
-            "epoch": self.epoch,
-            "history": self.history.state_dict(),
-            "precision": self.config.precision,
-            "callbacks": [cb.state_dict() for cb in self.callbacks],
+            **self.metadata(),
             # (seed, epoch, cursor): a mid-epoch checkpoint resumes at the next unseen sample.
             "data": self._steps.state_dict() if self._steps is not None else None,
         }
@@ -370,11 +372,22 @@ class Trainer:
             self.precision.scaler.load_state_dict(state["scaler"])
         if self.scheduler is not None and state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
-        self.global_step, self.epoch = int(state["global_step"]), int(state["epoch"])
-        self.history.load_state_dict(state.get("history", {}))
         if self._steps is not None:
             self._steps.load_state_dict(state.get("data"))
-        saved = state.get("callbacks") or []
+        self.restore_metadata(state)
+
+    def metadata(self) -> dict[str, Any]:
+        """The loop's own small state (counters, history, callbacks), saved with every checkpoint."""
+        return {"global_step": self.global_step, "epoch": self.epoch, "precision": self.config.precision,
+                "history": self.history.state_dict(), "callbacks": [cb.state_dict() for cb in self.callbacks]}
+
+    def restore_metadata(self, meta: dict[str, Any]) -> None:
+        if meta.get("precision", self.config.precision) != self.config.precision:
+            raise ValueError(f"The checkpoint was trained with precision {meta['precision']!r}; this Trainer "
+                             f"uses {self.config.precision!r}.")
+        self.global_step, self.epoch = int(meta["global_step"]), int(meta["epoch"])
+        self.history.load_state_dict(meta.get("history", {}))
+        saved = meta.get("callbacks") or []
         if len(saved) == len(self.callbacks):  # same callbacks in the same order: carry their state on
             for callback, callback_state in zip(self.callbacks, saved):
                 if callback_state:
@@ -395,12 +408,21 @@ class Trainer:
         self.load_state_dict(torch.load(os.fspath(path), map_location="cpu", weights_only=False))
 
     def _resume(self, resume: bool | str) -> None:
+        sharded = [cb for cb in self.callbacks if isinstance(cb, ShardedCheckpoint)]
+        if sharded and not isinstance(resume, (str, os.PathLike)):
+            found = sharded[0].resume()
+            if self.is_main_process:
+                print(f"[trainmesh] resumed from {sharded[0].dirpath} at epoch {self.epoch}, step {self.global_step}"
+                      if found else f"[trainmesh] no complete checkpoint in {sharded[0].dirpath}; starting fresh",
+                      flush=True)
+            return
         if isinstance(resume, (str, os.PathLike)):
             path = os.fspath(resume)
         else:
             checkpoints = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
             if not checkpoints:
-                raise ValueError("fit(resume=True) needs a ModelCheckpoint callback (or resume='path/to/last.pt').")
+                raise ValueError("fit(resume=True) needs a ModelCheckpoint or ShardedCheckpoint callback "
+                                 "(or resume='path/to/last.pt').")
             path = checkpoints[0].last_path
         if os.path.exists(path):
             self.load_checkpoint(path)
