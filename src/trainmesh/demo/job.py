@@ -118,12 +118,26 @@ def draw_curves(log_dir: Path, png: Path) -> str:
         return "built-in"
 
 
+def _token_shard_datasets(out: Path, corpus, settings: DemoSettings):
+    """The corpus as token shards on disk (written once, by the main process) read back memory-mapped:
+    the same windows as ``corpus.datasets`` while each text fits one shard (1 << 22 tokens)."""
+    from trainmesh.data import TokenShardDataset, write_char_shards
+
+    dirs = {"train": out / "shards" / "train", "heldout": out / "shards" / "heldout"}
+    if tm.is_main_process():
+        for name, text in (("train", corpus.train_text), ("heldout", corpus.heldout_text)):
+            write_char_shards(text, dirs[name], corpus.vocab, shard_tokens=1 << 22, overwrite=True)
+    tm.barrier()
+    return tuple(TokenShardDataset(dirs[name], block_size=settings.block_size, seed=settings.seed)
+                 for name in ("train", "heldout"))
+
+
 def train(out: Path, settings: DemoSettings) -> dict[str, Any]:
     """Run the whole job on this process (collectives with the others); the summary on every process."""
     started = time.perf_counter()
     tm.initialize()
     corpus = build_corpus(settings.char_budget, max_file_chars=settings.max_file_chars)
-    train_ds, heldout_ds = corpus.datasets(settings.block_size)
+    train_ds, heldout_ds = _token_shard_datasets(out, corpus, settings)
     config = GPTConfig(vocab_size=len(corpus.vocab), block_size=settings.block_size, n_layer=settings.n_layer,
                        n_head=settings.n_head, d_model=settings.d_model)
     # The same seed on every process gives the same initial weights (DDP would broadcast rank 0's
