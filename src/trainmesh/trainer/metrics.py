@@ -21,6 +21,8 @@ tensor([1., 2.], dtype=torch.float64)
 
 from __future__ import annotations
 
+import abc
+
 import math
 
 import torch
@@ -28,7 +30,7 @@ import torch
 __all__ = ["Accuracy", "Mean", "Metric", "resolve_metric"]
 
 
-class Metric:
+class Metric(abc.ABC):
     """A streaming metric: ``update`` per batch, ``state`` to reduce, ``compute`` the value.
 
     Subclasses call ``super().__init__(name, state_size)``, implement ``update`` (adding
@@ -61,8 +63,9 @@ class Metric:
         """Forget everything seen so far (the Trainer calls it at each epoch start)."""
         self._state.zero_()
 
+    @abc.abstractmethod
     def update(self, outputs: torch.Tensor, targets: torch.Tensor) -> None:
-        raise NotImplementedError(f"{type(self).__name__} must implement update(outputs, targets).")
+        """Add one batch (this process's rows) to the state."""
 
     def state(self) -> torch.Tensor:
         """A copy of the 1-D float64 vector of sums: safe to all-reduce in place."""
@@ -80,8 +83,9 @@ class Metric:
             )
         return self._compute(state.to("cpu", torch.float64))
 
+    @abc.abstractmethod
     def _compute(self, state: torch.Tensor) -> float:
-        raise NotImplementedError(f"{type(self).__name__} must implement _compute(state).")
+        """The value from a state vector (this process's, or the SUM over processes)."""
 
     def _add(self, *values: torch.Tensor | float) -> None:
         """Add one value to each state slot, in float64 (one device-to-host copy per call)."""
