@@ -378,8 +378,11 @@ class Trainer:
 
     def metadata(self) -> dict[str, Any]:
         """The loop's own small state (counters, history, callbacks), saved with every checkpoint."""
+        config = {k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v)
+                  for k, v in vars(self.config).items()}  # for the record (plain values: JSON-safe)
         return {"global_step": self.global_step, "epoch": self.epoch, "precision": self.config.precision,
-                "history": self.history.state_dict(), "callbacks": [cb.state_dict() for cb in self.callbacks]}
+                "config": config, "history": self.history.state_dict(),
+                "callbacks": [cb.state_dict() for cb in self.callbacks]}
 
     def restore_metadata(self, meta: dict[str, Any]) -> None:
         if meta.get("precision", self.config.precision) != self.config.precision:
