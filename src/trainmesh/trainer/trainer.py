@@ -149,7 +149,7 @@ class Trainer:
                 self.history.record_epoch(self.epoch, logs)
                 if writer:
                     writer.log_epoch({"epoch": self.epoch, **logs})
-                self._progress_close_line(logs)
+                self._bar.close(logs)  # the epoch's closing line, Keras-style
                 self.epoch += 1
                 self.callbacks.on_epoch_end(self.epoch - 1, logs)
                 self._agree_on_stop()
@@ -470,6 +470,3 @@ class Trainer:
         if not self.is_main_process or self.config.progress is False:
             return False
         return True if self.config.progress is True else (sys.stdout is not None)
-
-    def _progress_close_line(self, logs: dict[str, float]) -> None:
-        self._bar.close(logs)
