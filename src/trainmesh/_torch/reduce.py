@@ -15,21 +15,21 @@ def global_mean(value) -> float:
     """
     if isinstance(value, DTensor):
         return float(value.full_tensor().detach().item())
-    tensor = torch.as_tensor(value).detach().to(torch.float64)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return float(tensor.item())
-    if dist.get_backend() == "nccl":
-        tensor = tensor.cuda()
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return float(tensor.item()) / dist.get_world_size()
+    tensor = torch.as_tensor(value).detach().to(torch.float64).reshape(1)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return float(all_reduce_small(tensor)[0]) / world
 
 
-def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    """SUM a small float64 vector over every process (a no-op on one process)."""
+def all_reduce_small(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce a small CPU vector (losses, flags, norms) over every process; returned on the CPU.
+
+    The one place that knows a pure-NCCL group needs it on the GPU (a mixed "cpu:gloo,cuda:nccl"
+    group takes it as it is). A no-op on one process.
+    """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return values
     tensor = values.cuda() if dist.get_backend() == "nccl" else values
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    dist.all_reduce(tensor, op=op)
     return tensor.cpu()
 
 

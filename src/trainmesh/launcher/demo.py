@@ -17,13 +17,6 @@ from . import run
 JOB_MODULE = "trainmesh.demo.job"
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1. Received: {value}")
-    return value
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``trainmesh demo``."""
     parser = subparsers.add_parser(
@@ -34,11 +27,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "accumulation; write a checkpoint, logs and a loss-curve PNG to --out and print a generated "
         "sample. About 2 minutes with 4 processes on a 2-core CPU.",
     )
-    parser.add_argument("-n", "--nproc-per-node", type=_positive_int, default=4, metavar="N",
+    parser.add_argument("-n", "--nproc-per-node", type=run.positive_int, default=4, metavar="N",
                         help="worker processes (default: 4)")
     parser.add_argument("--out", default="trainmesh-demo", metavar="DIR",
                         help="output directory (default: ./trainmesh-demo)")
-    parser.add_argument("--epochs", type=_positive_int, default=None, metavar="E",
+    parser.add_argument("--epochs", type=run.positive_int, default=None, metavar="E",
                         help="training epochs (default: 3; 2 with --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny corpus and model that finish in seconds (for tests and smoke checks)")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1. Received: {value}")
@@ -45,9 +45,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description="Launch SCRIPT on N processes per node with torchrun's elastic agent "
         "and c10d rendezvous. Arguments after SCRIPT are passed to it untouched.",
     )
-    parser.add_argument("-n", "--nproc-per-node", type=_positive_int, required=True, metavar="N",
+    parser.add_argument("-n", "--nproc-per-node", type=positive_int, required=True, metavar="N",
                         help="worker processes on this node")
-    parser.add_argument("--nnodes", type=_positive_int, default=1, help="number of nodes (default: 1)")
+    parser.add_argument("--nnodes", type=positive_int, default=1, help="number of nodes (default: 1)")
     parser.add_argument("--node-rank", type=_non_negative_int, default=None, metavar="R",
                         help="this node's index; node 0 hosts the rendezvous store at --rdzv-endpoint")
     parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",

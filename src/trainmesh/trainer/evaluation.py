@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trainmesh._torch.reduce import all_reduce_sum, gather_batches
+from trainmesh._torch.reduce import all_reduce_small, gather_batches
 from trainmesh._torch.sync import runs_collectives_in_forward, unwrap
 
 from .data_input import eval_batches
@@ -77,7 +77,7 @@ def run_evaluation(trainer, data: Any, batch_size: int | None, metrics: list[Met
     finally:
         model.train(was_training)
     states = [m.state().to(torch.float64) for m in metrics]
-    reduced = all_reduce_sum(torch.cat([sums, *states]))
+    reduced = all_reduce_small(torch.cat([sums, *states]))
     logs, offset = {}, 2
     for metric, state in zip(metrics, states):
         logs[metric.name] = metric.compute(reduced[offset : offset + len(state)])

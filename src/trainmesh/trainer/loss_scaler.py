@@ -14,6 +14,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from trainmesh._torch.reduce import all_reduce_small
+
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
@@ -55,11 +57,7 @@ class DynamicLossScaler:
 
     @staticmethod
     def any_process(flag: torch.Tensor) -> bool:
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            if dist.get_backend() == "nccl":
-                flag = flag.cuda()
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+        return bool(all_reduce_small(flag, op=dist.ReduceOp.MAX).item() > 0)
 
     def update(self, found_inf: bool) -> None:
         if found_inf:

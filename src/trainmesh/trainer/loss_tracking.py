@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from trainmesh._torch.reduce import all_reduce_sum
+from trainmesh._torch.reduce import all_reduce_small
 
 
 class LossAccumulator:
@@ -58,7 +58,7 @@ class LossAccumulator:
             step_value if finite else _f64(0.0), _f64(step_samples if finite else 0),
             _f64(1.0 if stop_local else 0.0), _f64(0.0 if finite else 1.0),
         ])
-        reduced = all_reduce_sum(vector).tolist()
+        reduced = all_reduce_small(vector).tolist()
         self._local_sum, self._local_samples = 0.0, 0
         nonfinite = reduced[5] > 0
         self._global_sum += reduced[0] + (0.0 if nonfinite else reduced[2])
@@ -72,7 +72,7 @@ class LossAccumulator:
             mean = self._global_sum / samples if samples else math.nan
             self._global_sum, self._global_samples = 0.0, 0.0
             return mean, samples, False
-        reduced = all_reduce_sum(torch.stack([
+        reduced = all_reduce_small(torch.stack([
             _to_cpu_double(self._local_sum), _f64(self._local_samples), _f64(1.0 if stop_local else 0.0)])).tolist()
         total = self._global_sum + reduced[0]
         samples = self._global_samples + reduced[1]

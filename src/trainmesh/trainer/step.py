@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from trainmesh._torch.reduce import all_reduce_small
 from trainmesh._torch.sync import no_sync
 
 from .loss_tracking import LossAccumulator
@@ -83,11 +84,7 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
         grad = param.grad
         local = grad.to_local() if hasattr(grad, "to_local") else grad
         total += local.detach().double().pow(2).sum().cpu() / _replication(grad)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        if dist.get_backend() == "nccl":
-            total = total.cuda()
-        dist.all_reduce(total)
-    return float(total.sqrt().item())
+    return float(all_reduce_small(total).sqrt().item())
 
 
 def clip_gradients_(params: Iterable[torch.nn.Parameter], max_norm: float, norm: float) -> None:

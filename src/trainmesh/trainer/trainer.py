@@ -18,7 +18,7 @@ import torch
 
 from trainmesh import runtime
 from trainmesh._torch.parallelize import parallelize
-from trainmesh._torch.reduce import all_reduce_sum
+from trainmesh._torch.reduce import all_reduce_small
 from trainmesh._torch.state import (
     full_model_state,
     full_optimizer_state,
@@ -302,7 +302,7 @@ class Trainer:
     def _agree_on_stop(self) -> None:
         if self.stop_requested:
             return
-        reduced = all_reduce_sum(torch.tensor([1.0 if self._stop_local else 0.0], dtype=torch.float64))
+        reduced = all_reduce_small(torch.tensor([1.0 if self._stop_local else 0.0], dtype=torch.float64))
         self.stop_requested = bool(reduced[0] > 0)
 
     # --- metrics ------------------------------------------------------------------------
@@ -319,7 +319,7 @@ class Trainer:
         if not metrics:
             return {}
         states = [m.state().to(torch.float64) for m in metrics]
-        reduced = all_reduce_sum(torch.cat(states))
+        reduced = all_reduce_small(torch.cat(states))
         out, offset = {}, 0
         for metric, state in zip(metrics, states):
             out[metric.name] = metric.compute(reduced[offset : offset + len(state)])
