@@ -286,11 +286,7 @@ class Trainer:
                 print("[trainmesh] rollback requested but no checkpoint exists yet; the step is skipped",
                       file=sys.stderr, flush=True)
             return
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        load_full_model_state(self.model, state["model"])
-        load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
-        if self.precision.scaler is not None and state.get("scaler"):
-            self.precision.scaler.load_state_dict(state["scaler"])
+        self._load_weights(torch.load(path, map_location="cpu", weights_only=False))
         self.rollbacks += 1
 
     def _sync(self, losses: LossAccumulator) -> tuple[float, float]:
@@ -366,15 +362,19 @@ class Trainer:
         if state.get("precision", self.config.precision) != self.config.precision:
             raise ValueError(f"The checkpoint was trained with precision {state['precision']!r}; this Trainer "
                              f"uses {self.config.precision!r}.")
-        load_full_model_state(self.model, state["model"])
-        load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
-        if self.precision.scaler is not None and state.get("scaler"):
-            self.precision.scaler.load_state_dict(state["scaler"])
+        self._load_weights(state)
         if self.scheduler is not None and state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
         if self._steps is not None:
             self._steps.load_state_dict(state.get("data"))
         self.restore_metadata(state)
+
+    def _load_weights(self, state: dict[str, Any]) -> None:
+        """Model, optimizer and loss scaler from a full state (a resume, or a rollback)."""
+        load_full_model_state(self.model, state["model"])
+        load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        if self.precision.scaler is not None and state.get("scaler"):
+            self.precision.scaler.load_state_dict(state["scaler"])
 
     def metadata(self) -> dict[str, Any]:
         """The loop's own small state (counters, history, callbacks), saved with every checkpoint."""
