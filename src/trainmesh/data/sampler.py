@@ -146,9 +146,13 @@ class GlobalBatchSampler:
         Pure: does not move the cursor. A loader that fetches ahead uses it and reports back
         with ``advance(cursor)`` as each step is actually consumed.
         """
-        order = self.global_order(self.epoch)
+        return self.local_steps(self.epoch, self.cursor)
+
+    def local_steps(self, epoch: int, cursor: int = 0) -> list[tuple[int, list[np.ndarray]]]:
+        """As ``plan``, for any ``(epoch, cursor)``; pure (reads no iteration state)."""
+        order = self.global_order(epoch)
         steps = []
-        for start, stop in self.global_batches():
+        for start, stop in self.global_batches(epoch, cursor):
             part = (stop - start) // self.data_parallel_size
             local = order[start + self.data_index * part : start + (self.data_index + 1) * part]
             steps.append((stop, np.split(local, self.micro_batches)))

@@ -7,7 +7,6 @@ no process talks to another to agree on it.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -57,48 +56,30 @@ class DistributedBatches:
         to_global: Callable[[Any], Any] | None = None,
         micro_batches: int = 1,
     ):
+        # The order, the split and the remainder policy are GlobalBatchSampler's (one definition
+        # for the Keras-style dataset, the Trainer and resumable loading); this class adds
+        # fetching, the global-batch conversion and "each iter() is the next epoch".
+        from trainmesh.data.sampler import GlobalBatchSampler
+
         self.dataset = as_dataset(dataset)
-        self.global_batch_size = int(global_batch_size)
-        self.data_parallel_size = int(data_parallel_size)
-        self.data_index = int(data_index)
-        self.shuffle = bool(shuffle)
-        self.seed = int(seed)
-        self.drop_remainder = bool(drop_remainder)
+        self.sampler = GlobalBatchSampler(
+            len(self.dataset), global_batch_size=global_batch_size, data_parallel_size=data_parallel_size,
+            data_index=data_index, micro_batches=micro_batches, shuffle=shuffle, seed=seed,
+            drop_remainder=drop_remainder)
         self.epoch = 0
         self._to_global = to_global or (lambda batch: batch)
-        self.micro_batches = int(micro_batches)
-        if self.micro_batches < 1:
-            raise ValueError(f"micro_batches must be >= 1. Received: micro_batches={micro_batches}")
-        self._parts = self.data_parallel_size * self.micro_batches
-        if self.data_parallel_size < 1 or self.global_batch_size < 1 or self.global_batch_size % self._parts:
-            raise ValueError(
-                f"global_batch_size must be a positive multiple of data_parallel_size x micro_batches. "
-                f"Received: global_batch_size={global_batch_size}, data_parallel_size={data_parallel_size}, "
-                f"micro_batches={micro_batches}"
-            )
-        if not 0 <= self.data_index < self.data_parallel_size:
-            raise ValueError(f"data_index must be in [0, {self.data_parallel_size}). Received: {self.data_index}")
-        if len(self.dataset) < self.global_batch_size and drop_remainder:
-            raise ValueError(
-                f"The dataset has {len(self.dataset)} samples, fewer than one global batch of "
-                f"{self.global_batch_size} with drop_remainder=True."
-            )
-        self._remainder = len(self.dataset) % self.global_batch_size
-        if self._remainder and not drop_remainder and self._remainder % self._parts:
-            warnings.warn(
-                f"The last {self._remainder} samples cannot be split evenly over {self.data_parallel_size} "
-                f"data-parallel processes x {self.micro_batches} micro-batches and are dropped each epoch.",
-                stacklevel=3,
-            )
 
-    @property
-    def local_batch_size(self) -> int:
-        return self.global_batch_size // self.data_parallel_size
+    global_batch_size = property(lambda self: self.sampler.global_batch_size)
+    data_parallel_size = property(lambda self: self.sampler.data_parallel_size)
+    data_index = property(lambda self: self.sampler.data_index)
+    micro_batches = property(lambda self: self.sampler.micro_batches)
+    shuffle = property(lambda self: self.sampler.shuffle)
+    seed = property(lambda self: self.sampler.seed)
+    drop_remainder = property(lambda self: self.sampler.drop_remainder)
+    local_batch_size = property(lambda self: self.sampler.local_batch_size)
 
     def __len__(self) -> int:
-        full = len(self.dataset) // self.global_batch_size
-        keep_last = self._remainder and not self.drop_remainder and self._remainder % self._parts == 0
-        return full + int(bool(keep_last))
+        return self.sampler.steps_per_epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next ``iter()`` at ``epoch`` (as torch's DistributedSampler)."""
@@ -106,17 +87,16 @@ class DistributedBatches:
 
     def global_order(self, epoch: int) -> np.ndarray:
         """Sample indices of one epoch, the same on every process."""
-        n = len(self.dataset)
-        if not self.shuffle:
-            return np.arange(n)
-        return np.random.default_rng([self.seed, epoch]).permutation(n)
+        return self.sampler.global_order(epoch)
+
+    def _micro_indices(self, epoch: int) -> Iterator[list[np.ndarray]]:
+        # Pure: two iterators over the same object never share a cursor.
+        for _, micro in self.sampler.local_steps(epoch):
+            yield micro
 
     def local_indices(self, epoch: int) -> Iterator[np.ndarray]:
-        order = self.global_order(epoch)
-        for step in range(len(self)):
-            batch = order[step * self.global_batch_size : (step + 1) * self.global_batch_size]
-            part = len(batch) // self.data_parallel_size
-            yield batch[self.data_index * part : (self.data_index + 1) * part]
+        for micro in self._micro_indices(epoch):
+            yield np.concatenate(micro)
 
     def _fetch(self, indices: np.ndarray):
         return fetch(self.dataset, indices)
@@ -128,9 +108,8 @@ class DistributedBatches:
     def iter_steps(self) -> Iterator[list[Any]]:
         """One list of ``micro_batches`` micro-batches per optimizer step (the next epoch)."""
         epoch = self._next_epoch()
-        for indices in self.local_indices(epoch):
-            parts = [indices] if self.micro_batches == 1 else np.split(indices, self.micro_batches)
-            yield [self._to_global(self._fetch(part)) for part in parts]
+        for micro in self._micro_indices(epoch):
+            yield [self._to_global(self._fetch(part)) for part in micro]
 
     def _next_epoch(self) -> int:
         epoch = self.epoch
