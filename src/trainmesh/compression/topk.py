@@ -1,0 +1,127 @@
+"""Top-k sparsification: send the k largest-magnitude entries as (int32 index, value) pairs.
+
+Error feedback (on by default) keeps what was not sent and adds it to the next step's tensor
+of the same key, so nothing is lost, only delayed. Optional DGC momentum correction (Lin et
+al. 2018, "Deep Gradient Compression"): ``u = m*u + g; v = v + u``; send the top-k of ``v``;
+zero the sent entries of both ``u`` and ``v`` (``v`` is the error-feedback residual). Use it
+with a momentum-free optimizer step, as DGC does, since the momentum is applied here.
+
+Warm-up (``warmup_steps > 0``): the ratio falls exponentially from 25% to ``ratio`` over the
+first ``warmup_steps`` compress calls of each key, so early, fast-changing gradients are
+sent nearly whole.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import Compressed, Compressor, dtype_from_name, tensor_meta, work_dtype
+
+WARMUP_START_RATIO = 0.25
+VALUE_DTYPES = ("same", "fp16")
+
+
+class TopKCompressor(Compressor):
+    """Keep the ``ratio`` fraction of largest |entries| (at least one) of each tensor."""
+
+    name = "topk"
+    summable = False  # different ranks pick different indices: all-gather, then scatter-add
+    _MEAN_FIELDS = ("residuals", "momentum")
+    _COUNTER_FIELDS = ("steps",)
+
+    def __init__(
+        self,
+        ratio: float = 0.01,
+        *,
+        error_feedback: bool = True,
+        momentum: float = 0.0,
+        warmup_steps: int = 0,
+        values: str = "same",
+    ) -> None:
+        super().__init__(error_feedback=error_feedback)
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
+            raise ValueError(f"topk: ratio must be a number in (0, 1]. Received: ratio={ratio!r}")
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"topk: momentum must be a number in [0, 1). Received: momentum={momentum!r}")
+        if momentum > 0 and not error_feedback:
+            raise ValueError(
+                "topk: DGC momentum correction accumulates into the error-feedback residual; "
+                f"it needs error_feedback=True. Received: momentum={momentum}, error_feedback=False"
+            )
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"topk: warmup_steps must be an int >= 0. Received: warmup_steps={warmup_steps!r}")
+        if values not in VALUE_DTYPES:
+            raise ValueError(f"topk: values must be one of {VALUE_DTYPES}. Received: values={values!r}")
+        self.ratio, self.momentum = float(ratio), float(momentum)
+        self.warmup_steps, self.values = warmup_steps, values
+        self.momentum_buffers: dict[str, torch.Tensor] = {}  # DGC's u, per key
+        self.steps: dict[str, int] = {}  # compress calls per key, for the warm-up
+
+    def current_ratio(self, key: str = "") -> float:
+        """The ratio the next ``compress(..., key)`` uses (warm-up aware)."""
+        step = self.steps.get(key, 0)
+        if step >= self.warmup_steps or self.ratio >= WARMUP_START_RATIO:
+            return self.ratio
+        return WARMUP_START_RATIO * (self.ratio / WARMUP_START_RATIO) ** (step / self.warmup_steps)
+
+    def _add_residual(self, tensor: torch.Tensor, key: str) -> torch.Tensor:
+        if self.momentum == 0.0:
+            return super()._add_residual(tensor, key)
+        # A contiguous copy: the sent entries of u are zeroed in place later, never the caller's tensor.
+        u = tensor.detach().to(work_dtype(tensor.dtype), copy=True, memory_format=torch.contiguous_format)
+        previous = self.momentum_buffers.get(key)
+        if previous is not None:
+            self._check_shape(key, previous, tensor)
+            u = (self.momentum * previous.to(u.device) + u).contiguous()
+        self.momentum_buffers[key] = u
+        return super()._add_residual(u, key)  # v + u
+
+    def _check_shape(self, key: str, state: torch.Tensor, tensor: torch.Tensor) -> None:
+        if state.shape != tensor.shape:
+            raise ValueError(
+                f"topk: key {key!r} was compressed before with shape {tuple(state.shape)}; "
+                f"received shape {tuple(tensor.shape)}. Use one key per tensor."
+            )
+
+    def _encode(self, corrected: torch.Tensor, key: str, dtype: torch.dtype) -> Compressed:
+        flat = corrected.reshape(-1)
+        numel = flat.numel()
+        k = min(numel, max(1, math.ceil(self.current_ratio(key) * numel))) if numel else 0
+        self.steps[key] = self.steps.get(key, 0) + 1
+        # sorted=False: the order does not matter to the receiver and sorting costs k log k.
+        indices = torch.topk(flat.abs(), k, sorted=False).indices
+        index_dtype = torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
+        value_dtype = torch.float16 if self.values == "fp16" else dtype
+        if self.momentum > 0.0:
+            # DGC momentum factor masking: a sent coordinate starts its momentum afresh.
+            self.momentum_buffers[key].reshape(-1)[indices] = 0
+        meta = tensor_meta(corrected, dtype)
+        meta["k"] = k
+        return Compressed({"indices": indices.to(index_dtype), "values": flat[indices].to(value_dtype)}, meta)
+
+    def decompress(self, compressed: Compressed) -> torch.Tensor:
+        meta = compressed.meta
+        indices, values = compressed.tensors["indices"], compressed.tensors["values"]
+        if indices.numel() != values.numel():
+            raise ValueError(f"topk: {indices.numel()} indices but {values.numel()} values in a compressed tensor")
+        dtype = dtype_from_name(meta["dtype"])
+        dense = torch.zeros(meta["numel"], dtype=dtype, device=values.device)
+        dense.index_add_(0, indices.to(torch.int64), values.to(dtype))
+        return dense.reshape(meta["shape"])
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["momentum"] = {k: v.detach().to("cpu", copy=True) for k, v in self.momentum_buffers.items()}
+        state["steps"] = dict(self.steps)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.momentum_buffers = {k: v.detach().clone() for k, v in state.get("momentum", {}).items()}
+        self.steps = {k: int(v) for k, v in state.get("steps", {}).items()}
+
+    def __repr__(self) -> str:
+        return (f"TopKCompressor(ratio={self.ratio}, error_feedback={self.error_feedback}, "
+                f"momentum={self.momentum}, warmup_steps={self.warmup_steps}, values={self.values!r})")
