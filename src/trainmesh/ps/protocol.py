@@ -1,0 +1,320 @@
+"""Parameter-server wire format: one frame = fixed prefix, JSON header, raw tensor bytes, HMAC.
+
+```
+magic b"TMPS" | format version u8 | flags u8 (bit0: HMAC) | header length u32 LE
+| header (UTF-8 JSON object) | payload (tensor bytes, each segment 8-byte aligned) | HMAC-SHA256
+```
+
+No pickle: a frame from the network can only ever become strings, numbers and tensors of a
+whitelisted dtype. `decode` raises `ProtocolError` (and nothing else) for any malformed input.
+See docs/parameter_server.md.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+MAGIC = b"TMPS"
+FORMAT_VERSION = 1
+FLAG_HMAC = 0x01
+HMAC_SIZE = 32
+DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB per message
+MAX_HEADER_BYTES = 1 << 20  # 1 MiB of JSON
+MAX_NDIM = 32
+_ALIGN = 8
+_PREFIX = struct.Struct("<4sBBI")  # magic, version, flags, header length
+_HEADER_KEYS = frozenset({"type", "sender", "seq", "version", "tensors", "meta"})
+_TENSOR_KEYS = frozenset({"name", "dtype", "shape", "offset", "nbytes"})
+# Stride arithmetic in torch is int64; bounding the product of dims keeps it from overflowing
+# for zero-size tensors whose other dims are huge.
+_MAX_ELEMENTS_BOUND = 1 << 62
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid trainmesh PS message (malformed, oversized or forged)."""
+
+
+class MessageType(str, enum.Enum):
+    REGISTER = "register"
+    INIT = "init"
+    PULL = "pull"
+    PULL_REPLY = "pull_reply"
+    PUSH = "push"
+    ACK = "ack"
+    CLOCK = "clock"
+    HEARTBEAT = "heartbeat"
+    EXPORT = "export"
+    IMPORT = "import"
+    STATS = "stats"
+    SHUTDOWN = "shutdown"
+    OK = "ok"
+    ERROR = "error"
+
+
+@dataclass
+class Message:
+    type: MessageType
+    sender: str
+    seq: int
+    version: int = 0
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        try:
+            self.type = MessageType(self.type)
+        except ValueError:
+            raise ValueError(f"unknown message type {self.type!r}; expected one of "
+                             f"{[t.value for t in MessageType]}") from None
+
+
+def payload_nbytes(msg: Message) -> int:
+    """Bytes of tensor data the message carries (without header, padding or HMAC)."""
+    return sum(t.numel() * t.element_size() for t in msg.tensors.values())
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _check_secret(secret: bytes | str | None) -> bytes | None:
+    if secret is None:
+        return None
+    if isinstance(secret, str):
+        secret = secret.encode("utf-8")
+    if not isinstance(secret, (bytes, bytearray)):
+        raise TypeError(f"secret must be bytes, str or None, got {type(secret).__name__}")
+    if not secret:
+        raise ValueError("secret must not be empty (an empty key authenticates nothing)")
+    return bytes(secret)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _tensor_bytes(name: str, tensor: Any) -> tuple[str, torch.Size, memoryview]:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"tensor {name!r} is on {tensor.device}; move it to the CPU before encoding")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"tensor {name!r} has layout {tensor.layout}; send dense values and indices instead")
+    dtype_name = _DTYPE_NAMES.get(tensor.dtype)
+    if dtype_name is None:
+        raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}; supported: {sorted(DTYPES)}")
+    flat = tensor.detach().contiguous().reshape(-1)
+    # Viewing as uint8 gives the raw bytes of any dtype (bfloat16 included, which numpy lacks).
+    return dtype_name, tensor.shape, memoryview(flat.view(torch.uint8).numpy())
+
+
+def encode(msg: Message, secret: bytes | str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+    """Serialize `msg`; with `secret`, append an HMAC-SHA256 over the frame."""
+    key = _check_secret(secret)
+    if not isinstance(msg, Message):
+        raise TypeError(f"encode expects a Message, got {type(msg).__name__}")
+    if not isinstance(msg.sender, str):
+        raise TypeError(f"Message.sender must be a str, got {type(msg.sender).__name__}")
+    if not _is_int(msg.seq) or msg.seq < 0:
+        raise ValueError(f"Message.seq must be an int >= 0, got {msg.seq!r}")
+    if not _is_int(msg.version):
+        raise ValueError(f"Message.version must be an int, got {msg.version!r}")
+    if not isinstance(msg.meta, dict):
+        raise TypeError(f"Message.meta must be a dict, got {type(msg.meta).__name__}")
+    if not isinstance(msg.tensors, dict):
+        raise TypeError(f"Message.tensors must be a dict, got {type(msg.tensors).__name__}")
+
+    specs, segments, offset = [], [], 0
+    for name, tensor in msg.tensors.items():
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be str, got {name!r}")
+        dtype_name, shape, raw = _tensor_bytes(name, tensor)
+        specs.append({"name": name, "dtype": dtype_name, "shape": list(shape),
+                      "offset": offset, "nbytes": raw.nbytes})
+        segments.append(raw)
+        padding = _align(raw.nbytes) - raw.nbytes
+        if padding:
+            segments.append(bytes(padding))
+        offset += raw.nbytes + padding
+
+    header_obj = {"type": MessageType(msg.type).value, "sender": msg.sender, "seq": msg.seq,
+                  "version": msg.version, "tensors": specs, "meta": msg.meta}
+    try:
+        header = json.dumps(header_obj, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"Message.meta must be plain JSON (str/int/float/bool/None/list/dict, "
+                         f"no NaN): {exc}") from exc
+    # Pad the JSON with spaces (still valid JSON) so the payload starts 8-byte aligned in the frame.
+    header += b" " * (_align(_PREFIX.size + len(header)) - _PREFIX.size - len(header))
+    if len(header) > MAX_HEADER_BYTES:
+        raise ValueError(f"message header is {len(header)} bytes, over the {MAX_HEADER_BYTES} limit "
+                         f"(too many tensors or too large a meta)")
+    total = _PREFIX.size + len(header) + offset + (HMAC_SIZE if key else 0)
+    if total > max_bytes:
+        raise ValueError(f"encoded message would be {total} bytes, over max_bytes={max_bytes}")
+
+    parts = [_PREFIX.pack(MAGIC, FORMAT_VERSION, FLAG_HMAC if key else 0, len(header)), header, *segments]
+    if key:
+        mac = hmac.new(key, digestmod=hashlib.sha256)
+        for part in parts:
+            mac.update(part)
+        parts.append(mac.digest())
+    return b"".join(parts)  # the only copy of the tensor bytes
+
+
+def decode(data: bytes | bytearray | memoryview, secret: bytes | str | None = None,
+           max_bytes: int = DEFAULT_MAX_BYTES) -> Message:
+    """Parse and validate one frame. Raises ProtocolError for anything malformed or forged."""
+    key = _check_secret(secret)
+    try:
+        view = memoryview(data).cast("B")
+    except TypeError:
+        raise TypeError(f"decode expects bytes, got {type(data).__name__}") from None
+    if view.nbytes > max_bytes:
+        raise ProtocolError(f"message of {view.nbytes} bytes exceeds max_bytes={max_bytes}")
+    if view.nbytes < _PREFIX.size:
+        raise ProtocolError(f"message of {view.nbytes} bytes is shorter than the {_PREFIX.size}-byte prefix")
+    magic, version, flags, header_len = _PREFIX.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise ProtocolError(f"unsupported format version {version}, expected {FORMAT_VERSION}")
+    expected_flags = FLAG_HMAC if key else 0
+    if flags != expected_flags:
+        if key and not flags & FLAG_HMAC:
+            raise ProtocolError("message has no HMAC but a secret is configured")
+        if not key and flags & FLAG_HMAC:
+            raise ProtocolError("message carries an HMAC but no secret is configured")
+        raise ProtocolError(f"unknown flags 0x{flags:02x}")
+    if header_len > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header length {header_len} exceeds {MAX_HEADER_BYTES}")
+
+    body_end = view.nbytes - (HMAC_SIZE if key else 0)
+    payload_start = _PREFIX.size + header_len
+    if payload_start > body_end:
+        raise ProtocolError(f"header length {header_len} runs past the end of a {view.nbytes}-byte message")
+    if key:
+        # Authenticate before parsing anything else: forged frames never reach the JSON parser.
+        expected = hmac.new(key, view[:body_end], hashlib.sha256).digest()
+        if not hmac.compare_digest(expected, view[body_end:]):
+            raise ProtocolError("HMAC mismatch: message was altered or signed with another secret")
+
+    header = _parse_header(view[_PREFIX.size:payload_start])
+    payload = view[payload_start:body_end]
+    tensors = _decode_tensors(header["tensors"], payload)
+    return Message(type=MessageType(header["type"]), sender=header["sender"], seq=header["seq"],
+                   version=header["version"], tensors=tensors, meta=header["meta"])
+
+
+def _reject_constant(name: str) -> None:
+    raise ProtocolError(f"header contains non-JSON constant {name}")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise ProtocolError("header JSON has a duplicate key")
+    return result
+
+
+def _parse_header(raw: memoryview) -> dict[str, Any]:
+    try:
+        header = json.loads(str(raw, "utf-8"), parse_constant=_reject_constant,
+                            object_pairs_hook=_unique_keys)
+    except ProtocolError:
+        raise
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"header is not UTF-8: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("header JSON is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, and int strings over Python's digit limit
+        raise ProtocolError(f"header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a JSON object, got {type(header).__name__}")
+    if set(header) != _HEADER_KEYS:
+        raise ProtocolError(f"header keys {sorted(header)} != required {sorted(_HEADER_KEYS)}")
+    if not isinstance(header["type"], str) or header["type"] not in MessageType._value2member_map_:
+        raise ProtocolError(f"unknown message type {header['type']!r}")
+    if not isinstance(header["sender"], str):
+        raise ProtocolError(f"sender must be a string, got {header['sender']!r}")
+    if not _is_int(header["seq"]) or header["seq"] < 0:
+        raise ProtocolError(f"seq must be an int >= 0, got {header['seq']!r}")
+    if not _is_int(header["version"]):
+        raise ProtocolError(f"version must be an int, got {header['version']!r}")
+    if not isinstance(header["meta"], dict):
+        raise ProtocolError(f"meta must be a JSON object, got {type(header['meta']).__name__}")
+    if not isinstance(header["tensors"], list):
+        raise ProtocolError(f"tensors must be a list, got {type(header['tensors']).__name__}")
+    return header
+
+
+def _check_spec(spec: Any, expected_offset: int, payload_len: int) -> tuple[str, torch.dtype, list[int], int]:
+    if not isinstance(spec, dict) or set(spec) != _TENSOR_KEYS:
+        raise ProtocolError(f"tensor entry must be an object with keys {sorted(_TENSOR_KEYS)}, got {spec!r:.200}")
+    name, dtype_name, shape, offset, nbytes = (spec[k] for k in ("name", "dtype", "shape", "offset", "nbytes"))
+    if not isinstance(name, str):
+        raise ProtocolError(f"tensor name must be a string, got {name!r:.100}")
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+        raise ProtocolError(f"tensor {name!r}: dtype {dtype_name!r:.100} not in {sorted(DTYPES)}")
+    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
+            or not all(_is_int(d) and d >= 0 for d in shape)):
+        raise ProtocolError(f"tensor {name!r}: shape must be a list of at most {MAX_NDIM} ints >= 0, "
+                            f"got {shape!r:.200}")
+    if math.prod(max(d, 1) for d in shape) > _MAX_ELEMENTS_BOUND:
+        raise ProtocolError(f"tensor {name!r}: shape {shape} is too large")
+    if not _is_int(nbytes) or not _is_int(offset):
+        raise ProtocolError(f"tensor {name!r}: offset and nbytes must be ints, got {offset!r}, {nbytes!r}")
+    dtype = DTYPES[dtype_name]
+    if nbytes != math.prod(shape) * dtype.itemsize:
+        raise ProtocolError(f"tensor {name!r}: nbytes {nbytes} != prod({shape}) * {dtype.itemsize}")
+    # Segments are laid out back to back, each at the next 8-byte boundary: anything else
+    # (overlap, gap, misalignment) is a malformed frame.
+    if offset != expected_offset:
+        raise ProtocolError(f"tensor {name!r}: offset {offset}, expected {expected_offset}")
+    if offset + nbytes > payload_len:
+        raise ProtocolError(f"tensor {name!r}: bytes [{offset}, {offset + nbytes}) beyond the "
+                            f"{payload_len}-byte payload")
+    return name, dtype, shape, nbytes
+
+
+def _decode_tensors(specs: list[Any], payload: memoryview) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    offset = 0
+    for spec in specs:
+        name, dtype, shape, nbytes = _check_spec(spec, offset, payload.nbytes)
+        if name in tensors:
+            raise ProtocolError(f"duplicate tensor name {name!r}")
+        end = offset + nbytes
+        if any(payload[end:_align(end)]):
+            raise ProtocolError(f"tensor {name!r}: non-zero padding bytes")
+        if nbytes == 0:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+        else:
+            # One copy into a fresh (hence aligned, writable) buffer that the tensor keeps alive.
+            tensors[name] = torch.frombuffer(bytearray(payload[offset:end]), dtype=dtype).reshape(shape)
+        offset = _align(end)
+    if offset != payload.nbytes:
+        raise ProtocolError(f"payload is {payload.nbytes} bytes but its tensors (padded to 8 bytes) "
+                            f"take {offset}")
+    return tensors

@@ -1,0 +1,416 @@
+"""Byte transports between PS clients and servers: ZeroMQ, in-process, and fault-injecting.
+
+A transport moves opaque frames (see `protocol.py`); it knows nothing about messages.
+Server side: ZeroMQ ROUTER (replies are routed by the client's identity); client side: DEALER.
+Each transport object is used by ONE thread at a time (ZeroMQ sockets are not thread-safe; a
+transport may be created in one thread and handed to another). The in-process hub may be
+shared by many threads, each owning its own transports.
+pyzmq is an optional extra: it is imported only when a ZeroMQ transport is created.
+"""
+
+from __future__ import annotations
+
+import abc
+import ipaddress
+import queue
+import random
+import threading
+import time
+
+
+class _Transport:
+    """Byte/message counters and idempotent close, shared by every transport."""
+
+    def __init__(self) -> None:
+        self.bytes_sent = self.bytes_received = self.messages_sent = self.messages_received = 0
+        self._closed = False
+
+    def _count_send(self, nbytes: int) -> None:
+        self.bytes_sent += nbytes
+        self.messages_sent += 1
+
+    def _count_recv(self, nbytes: int) -> None:
+        self.bytes_received += nbytes
+        self.messages_received += 1
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.address!r}, identity={getattr(self, 'identity', None)!r})"
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._release()
+
+    def _release(self) -> None:
+        """Free the underlying resources (called once by close)."""
+
+
+class ClientTransport(_Transport, abc.ABC):
+    """One client's connection to one server."""
+
+    @abc.abstractmethod
+    def send(self, data: bytes) -> None:
+        """Best effort, never blocks for long: a frame can be lost (server down or restarting),
+        so callers resend requests that were not acknowledged."""
+
+    @abc.abstractmethod
+    def recv(self, timeout_s: float | None) -> bytes | None:
+        """Next frame from the server, or None after `timeout_s` (None: wait forever)."""
+
+
+class ServerTransport(_Transport, abc.ABC):
+    """A server endpoint receiving frames from many clients, replying by peer identity."""
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """The endpoint clients connect to (the real port when bound to port 0)."""
+
+    @abc.abstractmethod
+    def recv(self, timeout_s: float | None) -> tuple[bytes, bytes] | None:
+        """Next `(peer, frame)`, or None after `timeout_s` (None: wait forever)."""
+
+    @abc.abstractmethod
+    def send(self, peer: bytes, data: bytes) -> None:
+        """Reply to `peer`; silently dropped if that peer is gone (it will resend)."""
+
+
+def normalize_address(address: str) -> str:
+    """`"host:port"` -> `"tcp://host:port"`; checks tcp://HOST:PORT, ipc:// and inproc:// URLs."""
+    if not isinstance(address, str) or not address:
+        raise ValueError(f"address must be a non-empty string like 'tcp://127.0.0.1:5555', got {address!r}")
+    address = address if "://" in address else f"tcp://{address}"
+    scheme = address.split("://", 1)[0]
+    if scheme not in ("tcp", "ipc", "inproc"):
+        raise ValueError(f"unsupported transport in {address!r}; use tcp://, ipc:// or inproc://")
+    host, sep, port = _tcp_host_port(address) if scheme == "tcp" else ("-", ":", "0")
+    if not sep or not host or not (port == "*" or port.isdigit()):
+        raise ValueError(f"tcp address must look like 'tcp://HOST:PORT', got {address!r}")
+    return address
+
+
+def _tcp_host_port(address: str) -> tuple[str, str, str]:
+    return address[len("tcp://"):].rpartition(":")
+
+
+def check_bind_address(address: str, secret: bytes | str | None) -> str:
+    """Refuse to expose an unauthenticated server: non-loopback binds need a secret.
+
+    Returns the normalized address."""
+    address = normalize_address(address)
+    if address.startswith("tcp://") and not secret:  # ipc:// and inproc:// are local anyway
+        host = _tcp_host_port(address)[0].strip("[]")
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False  # a hostname or interface name: might be reachable from outside
+        if not loopback:
+            raise ValueError(f"refusing to bind the parameter server to {address!r} without a secret: only "
+                             f"loopback addresses (127.0.0.0/8, ::1, localhost) may run unauthenticated; "
+                             f"set TRAINMESH_PS_SECRET or pass secret=")
+    return address
+
+
+def _zmq_socket(kind: str, address: str, **options):
+    """(zmq module, new socket); pyzmq is imported only here so it stays an optional extra."""
+    try:
+        import zmq
+    except ImportError as exc:
+        raise ImportError("the parameter server's ZeroMQ transport needs pyzmq: pip install 'trainmesh[ps]'") from exc
+    sock = zmq.Context.instance().socket(getattr(zmq, kind))
+    # LINGER 0: close never waits for unsent frames (a dead peer must not hang shutdown).
+    for name, value in {"LINGER": 0, "IPV6": int(address.startswith("tcp://[")), **options}.items():
+        sock.setsockopt(getattr(zmq, name), value)
+    return zmq, sock
+
+
+def _poll_ms(timeout_s: float | None) -> int | None:
+    return None if timeout_s is None else max(0, int(timeout_s * 1000))
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+class ZmqServerTransport(ServerTransport):
+    """ROUTER socket bound to `bind` (port 0 or '*': a free port; see `address`).
+
+    `secret` is only used to allow non-loopback binds; frames are authenticated by protocol.py.
+    A taken port is retried for `bind_timeout_s` (a restarted server's old listener may linger)."""
+
+    def __init__(self, bind: str = "tcp://127.0.0.1:0", secret: bytes | str | None = None,
+                 bind_timeout_s: float = 2.0) -> None:
+        super().__init__()
+        bind = check_bind_address(bind, secret)
+        if bind.startswith("tcp://") and _tcp_host_port(bind)[2] == "0":
+            bind = bind[:bind.rindex(":")] + ":*"  # ZeroMQ's "any free port"
+        # ROUTER_HANDOVER: a restarted worker reconnecting with the same identity takes over the
+        # old route instead of being ignored while the dead connection lingers.
+        self._zmq, self._socket = _zmq_socket("ROUTER", bind, ROUTER_HANDOVER=1)
+        try:
+            self._bind(bind, time.monotonic() + bind_timeout_s)
+        except self._zmq.ZMQError as exc:
+            self._socket.close(linger=0)
+            raise OSError(f"cannot bind the parameter server to {bind!r}: {exc}") from exc
+        self._address = self._socket.getsockopt_string(self._zmq.LAST_ENDPOINT)
+
+    def _bind(self, bind: str, deadline: float) -> None:
+        # ZeroMQ closes a listener asynchronously, so a server restarted on the same port
+        # may find it still taken for a moment: retry until the deadline.
+        while True:
+            try:
+                return self._socket.bind(bind)
+            except self._zmq.ZMQError as exc:
+                if exc.errno != self._zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def recv(self, timeout_s: float | None) -> tuple[bytes, bytes] | None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if not self._socket.poll(_poll_ms(_remaining(deadline)), self._zmq.POLLIN):
+                return None
+            frames = self._socket.recv_multipart()
+            if len(frames) == 2:
+                peer, data = frames
+                self._count_recv(len(data))
+                return peer, data
+            # Otherwise not a DEALER client of ours (one frame after the identity): skip it.
+
+    def send(self, peer: bytes, data: bytes) -> None:
+        self._check_open()
+        # copy=False hands large buffers to ZeroMQ without a memcpy (bytes are immutable).
+        self._socket.send_multipart([peer, data], copy=len(data) < 65536)
+        self._count_send(len(data))
+
+    def _release(self) -> None:
+        self._socket.close(linger=0)
+
+
+class ZmqClientTransport(ClientTransport):
+    """DEALER socket connected to `address`; ZeroMQ reconnects by itself if the server restarts."""
+
+    def __init__(self, address: str, identity: bytes) -> None:
+        super().__init__()
+        if not isinstance(identity, bytes) or not identity or identity[0] == 0:
+            # ZeroMQ reserves identities starting with a zero byte.
+            raise ValueError(f"identity must be non-empty bytes not starting with b'\\x00', got {identity!r}")
+        self.address, self.identity = normalize_address(address), identity
+        self._zmq, self._socket = _zmq_socket("DEALER", self.address, IDENTITY=identity,
+                                              RECONNECT_IVL=50, RECONNECT_IVL_MAX=1000)
+        self._socket.connect(self.address)
+        self.dropped_queue_full = 0
+
+    def send(self, data: bytes) -> None:
+        self._check_open()
+        try:
+            # NOBLOCK: with the server gone for long, the queue fills (SNDHWM frames); blocking
+            # there would hang the caller, so the frame is dropped and counted instead.
+            self._socket.send(data, flags=self._zmq.NOBLOCK, copy=len(data) < 65536)
+        except self._zmq.Again:
+            self.dropped_queue_full += 1
+            return
+        self._count_send(len(data))
+
+    def recv(self, timeout_s: float | None) -> bytes | None:
+        if not self._socket.poll(_poll_ms(timeout_s), self._zmq.POLLIN):
+            return None
+        data = self._socket.recv()
+        self._count_recv(len(data))
+        return data
+
+    def _release(self) -> None:
+        self._socket.close(linger=0)
+
+
+class InProcessHub:
+    """In-memory stand-in for ZeroMQ in unit tests: servers and clients in threads of one process.
+
+    Like ZeroMQ: a client may send before its server exists (frames queue), frames queued to a
+    closed server are lost, replies to an unknown peer are dropped, and a server created again
+    under the same name is reached by the existing clients."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inboxes: dict[str, queue.Queue] = {}  # server name -> (peer, frame)
+        self._outboxes: dict[tuple[str, bytes], queue.Queue] = {}  # (server name, peer) -> frame
+        self._bound: set[str] = set()
+
+    def server(self, name: str) -> InProcessServerTransport:
+        with self._lock:
+            if name in self._bound:
+                raise ValueError(f"in-process server {name!r} is already bound")
+            self._bound.add(name)
+        return InProcessServerTransport(self, name)
+
+    def client(self, name: str, identity: bytes) -> InProcessClientTransport:
+        if not isinstance(identity, bytes) or not identity:
+            raise ValueError(f"identity must be non-empty bytes, got {identity!r}")
+        replies: queue.Queue = queue.Queue()
+        with self._lock:
+            self._outboxes[(name, identity)] = replies  # a reconnect under the same identity takes over
+        return InProcessClientTransport(self, name, identity, replies)
+
+    def _inbox(self, name: str) -> queue.Queue:
+        with self._lock:
+            return self._inboxes.setdefault(name, queue.Queue())
+
+
+def _queue_get(box: queue.Queue, timeout_s: float | None):
+    try:
+        return box.get(timeout=timeout_s)  # timeout 0 polls, None waits forever
+    except queue.Empty:
+        return None
+
+
+class InProcessServerTransport(ServerTransport):
+    def __init__(self, hub: InProcessHub, name: str) -> None:
+        super().__init__()
+        self._hub, self._name, self._inbox = hub, name, hub._inbox(name)
+
+    @property
+    def address(self) -> str:
+        return self._name
+
+    def recv(self, timeout_s: float | None) -> tuple[bytes, bytes] | None:
+        item = _queue_get(self._inbox, timeout_s)
+        if item is not None:
+            self._count_recv(len(item[1]))
+        return item
+
+    def send(self, peer: bytes, data: bytes) -> None:
+        self._check_open()
+        data = bytes(data)  # snapshot: the receiver must not see later changes to a mutable buffer
+        with self._hub._lock:
+            box = self._hub._outboxes.get((self.address, peer))
+        if box is not None:
+            box.put(data)
+        self._count_send(len(data))
+
+    def _release(self) -> None:
+        with self._hub._lock:  # frames still queued for this server are lost, as with ZeroMQ
+            self._hub._bound.discard(self._name)
+            if self._hub._inboxes.get(self._name) is self._inbox:
+                del self._hub._inboxes[self._name]
+
+
+class InProcessClientTransport(ClientTransport):
+    def __init__(self, hub: InProcessHub, name: str, identity: bytes, replies: queue.Queue) -> None:
+        super().__init__()
+        self._hub, self.address, self.identity, self._replies = hub, name, identity, replies
+
+    def send(self, data: bytes) -> None:
+        self._check_open()
+        data = bytes(data)
+        self._hub._inbox(self.address).put((self.identity, data))
+        self._count_send(len(data))
+
+    def recv(self, timeout_s: float | None) -> bytes | None:
+        data = _queue_get(self._replies, timeout_s)
+        if data is not None:
+            self._count_recv(len(data))
+        return data
+
+    def _release(self) -> None:
+        with self._hub._lock:
+            if self._hub._outboxes.get((self.address, self.identity)) is self._replies:
+                del self._hub._outboxes[(self.address, self.identity)]
+
+
+class FaultInjectingTransport(ClientTransport):
+    """Wraps a client transport and loses, duplicates or delays frames at random (seeded).
+
+    `dropped_sends`, `dropped_recvs`, `duplicated_sends` count what it did; the byte counters
+    are the inner transport's (what really went over the wire)."""
+
+    def __init__(self, inner: ClientTransport, drop_send: float = 0.0, drop_recv: float = 0.0,
+                 duplicate_send: float = 0.0, delay_s: tuple[float, float] = (0.0, 0.0),
+                 seed: int | None = None) -> None:
+        if not isinstance(inner, ClientTransport):
+            raise TypeError(f"inner must be a ClientTransport, got {type(inner).__name__}")
+        self.inner, self.address = inner, getattr(inner, "address", None)
+        for name, value in (("drop_send", drop_send), ("drop_recv", drop_recv), ("duplicate_send", duplicate_send)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
+        self.drop_send, self.drop_recv, self.duplicate_send = drop_send, drop_recv, duplicate_send
+        low, high = delay_s
+        if not 0.0 <= low <= high:
+            raise ValueError(f"delay_s must be (low, high) with 0 <= low <= high, got {delay_s!r}")
+        self.delay_s = (float(low), float(high))
+        self._rng = random.Random(seed)
+        self.dropped_sends = self.dropped_recvs = self.duplicated_sends = 0
+        self._closed = False
+
+    bytes_sent = property(lambda self: self.inner.bytes_sent)
+    bytes_received = property(lambda self: self.inner.bytes_received)
+    messages_sent = property(lambda self: self.inner.messages_sent)
+    messages_received = property(lambda self: self.inner.messages_received)
+
+    def send(self, data: bytes) -> None:
+        # Draw all random numbers up front so the fault sequence depends only on the seed.
+        drop, dup = self._rng.random() < self.drop_send, self._rng.random() < self.duplicate_send
+        delay = self._rng.uniform(*self.delay_s)
+        if drop:
+            self.dropped_sends += 1
+            return
+        if delay:
+            time.sleep(delay)
+        self.inner.send(data)
+        if dup:
+            self.duplicated_sends += 1
+            self.inner.send(data)
+
+    def recv(self, timeout_s: float | None) -> bytes | None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            data = self.inner.recv(_remaining(deadline))
+            if data is None or self._rng.random() >= self.drop_recv:
+                return data
+            self.dropped_recvs += 1  # lost in transit: keep waiting for the next frame
+
+    def _release(self) -> None:
+        self.inner.close()
+
+
+def loopback_bandwidth(nbytes: int, repeats: int = 10, warmup: int = 2) -> dict[str, float]:
+    """Raw ZeroMQ loopback throughput: send `nbytes`, wait for a 3-byte ack, `repeats` times
+    (after `warmup` rounds). The PS benchmark compares dense push throughput with this ceiling."""
+    if nbytes < 1 or repeats < 1 or warmup < 0:
+        raise ValueError(f"need nbytes >= 1, repeats >= 1, warmup >= 0; got {nbytes}, {repeats}, {warmup}")
+    ready: queue.Queue = queue.Queue()
+
+    def echo_ack() -> None:
+        server = ZmqServerTransport()  # created in the thread that uses it
+        ready.put(server.address)
+        try:
+            for _ in range(warmup + repeats):
+                if (got := server.recv(timeout_s=30.0)) is None:
+                    return
+                server.send(got[0], b"ack")
+        finally:
+            server.close()
+
+    thread = threading.Thread(target=echo_ack, name="loopback-bandwidth-server", daemon=True)
+    thread.start()
+    client, payload = ZmqClientTransport(ready.get(timeout=30.0), b"bandwidth-client"), bytes(nbytes)
+    try:
+        for i in range(warmup + repeats):
+            if i == warmup:
+                start = time.perf_counter()
+            client.send(payload)
+            if client.recv(timeout_s=30.0) is None:
+                raise TimeoutError("loopback bandwidth server did not answer within 30 s")
+        seconds = time.perf_counter() - start
+    finally:
+        client.close()
+        thread.join(timeout=30.0)
+    return {"nbytes": nbytes, "repeats": repeats, "seconds": seconds,
+            "seconds_per_message": seconds / repeats, "bytes_per_s": nbytes * repeats / seconds}
