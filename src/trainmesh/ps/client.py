@@ -1,0 +1,381 @@
+"""``PSClient``: a worker's connection to the parameter servers.
+
+API calls split their tensors into shards, group the shards by owning server (one message per
+server per call, split only past ``batch_bytes``) and hand the messages to one I/O thread,
+which owns every socket (ZeroMQ sockets are not thread-safe). Each call returns a
+``concurrent.futures.Future``. The I/O thread numbers requests per server, resends any
+unanswered one with the same seq after ``retry_after_s`` (the server's dedup applies it once,
+also after a server restart), sends heartbeats and fails requests with no answer for
+``request_timeout_s``. See docs/parameter_server.md and the message layout in server.py.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from .client_io import ClientIO
+from .placement import HashRing, Partitioner
+from .protocol import Message, MessageType
+
+MODES = ("sync", "ssp", "async")
+DEFAULT_OPTIMIZER = {"name": "sgd", "lr": 0.01}
+
+
+class PSClient:
+    """One worker's client. ``servers``: addresses (``"tcp://127.0.0.1:5555"``), or ``transports``:
+    ready ``ClientTransport`` objects (tests), one per server, in the same order everywhere.
+
+    ``server_ids`` name the servers on the placement ring (default: the addresses, or "0".."K-1"
+    for transports); every worker must use the same list. ``compression`` ("fp16", "int8",
+    "topk:0.01" or a ``Compressor``) compresses dense pushes, with per-shard error feedback.
+    """
+
+    def __init__(self, servers: Sequence[str] | None = None, *, transports: Sequence[Any] | None = None,
+                 worker_id: int | str = 0, num_workers: int | None = None, secret: bytes | str | None = None,
+                 compression: Any = None, retry_after_s: float = 1.0, heartbeat_s: float = 1.0,
+                 request_timeout_s: float = 120.0, server_ids: Sequence[str] | None = None,
+                 part_numel: int = 262144, rows_per_shard: int = 4096, virtual_nodes: int = 64,
+                 batch_bytes: int = 4 << 20, seed: int = 0):
+        if (servers is None) == (transports is None):
+            raise ValueError("PSClient needs exactly one of servers=[addresses] or transports=[...], "
+                             f"got servers={servers!r}, transports={transports!r}")
+        endpoints = list(servers if servers is not None else transports)
+        if not endpoints or isinstance(servers, str):
+            raise ValueError(f"PSClient needs a non-empty list of servers, got {servers if servers is not None else transports!r}")
+        for label, value in (("retry_after_s", retry_after_s), ("heartbeat_s", heartbeat_s),
+                             ("request_timeout_s", request_timeout_s)):
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{label} must be a number > 0, got {value!r}")
+        if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 1):
+            raise ValueError(f"num_workers must be an int >= 1 or None, got {num_workers!r}")
+        if server_ids is None:
+            server_ids = [str(s) for s in servers] if servers is not None else [str(i) for i in range(len(endpoints))]
+        if len(server_ids) != len(endpoints):
+            raise ValueError(f"server_ids has {len(server_ids)} entries for {len(endpoints)} servers: {server_ids!r}")
+        self.worker_id = str(worker_id)
+        self.num_workers = num_workers
+        self.server_ids = list(server_ids)
+        self.ring = HashRing(self.server_ids, virtual_nodes)
+        self.partitioner = Partitioner(part_numel, rows_per_shard)
+        self.seed = seed
+        self.batch_bytes = batch_bytes
+        self.compressor = _make_compressor(compression)
+        self.params: dict[str, dict] = {}  # name -> normalized spec (what init sent)
+        self.clock_value = 0
+        # Client-side records, to check the SSP bound from outside the servers:
+        self.pulls: list[tuple[int, float]] = []  # (clock sent with a pull, monotonic time it was answered)
+        self.clocks_sent: list[tuple[int, float]] = []  # (new clock, monotonic time before announcing it)
+        self._push_futures: set[Future] = set()
+        self._push_lock = threading.Lock()
+        self._index = {sid: i for i, sid in enumerate(self.server_ids)}
+        identity = f"w{self.worker_id}-{uuid.uuid4().hex[:10]}".encode()
+        self.io = ClientIO(endpoints, from_addresses=servers is not None, identity=identity, sender=self.worker_id,
+                           secret=secret, retry_after_s=retry_after_s, heartbeat_s=heartbeat_s,
+                           request_timeout_s=request_timeout_s, server_names=self.server_ids,
+                           clock=lambda: self.clock_value)
+        try:
+            self.register().result(timeout=request_timeout_s + 5)
+        except BaseException:
+            self.io.close()
+            raise
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def register(self) -> Future:
+        return self._to_all(MessageType.REGISTER, {"worker": self.worker_id})
+
+    def init(self, params: Iterable[Mapping[str, Any]] | Mapping[str, Any], *, optimizer: dict | None = None,
+             mode: str = "async", staleness: int | None = None) -> Future:
+        """Create parameters on the servers (the first init of a name wins; later ones are acked).
+
+        ``params``: entries ``{"name", "kind": "dense", "value": Tensor, "optimizer", "mode", "staleness"}``
+        or ``{"name", "kind": "sparse", "shape": (rows, dim), "init": {"std": s} | {"zeros": True}, ...}``,
+        or a mapping ``{name: Tensor}``. Missing optimizer/mode/staleness come from the keywords.
+        Waits until every server acknowledged, then returns the (done) future.
+        """
+        entries = [{"name": k, "kind": "dense", "value": v} for k, v in params.items()] \
+            if isinstance(params, Mapping) else list(params)
+        specs, parts = [], []
+        for entry in entries:
+            spec, value = _normalize_entry(entry, optimizer or DEFAULT_OPTIMIZER, mode, staleness,
+                                           self.partitioner.rows_per_shard, self.seed)
+            specs.append(spec)
+            if value is not None:
+                for part in self.partitioner.dense_shards(spec["name"], value.numel()):
+                    parts.append((part.shard_id, value.reshape(-1)[part.start:part.stop].contiguous()))
+        # Every server gets every spec (tables create their row ranges lazily, wherever they
+        # land); the dense parts go to their owners, batched like pushes.
+        batches = self._batches([(self._owner(sid), {sid: tensor}, {}) for sid, tensor in parts])
+        with_parts = {server for server, _ in batches}
+        batches += [(i, []) for i in range(len(self.server_ids)) if i not in with_parts]
+        messages = [(server, Message(MessageType.INIT, self.worker_id, 0, meta={"params": specs},
+                                     tensors={k: v for _, t, _ in batch for k, v in t.items()}))
+                    for server, batch in batches]
+        future = self.io.submit(messages)
+        future.result()
+        for spec in specs:
+            self.params[spec["name"]] = spec
+        return future
+
+    # -- dense ------------------------------------------------------------------------------
+
+    def pull(self, names: Sequence[str]) -> Future:
+        """Future of ``{name: tensor}`` (the server values, in each parameter's shape)."""
+        names = [names] if isinstance(names, str) else list(names)
+        plan = {name: self._dense_parts(name) for name in names}
+        by_server: dict[int, list[str]] = {}
+        for parts in plan.values():
+            for part in parts:
+                by_server.setdefault(self._owner(part.shard_id), []).append(part.shard_id)
+        clock = self.clock_value
+        messages = [(i, Message(MessageType.PULL, self.worker_id, 0, meta={"clock": clock, "shards": sids, "rows": {}}))
+                    for i, sids in by_server.items()]
+
+        def assemble(replies: list[Message]) -> dict[str, torch.Tensor]:
+            self._note_pull(clock)
+            got = {sid: t for reply in replies for sid, t in reply.tensors.items()}
+            return {name: torch.cat([got[p.shard_id] for p in parts]).reshape(self.params[name]["shape"])
+                    for name, parts in plan.items()}
+
+        return self.io.submit(messages, assemble)
+
+    def push(self, grads: Mapping[str, torch.Tensor], *, lr: float | None = None) -> Future:
+        """Send dense gradients; the future is done when every server acknowledged (applied, durable)."""
+        items: list[tuple[int, dict[str, torch.Tensor], dict[str, Any]]] = []  # (server, tensors, compression)
+        for name, grad in grads.items():
+            spec = self.params.get(name)
+            if not isinstance(grad, torch.Tensor):
+                raise TypeError(f"gradient for {name!r} must be a torch.Tensor, got {type(grad).__name__}")
+            if spec is None or spec["kind"] != "dense" or tuple(grad.shape) != tuple(spec["shape"]):
+                raise ValueError(f"push of {name!r} with shape {tuple(grad.shape)}: expected a dense parameter "
+                                 f"passed to init, got {spec and (spec['kind'], spec['shape'])}")
+            flat = grad.detach().to("cpu", torch.float32).reshape(-1)
+            for part in self.partitioner.dense_shards(name, flat.numel()):
+                piece = flat[part.start:part.stop]
+                if self.compressor is None:
+                    items.append((self._owner(part.shard_id), {part.shard_id: piece.contiguous()}, {}))
+                    continue
+                packed = self.compressor.compress(piece, key=part.shard_id)
+                tensors = {f"{part.shard_id}|{k}": v.contiguous() for k, v in packed.tensors.items()}
+                info = {part.shard_id: {"spec": self.compressor.name, "meta": packed.meta, "keys": list(packed.tensors)}}
+                items.append((self._owner(part.shard_id), tensors, info))
+        messages = []
+        for server, batch in self._batches(items):
+            shards = [sid for _, _, info in batch for sid in info] or [sid for _, t, _ in batch for sid in t]
+            meta: dict[str, Any] = {"shards": shards, "rows": {}}
+            if self.compressor is not None:
+                meta["compression"] = {k: v for _, _, info in batch for k, v in info.items()}
+            if lr is not None:
+                meta["lr"] = float(lr)
+            messages.append((server, Message(MessageType.PUSH, self.worker_id, 0,
+                                             tensors={k: v for _, t, _ in batch for k, v in t.items()}, meta=meta)))
+        return self._track_push(self.io.submit(messages))
+
+    # -- sparse rows ------------------------------------------------------------------------
+
+    def pull_rows(self, name: str, ids: torch.Tensor) -> Future:
+        """Future of the rows ``ids`` of table ``name``, shape ``(len(ids), dim)``."""
+        spec = self._table(name)
+        unique, inverse = torch.unique(_check_ids(name, ids), return_inverse=True)
+        clock = self.clock_value
+        messages, placed = [], []
+        for server, positions in self._rows_by_server(name, spec, unique):
+            messages.append((server, Message(MessageType.PULL, self.worker_id, 0, tensors={"ids": unique[positions]},
+                                             meta={"clock": clock, "shards": [], "rows": {name: "ids"}})))
+            placed.append(positions)
+
+        def assemble(replies: list[Message]) -> torch.Tensor:
+            self._note_pull(clock)
+            rows = torch.empty(unique.numel(), spec["shape"][1])
+            for positions, reply in zip(placed, replies):
+                rows[positions] = reply.tensors[name]
+            return rows[inverse]
+
+        return self.io.submit(messages, assemble)
+
+    def push_rows(self, name: str, ids: torch.Tensor, grads: torch.Tensor, *, lr: float | None = None) -> Future:
+        """Send gradients of rows ``ids`` (duplicates summed); only those rows change on the servers."""
+        spec = self._table(name)
+        ids = _check_ids(name, ids)
+        dim = spec["shape"][1]
+        if not isinstance(grads, torch.Tensor) or tuple(grads.shape) != (ids.numel(), dim):
+            raise ValueError(f"push_rows({name!r}): grads must have shape {(ids.numel(), dim)}, "
+                             f"got {tuple(grads.shape) if isinstance(grads, torch.Tensor) else type(grads).__name__}")
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, grads.detach().to("cpu", torch.float32))
+        messages = []
+        for server, positions in self._rows_by_server(name, spec, unique):
+            meta: dict[str, Any] = {"shards": [], "rows": {name: ["ids", "grads"]}}
+            if lr is not None:
+                meta["lr"] = float(lr)
+            messages.append((server, Message(MessageType.PUSH, self.worker_id, 0, meta=meta,
+                                             tensors={"ids": unique[positions], "grads": summed[positions]})))
+        return self._track_push(self.io.submit(messages))
+
+    # -- clocks, stats, shutdown ----------------------------------------------------------------
+
+    def clock(self) -> Future:
+        """Wait for this worker's outstanding pushes, then announce one more finished iteration."""
+        with self._push_lock:
+            outstanding = list(self._push_futures)
+        for future in outstanding:
+            future.result()
+        self.clock_value += 1
+        self.clocks_sent.append((self.clock_value, time.monotonic()))
+        return self._to_all(MessageType.CLOCK, {"clock": self.clock_value})
+
+    def stats(self) -> Future:
+        """Future of ``{"worker", "clock", "bytes_sent", "bytes_received", "resends", "servers": [...]}``."""
+        def assemble(replies: list[Message]) -> dict[str, Any]:
+            return {**self.io.counters(), "worker": self.worker_id, "clock": self.clock_value,
+                    "servers": [reply.meta for reply in replies]}
+        return self._to_all(MessageType.STATS, {}, assemble)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.io.counters()["bytes_sent"]
+
+    @property
+    def bytes_received(self) -> int:
+        return self.io.counters()["bytes_received"]
+
+    def request(self, server: int, kind: MessageType, meta: dict | None = None,
+                tensors: dict | None = None) -> Future:
+        """Send one request to server ``server`` (index); future of the reply ``Message`` (admin use)."""
+        msg = Message(kind, self.worker_id, 0, tensors=tensors or {}, meta=meta or {})
+        return self.io.submit([(server, msg)], lambda replies: replies[0])
+
+    def close(self) -> None:
+        self.io.close()
+
+    def __enter__(self) -> "PSClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _owner(self, shard_id: str) -> int:
+        return self._index[self.ring.owner(shard_id)]
+
+    def _to_all(self, kind: MessageType, meta: dict, assemble=None) -> Future:
+        return self.io.submit([(i, Message(kind, self.worker_id, 0, meta=dict(meta))) for i in range(len(self.server_ids))],
+                              assemble)
+
+    def _dense_parts(self, name: str):
+        spec = self.params.get(name)
+        if spec is None or spec["kind"] != "dense":
+            raise ValueError(f"pull({name!r}): not a dense parameter passed to init; known: {sorted(self.params)}")
+        return self.partitioner.dense_shards(name, math.prod(spec["shape"]))
+
+    def _table(self, name: str) -> dict:
+        spec = self.params.get(name)
+        if spec is None or spec["kind"] != "sparse":
+            raise ValueError(f"{name!r} is not a sparse table passed to init; known: {sorted(self.params)}")
+        return spec
+
+    def _rows_by_server(self, name: str, spec: dict, unique: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """``[(server, positions into unique)]`` for the servers owning the touched row ranges."""
+        grouped: dict[int, list[torch.Tensor]] = {}
+        for sid, _local, positions in self.partitioner.group_rows(name, spec["shape"][0], unique):
+            grouped.setdefault(self._owner(sid), []).append(positions)
+        return [(server, torch.cat(parts)) for server, parts in sorted(grouped.items())]
+
+    def _batches(self, items):
+        """Group ``(server, tensors, info)`` per server into messages of at most ``batch_bytes``."""
+        per_server: dict[int, list[list]] = {}
+        for item in items:
+            size = sum(t.numel() * t.element_size() for t in item[1].values())
+            batches = per_server.setdefault(item[0], [[0]])
+            if batches[-1][0] and batches[-1][0] + size > self.batch_bytes:
+                batches.append([0])
+            batches[-1][0] += size
+            batches[-1].append(item)
+        return [(server, batch[1:]) for server, batches in per_server.items() for batch in batches]
+
+    def _track_push(self, future: Future) -> Future:
+        with self._push_lock:
+            self._push_futures.add(future)
+        future.add_done_callback(self._untrack_push)  # runs on the I/O thread
+        return future
+
+    def _untrack_push(self, future: Future) -> None:
+        with self._push_lock:
+            self._push_futures.discard(future)
+
+    def _note_pull(self, clock: int) -> None:
+        self.pulls.append((clock, time.monotonic()))
+
+
+def _make_compressor(compression: Any):
+    if compression is None or compression == "none":
+        return None
+    from trainmesh.compression import get_compressor
+
+    compressor = get_compressor(compression)
+    if compressor is not None and compressor.name == "powersgd":
+        raise ValueError("PSClient compression: powersgd needs an all-reduce of its factors and cannot be "
+                         "decompressed by a server; use 'fp16', 'bf16', 'int8' or 'topk:<ratio>'. "
+                         f"Received: {compression!r}")
+    return compressor
+
+
+def _check_ids(name: str, ids: Any) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"row ids for {name!r} must be an integer tensor, got {ids!r:.80}")
+    return ids.reshape(-1).to("cpu", torch.int64)
+
+
+def _normalize_entry(entry: Mapping[str, Any], optimizer: dict, mode: str, staleness: int | None,
+                     rows_per_shard: int, seed: int) -> tuple[dict, torch.Tensor | None]:
+    """The JSON spec of one init entry, and its dense value (None for tables)."""
+    name, kind = entry.get("name"), entry.get("kind", "dense")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"init entry needs a non-empty str 'name', got {entry!r:.200}")
+    mode = entry.get("mode") or mode
+    staleness = entry.get("staleness", staleness) if entry.get("mode") else staleness
+    if mode not in MODES:
+        raise ValueError(f"init {name!r}: mode must be one of {MODES}, got {mode!r}")
+    if mode == "sync":
+        staleness = 0
+    elif mode == "async":
+        staleness = None
+    elif not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
+        raise ValueError(f"init {name!r}: mode 'ssp' needs an int staleness >= 0, got {staleness!r}")
+    spec = {"name": name, "kind": kind, "optimizer": dict(entry.get("optimizer") or optimizer),
+            "mode": mode, "staleness": staleness}
+    if kind == "dense":
+        value = entry.get("value")
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            raise TypeError(f"init {name!r}: a dense entry needs a floating-point tensor 'value', got {value!r:.80}")
+        spec["shape"] = list(value.shape)
+        return spec, value.detach().to("cpu", torch.float32)
+    if kind != "sparse":
+        raise ValueError(f"init {name!r}: kind must be 'dense' or 'sparse', got {kind!r}")
+    shape = entry.get("shape")
+    if (not isinstance(shape, (list, tuple)) or len(shape) != 2
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape)):
+        raise ValueError(f"init {name!r}: a sparse table needs shape (rows, dim) of ints >= 1, got {shape!r}")
+    spec.update(shape=list(shape), init=_table_init(entry.get("init"), int(entry.get("seed", seed))),
+                rows_per_shard=rows_per_shard)
+    return spec, None
+
+
+
+def _table_init(init: Any, seed: int) -> dict:
+    """Accept ``{"std": s}`` / ``{"zeros": True}`` shorthands for the shard's ``{"kind": ...}`` form."""
+    if init is None or (isinstance(init, dict) and init.get("zeros")):
+        return {"kind": "zeros"}
+    if not isinstance(init, dict):
+        raise TypeError(f"table init must be a dict like {{'std': 0.01}} or {{'zeros': True}}, got {init!r}")
+    if "kind" in init:
+        return {"seed": seed, **init} if init["kind"] == "normal" else dict(init)
+    return {"kind": "normal", "std": init.get("std", 0.01), "seed": seed}

@@ -1,0 +1,239 @@
+"""The PS client's I/O thread: owns every transport, numbers, resends and matches requests.
+
+Callers hand over ``[(server index, Message)]`` and get one future, done when every server
+answered (``assemble(replies)`` builds its result on this thread). Seqs start at 1 per server
+(0 marks untracked heartbeats) and per client ``session``; each request carries ``floor``, the lowest seq still unanswered,
+so the server can forget older ones. An unanswered request is resent unchanged (same seq)
+after ``retry_after_s``, doubling up to 4x; after ``request_timeout_s`` it fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .errors import PSError, PSTimeoutError
+from .protocol import Message, MessageType, ProtocolError, decode, encode
+
+log = logging.getLogger(__name__)
+_STOP = object()
+
+
+class Gather:
+    """One API call: waits for a reply from each of its messages, then resolves ``future``."""
+
+    def __init__(self, count: int, assemble: Callable[[list[Message]], Any] | None):
+        self.future: Future = Future()
+        self.replies: list[Message | None] = [None] * count
+        self.missing = count
+        self.assemble = assemble
+        if count == 0:
+            self._finish()
+
+    def deliver(self, slot: int, reply: Message) -> None:
+        if self.future.done() or self.replies[slot] is not None:
+            return
+        self.replies[slot] = reply
+        self.missing -= 1
+        if self.missing == 0:
+            self._finish()
+
+    def fail(self, error: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+    def _finish(self) -> None:
+        try:
+            result = self.assemble(self.replies) if self.assemble else None
+        except BaseException as error:  # noqa: BLE001 - goes to the caller through the future
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)
+
+
+@dataclass
+class _Pending:
+    gather: Gather
+    slot: int
+    kind: str
+    frame: bytes
+    first_sent: float
+    sent: float
+    interval: float
+
+
+@dataclass
+class _Server:
+    name: str
+    transport: Any = None
+    next_seq: int = 1
+    pending: dict[int, _Pending] = field(default_factory=dict)
+
+
+class ClientIO:
+    """The thread behind ``PSClient``; ``endpoints`` are addresses (created on the thread) or transports."""
+
+    def __init__(self, endpoints, *, from_addresses: bool, identity: bytes, sender: str, secret,
+                 retry_after_s: float, heartbeat_s: float, request_timeout_s: float, server_names: list[str],
+                 clock: Callable[[], int]):
+        self.sender, self.secret, self.identity = sender, secret, identity
+        # Seqs restart with every client: the server dedups per (worker, session).
+        self.session = identity.decode("ascii", "replace")
+        self.retry_after_s, self.heartbeat_s, self.request_timeout_s = retry_after_s, heartbeat_s, request_timeout_s
+        self._clock = clock
+        self._endpoints, self._from_addresses = list(endpoints), from_addresses
+        self._servers = [_Server(name) for name in server_names]
+        self._commands: queue.Queue = queue.Queue()
+        self._stats = {"resends": 0, "rejected_replies": 0, "requests": 0}
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"ps-client-io-{sender}", daemon=True)
+        self._thread.start()
+
+    # -- caller side ------------------------------------------------------------------------
+
+    def submit(self, messages: list[tuple[int, Message]], assemble: Callable | None = None) -> Future:
+        gather = Gather(len(messages), assemble)
+        if self._closed or self._failure is not None:
+            gather.fail(PSError(f"PS client of worker {self.sender} is closed"
+                                + (f": {self._failure}" if self._failure else "")))
+        elif messages:
+            self._commands.put((gather, messages))
+        return gather.future
+
+    def counters(self) -> dict[str, int]:
+        transports = [s.transport for s in self._servers if s.transport is not None]
+        return {**self._stats, "bytes_sent": sum(t.bytes_sent for t in transports),
+                "bytes_received": sum(t.bytes_received for t in transports)}
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._commands.put(_STOP)
+            self._thread.join(timeout=10)
+
+    # -- the thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._connect()
+            self._loop()
+        except BaseException as error:  # noqa: BLE001 - reported to every waiting caller
+            log.exception("PS client I/O thread of worker %s failed", self.sender)
+            self._failure = error
+        finally:
+            self._fail_all(self._failure or PSError(f"PS client of worker {self.sender} was closed"))
+            for server in self._servers:
+                if server.transport is not None:
+                    server.transport.close()
+
+    def _connect(self) -> None:
+        from .transport import ZmqClientTransport
+
+        for server, endpoint in zip(self._servers, self._endpoints):
+            server.transport = ZmqClientTransport(endpoint, self.identity) if self._from_addresses else endpoint
+
+    def _loop(self) -> None:
+        last_heartbeat = 0.0
+        while True:
+            busy = any(s.pending for s in self._servers)
+            try:
+                command = self._commands.get(timeout=0.001 if busy else 0.02)
+            except queue.Empty:
+                command = None
+            while command is not None:
+                if command is _STOP:
+                    return
+                self._send_new(*command)
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            for index, server in enumerate(self._servers):
+                while (frame := server.transport.recv(0)) is not None:
+                    self._on_frame(index, frame)
+            now = time.monotonic()
+            self._resend_due(now)
+            if self.heartbeat_s is not None and now - last_heartbeat >= self.heartbeat_s:
+                last_heartbeat = now
+                self._heartbeat()
+
+    def _send_new(self, gather: Gather, messages: list[tuple[int, Message]]) -> None:
+        now = time.monotonic()
+        for slot, (index, msg) in enumerate(messages):
+            server = self._servers[index]
+            msg.seq = server.next_seq
+            server.next_seq += 1
+            msg.meta["floor"] = min(server.pending, default=msg.seq)
+            msg.meta["session"] = self.session
+            try:
+                frame = encode(msg, self.secret)
+            except (TypeError, ValueError) as error:
+                gather.fail(error)
+                return
+            server.pending[msg.seq] = _Pending(gather, slot, msg.type.value, frame, now, now, self.retry_after_s)
+            self._stats["requests"] += 1
+            server.transport.send(frame)
+
+    def _on_frame(self, index: int, frame: bytes) -> None:
+        server = self._servers[index]
+        try:
+            reply = decode(frame, self.secret)
+        except ProtocolError as error:
+            self._stats["rejected_replies"] += 1
+            log.warning("PS client %s: dropped a malformed reply from %s: %s", self.sender, server.name, error)
+            return
+        pending = server.pending.pop(reply.seq, None) if reply.seq else None
+        if pending is None:
+            return  # a heartbeat's reply, or a second answer to a resent request
+        if reply.type is MessageType.ERROR:
+            text = str(reply.meta.get("error", "unknown error"))
+            code = str(reply.meta.get("code", "error"))
+            if code == "dead_worker":
+                error = PSTimeoutError(f"{pending.kind} to server {server.name}: {text}", code,
+                                       worker=reply.meta.get("worker"))
+            else:
+                error = PSError(f"{pending.kind} to server {server.name} failed: {text}", code)
+            pending.gather.fail(error)
+            return
+        pending.gather.deliver(pending.slot, reply)
+
+    def _resend_due(self, now: float) -> None:
+        for server in self._servers:
+            for seq, pending in list(server.pending.items()):
+                if pending.gather.future.done():  # failed elsewhere: stop trying
+                    del server.pending[seq]
+                elif now - pending.first_sent > self.request_timeout_s:
+                    del server.pending[seq]
+                    pending.gather.fail(PSTimeoutError(
+                        f"{pending.kind} (seq {seq}) to server {server.name}: no reply for "
+                        f"{now - pending.first_sent:.1f}s (request_timeout_s={self.request_timeout_s})"))
+                elif now - pending.sent >= pending.interval:
+                    pending.sent = now
+                    pending.interval = min(pending.interval * 2, 4 * self.retry_after_s)
+                    self._stats["resends"] += 1
+                    server.transport.send(pending.frame)
+
+    def _heartbeat(self) -> None:
+        msg = Message(MessageType.HEARTBEAT, self.sender, 0, meta={"clock": self._clock()})
+        frame = encode(msg, self.secret)
+        for server in self._servers:
+            server.transport.send(frame)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for server in self._servers:
+            for pending in server.pending.values():
+                pending.gather.fail(error)
+            server.pending.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is not _STOP:
+                command[0].fail(error)

@@ -1,0 +1,82 @@
+"""Run one parameter-server process: ``python -m trainmesh.ps --bind tcp://127.0.0.1:5555 ...``.
+
+The secret is read from an environment variable (``--secret-env``, default
+``TRAINMESH_PS_SECRET``), never from the command line where ``ps`` would show it. Binding a
+non-loopback address without one is refused. SIGTERM/SIGINT stop the server gracefully (a last
+snapshot when durable); SIGKILL is what the WAL is for. Prints ``READY <address>`` once serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+from .server import DURABILITY, ParameterServer
+
+SECRET_ENV = "TRAINMESH_PS_SECRET"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m trainmesh.ps",
+                                     description="Run one trainmesh parameter server (see docs/parameter_server.md).")
+    parser.add_argument("--bind", default="tcp://127.0.0.1:0",
+                        help="address to listen on (default: loopback, a free port; see READY line)")
+    parser.add_argument("--server-id", default=None, help="name in logs and replies (default: the address)")
+    parser.add_argument("--num-workers", type=_non_negative, default=0,
+                        help="workers expected in the clock table before they register (default 0)")
+    parser.add_argument("--durability", choices=DURABILITY, default="none")
+    parser.add_argument("--dir", default=None, help="snapshot and write-ahead log directory")
+    parser.add_argument("--snapshot-every", type=_positive, default=1000, help="updates between snapshots")
+    parser.add_argument("--snapshot-every-s", type=float, default=30.0, help="seconds between snapshots")
+    parser.add_argument("--secret-env", default=SECRET_ENV,
+                        help=f"environment variable holding the shared secret (default {SECRET_ENV})")
+    parser.add_argument("--dead-after-s", type=float, default=10.0, help="silence after which a worker is dead")
+    parser.add_argument("--drop-dead-workers", action="store_true",
+                        help="sync pulls stop waiting for dead workers instead of failing")
+    parser.add_argument("--log-level", default="WARNING")
+    return parser
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s ps %(levelname)s %(message)s")
+    secret = os.environ.get(args.secret_env) or None
+    if args.durability != "none" and not args.dir:
+        raise SystemExit(f"--durability {args.durability} needs --dir")
+    from .transport import ZmqServerTransport
+
+    try:
+        transport = ZmqServerTransport(args.bind, secret=secret)
+    except (ValueError, OSError) as error:
+        raise SystemExit(f"trainmesh ps: {error}") from None
+    try:
+        server = ParameterServer(
+            transport, server_id=args.server_id or transport.address, num_workers=args.num_workers,
+            durability=args.durability, directory=args.dir, secret=secret, dead_after_s=args.dead_after_s,
+            drop_dead_workers=args.drop_dead_workers, snapshot_every=args.snapshot_every,
+            snapshot_every_s=args.snapshot_every_s)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: server.stop())
+        print(f"READY {transport.address}", flush=True)
+        server.serve_forever()
+    finally:
+        transport.close()
+    return 0

@@ -1,0 +1,225 @@
+"""``ParameterServer``: one server's request loop.
+
+One thread owns the transport and all state, so no locks. Each request is decoded, checked and
+dispatched; a malformed or forged frame is counted and dropped (a request that decodes but
+makes no sense gets an ``error`` reply), never crashing the loop. Pushes are applied exactly
+once per ``(worker, seq)`` and, with ``durability="wal"``, fsynced to the log before they are
+applied and acknowledged. Pulls wait in a queue until the SSP gate lets them through, while
+the loop keeps serving everyone else. See docs/parameter_server.md.
+
+Message layout (both ends are this module and ``client.py``):
+  pull  meta {"clock", "shards": [dense ids], "rows": {table: ids tensor name}, "floor"}
+        -> pull_reply tensors {shard id: flat part, table: (n, dim) rows}, meta {"versions"}
+  push  meta {"shards": [dense ids], "rows": {table: [ids name, grads name]},
+              "compression": {shard id: {"spec", "meta", "keys"}}, "lr"?, "floor"}
+``session`` (every request): the client instance; seqs are per (worker, session).
+``floor``: every seq below it has been answered to that session, so it is never resent and the
+dedup table may forget it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Any
+
+from .clock import ClockTable
+from .protocol import DEFAULT_MAX_BYTES, Message, MessageType, ProtocolError, decode, encode
+from .server_state import ServerState
+
+log = logging.getLogger(__name__)
+
+DURABILITY = ("none", "snapshot", "wal")
+
+
+class BadRequest(ValueError):
+    """A request that decoded but cannot be served; answered with an ``error`` reply."""
+
+    def __init__(self, message: str, code: str = "bad_request"):
+        super().__init__(message)
+        self.code = code
+
+
+class ParameterServer:
+    """Serve one transport until ``shutdown`` (a message) or ``stop()``.
+
+    ``directory`` holds the snapshot and write-ahead log (required unless durability is
+    ``"none"``); a server started on a directory that has them recovers from them first.
+    """
+
+    def __init__(self, transport, *, server_id: str = "ps", num_workers: int = 0, durability: str = "none",
+                 directory: str | os.PathLike | None = None, secret: bytes | str | None = None,
+                 dead_after_s: float = 10.0, drop_dead_workers: bool = False, snapshot_every: int = 1000,
+                 snapshot_every_s: float = 30.0, max_message_bytes: int = DEFAULT_MAX_BYTES, poll_s: float = 0.05):
+        if durability not in DURABILITY:
+            raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
+        if durability != "none" and directory is None:
+            raise ValueError(f"durability={durability!r} needs a directory, got directory=None")
+        if not isinstance(snapshot_every, int) or snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be an int >= 1, got {snapshot_every!r}")
+        self.transport = transport
+        self.server_id = server_id
+        self.num_workers = num_workers
+        self.secret = secret
+        self.max_message_bytes = max_message_bytes
+        self.drop_dead_workers = drop_dead_workers
+        self.poll_s = poll_s
+        self.clocks = ClockTable(num_workers, dead_after_s)
+        self.state = ServerState(durability, directory, secret, snapshot_every, snapshot_every_s)
+        self.pending_pulls: list[tuple[Any, Message]] = []
+        self.counters = {"bytes_in": 0, "bytes_out": 0, "requests": 0, "applied_pushes": 0, "duplicates": 0,
+                         "rejected": 0, "pulls": 0, "errors_sent": 0, "replayed": 0}
+        self._running = False
+        self.counters["replayed"] = self.state.recover(self._mutate)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        self._running = True
+        try:
+            while self._running:
+                received = self.transport.recv(self.poll_s)
+                if received is not None:
+                    self.handle(*received)
+                self._answer_pending_pulls()
+                self.state.maybe_snapshot()
+        finally:
+            self.state.close()
+
+    def stop(self) -> None:
+        self._running = False
+
+    def handle(self, peer, frame: bytes) -> None:
+        """Serve one received frame from ``peer`` (whatever it contains)."""
+        self.counters["bytes_in"] += len(frame)
+        try:
+            msg = decode(frame, self.secret, self.max_message_bytes)
+        except ProtocolError as error:
+            self.counters["rejected"] += 1
+            log.warning("ps %s: dropped a malformed message (%s)", self.server_id, error)
+            return
+        self.counters["requests"] += 1
+        try:
+            self._dispatch(peer, msg, frame)
+        except Exception as error:  # noqa: BLE001 - no request may take the server down
+            self.counters["rejected"] += 1
+            code = error.code if isinstance(error, BadRequest) else "bad_request"
+            log.warning("ps %s: rejected %s from %s: %s", self.server_id, msg.type.value, msg.sender, error)
+            self._error(peer, msg, f"{type(error).__name__}: {error}", code)
+
+    def _dispatch(self, peer, msg: Message, frame: bytes) -> None:
+        kind = msg.type
+        clock = msg.meta.get("clock")
+        if kind in (MessageType.REGISTER, MessageType.PULL, MessageType.CLOCK, MessageType.HEARTBEAT, MessageType.PUSH):
+            self.clocks.seen(msg.sender, clock if isinstance(clock, int) and not isinstance(clock, bool) else None)
+        self.state.dedup.advance_floor(_session(msg), msg.meta.get("floor"))
+        if kind is MessageType.PUSH:
+            if self.state.dedup.is_done(_session(msg), msg.seq):
+                self.counters["duplicates"] += 1
+            else:
+                self.state.log_then(frame, self._prepare(msg))  # a bad push fails before the log
+                self.counters["applied_pushes"] += 1
+            self._reply(peer, msg, MessageType.ACK, meta={"seq": msg.seq})
+        elif kind in (MessageType.INIT, MessageType.IMPORT):
+            self.state.log_then(frame, self._prepare(msg))
+            if self.state.durability == "snapshot":
+                self.state.maybe_snapshot(force=True)  # no log: new keys must not wait for the timer
+            self._reply(peer, msg, MessageType.OK)
+        elif kind is MessageType.PULL:
+            self.counters["pulls"] += 1
+            self._check_pull(msg)
+            if not any(p == peer and m.sender == msg.sender and m.seq == msg.seq for p, m in self.pending_pulls):
+                self.pending_pulls.append((peer, msg))  # a resent pull waits once
+            self._answer_pending_pulls()
+        elif kind in (MessageType.REGISTER, MessageType.CLOCK, MessageType.HEARTBEAT):
+            self._reply(peer, msg, MessageType.OK, meta={"num_workers": self.num_workers, "server_id": self.server_id})
+            self._answer_pending_pulls()
+        elif kind is MessageType.EXPORT:
+            tensors, meta = self.state.export(msg.meta)
+            if msg.meta.get("remove"):
+                self.state.maybe_snapshot(force=True)  # dropped shards must not come back on replay
+            self._reply(peer, msg, MessageType.OK, tensors, meta)
+        elif kind is MessageType.STATS:
+            self._reply(peer, msg, MessageType.OK, meta=self.stats())
+        elif kind is MessageType.SHUTDOWN:
+            self._reply(peer, msg, MessageType.OK)
+            self.stop()
+        else:
+            raise BadRequest(f"a server does not accept {kind.value!r} messages")
+
+    def _prepare(self, msg: Message):
+        """Check a mutation completely (raising for a bad one) and return the call applying it.
+        The one apply path, shared by live requests (after the WAL append) and WAL replay."""
+        if msg.type is MessageType.INIT:
+            return self.state.prepare_init(msg)
+        if msg.type is MessageType.IMPORT:
+            return self.state.prepare_import(msg)
+        updates = self.state.prepare_push(msg)
+
+        def apply_push() -> None:
+            for update in updates:
+                update()
+            self.state.dedup.mark(_session(msg), msg.seq)
+        return apply_push
+
+    def _mutate(self, msg: Message) -> None:
+        """Replay one logged frame (dedup skips pushes the snapshot already holds)."""
+        if msg.type is MessageType.PUSH and self.state.dedup.is_done(_session(msg), msg.seq):
+            return
+        self._prepare(msg)()
+
+    # -- pulls and the SSP gate -------------------------------------------------------------
+
+    def _check_pull(self, msg: Message) -> None:
+        clock = msg.meta.get("clock", 0)
+        if not isinstance(clock, int) or isinstance(clock, bool) or clock < 0:
+            raise BadRequest(f"pull clock must be an int >= 0, got {clock!r}")
+        self.state.pull_consistency(msg)  # raises for unknown parameters, before queueing
+
+    def _answer_pending_pulls(self) -> None:
+        still_waiting = []
+        for peer, msg in self.pending_pulls:
+            staleness, sync = self.state.pull_consistency(msg)
+            clock = msg.meta.get("clock", 0)
+            decision = self.clocks.gate(clock, staleness, sync, self.drop_dead_workers)
+            if decision.error is not None:
+                self._error(peer, msg, decision.error, "dead_worker", worker=decision.dead_worker)
+            elif decision.ready:
+                if not math.isinf(staleness):
+                    self.clocks.record_answered(clock)
+                try:
+                    tensors, versions = self.state.read(msg)
+                except Exception as error:  # noqa: BLE001 - answered, not fatal
+                    self.counters["rejected"] += 1
+                    self._error(peer, msg, f"{type(error).__name__}: {error}", "bad_request")
+                else:
+                    self._reply(peer, msg, MessageType.PULL_REPLY, tensors, {"versions": versions})
+            else:
+                still_waiting.append((peer, msg))
+        self.pending_pulls = still_waiting
+
+    # -- replies ----------------------------------------------------------------------------
+
+    def _reply(self, peer, request: Message, kind: MessageType, tensors: dict | None = None,
+               meta: dict | None = None) -> None:
+        reply = Message(kind, self.server_id, request.seq, tensors=tensors or {}, meta=meta or {})
+        frame = encode(reply, self.secret, self.max_message_bytes)
+        self.counters["bytes_out"] += len(frame)
+        self.transport.send(peer, frame)
+
+    def _error(self, peer, request: Message, text: str, code: str, **extra) -> None:
+        self.counters["errors_sent"] += 1
+        self._reply(peer, request, MessageType.ERROR, meta={"error": text, "code": code, **extra})
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters, "server_id": self.server_id, "max_staleness_observed": self.clocks.max_lead,
+                "clocks": self.clocks.snapshot(), "waiting_pulls": len(self.pending_pulls),
+                "shards": len(self.state.shards), "params": sorted(self.state.params),
+                "durability": self.state.durability, "time": time.time()}
+
+
+def _session(msg: Message) -> str:
+    """The dedup key: seqs count per client instance (a restarted worker starts again at 1)."""
+    return f"{msg.sender}@{msg.meta.get('session', '')}"

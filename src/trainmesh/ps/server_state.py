@@ -1,0 +1,288 @@
+"""What one parameter server holds: parameter specs, shards, the dedup table, durability.
+
+``ParameterServer`` (server.py) runs the loop and the protocol; this module changes and reads
+the state. Every mutation (init, push, import) goes through ``ServerState`` so a WAL replay on
+restart takes exactly the path a live request took.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Any, Callable
+
+import torch
+
+from .optimizers import make_optimizer
+from .placement import Partitioner
+from .protocol import Message
+from .shard import Shard
+
+log = logging.getLogger(__name__)
+
+
+class DedupTable:
+    """Per worker: ``floor`` (every seq below it is finished) and the applied push seqs above it."""
+
+    def __init__(self) -> None:
+        self.floor: dict[str, int] = {}
+        self.applied: dict[str, set[int]] = {}
+
+    def advance_floor(self, worker: str, floor: Any) -> None:
+        if not isinstance(floor, int) or isinstance(floor, bool) or floor <= self.floor.get(worker, 0):
+            return
+        self.floor[worker] = floor
+        self.applied[worker] = {s for s in self.applied.get(worker, ()) if s >= floor}
+
+    def is_done(self, worker: str, seq: int) -> bool:
+        return seq < self.floor.get(worker, 0) or seq in self.applied.get(worker, ())
+
+    def mark(self, worker: str, seq: int) -> None:
+        self.applied.setdefault(worker, set()).add(seq)
+
+    def to_json(self) -> dict:
+        return {w: {"floor": self.floor.get(w, 0), "applied": sorted(self.applied.get(w, ()))}
+                for w in sorted(set(self.floor) | set(self.applied))}
+
+    def load_json(self, data: dict) -> None:
+        self.floor = {w: int(v["floor"]) for w, v in data.items()}
+        self.applied = {w: set(v["applied"]) for w, v in data.items()}
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_spec(spec: dict) -> None:
+    """Refuse a parameter spec the server could not serve, before it reaches the log."""
+    name = spec["name"]
+    if spec.get("mode") not in ("sync", "ssp", "async"):
+        raise ValueError(f"parameter {name!r}: mode must be sync, ssp or async, got {spec.get('mode')!r}")
+    staleness = spec.get("staleness")
+    if spec["mode"] != "async" and not (isinstance(staleness, int) and not isinstance(staleness, bool) and staleness >= 0):
+        raise ValueError(f"parameter {name!r}: mode {spec['mode']!r} needs an int staleness >= 0, got {staleness!r}")
+    make_optimizer(spec.get("optimizer"))  # raises naming what is wrong
+    shape = spec.get("shape")
+    if spec.get("kind") == "sparse":
+        if not (isinstance(shape, list) and len(shape) == 2 and all(_positive_int(d) for d in shape)):
+            raise ValueError(f"table {name!r}: shape must be [rows, dim] of ints >= 1, got {shape!r}")
+        if not _positive_int(spec.get("rows_per_shard")) or not isinstance(spec.get("init"), dict):
+            raise ValueError(f"table {name!r}: needs an int rows_per_shard >= 1 and an init dict, got "
+                             f"{spec.get('rows_per_shard')!r}, {spec.get('init')!r}")
+        Shard.sparse(f"{name}#0", 1, shape[1], spec["optimizer"], spec["init"])  # checks the init spec
+    elif spec.get("kind") != "dense" or not isinstance(shape, list):
+        raise ValueError(f"parameter {name!r}: kind must be 'dense' (with a shape list) or 'sparse', got {spec!r:.200}")
+
+
+def _staleness(spec: dict) -> float:
+    return math.inf if spec["mode"] == "async" else float(spec["staleness"])
+
+
+class ServerState:
+    """Specs, shards and dedup table of one server, with their durability (see ``durability``)."""
+
+    def __init__(self, durability: str, directory, secret, snapshot_every: int, snapshot_every_s: float):
+        self.durability = durability
+        self.secret = secret
+        self.params: dict[str, dict] = {}
+        self.shards: dict[str, Shard] = {}
+        self.dedup = DedupTable()
+        self._decompressors: dict[str, Any] = {}
+        self.store = None
+        if durability != "none":
+            from .durability import DurableStore
+
+            self.store = DurableStore(os.fspath(directory), secret, log_pushes=durability == "wal",
+                                      snapshot_every=snapshot_every, snapshot_every_s=snapshot_every_s)
+
+    # -- durability -------------------------------------------------------------------------
+
+    def recover(self, mutate: Callable[[Message], None]) -> int:
+        """Load the last snapshot, then replay the log through ``mutate``; returns records replayed."""
+        if self.store is None:
+            return 0
+        snapshot = self.store.load_snapshot()
+        if snapshot is not None:
+            meta, shards = snapshot
+            self.params = meta["params"]
+            self.dedup.load_json(meta["dedup"])
+            self.shards = {sid: Shard.from_state(tensors, shard_meta) for sid, (tensors, shard_meta) in shards.items()}
+        return self.store.replay(mutate)
+
+    def log_then(self, frame: bytes, apply: Callable[[], None]) -> None:
+        """Make ``frame`` durable first (WAL), then apply it; an ack may follow."""
+        if self.store is not None:
+            self.store.log(frame)
+        apply()
+        if self.store is not None:
+            self.store.count_update()
+
+    def maybe_snapshot(self, force: bool = False) -> None:
+        if self.store is None or not (force or self.store.snapshot_due()):
+            return
+        try:
+            self.store.write_snapshot({"params": self.params, "dedup": self.dedup.to_json(), "time": time.time()},
+                                      {sid: shard.state_dict() for sid, shard in self.shards.items()})
+        except OSError as error:  # e.g. disk full: the WAL (kept until a snapshot succeeds) still holds everything
+            log.error("snapshot to %s failed, will retry: %s", self.store.directory, error)
+            self.store.retry_at = time.monotonic() + 5.0
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.maybe_snapshot(force=True)
+            self.store.close()
+
+    # -- init and shards ----------------------------------------------------------------------
+
+    def prepare_init(self, msg: Message) -> Callable[[], None]:
+        """Check an init completely; the returned call creates what is new (first init wins)."""
+        specs = msg.meta.get("params")
+        if not isinstance(specs, list) or not all(isinstance(s, dict) and isinstance(s.get("name"), str) for s in specs):
+            raise ValueError(f"init meta 'params' must be a list of specs with names, got {specs!r:.200}")
+        for spec in specs:
+            _check_spec(spec)
+            known = self.params.get(spec["name"])
+            if known is not None and known != spec:
+                raise ValueError(f"parameter {spec['name']!r} was already created with a different spec: "
+                                 f"{known} != {spec}")
+        new_shards = {}
+        for sid, value in msg.tensors.items():
+            name = sid.rpartition("#")[0]
+            spec = next((s for s in specs if s["name"] == name), None)
+            if spec is None or spec["kind"] != "dense":
+                raise ValueError(f"init tensor {sid!r} is not a part of a dense parameter in this init")
+            if sid not in self.shards:
+                new_shards[sid] = Shard.dense(sid, value, spec["optimizer"])
+
+        def apply() -> None:
+            for spec in specs:
+                self.params.setdefault(spec["name"], spec)
+            for sid, shard in new_shards.items():
+                self.shards.setdefault(sid, shard)
+        return apply
+
+    def spec_of(self, shard_or_table: str) -> dict:
+        spec = self.params.get(shard_or_table) or self.params.get(shard_or_table.rpartition("#")[0])
+        if spec is None:
+            raise KeyError(f"unknown parameter for {shard_or_table!r} (not created by init on this server)")
+        return spec
+
+    def dense_shard(self, sid: str) -> Shard:
+        shard = self.shards.get(sid)
+        if shard is None or shard.kind != "dense":
+            raise KeyError(f"this server holds no dense shard {sid!r}")
+        return shard
+
+    def row_groups(self, table: str, ids: torch.Tensor) -> list[tuple[Shard, torch.Tensor, torch.Tensor]]:
+        """``[(shard, local rows, positions in ids)]``, creating untouched row ranges on first use."""
+        spec = self.spec_of(table)
+        if spec["kind"] != "sparse" or spec["name"] != table:
+            raise ValueError(f"{table!r} is not a sparse table")
+        rows, dim = spec["shape"]
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
+            raise TypeError(f"row ids for {table!r} must be an int64 tensor")
+        groups = []
+        rows_per_shard = spec["rows_per_shard"]
+        for sid, local, positions in Partitioner(rows_per_shard=rows_per_shard).group_rows(table, rows, ids):
+            shard = self.shards.get(sid)
+            if shard is None:
+                index = int(sid.rpartition("#")[2])
+                count = min(rows_per_shard, rows - index * rows_per_shard)
+                shard = self.shards[sid] = Shard.sparse(sid, count, dim, spec["optimizer"], spec["init"])
+            groups.append((shard, local, positions))
+        return groups
+
+    # -- push and pull -----------------------------------------------------------------------
+
+    def prepare_push(self, msg: Message) -> list[Callable[[], None]]:
+        """Check a push completely and return its updates; nothing changes until they run."""
+        lr = msg.meta.get("lr")
+        if lr is not None and (not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr >= 0):
+            raise ValueError(f"push lr must be a number >= 0, got {lr!r}")
+        compression = msg.meta.get("compression") or {}
+        updates: list[Callable[[], None]] = []
+        for sid in msg.meta.get("shards", []):
+            shard = self.dense_shard(sid)
+            grad = self._decompress(msg, sid, compression[sid]) if sid in compression else msg.tensors[sid]
+            if tuple(grad.shape) != shard.shape:
+                raise ValueError(f"gradient for {sid!r} has shape {tuple(grad.shape)}, the shard {shard.shape}")
+            updates.append(lambda shard=shard, grad=grad: shard.apply(grad.float(), lr=lr))
+        for table, names in (msg.meta.get("rows") or {}).items():
+            ids, grads = msg.tensors[names[0]], msg.tensors[names[1]]
+            dim = self.spec_of(table)["shape"][1]
+            if grads.dim() != 2 or grads.shape != (ids.numel(), dim):
+                raise ValueError(f"row gradients for {table!r} have shape {tuple(grads.shape)}, expected "
+                                 f"{(ids.numel(), dim)}")
+            for shard, local, positions in self.row_groups(table, ids):
+                updates.append(lambda shard=shard, local=local, g=grads[positions]: shard.apply_rows(local, g.float(), lr=lr))
+        return updates
+
+    def _decompress(self, msg: Message, sid: str, info: dict) -> torch.Tensor:
+        from trainmesh.compression import Compressed, get_compressor
+
+        name = info["spec"]
+        if name not in self._decompressors:
+            self._decompressors[name] = get_compressor(name)
+        tensors = {key: msg.tensors[f"{sid}|{key}"] for key in info["keys"]}
+        return self._decompressors[name].decompress(Compressed(tensors, info["meta"]))
+
+    def pull_consistency(self, msg: Message) -> tuple[float, bool]:
+        """(strictest staleness, any sync parameter) over what a pull reads; KeyError if unknown."""
+        specs = [self.spec_of(sid) for sid in msg.meta.get("shards", [])]
+        specs += [self.spec_of(table) for table in (msg.meta.get("rows") or {})]
+        if not specs:
+            return math.inf, False
+        return min(_staleness(s) for s in specs), any(s["mode"] == "sync" for s in specs)
+
+    def read(self, msg: Message) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        tensors, versions = {}, {}
+        for sid in msg.meta.get("shards", []):
+            shard = self.dense_shard(sid)
+            tensors[sid], versions[sid] = shard.read(), shard.version
+        for table, ids_name in (msg.meta.get("rows") or {}).items():
+            ids = msg.tensors[ids_name]
+            out = torch.empty(ids.numel(), self.spec_of(table)["shape"][1])
+            version = 0
+            for shard, local, positions in self.row_groups(table, ids):
+                out[positions] = shard.read_rows(local)
+                version = max(version, shard.version)
+            tensors[table], versions[table] = out, version
+        return tensors, versions
+
+    # -- rebalancing --------------------------------------------------------------------------
+
+    def export(self, meta: dict) -> tuple[dict[str, torch.Tensor], dict]:
+        """Shard states for ``meta["shards"]`` (those this server holds) and every parameter spec.
+        With ``meta["remove"]`` the shards are dropped afterwards (after their import succeeded)."""
+        if meta.get("list"):
+            return {}, {"shard_ids": sorted(self.shards), "params": self.params}
+        tensors, shard_meta = {}, {}
+        for sid in meta.get("shards", []):
+            shard = self.shards.get(sid)
+            if shard is None:
+                continue  # a table range never touched: the new owner creates it identically
+            if meta.get("data", True):
+                own, shard_meta[sid] = shard.state_dict()
+                tensors.update({f"{sid}|{k}": t.clone() for k, t in own.items()})
+            if meta.get("remove"):
+                del self.shards[sid]
+        return tensors, {"shards": shard_meta, "params": self.params}
+
+    def prepare_import(self, msg: Message) -> Callable[[], None]:
+        """Check moved-in shards (and specs); the returned call installs them."""
+        params = msg.meta.get("params") or {}
+        if not isinstance(params, dict) or not all(isinstance(s, dict) and s.get("name") == n for n, s in params.items()):
+            raise ValueError(f"import meta 'params' must map names to their specs, got {params!r:.200}")
+        built = {}
+        for sid, shard_meta in (msg.meta.get("shards") or {}).items():
+            prefix = f"{sid}|"
+            own = {k[len(prefix):]: t for k, t in msg.tensors.items() if k.startswith(prefix)}
+            built[sid] = Shard.from_state(own, shard_meta)
+
+        def apply() -> None:
+            for name, spec in params.items():
+                self.params.setdefault(name, spec)
+            self.shards.update(built)
+        return apply
