@@ -56,6 +56,15 @@ from .trainer import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    if name == "ParameterServerStrategy":  # lazy: importing trainmesh must not import the PS (or pyzmq)
+        from .ps.strategy import ParameterServerStrategy
+
+        return ParameterServerStrategy
+    raise AttributeError(f"module 'trainmesh' has no attribute {name!r}")
+
+
 __all__ = [
     "InputContext",
     "MirroredStrategy",

@@ -4,6 +4,10 @@ This module only translates trainmesh's options into a ``torch.distributed.run``
 list and runs it in this process; spawning, rendezvous, restarts and failure reporting are
 torchrun's. Workers find their rank in the torchrun variables (``RANK``, ``WORLD_SIZE``, ...)
 that :func:`trainmesh.initialize` reads.
+
+With ``--servers K`` it first starts K local parameter servers (``trainmesh.ps.LocalCluster``),
+hands their addresses to the workers in ``TRAINMESH_PS_SERVERS`` (where
+``tm.ParameterServerStrategy`` finds them) and stops them when the workers are done.
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="restart the worker group up to K times after a failure (default: 0)")
     parser.add_argument("--monitor-interval", type=_positive_float, default=None, metavar="S",
                         help="seconds between worker health checks")
+    parser.add_argument("--servers", type=positive_int, default=None, metavar="K",
+                        help="also start K local parameter servers for tm.ParameterServerStrategy "
+                        "(addresses passed to the workers in TRAINMESH_PS_SERVERS; one node only)")
     parser.add_argument("-m", "--module", action="store_true",
                         help="treat SCRIPT as a module name, like `python -m`")
     parser.add_argument("script", metavar="SCRIPT", help="training script path (or module with -m)")
@@ -118,6 +125,10 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         parser.error(f"--node-rank must be < --nnodes. Received: --node-rank {args.node_rank} --nnodes {args.nnodes}")
     if args.nnodes > 1 and args.rdzv_endpoint is None:
         parser.error(f"--rdzv-endpoint HOST:PORT is required when --nnodes > 1. Received: --nnodes {args.nnodes}")
+    if args.servers is not None and args.nnodes > 1:
+        parser.error("--servers starts servers on this machine, bound to 127.0.0.1, which other nodes cannot "
+                     "reach; on several nodes start them with `trainmesh ps-server` and set TRAINMESH_PS_SERVERS. "
+                     f"Received: --servers {args.servers} --nnodes {args.nnodes}")
     if not args.module and not Path(args.script).is_file():
         parser.error(f"script not found: {args.script!r}")
 
@@ -134,11 +145,28 @@ def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    with _environ_added(worker_env(args.nproc_per_node)):
-        try:
-            torchrun.main(torchrun_argv(args))
-        except ChildFailedError as failed:
-            print(failed, file=sys.stderr)
-            _, failure = failed.get_first_failure()
-            return _exit_status(failure.exitcode)
+    with _parameter_servers(args.servers, num_workers=args.nproc_per_node * args.nnodes) as ps_env:
+        with _environ_added({**worker_env(args.nproc_per_node), **ps_env}):
+            try:
+                torchrun.main(torchrun_argv(args))
+            except ChildFailedError as failed:
+                print(failed, file=sys.stderr)
+                _, failure = failed.get_first_failure()
+                return _exit_status(failure.exitcode)
     return 0
+
+
+@contextlib.contextmanager
+def _parameter_servers(count: int | None, num_workers: int) -> Iterator[dict[str, str]]:
+    """Run ``count`` local parameter servers for the job's lifetime; yields the workers' variables."""
+    if not count:
+        yield {}
+        return
+    from trainmesh.ps.cluster import LocalCluster
+
+    cluster = LocalCluster(count, num_workers=num_workers)
+    try:
+        print(f"[trainmesh] {count} parameter server(s): {', '.join(cluster.addresses)}", file=sys.stderr, flush=True)
+        yield {"TRAINMESH_PS_SERVERS": ",".join(cluster.addresses)}
+    finally:
+        cluster.stop()

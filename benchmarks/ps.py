@@ -1,0 +1,296 @@
+"""Parameter-server benchmark: transport efficiency, compression, and stragglers.
+
+    python benchmarks/ps.py [--rounds R] [--repeats N] [--json PATH] [--quick]
+
+Part 1 (one client process, 2 local server processes): dense pushes/s and pull latency
+p50/p99 for 1 MB and 16 MB tensors, and for sparse rows (1024 rows x 64 of a 1M-row table),
+interleaved round by round with raw ZeroMQ loopback bandwidth for the same message size,
+measured two ways: ``trainmesh.ps.transport.loopback_bandwidth`` (client and echo server are
+threads of this process) and a plain pyzmq DEALER -> ROUTER echo in a separate process (the
+shape of a push: payload out, a 3-byte ack back, across processes). Target: dense push
+throughput >= 50% of raw loopback; the verdict uses the faster (stricter) of the two.
+Part 2: bytes on the wire for one 16 MB push without compression and with fp16, int8, topk:0.01.
+Part 3 (2 gloo worker processes): time until a linear-regression model reaches a target loss
+under ParameterServerStrategy sync / async / ssp:2 and under torch DDP all-reduce (gloo), with
+worker 1 a 2x straggler (every step sleeps COMPUTE_S, worker 1 twice that: simulated compute).
+Targets: async and SSP reach the target sooner than sync and than all-reduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+import trainmesh as tm
+from trainmesh.ps.client import PSClient
+from trainmesh.ps.cluster import LocalCluster
+from trainmesh.ps.transport import loopback_bandwidth
+from trainmesh.testing import run_distributed
+
+MB = 1 << 20
+DENSE_SIZES = {"1 MB": MB, "16 MB": 16 * MB}
+ROWS, ROW_DIM, ROWS_PER_PUSH = 1_000_000, 64, 1024
+COMPRESSIONS = (None, "fp16", "int8", "topk:0.01")
+STRAGGLER_VARIANTS = ("ps-sync", "ps-async", "ps-ssp:2", "ddp-allreduce")
+COMPUTE_S, DIM, LR, TARGET_FRACTION, MAX_SECONDS = 0.010, 64, 0.01, 0.005, 60.0
+PUSH_TARGET = 0.5
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+# --- part 1: push / pull against raw ZeroMQ --------------------------------------------------------
+_ECHO_SERVER = """
+import zmq
+sock = zmq.Context().socket(zmq.ROUTER)
+print(sock.bind_to_random_port("tcp://127.0.0.1"), flush=True)
+while True:
+    peer, frame = sock.recv_multipart(copy=False)
+    if len(frame) == 0:
+        break
+    sock.send_multipart([peer, b"ack"])
+"""
+
+
+class ProcessLoopback:
+    """Raw pyzmq bandwidth to another process: send ``nbytes``, wait for a 3-byte ack."""
+
+    def __init__(self):
+        import zmq
+
+        self.process = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER], stdout=subprocess.PIPE, text=True)
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.connect(f"tcp://127.0.0.1:{int(self.process.stdout.readline())}")
+
+    def bandwidth(self, nbytes: int, repeats: int) -> float:
+        payload = bytes(nbytes)
+        self.socket.send(payload, copy=False)
+        self.socket.recv()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            self.socket.send(payload, copy=False)
+            self.socket.recv()
+        return nbytes * repeats / (time.perf_counter() - started)
+
+    def close(self) -> None:
+        self.socket.send(b"")
+        self.socket.close(linger=0)
+        self.process.wait(10)
+
+
+def transport_part(rounds: int, repeats: int) -> dict:
+    out: dict = {label: {"loopback_bps": [], "process_loopback_bps": [], "push_bps": [], "pull_s": []}
+                 for label in [*DENSE_SIZES, "sparse"]}
+    echo = ProcessLoopback()
+    with LocalCluster(2, num_workers=1) as cluster, PSClient(servers=cluster.addresses, worker_id=0,
+                                                               num_workers=1) as client:
+        values = {label: torch.zeros(size // 4) for label, size in DENSE_SIZES.items()}
+        client.init([{"name": label, "kind": "dense", "value": v, "optimizer": {"name": "sgd", "lr": 1e-6}}
+                     for label, v in values.items()] +
+                    [{"name": "rows", "kind": "sparse", "shape": [ROWS, ROW_DIM], "init": {"std": 0.01},
+                      "optimizer": {"name": "sgd", "lr": 1e-6}}])
+        ids = torch.randperm(ROWS)[:ROWS_PER_PUSH]
+        row_grads = torch.randn(ROWS_PER_PUSH, ROW_DIM)
+        for r in range(rounds):
+            for label in [*DENSE_SIZES, "sparse"] if r % 2 == 0 else ["sparse", *reversed(DENSE_SIZES)]:
+                nbytes = DENSE_SIZES.get(label, ROWS_PER_PUSH * (ROW_DIM * 4 + 8))
+                out[label]["loopback_bps"].append(loopback_bandwidth(nbytes, repeats=repeats, warmup=1)["bytes_per_s"])
+                out[label]["process_loopback_bps"].append(echo.bandwidth(nbytes, repeats))
+                if label == "sparse":
+                    push = lambda: client.push_rows("rows", ids, row_grads).result()  # noqa: E731
+                    pull = lambda: client.pull_rows("rows", ids).result()  # noqa: E731
+                else:
+                    grad = torch.randn_like(values[label])
+                    push = lambda: client.push({label: grad}).result()  # noqa: E731
+                    pull = lambda: client.pull([label]).result()  # noqa: E731
+                push()
+                started = time.perf_counter()
+                for _ in range(repeats):
+                    push()
+                out[label]["push_bps"].append(nbytes * repeats / (time.perf_counter() - started))
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    pull()
+                    out[label]["pull_s"].append(time.perf_counter() - started)
+                out[label]["nbytes"] = nbytes
+    echo.close()
+    for label, m in out.items():
+        m["push_per_s"] = statistics.median(m["push_bps"]) / m["nbytes"]
+        m["push_MBps"] = statistics.median(m["push_bps"]) / MB
+        m["loopback_MBps"] = statistics.median(m["loopback_bps"]) / MB
+        m["process_loopback_MBps"] = statistics.median(m["process_loopback_bps"]) / MB
+        m["push_to_loopback"] = statistics.median(p / max(lb, plb) for p, lb, plb in
+                                                  zip(m["push_bps"], m["loopback_bps"], m["process_loopback_bps"]))
+        m["pull_p50_ms"], m["pull_p99_ms"] = 1e3 * pct(m["pull_s"], 0.5), 1e3 * pct(m["pull_s"], 0.99)
+    return out
+
+
+# --- part 2: compression ------------------------------------------------------------------------------
+def compression_part() -> dict:
+    out = {}
+    grad = torch.randn(16 * MB // 4)
+    with LocalCluster(1, num_workers=1) as cluster:
+        for spec in COMPRESSIONS:
+            with PSClient(servers=cluster.addresses, worker_id=0, num_workers=1, compression=spec) as client:
+                name = f"w-{spec}"
+                client.init([{"name": name, "kind": "dense", "value": torch.zeros_like(grad),
+                              "optimizer": {"name": "sgd", "lr": 1.0}}])
+                before = client.bytes_sent
+                client.push({name: grad}).result()
+                sent = client.bytes_sent - before
+                applied = -client.pull([name]).result()[name]
+                error = float((applied - grad).norm() / grad.norm())
+            out[spec or "none"] = {"bytes": sent, "relative_error": error}
+    for m in out.values():
+        m["ratio_to_none"] = m["bytes"] / out["none"]["bytes"]
+    return out
+
+
+# --- part 3: time to a target loss with a straggler ----------------------------------------------------
+def _regression_data(rank: int):
+    gen = torch.Generator().manual_seed(0)
+    truth = torch.randn(DIM, 1, generator=gen)
+    x_eval = torch.randn(1024, DIM, generator=gen)
+    return truth, (x_eval, x_eval @ truth), torch.Generator().manual_seed(100 + rank)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(DIM, 1)
+
+
+def _one_run(variant: str, flag_dir: str, tag: str) -> dict:
+    rank = torch_dist.get_rank()
+    truth, (x_eval, y_eval), gen = _regression_data(rank)
+    model = _model()
+    with torch.no_grad():
+        target = TARGET_FRACTION * float(nn.functional.mse_loss(model(x_eval), y_eval))
+    strategy = None
+    if variant == "ddp-allreduce":
+        model = nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    else:
+        strategy = tm.ParameterServerStrategy(num_servers=2, mode=variant.removeprefix("ps-"))
+        model, optimizer = strategy.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+    lockstep = variant in ("ps-sync", "ddp-allreduce")
+    stop_file = os.path.join(flag_dir, f"stop-{tag}")
+    torch_dist.barrier()
+    started, steps, reached = time.perf_counter(), 0, None
+    while True:
+        x = torch.randn(32, DIM, generator=gen)
+        loss = nn.functional.mse_loss(model(x), x @ truth)
+        optimizer.zero_grad()
+        loss.backward()
+        time.sleep(COMPUTE_S * (2 if rank == 1 else 1))  # the straggler computes twice as long
+        optimizer.step()
+        steps += 1
+        elapsed = time.perf_counter() - started
+        stop = elapsed > MAX_SECONDS
+        if rank == 0:
+            with torch.no_grad():
+                if float(nn.functional.mse_loss(model(x_eval), y_eval)) <= target:
+                    reached, stop = elapsed, True
+        if lockstep:  # everyone stops at the same step (the others wait on it anyway)
+            flag = torch.tensor([1.0 if stop else 0.0])
+            torch_dist.all_reduce(flag)
+            stop = bool(flag.item())
+        elif rank == 0 and stop:
+            open(stop_file, "w").close()
+        elif os.path.exists(stop_file):
+            stop = True
+        if stop:
+            break
+    if strategy is not None:
+        strategy.close()
+    torch_dist.barrier()
+    return {"seconds": reached, "steps": steps}
+
+
+def straggler_worker(rounds: int, flag_dir: str) -> dict:
+    torch.set_num_threads(1)
+    results: dict = {v: [] for v in STRAGGLER_VARIANTS}
+    for r in range(rounds):
+        order = STRAGGLER_VARIANTS if r % 2 == 0 else tuple(reversed(STRAGGLER_VARIANTS))
+        for variant in order:
+            results[variant].append(_one_run(variant, flag_dir, f"{r}-{variant}"))
+    return results
+
+
+def straggler_part(rounds: int) -> dict:
+    with tempfile.TemporaryDirectory() as flag_dir:
+        results = run_distributed(straggler_worker, 2, args=(rounds, flag_dir), timeout=600)[0]
+    summary = {}
+    for variant, runs in results.items():
+        times = [run["seconds"] for run in runs if run["seconds"] is not None]
+        summary[variant] = {"seconds": statistics.median(times) if len(times) == len(runs) else None,
+                            "runs": runs, "steps_worker0": statistics.median(run["steps"] for run in runs)}
+    base = summary["ddp-allreduce"]["seconds"]
+    for m in summary.values():
+        m["ratio_to_allreduce"] = m["seconds"] / base if m["seconds"] and base else None
+    return summary
+
+
+# --- reporting --------------------------------------------------------------------------------------------
+def report(transport: dict, compression: dict, straggler: dict) -> dict:
+    print(f"\n{'tensor':<8} {'pushes/s':>9} {'push MB/s':>10} {'zmq MB/s (thread/process)':>26} "
+          f"{'push/zmq':>9} {'pull p50 ms':>12} {'pull p99 ms':>12}")
+    for label, m in transport.items():
+        raw = f"{m['loopback_MBps']:.0f} / {m['process_loopback_MBps']:.0f}"
+        print(f"{label:<8} {m['push_per_s']:>9.1f} {m['push_MBps']:>10.0f} {raw:>26} {m['push_to_loopback']:>9.2f} "
+              f"{m['pull_p50_ms']:>12.2f} {m['pull_p99_ms']:>12.2f}")
+    print(f"\n{'compression':<12} {'bytes sent':>12} {'vs none':>8} {'rel. error':>11}")
+    for spec, m in compression.items():
+        print(f"{spec:<12} {m['bytes']:>12,} {m['ratio_to_none']:>8.3f} {m['relative_error']:>11.4f}")
+    print(f"\n{'straggler 2x':<14} {'s to target':>11} {'vs all-reduce':>14} {'worker-0 steps':>15}")
+    for variant, m in straggler.items():
+        shown = f"{m['seconds']:.2f}" if m["seconds"] else "not reached"
+        ratio = f"{m['ratio_to_allreduce']:.2f}" if m["ratio_to_allreduce"] else "-"
+        print(f"{variant:<14} {shown:>11} {ratio:>14} {m['steps_worker0']:>15.0f}")
+    dense_ok = all(transport[label]["push_to_loopback"] >= PUSH_TARGET for label in DENSE_SIZES)
+    sec = {v: straggler[v]["seconds"] or float("inf") for v in straggler}
+    stragglers_ok = all(sec[v] < min(sec["ps-sync"], sec["ddp-allreduce"]) for v in ("ps-async", "ps-ssp:2"))
+    print(f"\ndense push >= {PUSH_TARGET:.0%} of raw ZeroMQ loopback: {'met' if dense_ok else 'NOT met'}")
+    print(f"async and SSP reach the target before sync and all-reduce: {'met' if stragglers_ok else 'NOT met'}")
+    return {"dense_push_target_met": dense_ok, "straggler_target_met": stragglers_ok}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every measurement")
+    parser.add_argument("--repeats", type=int, default=20, help="pushes and pulls per round and size")
+    parser.add_argument("--straggler-rounds", type=int, default=2)
+    parser.add_argument("--json", default=None, metavar="PATH")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 1 round, few repeats")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.repeats, args.straggler_rounds = 1, 5, 1
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    transport = transport_part(args.rounds, args.repeats)
+    compression = compression_part()
+    straggler = straggler_part(args.straggler_rounds)
+    verdict = report(transport, compression, straggler)
+    print(f"({time.perf_counter() - started:.0f}s, load average {os.getloadavg()[0]:.1f})")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"transport": transport, "compression": compression, "straggler": straggler, **verdict,
+                       "config": {**vars(args), "compute_s": COMPUTE_S, "lr": LR, "target_fraction": TARGET_FRACTION,
+                                  "dim": DIM}, "torch": torch.__version__,
+                       "load_average": os.getloadavg()}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The worker's optimizer under ``ParameterServerStrategy``: ``step()`` ships gradients to the
+servers instead of updating locally.
+
+``server_optimizer_spec`` turns the user's torch optimizer (class and per-group
+hyperparameters) into the servers' optimizer config, so ``torch.optim.SGD(..., momentum=0.9)``
+means SGD with momentum 0.9 on the servers. ``PSOptimizer`` is a real ``torch.optim.Optimizer``
+over the same parameter groups (LR schedulers, the Trainer's ``zero_grad`` and ``param_groups``
+work unchanged); its ``step()`` pushes, clocks and pulls.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+SUPPORTED = ("SGD", "Adam", "Adagrad")
+
+
+def server_optimizer_spec(optimizer: torch.optim.Optimizer, group: dict, num_workers: int) -> dict[str, Any]:
+    """The servers' optimizer config mirroring ``optimizer``'s class and ``group``'s hyperparameters.
+
+    ``weight_decay`` is divided by ``num_workers``: every worker's push applies it once, so a
+    round of N pushes decays once (see the gradient convention in ``strategy.py``)."""
+    kind = type(optimizer).__name__
+    if kind not in SUPPORTED or not isinstance(optimizer, getattr(torch.optim, kind)):
+        raise ValueError(f"ParameterServerStrategy mirrors torch.optim.SGD, Adam and Adagrad on the servers. "
+                         f"Received: optimizer class {type(optimizer).__module__}.{type(optimizer).__qualname__}")
+    _refuse(group, kind, maximize=False, foreach=None, differentiable=False, capturable=False, fused=None)
+    lr = float(group["lr"])
+    weight_decay = float(group.get("weight_decay", 0.0)) / num_workers
+    if kind == "SGD":
+        return {"name": "sgd", "lr": lr, "momentum": float(group.get("momentum", 0.0)),
+                "dampening": float(group.get("dampening", 0.0)), "weight_decay": weight_decay,
+                "nesterov": bool(group.get("nesterov", False))}
+    if kind == "Adam":
+        _refuse(group, kind, amsgrad=False, decoupled_weight_decay=False)
+        return {"name": "adam", "lr": lr, "betas": [float(b) for b in group["betas"]], "eps": float(group["eps"]),
+                "weight_decay": weight_decay}
+    _refuse(group, kind, lr_decay=0)  # torch counts steps per worker; the servers count pushes
+    return {"name": "adagrad", "lr": lr, "eps": float(group["eps"]), "weight_decay": weight_decay,
+            "initial_accumulator_value": float(group.get("initial_accumulator_value", 0.0))}
+
+
+def _refuse(group: dict, kind: str, **supported: Any) -> None:
+    """Options the servers do not implement must keep their default, or we say so."""
+    for option, default in supported.items():
+        if option in group and group[option] not in (default, None) and group[option] != default:
+            raise ValueError(f"{kind}({option}={group[option]!r}) is not supported by the parameter servers "
+                             f"(only {option}={default!r}). Received: {option}={group[option]!r}")
+
+
+class PSOptimizer(torch.optim.Optimizer):
+    """Push gradients with the current lr, ``clock()``, pull fresh values (see module docstring)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, strategy: Any, groups: list[tuple[dict, list[str]]],
+                 tables: list):
+        # Own copies of the user's groups (same params and hyperparameters): a scheduler moves
+        # this optimizer's lr, and step() sends it with every push.
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.inner_class = type(optimizer).__name__
+        self._strategy = strategy
+        self._names = [names for _, names in groups]
+        self._tables = tables
+        self.scale = 1.0 / strategy.num_workers  # the gradient convention
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        client = self._strategy.client
+        futures = []
+        for group, names in zip(self.param_groups, self._names):
+            grads = {}
+            for name in names:
+                param = self._strategy._dense[name]
+                if param.grad is not None:
+                    grads[name] = (param.grad * self.scale).contiguous()
+            if grads:
+                futures.append(client.push(grads, lr=float(group["lr"])))
+        table_lr = float(self.param_groups[0]["lr"]) if self.param_groups else None
+        for table in self._tables:
+            future = table.push_gradients(scale=self.scale, lr=table_lr)
+            if future is not None:
+                futures.append(future)
+        for future in futures:
+            future.result()
+        client.clock().result()
+        self._strategy.pull_dense()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        for table in self._tables:
+            table.zero_grad_rows()
