@@ -58,10 +58,15 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    if name == "ParameterServerStrategy":  # lazy: importing trainmesh must not import the PS (or pyzmq)
+    # Lazy: importing trainmesh must not import the parameter server (or pyzmq).
+    if name == "ParameterServerStrategy":
         from .ps.strategy import ParameterServerStrategy
 
         return ParameterServerStrategy
+    if name == "ps":
+        import importlib
+
+        return importlib.import_module(".ps", __name__)
     raise AttributeError(f"module 'trainmesh' has no attribute {name!r}")
 
 
