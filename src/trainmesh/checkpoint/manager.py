@@ -3,7 +3,7 @@
 Layout of one checkpoint ``<dir>/step_00000123/``::
 
     dcp/            model + optimizer, torch.distributed.checkpoint shards (each rank its own)
-    rank_00000.pt   per-rank extras: RNG states, data-loader state ("data")
+    rank_00000.pt   per-rank extras: RNG states, data-loader state ("data"), compressor residuals ("compression")
     shared.pt       rank 0: other stateful objects (scheduler, scaler, ...) and plain values
     meta.json       the plain values again, human-readable
     COMPLETE.json   written LAST: files + sha256, step, world size, layout, metrics
@@ -27,7 +27,10 @@ from .._torch import dcp as _dcp
 from . import integrity, retention, rng
 from .async_save import PendingSave, all_ranks_ok
 
-PER_RANK_KEYS = ("data",)  # state that differs per rank (its sampler cursor / worker state)
+# State that differs per rank: its sampler cursor / worker state, its compressor's error-feedback
+# residuals. An object with ``load_resharded_state(states)`` gets every saved rank's state when
+# the world size changed (residuals are redistributed, not taken from one rank).
+PER_RANK_KEYS = ("data", "compression")
 FORMAT_VERSION = 1
 
 
@@ -201,10 +204,12 @@ class CheckpointManager:
         saved_world = int(marker["world_size"])
         source = rng.source_rank(runtime.rank(), saved_world)
         # Our own files, checksummed at commit: pickled RNG tuples need weights_only=False.
-        extras = torch.load(os.path.join(path, f"rank_{source:05d}.pt"), map_location="cpu", weights_only=False)
+        extras = self._rank_extras(path, source)
         rng.restore_for_rank(extras["rng"], runtime.rank(), saved_world)
         for key, obj in per_rank.items():
-            if key in extras:
+            if saved_world != runtime.world_size() and callable(getattr(obj, "load_resharded_state", None)):
+                obj.load_resharded_state([self._rank_extras(path, r).get(key) for r in range(saved_world)])
+            elif key in extras:
                 obj.load_state_dict(extras[key])
         common = torch.load(os.path.join(path, "shared.pt"), map_location="cpu", weights_only=False)
         for key, obj in shared.items():
@@ -214,6 +219,10 @@ class CheckpointManager:
         return {**common["plain"], "step": marker["step"], "metrics": marker.get("metrics", {})}
 
     # --- helpers ------------------------------------------------------------------------
+    @staticmethod
+    def _rank_extras(path: str, rank: int) -> dict[str, Any]:
+        return torch.load(os.path.join(path, f"rank_{rank:05d}.pt"), map_location="cpu", weights_only=False)
+
     def _barrier(self) -> None:
         if self._distributed and self._group is not None:
             dist.barrier(group=self._group)

@@ -44,6 +44,11 @@ class TrainerConfig:
     zero_stage: int | None = None  # 0..3: DDP, + sharded optimizer state, + sharded gradients, + sharded parameters
     cpu_offload: bool = False
     activation_checkpointing: str | None = None  # None | "full" | "selective" | "every:K" | a regex on module paths
+    # Gradient communication (see trainmesh.trainer.communication): a compressor spec for the
+    # data-parallel reduction ("fp16", "int8", "topk:0.01", "powersgd:2", a Compressor), and
+    # hierarchical all-reduce (None: on when the job spans more than one node).
+    compression: Any = None
+    hierarchical_allreduce: bool | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -69,6 +74,16 @@ class TrainerConfig:
                              f"Received: nonfinite_loss={self.nonfinite_loss!r}")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2, 3 or None. Received: zero_stage={self.zero_stage!r}")
+        if not (self.hierarchical_allreduce is None or isinstance(self.hierarchical_allreduce, bool)):
+            raise ValueError("hierarchical_allreduce must be True, False or None (auto: on across nodes). "
+                             f"Received: hierarchical_allreduce={self.hierarchical_allreduce!r}")
+        if self.compression is not None:
+            from trainmesh.compression import get_compressor
+
+            try:  # parse now (a bad spec fails here, not at the first backward); the Trainer builds its own
+                get_compressor(self.compression)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"compression: {error} Received: compression={self.compression!r}") from error
         if self.eval_batch_size is not None and self.eval_batch_size < 1:
             raise ValueError(f"eval_batch_size must be >= 1. Received: eval_batch_size={self.eval_batch_size!r}")
 

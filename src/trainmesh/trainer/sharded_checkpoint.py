@@ -47,6 +47,8 @@ class ShardedCheckpoint(Callback):
             return state
         sampler = trainer._steps.sampler if trainer._steps is not None else None
         state.update(scheduler=trainer.scheduler, data=sampler, trainer=trainer.metadata())
+        if trainer.communication.compressor is not None:  # error-feedback residuals, per rank
+            state["compression"] = trainer.communication
         return state
 
     def on_train_begin(self, logs=None) -> None:

@@ -30,6 +30,7 @@ from trainmesh.comm import ProgressBeacon
 from trainmesh.distribution import DataParallel, Distribution, distribution as current_distribution
 
 from .callbacks import Callback, CallbackList, ModelCheckpoint
+from .communication import install_communication
 from .config import Plan, TrainerConfig
 from .data_input import TrainSteps
 from .evaluation import run_evaluation, run_prediction
@@ -81,6 +82,7 @@ class Trainer:
                                      activation_checkpointing=self.config.activation_checkpointing,
                                      cpu_offload=self.config.cpu_offload or None,
                                      mixed_precision=getattr(self.precision, "dtype", None))
+        self.communication = install_communication(self.model, self.config)  # compression, hierarchical
         self.optimizer = self._bind_optimizer(optimizer, names_before)
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.scheduler = None  # built in fit, after any lr scaling, so it starts from the scaled lr
@@ -134,6 +136,8 @@ class Trainer:
             memory = getattr(self.model, "_trainmesh_memory", None)
             if memory and (memory["zero_stage"] or memory["cpu_offload"] != "off"):
                 print(f"[trainmesh] memory: {', '.join(f'{k} {v}' for k, v in memory.items())}", flush=True)
+            if self.communication.compressor or self.communication.hierarchical:
+                print(f"[trainmesh] gradients: {self.communication.describe()}", flush=True)
         self._stop_local = self.stop_requested = False
         self._beacon = ProgressBeacon()
         self.callbacks.on_train_begin({})
@@ -191,7 +195,7 @@ class Trainer:
                     raise
                 raise diagnosed from error
             record.update(epoch=self.epoch, step=step, data_wait_s=data_wait,
-                          step_time_s=time.perf_counter() - started)
+                          step_time_s=time.perf_counter() - started, **self.communication.step_record())
             last = sized and step + 1 == num_steps
             if (self.global_step % self.config.log_every_n_steps == 0) or last:
                 loss, samples = self._sync(losses)
@@ -204,6 +208,8 @@ class Trainer:
                 shown = {"loss": loss}
                 if self.precision.scaler is not None:
                     shown["skipped"] = self._skipped() - skipped_before
+                if "comm_bytes" in record:  # this rank's gradient bytes sent / uncompressed (ratio)
+                    shown["comm"] = self.communication.progress_text(record)
                 self._bar.update(step + 1, shown, record["samples_per_s"])
             self.callbacks.on_train_batch_end(step, record)
             step += 1
@@ -356,6 +362,7 @@ class Trainer:
             **self.metadata(),
             # (seed, epoch, cursor): a mid-epoch checkpoint resumes at the next unseen sample.
             "data": self._steps.state_dict() if self._steps is not None else None,
+            "compression": self.communication.gathered_state(),  # every rank's residuals (collective)
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -367,6 +374,7 @@ class Trainer:
             self.scheduler.load_state_dict(state["scheduler"])
         if self._steps is not None:
             self._steps.load_state_dict(state.get("data"))
+        self.communication.load_gathered_state(state.get("compression"))
         self.restore_metadata(state)
 
     def _load_weights(self, state: dict[str, Any]) -> None:
