@@ -161,6 +161,10 @@ def test_registry_builds_every_spec():
     assert isinstance(get_compressor("bf16"), BF16Compressor) and get_compressor("bf16").summable
     assert get_compressor("int8").rounding == "nearest"
     assert get_compressor("int8:stochastic").rounding == "stochastic"
+    half = get_compressor("topk:0.01:fp16")
+    assert isinstance(half, TopKCompressor) and half.ratio == 0.01
+    sent = half.compress(torch.randn(10_000), key="w")
+    assert sent.tensors["values"].dtype == torch.float16 and 10_000 * 4 / sent.nbytes() > 60
     topk = get_compressor("topk:0.01")
     assert isinstance(topk, TopKCompressor) and topk.ratio == 0.01 and topk.error_feedback
     powersgd = get_compressor("powersgd:2")

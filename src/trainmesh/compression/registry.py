@@ -1,7 +1,7 @@
 """``get_compressor(spec)``: a compressor from a short spec string (config files, CLI flags).
 
 Specs: ``None``/``"none"`` (no compression), ``"fp16"``, ``"bf16"``, ``"int8"``,
-``"int8:stochastic"``, ``"int8:nearest"``, ``"topk"``/``"topk:0.01"`` (ratio),
+``"int8:stochastic"``, ``"int8:nearest"``, ``"topk"``/``"topk:0.01"`` (ratio; ``"topk:0.01:fp16"`` sends fp16 values),
 ``"powersgd"``/``"powersgd:2"`` (rank). A :class:`Compressor` instance passes through.
 """
 
@@ -14,7 +14,7 @@ from .int8 import ROUNDINGS, Int8Compressor
 from .powersgd import PowerSGDCompressor
 from .topk import TopKCompressor
 
-KNOWN_SPECS = ("none", "fp16", "bf16", "int8", "int8:stochastic", "int8:nearest", "topk:<ratio>", "powersgd:<rank>")
+KNOWN_SPECS = ("none", "fp16", "bf16", "int8", "int8:stochastic", "int8:nearest", "topk:<ratio>", "topk:<ratio>:fp16", "powersgd:<rank>")
 
 
 def _unknown(spec) -> ValueError:
@@ -24,13 +24,18 @@ def _unknown(spec) -> ValueError:
 def _topk(spec: str, arg: str | None) -> Compressor:
     if arg is None:
         return TopKCompressor()
+    # "topk:0.01:fp16" sends the kept values as fp16: 6 bytes per entry instead of 8 (int32 index +
+    # fp32 value), so 1% costs 66.7x fewer bytes than fp32 instead of 50x.
+    ratio_text, _, values = arg.partition(":")
+    if values not in ("", "fp16"):
+        raise ValueError(f"topk spec takes an optional ':fp16' after the ratio, like 'topk:0.01:fp16'. Received: {spec!r}")
     try:
-        ratio = float(arg)
+        ratio = float(ratio_text)
     except ValueError:
         raise ValueError(f"topk spec needs a ratio in (0, 1], like 'topk:0.01'. Received: {spec!r}") from None
     if not 0.0 < ratio <= 1.0:
         raise ValueError(f"topk spec needs a ratio in (0, 1], like 'topk:0.01'. Received: {spec!r}")
-    return TopKCompressor(ratio)
+    return TopKCompressor(ratio, values=values or "same")
 
 
 def _powersgd(spec: str, arg: str | None) -> Compressor:

@@ -201,8 +201,7 @@ def install_communication(model: torch.nn.Module, config) -> GradientCommunicati
 
         groups = HierarchicalState.from_layout(*layout)
         if compressor is None:
-            # A plain wrapper: DDP rejects a hook whose annotations are strings (postponed annotations).
-            model.register_comm_hook(groups, lambda state, bucket: hierarchical_hook(state, bucket))
+            model.register_comm_hook(groups, hierarchical_hook)
 
         def all_reduce(tensor: torch.Tensor) -> None:
             hierarchical_all_reduce_(tensor, intra_group=groups.intra_group, inter_group=groups.inter_group)
