@@ -127,3 +127,43 @@ def test_run_servers_bad_usage(argv, message, capsys):
         cli.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+_LAUNCHER = """
+    import sys, time
+    from trainmesh.ps.cluster import LocalCluster
+    cluster = LocalCluster(2, directory=sys.argv[1])
+    print(" ".join(str(p.pid) for p in cluster.processes), flush=True)
+    time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] == b"Z"  # exited, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+def test_servers_exit_when_the_launcher_is_sigkilled(tmp_path):
+    """A LocalCluster's servers watch their parent: SIGKILL the launcher and they stop by themselves."""
+    import time
+
+    launcher = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_LAUNCHER), str(tmp_path)],
+                                stdout=subprocess.PIPE, text=True, env=clean_env())
+    server_pids = [int(p) for p in launcher.stdout.readline().split()]
+    try:
+        assert len(server_pids) == 2 and not any(_gone(pid) for pid in server_pids)
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(_gone(pid) for pid in server_pids):
+            time.sleep(0.2)
+        assert all(_gone(pid) for pid in server_pids), f"orphaned servers still running: {server_pids}"
+        logs = "".join((tmp_path / f"server{i}.log").read_text() for i in range(2))
+        assert "parent process" in logs and "is gone" in logs
+    finally:
+        for pid in server_pids:  # only if the assertion failed: never leave them behind
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -96,6 +96,19 @@ def test_decoded_tensors_own_separate_writable_memory():
     assert torch.equal(msg.tensors["a"], torch.zeros(4))
 
 
+def test_decode_without_copy_views_the_frame_and_with_copy_does_not():
+    msg = Message("push", "w", 1, tensors={"a": torch.arange(3.0), "ids": torch.tensor([7, 8])})
+    frame = encode(msg)
+    assert isinstance(frame, bytearray) and len(frame) % 8 == 0
+    viewed, copied = decode(frame, copy=False), decode(frame)
+    frame[-8:] = torch.tensor([9], dtype=torch.int64).numpy().tobytes()  # the last payload bytes: ids[1]
+    assert viewed.tensors["ids"].tolist() == [7, 9]  # a view of the frame: no copy made
+    assert copied.tensors["ids"].tolist() == [7, 8]  # its own memory
+    assert torch.equal(viewed.tensors["a"], torch.arange(3.0))
+    read_only = decode(bytes(encode(msg)), copy=False)  # bytes frames (what ZeroMQ hands over) work too
+    assert torch.equal(read_only.tensors["ids"], torch.tensor([7, 8]))
+
+
 def test_non_contiguous_and_grad_tensors_are_encoded_by_value():
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     leaf = torch.ones(2, requires_grad=True)
@@ -236,11 +249,17 @@ def test_decode_rejects_non_bytes_with_type_error():
 
 
 def _assert_valid_or_protocol_error(data: bytes, secret=None) -> bool:
-    """The property: ProtocolError, or a Message that re-encodes to an equivalent one."""
+    """The property: ProtocolError, or a Message that re-encodes to an equivalent one; the
+    zero-copy decode (the server's) accepts and rejects exactly the same frames."""
     try:
         msg = decode(data, secret)
     except ProtocolError:
+        with pytest.raises(ProtocolError):
+            decode(data, secret, copy=False)
         return False
+    viewed = decode(data, secret, copy=False)
+    assert viewed.meta == msg.meta and list(viewed.tensors) == list(msg.tensors)
+    assert all(_same_tensor(viewed.tensors[k], v) for k, v in msg.tensors.items())
     assert isinstance(msg, Message) and isinstance(msg.meta, dict)
     again = decode(encode(msg, secret), secret)
     assert again.meta == msg.meta and list(again.tensors) == list(msg.tensors)

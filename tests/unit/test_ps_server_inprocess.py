@@ -323,3 +323,71 @@ def test_a_table_spec_the_server_cannot_serve_is_refused_at_init(servers_factory
         client.init({"w": torch.zeros(2)}, optimizer={"name": "sgd"})
     assert client.stats().result(10)["servers"][0]["params"] == []
     client.close()
+
+
+def _pipelined_worker(client: PSClient, steps: int, seen: list) -> None:
+    for _ in range(steps):
+        pushed = client.push({"w": torch.ones(6)})
+        clocked = client.clock(wait_for_pushes=False)  # no wait: push, clock, pull back to back
+        seen.append((client.clock_value, client.pull(["w"]).result(30)["w"]))
+        pushed.result(30), clocked.result(30)
+
+
+def test_pipelined_clock_and_pull_never_overtake_a_dropped_push(servers_factory):
+    """Sync mode, lossy links: a pull at clock c must see every push of iterations <= c from
+    both workers, although push, clock and pull leave without waiting for acks and dropped
+    pushes are resent after the clock and pull that followed them."""
+    servers = servers_factory(2)
+    fault = {"drop_send": 0.3, "drop_recv": 0.2, "duplicate_send": 0.2}
+    clients = [servers.client(w, fault=fault, part_numel=2, num_workers=2, retry_after_s=0.05) for w in range(2)]
+    for c in clients:
+        c.init({"w": torch.zeros(6)}, optimizer={"name": "sgd", "lr": 1.0}, mode="sync", staleness=0)
+    steps = 8
+    seen = [[], []]
+    threads = [threading.Thread(target=_pipelined_worker, args=(c, steps, s)) for c, s in zip(clients, seen)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(len(s) == steps for s in seen)
+    for worker_seen in seen:
+        for clock, value in worker_seen:
+            pushes = -value  # lr 1, gradient 1: every element counts the pushes applied
+            # Both workers finished iteration `clock` (BSP); the other may be one push ahead
+            # (on some servers already, on others not yet).
+            assert bool(((2 * clock <= pushes) & (pushes <= 2 * clock + 1)).all()), (clock, pushes)
+    stats = clients[0].stats().result(20)
+    assert stats["resends"] > 0 or clients[1].stats().result(20)["resends"] > 0  # drops really happened
+    assert max(s["max_staleness_observed"] for s in stats["servers"]) <= 0
+    final = clients[0].pull(["w"]).result(20)["w"]
+    assert torch.equal(final, torch.full((6,), -2.0 * steps))  # exactly once
+    for c in clients:
+        c.close()
+
+
+def test_many_row_ranges_in_one_push_match_a_one_process_table(servers_factory):
+    """Rows spread over many ranges and both servers, with duplicates, under Adagrad: the batched
+    server update equals the same updates on one local table."""
+    from trainmesh.ps.optimizers import make_optimizer
+
+    servers = servers_factory(2)
+    client = servers.client(0, heartbeat_s=60, rows_per_shard=16)
+    adagrad = {"name": "adagrad", "lr": 0.5}
+    client.init([{"name": "emb", "kind": "sparse", "shape": [1000, 4], "init": {"std": 0.1}}], optimizer=adagrad)
+    table = torch.cat([init_rows(min(16, 1000 - 16 * i), 4, {"kind": "normal", "std": 0.1, "seed": 0}, "emb", i)
+                       for i in range(63)])
+    optimizer = make_optimizer(adagrad)
+    state = optimizer.init_state(table)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        ids = torch.randint(0, 1000, (300,), generator=gen)  # ~60 ranges, duplicates included
+        grads = torch.randn(300, 4, generator=gen)
+        client.push_rows("emb", ids, grads).result(10)
+        optimizer.step_rows(table, ids, grads, state)
+    everything = torch.arange(1000)
+    assert torch.allclose(client.pull_rows("emb", everything).result(10), table, atol=1e-6)
+    with pytest.raises(ValueError, match="row id 1000 out of range for table 'emb' with 1000 rows"):
+        client.push_rows("emb", torch.tensor([3, 1000]), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="row id -1 out of range"):
+        client.pull_rows("emb", torch.tensor([-1, 3]))
+    client.close()

@@ -69,17 +69,21 @@ class PSClient:
         self.compressor = _make_compressor(compression)
         self.params: dict[str, dict] = {}  # name -> normalized spec (what init sent)
         self.clock_value = 0
+        # The last clock every server acknowledged: heartbeats carry this one, never a clock whose
+        # pushes may still be in flight (a pipelined clock() does not wait for them).
+        self.confirmed_clock = 0
         # Client-side records, to check the SSP bound from outside the servers:
         self.pulls: list[tuple[int, float]] = []  # (clock sent with a pull, monotonic time it was answered)
         self.clocks_sent: list[tuple[int, float]] = []  # (new clock, monotonic time before announcing it)
         self._push_futures: set[Future] = set()
         self._push_lock = threading.Lock()
         self._index = {sid: i for i, sid in enumerate(self.server_ids)}
+        self._owner_cache: dict[str, int] = {}  # the ring never changes for a client: hash each shard once
         identity = f"w{self.worker_id}-{uuid.uuid4().hex[:10]}".encode()
         self.io = ClientIO(endpoints, from_addresses=servers is not None, identity=identity, sender=self.worker_id,
                            secret=secret, retry_after_s=retry_after_s, heartbeat_s=heartbeat_s,
                            request_timeout_s=request_timeout_s, server_names=self.server_ids,
-                           clock=lambda: self.clock_value)
+                           clock=lambda: self.confirmed_clock)
         try:
             self.register().result(timeout=request_timeout_s + 5)
         except BaseException:
@@ -221,15 +225,22 @@ class PSClient:
 
     # -- clocks, stats, shutdown ----------------------------------------------------------------
 
-    def clock(self) -> Future:
-        """Wait for this worker's outstanding pushes, then announce one more finished iteration."""
-        with self._push_lock:
-            outstanding = list(self._push_futures)
-        for future in outstanding:
-            future.result()
+    def clock(self, wait_for_pushes: bool = True) -> Future:
+        """Announce one more finished iteration (after this worker's outstanding pushes).
+        ``wait_for_pushes=False`` sends it at once: the servers apply it only after those pushes
+        (``after_pushes``, see client_io), even when one is dropped and resent."""
+        if wait_for_pushes:
+            with self._push_lock:
+                outstanding = list(self._push_futures)
+            for future in outstanding:
+                future.result()
         self.clock_value += 1
-        self.clocks_sent.append((self.clock_value, time.monotonic()))
-        return self._to_all(MessageType.CLOCK, {"clock": self.clock_value})
+        value = self.clock_value
+        self.clocks_sent.append((value, time.monotonic()))
+
+        def confirmed(_replies: list[Message]) -> None:
+            self.confirmed_clock = max(self.confirmed_clock, value)
+        return self._to_all(MessageType.CLOCK, {"clock": value}, confirmed)
 
     def stats(self) -> Future:
         """Future of ``{"worker", "clock", "bytes_sent", "bytes_received", "resends", "servers": [...]}``."""
@@ -264,7 +275,10 @@ class PSClient:
     # -- helpers ----------------------------------------------------------------------------
 
     def _owner(self, shard_id: str) -> int:
-        return self._index[self.ring.owner(shard_id)]
+        owner = self._owner_cache.get(shard_id)
+        if owner is None:
+            owner = self._owner_cache[shard_id] = self._index[self.ring.owner(shard_id)]
+        return owner
 
     def _to_all(self, kind: MessageType, meta: dict, assemble=None) -> Future:
         return self.io.submit([(i, Message(kind, self.worker_id, 0, meta=dict(meta))) for i in range(len(self.server_ids))],
@@ -284,10 +298,17 @@ class PSClient:
 
     def _rows_by_server(self, name: str, spec: dict, unique: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """``[(server, positions into unique)]`` for the servers owning the touched row ranges."""
-        grouped: dict[int, list[torch.Tensor]] = {}
-        for sid, _local, positions in self.partitioner.group_rows(name, spec["shape"][0], unique):
-            grouped.setdefault(self._owner(sid), []).append(positions)
-        return [(server, torch.cat(parts)) for server, parts in sorted(grouped.items())]
+        if unique.numel() == 0:
+            return []
+        rows, rows_per_shard = spec["shape"][0], self.partitioner.rows_per_shard
+        for row in (int(unique[0]), int(unique[-1])):  # unique is sorted: its ends bound every id
+            if not 0 <= row < rows:
+                raise ValueError(f"row id {row} out of range for table {name!r} with {rows} rows")
+        # Vectorised: one owner lookup per touched range, then one mask per server (not per range).
+        ranges, range_of_row = torch.unique(unique // rows_per_shard, return_inverse=True)
+        owners = torch.tensor([self._owner(f"{name}#{r}") for r in ranges.tolist()], dtype=torch.int64)
+        server_of_row = owners[range_of_row]
+        return [(server, (server_of_row == server).nonzero().reshape(-1)) for server in sorted(set(owners.tolist()))]
 
     def _batches(self, items):
         """Group ``(server, tensors, info)`` per server into messages of at most ``batch_bytes``."""

@@ -10,6 +10,7 @@ after ``retry_after_s``, doubling up to 4x; after ``request_timeout_s`` it fails
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -92,6 +93,10 @@ class ClientIO:
         self._stats = {"resends": 0, "rejected_replies": 0, "requests": 0}
         self._closed = False
         self._failure: BaseException | None = None
+        # submit() writes a byte here so a thread blocked in the socket poll wakes at once.
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
         self._thread = threading.Thread(target=self._run, name=f"ps-client-io-{sender}", daemon=True)
         self._thread.start()
 
@@ -104,7 +109,14 @@ class ClientIO:
                                 + (f": {self._failure}" if self._failure else "")))
         elif messages:
             self._commands.put((gather, messages))
+            self._wake()
         return gather.future
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_write, b"\0")
+        except (BlockingIOError, OSError):  # pipe full (a wake is pending anyway) or closed
+            pass
 
     def counters(self) -> dict[str, int]:
         transports = [s.transport for s in self._servers if s.transport is not None]
@@ -115,7 +127,11 @@ class ClientIO:
         if not self._closed:
             self._closed = True
             self._commands.put(_STOP)
+            self._wake()
             self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                for fd in (self._wake_read, self._wake_write):
+                    os.close(fd)
 
     # -- the thread -------------------------------------------------------------------------
 
@@ -138,14 +154,46 @@ class ClientIO:
         for server, endpoint in zip(self._servers, self._endpoints):
             server.transport = ZmqClientTransport(endpoint, self.identity) if self._from_addresses else endpoint
 
+    def _socket_poller(self):
+        """A ``zmq.Poller`` over every server socket and the wake pipe, so the thread sleeps until a
+        reply or a new request arrives; ``None`` when a transport is not ZeroMQ (tests)."""
+        from .transport import ZmqClientTransport
+
+        if not all(type(s.transport) is ZmqClientTransport for s in self._servers):
+            return None
+        import zmq
+
+        poller = zmq.Poller()
+        for server in self._servers:
+            poller.register(server.transport._socket, zmq.POLLIN)  # noqa: SLF001 - same package
+        poller.register(self._wake_read, zmq.POLLIN)
+        return poller
+
+    def _wait(self, poller, busy: bool):
+        """Sleep until something may be ready; return the first queued command, if any. Without a
+        poller, wait on the command queue and poll the transports every millisecond while busy."""
+        if poller is None:
+            try:
+                return self._commands.get(timeout=0.001 if busy else 0.02)
+            except queue.Empty:
+                return None
+        poller.poll(20)  # wakes at once on a reply or a wake byte; the timeout paces resends
+        try:
+            while os.read(self._wake_read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return None
+
     def _loop(self) -> None:
         last_heartbeat = 0.0
+        poller = self._socket_poller()
         while True:
             busy = any(s.pending for s in self._servers)
-            try:
-                command = self._commands.get(timeout=0.001 if busy else 0.02)
-            except queue.Empty:
-                command = None
+            command = self._wait(poller, busy)
             while command is not None:
                 if command is _STOP:
                     return
@@ -171,6 +219,12 @@ class ClientIO:
             server.next_seq += 1
             msg.meta["floor"] = min(server.pending, default=msg.seq)
             msg.meta["session"] = self.session
+            if msg.type in (MessageType.PULL, MessageType.CLOCK):
+                # Order after this session's unacknowledged pushes, even if one of them is
+                # dropped and resent later (see ParameterServer: ordered requests).
+                after = [seq for seq, p in server.pending.items() if p.kind == MessageType.PUSH.value]
+                if after:
+                    msg.meta["after_pushes"] = after
             try:
                 frame = encode(msg, self.secret)
             except (TypeError, ValueError) as error:

@@ -102,7 +102,8 @@ def _check_ok(reply: Message) -> None:
 
 
 class LocalCluster:
-    """K parameter-server processes on this machine, stopped (by pid) on exit.
+    """K parameter-server processes on this machine, stopped (by pid) on exit; each also stops
+    by itself once this process is gone (``--parent-pid``), even after a SIGKILL.
 
     ``directory``: parent of each server's ``server{i}`` snapshot/WAL directory and log file
     (default: a temporary directory). ``secret`` reaches the servers through the environment.
@@ -165,7 +166,8 @@ class LocalCluster:
         if self.secret is not None:
             env[SECRET_ENV] = self.secret.decode() if isinstance(self.secret, bytes) else self.secret
         command = [sys.executable, "-m", "trainmesh.ps", "--bind", self.addresses[i], "--server-id",
-                   self.addresses[i], "--dir", self.server_dir(i), *self.common_args]
+                   self.addresses[i], "--dir", self.server_dir(i), "--parent-pid", str(os.getpid()),
+                   *self.common_args]
         with open(os.path.join(self.directory, f"server{i}.log"), "ab") as log_file:
             self.processes[i] = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT)
 

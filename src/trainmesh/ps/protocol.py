@@ -18,6 +18,7 @@ import hmac
 import json
 import math
 import struct
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,8 +130,8 @@ def _tensor_bytes(name: str, tensor: Any) -> tuple[str, torch.Size, memoryview]:
     return dtype_name, tensor.shape, memoryview(flat.view(torch.uint8).numpy())
 
 
-def encode(msg: Message, secret: bytes | str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
-    """Serialize `msg`; with `secret`, append an HMAC-SHA256 over the frame."""
+def encode(msg: Message, secret: bytes | str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> bytearray:
+    """Serialize `msg` into one new frame; with `secret`, append an HMAC-SHA256 over the frame."""
     key = _check_secret(secret)
     if not isinstance(msg, Message):
         raise TypeError(f"encode expects a Message, got {type(msg).__name__}")
@@ -152,11 +153,8 @@ def encode(msg: Message, secret: bytes | str | None = None, max_bytes: int = DEF
         dtype_name, shape, raw = _tensor_bytes(name, tensor)
         specs.append({"name": name, "dtype": dtype_name, "shape": list(shape),
                       "offset": offset, "nbytes": raw.nbytes})
-        segments.append(raw)
-        padding = _align(raw.nbytes) - raw.nbytes
-        if padding:
-            segments.append(bytes(padding))
-        offset += raw.nbytes + padding
+        segments.append((offset, raw))
+        offset += _align(raw.nbytes)
 
     header_obj = {"type": MessageType(msg.type).value, "sender": msg.sender, "seq": msg.seq,
                   "version": msg.version, "tensors": specs, "meta": msg.meta}
@@ -170,22 +168,32 @@ def encode(msg: Message, secret: bytes | str | None = None, max_bytes: int = DEF
     if len(header) > MAX_HEADER_BYTES:
         raise ValueError(f"message header is {len(header)} bytes, over the {MAX_HEADER_BYTES} limit "
                          f"(too many tensors or too large a meta)")
-    total = _PREFIX.size + len(header) + offset + (HMAC_SIZE if key else 0)
+    payload_start = _PREFIX.size + len(header)
+    body_end = payload_start + offset
+    total = body_end + (HMAC_SIZE if key else 0)
     if total > max_bytes:
         raise ValueError(f"encoded message would be {total} bytes, over max_bytes={max_bytes}")
 
-    parts = [_PREFIX.pack(MAGIC, FORMAT_VERSION, FLAG_HMAC if key else 0, len(header)), header, *segments]
+    # One preallocated frame; each tensor's bytes are copied into it once (the padding stays zero).
+    frame = bytearray(total)
+    _PREFIX.pack_into(frame, 0, MAGIC, FORMAT_VERSION, FLAG_HMAC if key else 0, len(header))
+    frame[_PREFIX.size:payload_start] = header
+    view = memoryview(frame)
+    for start, raw in segments:
+        view[payload_start + start:payload_start + start + raw.nbytes] = raw
     if key:
-        mac = hmac.new(key, digestmod=hashlib.sha256)
-        for part in parts:
-            mac.update(part)
-        parts.append(mac.digest())
-    return b"".join(parts)  # the only copy of the tensor bytes
+        view[body_end:] = hmac.new(key, view[:body_end], hashlib.sha256).digest()
+    view.release()
+    return frame
 
 
 def decode(data: bytes | bytearray | memoryview, secret: bytes | str | None = None,
-           max_bytes: int = DEFAULT_MAX_BYTES) -> Message:
-    """Parse and validate one frame. Raises ProtocolError for anything malformed or forged."""
+           max_bytes: int = DEFAULT_MAX_BYTES, *, copy: bool = True) -> Message:
+    """Parse and validate one frame. Raises ProtocolError for anything malformed or forged.
+
+    The tensors are views of one copy of the payload. ``copy=False`` makes them views of
+    ``data`` itself (no copy): only for a reader that never writes to them and drops them
+    with the frame (the server's push path); ``data`` may be read-only."""
     key = _check_secret(secret)
     try:
         view = memoryview(data).cast("B")
@@ -222,7 +230,7 @@ def decode(data: bytes | bytearray | memoryview, secret: bytes | str | None = No
 
     header = _parse_header(view[_PREFIX.size:payload_start])
     payload = view[payload_start:body_end]
-    tensors = _decode_tensors(header["tensors"], payload)
+    tensors = _decode_tensors(header["tensors"], payload, copy)
     return Message(type=MessageType(header["type"]), sender=header["sender"], seq=header["seq"],
                    version=header["version"], tensors=tensors, meta=header["meta"])
 
@@ -298,8 +306,9 @@ def _check_spec(spec: Any, expected_offset: int, payload_len: int) -> tuple[str,
     return name, dtype, shape, nbytes
 
 
-def _decode_tensors(specs: list[Any], payload: memoryview) -> dict[str, torch.Tensor]:
+def _decode_tensors(specs: list[Any], payload: memoryview, copy: bool) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
+    placed: list[tuple[str, torch.dtype, list[int], int, int]] = []
     offset = 0
     for spec in specs:
         name, dtype, shape, nbytes = _check_spec(spec, offset, payload.nbytes)
@@ -308,13 +317,28 @@ def _decode_tensors(specs: list[Any], payload: memoryview) -> dict[str, torch.Te
         end = offset + nbytes
         if any(payload[end:_align(end)]):
             raise ProtocolError(f"tensor {name!r}: non-zero padding bytes")
-        if nbytes == 0:
-            tensors[name] = torch.empty(shape, dtype=dtype)
-        else:
-            # One copy into a fresh (hence aligned, writable) buffer that the tensor keeps alive.
-            tensors[name] = torch.frombuffer(bytearray(payload[offset:end]), dtype=dtype).reshape(shape)
+        tensors[name] = None  # placeholder: names are checked for duplicates as we go
+        placed.append((name, dtype, shape, offset, nbytes))
         offset = _align(end)
     if offset != payload.nbytes:
         raise ProtocolError(f"payload is {payload.nbytes} bytes but its tensors (padded to 8 bytes) "
                             f"take {offset}")
+    if not payload.nbytes:
+        return {name: torch.empty(shape, dtype=dtype) for name, dtype, shape, _, _ in placed}
+    # Every tensor is a view of one byte tensor over the payload (offsets are 8-byte aligned) and
+    # keeps it alive: by default one copy into a fresh (aligned, writable) buffer; with
+    # copy=False the frame itself, unless its memory is not 8-byte aligned.
+    base = None
+    if not copy:
+        with warnings.catch_warnings():
+            # Viewing a read-only frame is the point here (its readers never write to it); torch
+            # warns about that once per process.
+            warnings.simplefilter("ignore", UserWarning)
+            base = torch.frombuffer(payload, dtype=torch.uint8)
+        if base.data_ptr() % _ALIGN:
+            base = None
+    if base is None:
+        base = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    for name, dtype, shape, offset, nbytes in placed:
+        tensors[name] = base[offset:offset + nbytes].view(dtype).view(shape)
     return tensors

@@ -3,7 +3,8 @@
 The secret is read from an environment variable (``--secret-env``, default
 ``TRAINMESH_PS_SECRET``), never from the command line where ``ps`` would show it. Binding a
 non-loopback address without one is refused. SIGTERM/SIGINT stop the server gracefully (a last
-snapshot when durable); SIGKILL is what the WAL is for. Prints ``READY <address>`` once serving.
+snapshot when durable); SIGKILL is what the WAL is for.
+With ``--parent-pid`` the server also stops once that process is gone (no orphans). Prints ``READY <address>`` once serving.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 
 from .server import DURABILITY, ParameterServer
 
@@ -36,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dead-after-s", type=float, default=10.0, help="silence after which a worker is dead")
     parser.add_argument("--drop-dead-workers", action="store_true",
                         help="sync pulls stop waiting for dead workers instead of failing")
+    parser.add_argument("--parent-pid", type=_positive, default=None,
+                        help="stop (gracefully) once this process is gone, so a killed launcher leaves no orphans")
     parser.add_argument("--log-level", default="WARNING")
     return parser
 
@@ -52,6 +57,38 @@ def _non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
     return value
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    try:  # a zombie (exited, not yet reaped) is gone for our purposes
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def watch_parent(parent_pid: int, on_gone, interval_s: float = 1.0) -> threading.Thread:
+    """Call ``on_gone()`` once ``parent_pid`` has exited (checked every ``interval_s``).
+
+    When it is our actual parent, re-parenting (``os.getppid()`` changes) is the signal: it
+    cannot be fooled by the pid being reused. Otherwise the pid itself is probed."""
+    direct = os.getppid() == parent_pid
+
+    def loop() -> None:
+        while direct and os.getppid() == parent_pid or not direct and _process_alive(parent_pid):
+            time.sleep(interval_s)
+        logging.getLogger(__name__).warning("parent process %d is gone: stopping", parent_pid)
+        on_gone()
+
+    thread = threading.Thread(target=loop, name="ps-parent-watchdog", daemon=True)
+    thread.start()
+    return thread
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             snapshot_every_s=args.snapshot_every_s)
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: server.stop())
+        if args.parent_pid is not None:
+            watch_parent(args.parent_pid, server.stop)
         print(f"READY {transport.address}", flush=True)
         server.serve_forever()
     finally:

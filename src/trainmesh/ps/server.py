@@ -69,6 +69,8 @@ class ParameterServer:
         self.clocks = ClockTable(num_workers, dead_after_s)
         self.state = ServerState(durability, directory, secret, snapshot_every, snapshot_every_s)
         self.pending_pulls: list[tuple[Any, Message]] = []
+        self.pending_clocks: list[tuple[Any, Message]] = []  # clocks waiting for their after_pushes
+        self.failed_pushes: set[tuple[str, int]] = set()  # refused pushes: answered, never applied
         self.counters = {"bytes_in": 0, "bytes_out": 0, "requests": 0, "applied_pushes": 0, "duplicates": 0,
                          "rejected": 0, "pulls": 0, "errors_sent": 0, "replayed": 0}
         self._running = False
@@ -83,7 +85,7 @@ class ParameterServer:
                 received = self.transport.recv(self.poll_s)
                 if received is not None:
                     self.handle(*received)
-                self._answer_pending_pulls()
+                self._answer_pending()
                 self.state.maybe_snapshot()
         finally:
             self.state.close()
@@ -95,25 +97,31 @@ class ParameterServer:
         """Serve one received frame from ``peer`` (whatever it contains)."""
         self.counters["bytes_in"] += len(frame)
         try:
-            msg = decode(frame, self.secret, self.max_message_bytes)
+            # No copy: push gradients and pull ids are only read, while this frame is alive.
+            msg = decode(frame, self.secret, self.max_message_bytes, copy=False)
         except ProtocolError as error:
             self.counters["rejected"] += 1
             log.warning("ps %s: dropped a malformed message (%s)", self.server_id, error)
             return
+        if msg.type not in (MessageType.PUSH, MessageType.PULL):
+            # init/import values become shard state, updated in place: give them their own memory.
+            msg.tensors = {name: tensor.clone() for name, tensor in msg.tensors.items()}
         self.counters["requests"] += 1
         try:
             self._dispatch(peer, msg, frame)
         except Exception as error:  # noqa: BLE001 - no request may take the server down
             self.counters["rejected"] += 1
+            if msg.type is MessageType.PUSH:
+                self.failed_pushes.add((_session(msg), msg.seq))  # ordered requests stop waiting for it
             code = error.code if isinstance(error, BadRequest) else "bad_request"
             log.warning("ps %s: rejected %s from %s: %s", self.server_id, msg.type.value, msg.sender, error)
             self._error(peer, msg, f"{type(error).__name__}: {error}", code)
 
     def _dispatch(self, peer, msg: Message, frame: bytes) -> None:
         kind = msg.type
-        clock = msg.meta.get("clock")
         if kind in (MessageType.REGISTER, MessageType.PULL, MessageType.CLOCK, MessageType.HEARTBEAT, MessageType.PUSH):
-            self.clocks.seen(msg.sender, clock if isinstance(clock, int) and not isinstance(clock, bool) else None)
+            # A clock carried by a request ordered after pushes not yet applied counts only then.
+            self.clocks.seen(msg.sender, _clock_of(msg) if self._ordered(msg) else None)
         self.state.dedup.advance_floor(_session(msg), msg.meta.get("floor"))
         if kind is MessageType.PUSH:
             if self.state.dedup.is_done(_session(msg), msg.seq):
@@ -130,12 +138,14 @@ class ParameterServer:
         elif kind is MessageType.PULL:
             self.counters["pulls"] += 1
             self._check_pull(msg)
-            if not any(p == peer and m.sender == msg.sender and m.seq == msg.seq for p, m in self.pending_pulls):
-                self.pending_pulls.append((peer, msg))  # a resent pull waits once
-            self._answer_pending_pulls()
-        elif kind in (MessageType.REGISTER, MessageType.CLOCK, MessageType.HEARTBEAT):
+            _enqueue_once(self.pending_pulls, peer, msg)  # a resent pull waits once
+            self._answer_pending()
+        elif kind is MessageType.CLOCK:
+            _enqueue_once(self.pending_clocks, peer, msg)
+            self._answer_pending()
+        elif kind in (MessageType.REGISTER, MessageType.HEARTBEAT):
             self._reply(peer, msg, MessageType.OK, meta={"num_workers": self.num_workers, "server_id": self.server_id})
-            self._answer_pending_pulls()
+            self._answer_pending()
         elif kind is MessageType.EXPORT:
             tensors, meta = self.state.export(msg.meta)
             if msg.meta.get("remove"):
@@ -178,9 +188,40 @@ class ParameterServer:
             raise BadRequest(f"pull clock must be an int >= 0, got {clock!r}")
         self.state.pull_consistency(msg)  # raises for unknown parameters, before queueing
 
+    # -- ordered requests: a pipelined clock or pull waits for the pushes sent before it --------
+
+    def _ordered(self, msg: Message) -> bool:
+        """Whether every push listed in ``meta["after_pushes"]`` (same session) was applied or
+        refused. A client pipelines push, clock and pull without waiting for acks; if the push
+        frame is lost and resent, this keeps the clock and the pull from overtaking it."""
+        after = msg.meta.get("after_pushes")
+        if after is None:
+            return True
+        if not isinstance(after, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in after):
+            raise BadRequest(f"after_pushes must be a list of push seqs, got {after!r:.200}")
+        session = _session(msg)
+        return all(self.state.dedup.is_done(session, seq) or (session, seq) in self.failed_pushes for seq in after)
+
+    def _answer_pending(self) -> None:
+        if self.pending_clocks:
+            still_waiting = []
+            for peer, msg in self.pending_clocks:
+                if self._ordered(msg):
+                    self.clocks.seen(msg.sender, _clock_of(msg))
+                    self._reply(peer, msg, MessageType.OK,
+                                meta={"num_workers": self.num_workers, "server_id": self.server_id})
+                else:
+                    still_waiting.append((peer, msg))
+            self.pending_clocks = still_waiting
+        self._answer_pending_pulls()
+
     def _answer_pending_pulls(self) -> None:
         still_waiting = []
         for peer, msg in self.pending_pulls:
+            if not self._ordered(msg):
+                still_waiting.append((peer, msg))
+                continue
+            self.clocks.seen(msg.sender, _clock_of(msg))  # (a no-op unless it waited for its pushes)
             staleness, sync = self.state.pull_consistency(msg)
             clock = msg.meta.get("clock", 0)
             decision = self.clocks.gate(clock, staleness, sync, self.drop_dead_workers)
@@ -216,8 +257,20 @@ class ParameterServer:
     def stats(self) -> dict[str, Any]:
         return {**self.counters, "server_id": self.server_id, "max_staleness_observed": self.clocks.max_lead,
                 "clocks": self.clocks.snapshot(), "waiting_pulls": len(self.pending_pulls),
+                "waiting_clocks": len(self.pending_clocks),
                 "shards": len(self.state.shards), "params": sorted(self.state.params),
                 "durability": self.state.durability, "time": time.time()}
+
+
+def _clock_of(msg: Message) -> int | None:
+    clock = msg.meta.get("clock")
+    return clock if isinstance(clock, int) and not isinstance(clock, bool) else None
+
+
+def _enqueue_once(queue: list[tuple[Any, Message]], peer, msg: Message) -> None:
+    """Queue ``msg`` unless a resend of it (same peer, sender and seq) is already waiting."""
+    if not any(p == peer and m.sender == msg.sender and m.seq == msg.seq for p, m in queue):
+        queue.append((peer, msg))
 
 
 def _session(msg: Message) -> str:

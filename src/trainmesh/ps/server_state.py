@@ -215,8 +215,17 @@ class ServerState:
             if grads.dim() != 2 or grads.shape != (ids.numel(), dim):
                 raise ValueError(f"row gradients for {table!r} have shape {tuple(grads.shape)}, expected "
                                  f"{(ids.numel(), dim)}")
-            for shard, local, positions in self.row_groups(table, ids):
-                updates.append(lambda shard=shard, local=local, g=grads[positions]: shard.apply_rows(local, g.float(), lr=lr))
+            if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
+                raise TypeError(f"row ids for {table!r} must be an int64 tensor")
+            # Sum duplicate ids once for the whole push (sorted unique ids: each range's rows are a
+            # contiguous run), then update every touched range in one batched optimizer step.
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, grads.float())
+            groups = self.row_groups(table, unique)
+            if groups:
+                in_order = summed[torch.cat([positions for _, _, positions in groups])]
+                parts = [(shard, local) for shard, local, _ in groups]
+                updates.append(lambda parts=parts, g=in_order: Shard.apply_rows_many(parts, g, lr=lr))
         return updates
 
     def _decompress(self, msg: Message, sid: str, info: dict) -> torch.Tensor:
@@ -237,18 +246,21 @@ class ServerState:
         return min(_staleness(s) for s in specs), any(s["mode"] == "sync" for s in specs)
 
     def read(self, msg: Message) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """The values a pull asks for. Dense parts are the live tensors (no copy): the caller
+        encodes them into the reply before any other request is served."""
         tensors, versions = {}, {}
         for sid in msg.meta.get("shards", []):
             shard = self.dense_shard(sid)
-            tensors[sid], versions[sid] = shard.read(), shard.version
+            tensors[sid], versions[sid] = shard.value, shard.version
         for table, ids_name in (msg.meta.get("rows") or {}).items():
             ids = msg.tensors[ids_name]
             out = torch.empty(ids.numel(), self.spec_of(table)["shape"][1])
-            version = 0
-            for shard, local, positions in self.row_groups(table, ids):
-                out[positions] = shard.read_rows(local)
-                version = max(version, shard.version)
-            tensors[table], versions[table] = out, version
+            groups = self.row_groups(table, ids)  # checks the ids; local rows are in range
+            if groups:
+                out[torch.cat([positions for _, _, positions in groups])] = torch.cat(
+                    [shard.value[local] for shard, local, _ in groups])
+            tensors[table] = out
+            versions[table] = max((shard.version for shard, _, _ in groups), default=0)
         return tensors, versions
 
     # -- rebalancing --------------------------------------------------------------------------

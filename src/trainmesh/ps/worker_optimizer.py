@@ -5,7 +5,7 @@ servers instead of updating locally.
 hyperparameters) into the servers' optimizer config, so ``torch.optim.SGD(..., momentum=0.9)``
 means SGD with momentum 0.9 on the servers. ``PSOptimizer`` is a real ``torch.optim.Optimizer``
 over the same parameter groups (LR schedulers, the Trainer's ``zero_grad`` and ``param_groups``
-work unchanged); its ``step()`` pushes, clocks and pulls.
+work unchanged); its ``step()`` pushes, clocks and pulls, pipelined.
 """
 
 from __future__ import annotations
@@ -85,10 +85,12 @@ class PSOptimizer(torch.optim.Optimizer):
             future = table.push_gradients(scale=self.scale, lr=table_lr)
             if future is not None:
                 futures.append(future)
-        for future in futures:
-            future.result()
-        client.clock().result()
+        # Pipelined: push, clock and pull leave back to back (one round trip, not three). The
+        # servers order the clock and the pull after this worker's pushes (``after_pushes``).
+        clocked = client.clock(wait_for_pushes=False)
         self._strategy.pull_dense()
+        for future in [*futures, clocked]:
+            future.result()  # surfaces a refused push
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
