@@ -157,15 +157,13 @@ class ClientIO:
     def _socket_poller(self):
         """A ``zmq.Poller`` over every server socket and the wake pipe, so the thread sleeps until a
         reply or a new request arrives; ``None`` when a transport is not ZeroMQ (tests)."""
-        from .transport import ZmqClientTransport
-
-        if not all(type(s.transport) is ZmqClientTransport for s in self._servers):
+        if not all(getattr(s.transport, "socket", None) is not None for s in self._servers):
             return None
         import zmq
 
         poller = zmq.Poller()
         for server in self._servers:
-            poller.register(server.transport._socket, zmq.POLLIN)  # noqa: SLF001 - same package
+            poller.register(server.transport.socket, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
         return poller
 

@@ -173,14 +173,22 @@ class ZmqServerTransport(ServerTransport):
     def address(self) -> str:
         return self._address
 
-    def recv(self, timeout_s: float | None) -> tuple[bytes, bytes] | None:
+    @property
+    def socket(self):
+        """The ROUTER socket, for a ``zmq.Poller`` in the thread that owns this transport."""
+        return self._socket
+
+    def recv(self, timeout_s: float | None) -> tuple[bytes, bytes | memoryview] | None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             if not self._socket.poll(_poll_ms(_remaining(deadline)), self._zmq.POLLIN):
                 return None
-            frames = self._socket.recv_multipart()
+            frames = self._socket.recv_multipart(copy=False)
             if len(frames) == 2:
-                peer, data = frames
+                # A large frame is handed over as a read-only view of ZeroMQ's buffer (no copy);
+                # the server decodes it without copying either.
+                peer, frame = frames[0].bytes, frames[1]
+                data = frame.buffer if len(frame) >= 65536 else frame.bytes
                 self._count_recv(len(data))
                 return peer, data
             # Otherwise not a DEALER client of ours (one frame after the identity): skip it.
@@ -219,6 +227,11 @@ class ZmqClientTransport(ClientTransport):
             self.dropped_queue_full += 1
             return
         self._count_send(len(data))
+
+    @property
+    def socket(self):
+        """The DEALER socket, for a ``zmq.Poller`` in the thread that owns this transport."""
+        return self._socket
 
     def recv(self, timeout_s: float | None) -> bytes | None:
         if not self._socket.poll(_poll_ms(timeout_s), self._zmq.POLLIN):
