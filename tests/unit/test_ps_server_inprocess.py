@@ -295,6 +295,19 @@ def test_a_refused_request_never_reaches_the_log(servers_factory, tmp_path):
     client.close()
 
 
+def test_a_refused_push_is_forgotten_once_the_client_moved_past_it(servers_factory):
+    servers = servers_factory(1)
+    client = servers.client(0)
+    client.init({"w": torch.zeros(3)}, optimizer=SGD)
+    with pytest.raises(PSError, match="shape"):
+        client.request(0, MessageType.PUSH, {"shards": ["w#0"], "rows": {}}, {"w#0": torch.ones(5)}).result(10)
+    assert len(servers.servers[0].failed_pushes) == 1  # later ordered requests must not wait on it
+    client.push({"w": torch.ones(3)}).result(10)
+    client.pull(["w"]).result(10)  # carries a floor above the refused seq
+    assert servers.servers[0].failed_pushes == set()
+    client.close()
+
+
 def test_topk_pushes_with_error_feedback_lose_nothing_but_the_residual(servers_factory):
     servers = servers_factory(2)
     client = servers.client(0, compression="topk:0.25", part_numel=1600)  # residual kept per shard

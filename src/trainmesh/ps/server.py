@@ -122,7 +122,11 @@ class ParameterServer:
         if kind in (MessageType.REGISTER, MessageType.PULL, MessageType.CLOCK, MessageType.HEARTBEAT, MessageType.PUSH):
             # A clock carried by a request ordered after pushes not yet applied counts only then.
             self.clocks.seen(msg.sender, _clock_of(msg) if self._ordered(msg) else None)
-        self.state.dedup.advance_floor(_session(msg), msg.meta.get("floor"))
+        session = _session(msg)
+        self.state.dedup.advance_floor(session, msg.meta.get("floor"))
+        if self.failed_pushes:  # below the floor the client waits on nothing: forget those refusals
+            floor = self.state.dedup.floor.get(session, 0)
+            self.failed_pushes = {(s, q) for s, q in self.failed_pushes if s != session or q >= floor}
         if kind is MessageType.PUSH:
             if self.state.dedup.is_done(_session(msg), msg.seq):
                 self.counters["duplicates"] += 1
