@@ -308,6 +308,18 @@ def test_a_refused_push_is_forgotten_once_the_client_moved_past_it(servers_facto
     client.close()
 
 
+def test_a_pull_reply_too_large_to_send_fails_that_pull_not_the_server(servers_factory):
+    servers = servers_factory(1)
+    client = servers.client(0)
+    client.init({"w": torch.zeros(4096)}, optimizer=SGD)
+    servers.servers[0].max_message_bytes = 4096  # the 16 KiB reply no longer fits
+    with pytest.raises(PSError, match="4096"):
+        client.pull(["w"]).result(10)
+    assert servers.threads[0].is_alive()
+    assert client.stats().result(10)["servers"][0]["rejected"] == 1  # still serving
+    client.close()
+
+
 def test_topk_pushes_with_error_feedback_lose_nothing_but_the_residual(servers_factory):
     servers = servers_factory(2)
     client = servers.client(0, compression="topk:0.25", part_numel=1600)  # residual kept per shard

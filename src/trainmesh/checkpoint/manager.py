@@ -206,9 +206,12 @@ class CheckpointManager:
         # Our own files, checksummed at commit: pickled RNG tuples need weights_only=False.
         extras = self._rank_extras(path, source)
         rng.restore_for_rank(extras["rng"], runtime.rank(), saved_world)
+        every_rank: list[dict[str, Any]] | None = None  # all saved ranks' extras, read once if needed
         for key, obj in per_rank.items():
             if saved_world != runtime.world_size() and callable(getattr(obj, "load_resharded_state", None)):
-                obj.load_resharded_state([self._rank_extras(path, r).get(key) for r in range(saved_world)])
+                if every_rank is None:
+                    every_rank = [extras if r == source else self._rank_extras(path, r) for r in range(saved_world)]
+                obj.load_resharded_state([saved.get(key) for saved in every_rank])
             elif key in extras:
                 obj.load_state_dict(extras[key])
         common = torch.load(os.path.join(path, "shared.pt"), map_location="cpu", weights_only=False)

@@ -96,23 +96,28 @@ def hierarchical_all_reduce_(tensor: torch.Tensor, *, intra_group, inter_group, 
     numel = tensor.numel()
     if numel == 0:
         return tensor
+    shard_len = -(-numel // local_size)
+    # Work in the tensor's own memory when it is contiguous and splits evenly (the usual DDP
+    # bucket); otherwise in a zero-padded copy. The padding is never read back, so zeros serve
+    # every op (MIN/MAX/PRODUCT included).
+    in_place = tensor.is_contiguous() and not tensor.requires_grad and shard_len * local_size == numel
+    if in_place:
+        flat = tensor.view(-1)
+    else:
+        flat = torch.zeros(shard_len * local_size, dtype=tensor.dtype, device=tensor.device)
+        flat[:numel].copy_(tensor.reshape(-1))
     if local_size == 1:
-        flat = tensor.reshape(-1).contiguous()
         dist.all_reduce(flat, op=reduce_op, group=inter_group)
     else:
-        shard_len = -(-numel // local_size)
-        # The padding is never read back, so zeros serve every op (MIN/MAX/PRODUCT included).
-        padded = torch.zeros(shard_len * local_size, dtype=tensor.dtype, device=tensor.device)
-        padded[:numel].copy_(tensor.reshape(-1))
         shard = torch.empty(shard_len, dtype=tensor.dtype, device=tensor.device)
-        dist.reduce_scatter_tensor(shard, padded, op=reduce_op, group=intra_group)
+        dist.reduce_scatter_tensor(shard, flat, op=reduce_op, group=intra_group)
         dist.all_reduce(shard, op=reduce_op, group=inter_group)
-        dist.all_gather_into_tensor(padded, shard, group=intra_group)
-        flat = padded[:numel]
-    if average:
-        flat = flat / (local_size * dist.get_world_size(inter_group))
+        dist.all_gather_into_tensor(flat, shard, group=intra_group)
     with torch.no_grad():
-        tensor.copy_(flat.view(tensor.shape))
+        if average:  # (true division, then cast back: integer tensors truncate as they did)
+            flat.copy_(flat / (local_size * dist.get_world_size(inter_group)))
+        if not in_place:
+            tensor.copy_(flat[:numel].view(tensor.shape))
     return tensor
 
 

@@ -163,10 +163,11 @@ def _parameter_servers(count: int | None, num_workers: int) -> Iterator[dict[str
         yield {}
         return
     from trainmesh.ps.cluster import LocalCluster
+    from trainmesh.ps.strategy import SERVERS_ENV
 
     cluster = LocalCluster(count, num_workers=num_workers)
     try:
         print(f"[trainmesh] {count} parameter server(s): {', '.join(cluster.addresses)}", file=sys.stderr, flush=True)
-        yield {"TRAINMESH_PS_SERVERS": ",".join(cluster.addresses)}
+        yield {SERVERS_ENV: ",".join(cluster.addresses)}
     finally:
         cluster.stop()

@@ -19,8 +19,8 @@ from typing import Any, Sequence
 from .client_io import ClientIO
 from .placement import HashRing
 from .protocol import Message, MessageType
-
-SECRET_ENV = "TRAINMESH_PS_SECRET"
+from .durability import DURABILITY
+from .transport import SECRET_ENV
 
 
 def _free_port(host: str) -> int:
@@ -59,7 +59,7 @@ def rebalance(old_servers: Sequence[str], new_servers: Sequence[str], *, secret:
     ``new_servers`` (server ids = addresses, as ``PSClient`` uses them), with values, optimizer
     state and versions. Run it while workers are paused; afterwards workers connect with
     ``new_servers``. Returns ``{shard_id: (old, new)}`` of what moved."""
-    old_ring, new_ring = HashRing(list(old_servers), virtual_nodes), HashRing(list(new_servers), virtual_nodes)
+    new_ring = HashRing(list(new_servers), virtual_nodes)
     everyone = list(dict.fromkeys([*old_servers, *new_servers]))
     index = {address: i for i, address in enumerate(everyone)}
     moved: dict[str, tuple[str, str]] = {}
@@ -71,7 +71,9 @@ def rebalance(old_servers: Sequence[str], new_servers: Sequence[str], *, secret:
             params.update(listing["params"])
             held[server] = listing["shard_ids"]
         for server, shard_ids in held.items():
-            moving = {sid: pair for sid, pair in _moved(old_ring, new_ring, shard_ids, server).items()}
+            # The old owner is the server that holds the shard (not the old ring's answer), so a
+            # shard left on the wrong server by an interrupted rebalance still moves home.
+            moving = {sid: (server, new) for sid in shard_ids if (new := new_ring.owner(sid)) != server}
             moved.update(moving)
             if not moving:
                 continue
@@ -90,10 +92,6 @@ def rebalance(old_servers: Sequence[str], new_servers: Sequence[str], *, secret:
             if gone and server in index:
                 _check_ok(admin.ask(index[server], MessageType.EXPORT, {"shards": gone, "remove": True, "data": False}))
     return moved
-
-
-def _moved(old_ring: HashRing, new_ring: HashRing, shard_ids: list[str], server: str) -> dict[str, tuple[str, str]]:
-    return {sid: (server, new_ring.owner(sid)) for sid in shard_ids if new_ring.owner(sid) != server}
 
 
 def _check_ok(reply: Message) -> None:
@@ -115,7 +113,7 @@ class LocalCluster:
                  host: str = "127.0.0.1", startup_timeout_s: float = 60.0, extra_args: Sequence[str] = ()):
         if not isinstance(num_servers, int) or num_servers < 1:
             raise ValueError(f"num_servers must be an int >= 1, got {num_servers!r}")
-        if durability not in ("none", "snapshot", "wal"):
+        if durability not in DURABILITY:
             raise ValueError(f"durability must be 'none', 'snapshot' or 'wal', got {durability!r}")
         self.num_workers, self.durability, self.secret, self.host = num_workers, durability, secret, host
         self.startup_timeout_s = startup_timeout_s

@@ -19,6 +19,8 @@ import torch
 from .protocol import Message, MessageType, ProtocolError, decode, encode
 from .wal import WriteAheadLog, read_snapshot, write_snapshot
 
+DURABILITY = ("none", "snapshot", "wal")  # when a push is acknowledged: see docs/parameter_server.md
+
 log = logging.getLogger(__name__)
 _SNAPSHOT_MAX_BYTES = 1 << 40  # local files: only the disk limits them
 _LENGTH = struct.Struct("<Q")  # before each frame of a snapshot

@@ -42,7 +42,9 @@ class PSEmbedding(nn.Module):
             raise ValueError(f"PSEmbedding needs a non-empty string name (its key on the servers). Received: name={name!r}")
         if not isinstance(init_std, (int, float)) or not math.isfinite(init_std) or init_std < 0:
             raise ValueError(f"PSEmbedding init_std must be a finite number >= 0. Received: init_std={init_std!r}")
-        if mode is not None and mode not in ("sync", "ssp", "async"):
+        from .strategy import MODES  # late: strategy imports this module
+
+        if mode is not None and mode not in MODES:
             raise ValueError(f"PSEmbedding mode must be 'sync', 'ssp', 'async' or None. Received: mode={mode!r}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.name = name
@@ -89,13 +91,12 @@ class PSEmbedding(nn.Module):
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
             raise TypeError(f"PSEmbedding {self.name!r} takes an integer tensor of ids. "
                             f"Received: {type(ids).__name__}{'' if not torch.is_tensor(ids) else ' of ' + str(ids.dtype)}")
-        flat = ids.reshape(-1).to(torch.int64)
-        if flat.numel():
-            low, high = int(flat.min()), int(flat.max())
+        unique, inverse = torch.unique(ids.reshape(-1).to(torch.int64), return_inverse=True)  # sorted
+        if unique.numel():
+            low, high = int(unique[0]), int(unique[-1])
             if low < 0 or high >= self.num_embeddings:
                 raise ValueError(f"PSEmbedding {self.name!r} has {self.num_embeddings} rows; ids must be in "
                                  f"[0, {self.num_embeddings}). Received: ids in [{low}, {high}]")
-        unique, inverse = torch.unique(flat, return_inverse=True)
         rows = self.client.pull_rows(self.name, unique).result()
         rows = rows.to(torch.float32).reshape(len(unique), self.embedding_dim)
         if self.training and torch.is_grad_enabled():
@@ -129,7 +130,7 @@ class PSEmbedding(nn.Module):
             return None
         ids, grad = found
         self.pushed_rows += len(ids)
-        return _push_rows(self.client, self.name, ids, grad, lr)
+        return self.client.push_rows(self.name, ids, grad.detach(), lr=lr)
 
     def zero_grad_rows(self) -> None:
         """``optimizer.zero_grad()`` for the pulled rows (they are not parameters). The rows stay
@@ -139,7 +140,3 @@ class PSEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, name={self.name!r}, on parameter servers"
-
-
-def _push_rows(client: Any, name: str, ids: torch.Tensor, grad: torch.Tensor, lr: float | None):
-    return client.push_rows(name, ids, grad.detach(), lr=lr) if lr is not None else client.push_rows(name, ids, grad.detach())

@@ -17,9 +17,10 @@ import sys
 import threading
 import time
 
-from .server import DURABILITY, ParameterServer
+from .durability import DURABILITY
+from .server import ParameterServer
+from .transport import SECRET_ENV
 
-SECRET_ENV = "TRAINMESH_PS_SECRET"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,12 +26,12 @@ import time
 from typing import Any
 
 from .clock import ClockTable
+from .durability import DURABILITY
 from .protocol import DEFAULT_MAX_BYTES, Message, MessageType, ProtocolError, decode, encode
 from .server_state import ServerState
 
 log = logging.getLogger(__name__)
 
-DURABILITY = ("none", "snapshot", "wal")
 
 
 class BadRequest(ValueError):
@@ -123,12 +123,13 @@ class ParameterServer:
             # A clock carried by a request ordered after pushes not yet applied counts only then.
             self.clocks.seen(msg.sender, _clock_of(msg) if self._ordered(msg) else None)
         session = _session(msg)
+        floor_before = self.state.dedup.floor.get(session, 0)
         self.state.dedup.advance_floor(session, msg.meta.get("floor"))
-        if self.failed_pushes:  # below the floor the client waits on nothing: forget those refusals
-            floor = self.state.dedup.floor.get(session, 0)
+        floor = self.state.dedup.floor.get(session, 0)
+        if self.failed_pushes and floor != floor_before:  # the client waits on nothing below its floor
             self.failed_pushes = {(s, q) for s, q in self.failed_pushes if s != session or q >= floor}
         if kind is MessageType.PUSH:
-            if self.state.dedup.is_done(_session(msg), msg.seq):
+            if self.state.dedup.is_done(session, msg.seq):
                 self.counters["duplicates"] += 1
             else:
                 self.state.log_then(frame, self._prepare(msg))  # a bad push fails before the log
@@ -142,14 +143,11 @@ class ParameterServer:
         elif kind is MessageType.PULL:
             self.counters["pulls"] += 1
             self._check_pull(msg)
-            _enqueue_once(self.pending_pulls, peer, msg)  # a resent pull waits once
-            self._answer_pending()
+            _enqueue_once(self.pending_pulls, peer, msg)  # a resent pull waits once (answered by the loop)
         elif kind is MessageType.CLOCK:
             _enqueue_once(self.pending_clocks, peer, msg)
-            self._answer_pending()
         elif kind in (MessageType.REGISTER, MessageType.HEARTBEAT):
             self._reply(peer, msg, MessageType.OK, meta={"num_workers": self.num_workers, "server_id": self.server_id})
-            self._answer_pending()
         elif kind is MessageType.EXPORT:
             tensors, meta = self.state.export(msg.meta)
             if msg.meta.get("remove"):
@@ -234,13 +232,12 @@ class ParameterServer:
             elif decision.ready:
                 if not math.isinf(staleness):
                     self.clocks.record_answered(clock)
-                try:
+                try:  # reading or encoding (e.g. a reply over max_message_bytes) fails this pull only
                     tensors, versions = self.state.read(msg)
+                    self._reply(peer, msg, MessageType.PULL_REPLY, tensors, {"versions": versions})
                 except Exception as error:  # noqa: BLE001 - answered, not fatal
                     self.counters["rejected"] += 1
                     self._error(peer, msg, f"{type(error).__name__}: {error}", "bad_request")
-                else:
-                    self._reply(peer, msg, MessageType.PULL_REPLY, tensors, {"versions": versions})
             else:
                 still_waiting.append((peer, msg))
         self.pending_pulls = still_waiting

@@ -277,7 +277,7 @@ class ServerState:
                 continue  # a table range never touched: the new owner creates it identically
             if meta.get("data", True):
                 own, shard_meta[sid] = shard.state_dict()
-                tensors.update({f"{sid}|{k}": t.clone() for k, t in own.items()})
+                tensors.update({f"{sid}|{k}": t for k, t in own.items()})  # live: encoded before any update
             if meta.get("remove"):
                 del self.shards[sid]
         return tensors, {"shards": shard_meta, "params": self.params}

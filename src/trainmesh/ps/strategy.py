@@ -45,8 +45,11 @@ from trainmesh import runtime
 from trainmesh.distribution.distribution import Distribution
 from trainmesh.distribution.layout import TensorLayout
 from trainmesh.distribution.mesh import DeviceMesh
+from trainmesh.runtime.cluster_env import split_job_addresses
 
 from .embedding import PSEmbedding
+from .durability import DURABILITY
+from .transport import SECRET_ENV
 from .worker_optimizer import PSOptimizer, server_optimizer_spec
 
 SERVERS_ENV = "TRAINMESH_PS_SERVERS"
@@ -108,11 +111,6 @@ class PSDistribution(Distribution):
         proxy whose ``step()`` pushes, clocks and pulls."""
         return self.strategy.bind_optimizer(optimizer, model)
 
-    def global_mean(self, value):
-        from trainmesh._torch.reduce import global_mean
-
-        return global_mean(value)
-
 
 class ParameterServerStrategy:
     """Data-parallel workers, parameters on K parameter servers (see the module docstring).
@@ -139,7 +137,7 @@ class ParameterServerStrategy:
             raise ValueError(f"servers must be a list of addresses, not a string. Received: servers={servers!r}")
         if servers is not None and not list(servers):
             raise ValueError(f"servers must name at least one address. Received: servers={servers!r}")
-        if durability not in ("none", "snapshot", "wal"):
+        if durability not in DURABILITY:
             raise ValueError(f"durability must be 'none', 'snapshot' or 'wal'. Received: durability={durability!r}")
         self._modes = dict(mode) if isinstance(mode, dict) else {"*": mode}
         if not self._modes:
@@ -192,13 +190,13 @@ class ParameterServerStrategy:
                                 secret=self._secret_bytes(), compression=self.compression, **self.client_options)
 
     def _secret_bytes(self) -> bytes | None:
-        secret = self.secret if self.secret is not None else os.environ.get("TRAINMESH_PS_SECRET")
+        secret = self.secret if self.secret is not None else os.environ.get(SECRET_ENV)
         return secret.encode() if isinstance(secret, str) else secret
 
     def _server_addresses(self) -> list[str]:
-        from_env = os.environ.get(SERVERS_ENV, "").strip()
+        from_env = split_job_addresses(os.environ.get(SERVERS_ENV, ""))
         if from_env:
-            return [a.strip() for a in from_env.split(",") if a.strip()]
+            return from_env
         if self.servers is not None:
             return list(self.servers)
         holder: list[Any] = [None]
@@ -267,7 +265,7 @@ class ParameterServerStrategy:
             groups.append((spec, [names_by_id[id(p)] for p in group["params"] if id(p) in names_by_id]))
         table_spec = groups[0][0] if groups else server_optimizer_spec(optimizer, optimizer.param_groups[0],
                                                                       self.num_workers)
-        self._register([(spec, names) for spec, names in groups], table_spec)
+        self._register(groups, table_spec)
         return PSOptimizer(optimizer, self, groups, list(self._tables.values()))
 
     def _register(self, groups: list[tuple[dict, list[str]]], table_optimizer: dict) -> None:
@@ -335,8 +333,7 @@ class ParameterServerStrategy:
         """This worker's contiguous slice of every global batch of ``dataset`` (as MirroredStrategy)."""
         from trainmesh.strategy.input import DistributedDataset
 
-        return DistributedDataset(dataset, self.num_workers, self.worker_id, device=runtime.local_torch_device(),
-                                  on_iter=lambda: None)
+        return DistributedDataset(dataset, self.num_workers, self.worker_id, device=runtime.local_torch_device())
 
     def stats(self) -> dict:
         """This worker's client counters and every server's (bytes, pushes, clocks, staleness)."""
@@ -344,9 +341,8 @@ class ParameterServerStrategy:
 
     def close(self) -> None:
         """Disconnect; worker 0 stops the servers it started once every worker got here."""
-        if self.num_workers > 1 and runtime.is_initialized():
-            with contextlib.suppress(RuntimeError):
-                runtime.barrier()
+        with contextlib.suppress(RuntimeError):
+            runtime.barrier()  # a no-op on one process
         client, self._client = self._client, None
         if client is not None:
             client.close()

@@ -17,6 +17,11 @@ import random
 import threading
 import time
 
+SECRET_ENV = "TRAINMESH_PS_SECRET"  # where servers and workers read the shared secret
+# Frames at least this large travel without a copy (ZeroMQ takes or hands over the buffer);
+# below it a copy is cheaper than the bookkeeping.
+ZERO_COPY_MIN_BYTES = 65536
+
 
 class _Transport:
     """Byte/message counters and idempotent close, shared by every transport."""
@@ -111,7 +116,7 @@ def check_bind_address(address: str, secret: bytes | str | None) -> str:
         if not loopback:
             raise ValueError(f"refusing to bind the parameter server to {address!r} without a secret: only "
                              f"loopback addresses (127.0.0.0/8, ::1, localhost) may run unauthenticated; "
-                             f"set TRAINMESH_PS_SECRET or pass secret=")
+                             f"set {SECRET_ENV} or pass secret=")
     return address
 
 
@@ -188,7 +193,7 @@ class ZmqServerTransport(ServerTransport):
                 # A large frame is handed over as a read-only view of ZeroMQ's buffer (no copy);
                 # the server decodes it without copying either.
                 peer, frame = frames[0].bytes, frames[1]
-                data = frame.buffer if len(frame) >= 65536 else frame.bytes
+                data = frame.buffer if len(frame) >= ZERO_COPY_MIN_BYTES else frame.bytes
                 self._count_recv(len(data))
                 return peer, data
             # Otherwise not a DEALER client of ours (one frame after the identity): skip it.
@@ -196,7 +201,7 @@ class ZmqServerTransport(ServerTransport):
     def send(self, peer: bytes, data: bytes) -> None:
         self._check_open()
         # copy=False hands large buffers to ZeroMQ without a memcpy (bytes are immutable).
-        self._socket.send_multipart([peer, data], copy=len(data) < 65536)
+        self._socket.send_multipart([peer, data], copy=len(data) < ZERO_COPY_MIN_BYTES)
         self._count_send(len(data))
 
     def _release(self) -> None:
@@ -222,7 +227,7 @@ class ZmqClientTransport(ClientTransport):
         try:
             # NOBLOCK: with the server gone for long, the queue fills (SNDHWM frames); blocking
             # there would hang the caller, so the frame is dropped and counted instead.
-            self._socket.send(data, flags=self._zmq.NOBLOCK, copy=len(data) < 65536)
+            self._socket.send(data, flags=self._zmq.NOBLOCK, copy=len(data) < ZERO_COPY_MIN_BYTES)
         except self._zmq.Again:
             self.dropped_queue_full += 1
             return
