@@ -61,28 +61,53 @@ def _scenarios() -> dict:
     torch.manual_seed(200 + rank)
     mp = keras_model_parallel.build_distribution((2, 2))
     mp_model = mp.distribute_model(seed_model.SeedModel())
-    out["mp_d2_weight_local"] = mp_model.d2.weight.to_local().detach().clone()
+    out["mp_d2_weight"] = mp_model.d2.weight.detach().clone()  # not in the layout map: a plain replica
     out["mp_d1_weight_full"] = mp_model.d1.weight.full_tensor().detach().clone()
 
-    # --- output layouts, global batches, global loss ------------------------------------------
+    # --- batches are this process's slice; activations and outputs stay local ----------------
     batches = mp.distribute_dataset(data, 16)
     inputs, labels = next(iter(batches))
     out["batch_is_dtensor"] = isinstance(inputs, DTensor)
-    out["batch_placements"] = [str(p) for p in inputs.placements]
-    out["batch_global_shape"] = tuple(inputs.shape)
-    out["batch_local_shape"] = tuple(inputs.to_local().shape)
+    out["batch_local_shape"] = tuple(inputs.shape)
+    mp_model.eval()  # no dropout: the gradient is compared with one process's below
     output = mp_model(inputs)
-    out["output_placements"] = [str(p) for p in output.placements]
+    out["output_is_dtensor"] = isinstance(output, DTensor)
+    out["output_shape"] = tuple(output.shape)
     loss = torch.nn.functional.mse_loss(output, labels)
-    out["loss_item"] = loss.item()  # global value, as one device would give
-    out["loss_local"] = loss.to_local().item()
+    out["loss_item"] = loss.item()  # this process's slice, as under DDP
     loss.backward()
-    out["grad_placements"] = {n: [str(p) for p in w.grad.placements] for n, w in mp_model.named_parameters()}
-    out["param_placements"] = {n: [str(p) for p in w.placements] for n, w in mp_model.named_parameters()}
+    out["grad_placements"] = {n: [str(p) for p in w.grad.placements] for n, w in mp_model.named_parameters()
+                              if isinstance(w, DTensor)}
+    out["param_placements"] = {n: [str(p) for p in w.placements] for n, w in mp_model.named_parameters()
+                               if isinstance(w, DTensor)}
+    out["plain_params"] = sorted(n for n, w in mp_model.named_parameters() if not isinstance(w, DTensor))
+    out["d2_grad"] = mp_model.d2.weight.grad.detach().clone()
+    # The gradient is the full batch's: the same on one process with all 16 rows.
+    torch.manual_seed(0)
+    reference = seed_model.SeedModel().eval()
+    reference.load_state_dict({k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+                               for k, v in mp_model.state_dict().items()})
+    full_x = torch.cat([torch.as_tensor(data[0][:16])])
+    torch.nn.functional.mse_loss(reference(full_x), torch.as_tensor(data[1][:16])).backward()
+    out["d2_grad_reference"] = reference.d2.weight.grad.detach().clone()
 
-    # --- plain local tensors fed to the model are this rank's slice of the batch ---------------
-    local_inputs = inputs.to_local()
-    out["plain_input_output_placements"] = [str(p) for p in mp_model(local_inputs).placements]
+    # --- a global DTensor batch (an older script's) is taken as this process's rows ------------
+    from torch.distributed.tensor import Replicate, Shard
+
+    from trainmesh._torch import to_torch_mesh
+
+    torch_mesh = to_torch_mesh(mp.device_mesh)
+    global_inputs = DTensor.from_local(inputs, torch_mesh, [Shard(0), Replicate()], run_check=False)
+    out["dtensor_input_output_is_local"] = not isinstance(mp_model(global_inputs), DTensor)
+
+    # --- no process-wide change to torch: a plain DTensor program behaves as stock torch -------
+    import logging
+
+    from torch.distributed.tensor import Partial
+
+    partial_sum = DTensor.from_local(torch.tensor(float(rank)), torch_mesh, [Partial(), Partial()], run_check=False)
+    out["stock_item"] = partial_sum.item()  # stock DTensor: this process's local value, no collective
+    out["redistribute_log_level"] = logging.getLogger("torch.distributed.tensor._redistribute").level
 
     # Nothing above left a rank inside a collective.
     alive = torch.ones(1)
@@ -109,26 +134,32 @@ def test_errors_are_clear_and_raised_on_every_rank(results):
 def test_replicas_start_identical(results):
     for r in results[1:]:
         torch.testing.assert_close(r["dp_d2_weight"], results[0]["dp_d2_weight"], rtol=0, atol=0)
-        torch.testing.assert_close(r["mp_d2_weight_local"], results[0]["mp_d2_weight_local"], rtol=0, atol=0)
+        torch.testing.assert_close(r["mp_d2_weight"], results[0]["mp_d2_weight"], rtol=0, atol=0)
         torch.testing.assert_close(r["mp_d1_weight_full"], results[0]["mp_d1_weight_full"], rtol=0, atol=0)
     # Different seeds per rank really would have given different weights.
     torch.manual_seed(101)
     assert not torch.equal(seed_model.SeedModel().d2.weight, results[0]["dp_d2_weight"])
 
 
-def test_batches_outputs_and_gradients_are_laid_out(results):
+def test_batches_are_local_and_gradients_are_the_global_batchs(results):
     for r in results:
-        assert r["batch_is_dtensor"]
-        assert r["batch_placements"] == ["S(0)", "R"]
-        assert r["batch_global_shape"] == (16, 28, 28, 1) and r["batch_local_shape"] == (8, 28, 28, 1)
-        assert r["output_placements"] == ["S(0)", "R"]  # the d2/output layout ("data", None)
-        assert r["plain_input_output_placements"] == ["S(0)", "R"]
-        # Gradients end on their parameter's placements (reduced over the batch axis).
+        assert not r["batch_is_dtensor"] and r["batch_local_shape"] == (8, 28, 28, 1)
+        assert not r["output_is_dtensor"] and r["output_shape"] == (8, 10)
+        assert r["dtensor_input_output_is_local"]
+        # d1 is column-sharded over "model" (a 1-D sub-mesh); its gradient keeps the placements.
+        assert r["param_placements"] == {"d1.weight": ["S(0)"]}
         assert r["grad_placements"] == r["param_placements"]
-        assert r["param_placements"]["d1.weight"] == ["R", "S(0)"]
-    # loss.item() is the global loss: equal on all ranks, and the mean of the two data halves.
-    items = [r["loss_item"] for r in results]
-    assert max(items) - min(items) < 1e-7
-    halves = [results[0]["loss_local"], results[2]["loss_local"]]  # ranks 0 and 2 hold different halves
-    assert halves[0] != halves[1]
-    assert abs(items[0] - sum(halves) / 2) < 1e-6
+        assert r["plain_params"] == ["d2.bias", "d2.weight"]
+        torch.testing.assert_close(r["d2_grad"], r["d2_grad_reference"], rtol=1e-5, atol=1e-6)
+    # Ranks 0 and 2 hold different halves of the batch; their local losses differ.
+    assert results[0]["loss_item"] != results[2]["loss_item"]
+    assert results[0]["loss_item"] == results[1]["loss_item"]  # one model-axis group, one slice
+
+
+def test_no_process_wide_changes_to_torch(results):
+    """After trainmesh ran in this process, stock DTensor semantics hold: ``.item()`` on a Partial
+    DTensor is the local value (a patched one gave the global sum through a hidden collective)
+    and torch's loggers keep their levels."""
+    for rank, r in enumerate(results):
+        assert r["stock_item"] == float(rank)
+        assert r["redistribute_log_level"] == 0  # logging.NOTSET: untouched

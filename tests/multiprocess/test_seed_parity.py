@@ -56,7 +56,8 @@ def _all_configurations() -> dict:
             eval=result["eval_loss"],
             params=_full_state(model),
             d1_local=tuple(model.d1.weight.to_local().shape),
-            d2_local=tuple(model.d2.weight.to_local().shape),
+            d2_is_plain=not hasattr(model.d2.weight, "to_local"),
+            d2_local=tuple(model.d2.weight.shape),
         )
     return out
 
@@ -120,6 +121,7 @@ def test_each_process_holds_only_its_shard(four_process_results, shape):
     for result in four_process_results:
         assert result[shape]["d1_local"] == (200 // model_axis, 784)
         assert result[shape]["d2_local"] == (10, 200)  # unmatched: replicated
+        assert result[shape]["d2_is_plain"]  # replicated parameters stay plain tensors (torch TP's way)
 
 
 def test_losses_decrease_like_the_guide(reference):

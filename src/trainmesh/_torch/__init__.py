@@ -2,6 +2,6 @@
 
 from .data_parallel import apply_data_parallel
 from .mesh import to_placements, to_torch_mesh
-from .tensor_parallel import apply_model_parallel, batch_to_global
+from .tensor_parallel import apply_model_parallel, batch_to_local
 
-__all__ = ["apply_data_parallel", "apply_model_parallel", "batch_to_global", "to_placements", "to_torch_mesh"]
+__all__ = ["apply_data_parallel", "apply_model_parallel", "batch_to_local", "to_placements", "to_torch_mesh"]

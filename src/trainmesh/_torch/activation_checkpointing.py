@@ -13,6 +13,11 @@ would wrap, without touching the model). Policies:
 - ``"selective"``: op-level selective checkpointing (torchtitan's "op" SAC) on every block:
   outputs of compute-heavy ops (matmuls, attention, reduce-scatter) are saved, the cheap
   rest (norms, activations, elementwise) is recomputed.
+
+A model with its own mechanism (a transformers ``PreTrainedModel``: ``gradient_checkpointing_enable``)
+gets it for "full" and "selective" (non-reentrant; "selective" passes the same op policy as
+``context_fn``), which also switches its KV cache off in training. For the other policies the
+hooks below are used and ``config.use_cache`` is switched off.
 - any other string: a regex, ``re.fullmatch``-ed against ``named_modules()`` paths of the
   submodules; every matching module is checkpointed (of nested matches only the outermost).
 
@@ -209,6 +214,15 @@ def apply_activation_checkpointing(model: nn.Module, policy) -> nn.Module:
     if not paths:
         return model
     context_fn = partial(create_selective_checkpoint_contexts, _selective_policy) if kind == "selective" else None
+    if kind in ("full", "selective") and _uses_own_mechanism(model):
+        # The model's own checkpointing (transformers' gradient_checkpointing_enable) knows its
+        # layers' call conventions and switches its KV cache off while training; recomputing a
+        # layer that appends to a cache would append twice.
+        kwargs = {"use_reentrant": False, **({"context_fn": context_fn} if context_fn else {})}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        setattr(model, _MARK, policy)
+        return model
+    _switch_off_cache(model)
     modules = dict(model.named_modules())
     for path in paths:
         module = modules[path]
@@ -218,3 +232,16 @@ def apply_activation_checkpointing(model: nn.Module, policy) -> nn.Module:
         setattr(module, _MARK, policy)
     setattr(model, _MARK, policy)
     return model
+
+
+def _uses_own_mechanism(model: nn.Module) -> bool:
+    return callable(getattr(model, "gradient_checkpointing_enable", None)) and bool(
+        getattr(model, "supports_gradient_checkpointing", False))
+
+
+def _switch_off_cache(model: nn.Module) -> None:
+    """A model with a KV cache (transformers' ``config.use_cache``) must not fill it in a forward that
+    will be recomputed: the recomputation would append the same keys again. Training never reads it."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False

@@ -74,15 +74,13 @@ def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None
         from .mesh import to_torch_mesh
         from .zero import apply_fsdp
 
+        # Tensor-parallel parameters are DTensors on the model axis; FSDP2 shards them (and the
+        # plain ones) over the batch axis of the same mesh: torchtitan's 2-D layout.
         torch_mesh = to_torch_mesh(distribution.device_mesh)
-        if is_tp:  # parameters are DTensors on the whole mesh: shard them over its batch axis (2-D)
-            dp_mesh, batch_axis = torch_mesh, distribution.batch_dim_name
-        else:
-            dp_mesh = torch_mesh[distribution.batch_dim_name] if torch_mesh.ndim > 1 else torch_mesh
-            batch_axis = None
+        dp_mesh = torch_mesh[distribution.batch_dim_name] if torch_mesh.ndim > 1 else torch_mesh
         return apply_fsdp(model, dp_mesh, zero_stage=options.zero_stage, shard_unit=options.shard_unit,
                           compute_dtype=mixed_precision, reduce_dtype=options.reduce_dtype,
-                          cpu_offload=options.cpu_offload, batch_axis=batch_axis)
+                          cpu_offload=options.cpu_offload)
     from .data_parallel import apply_data_parallel
 
     model = apply_data_parallel(model, distribution, **(ddp_options or {}))

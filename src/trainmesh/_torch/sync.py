@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from .tensor_parallel import no_grad_sync
+from .data_axis_grads import no_grad_sync
 
 
 @contextlib.contextmanager
@@ -41,6 +41,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def runs_collectives_in_forward(model: nn.Module) -> bool:
-    """Whether every process must enter every forward together (DTensor or FSDP2 models),
-    even one with no rows of the batch to process."""
-    return isinstance(model, FSDPModule) or getattr(model, "_trainmesh_distribution", None) is not None
+    """Whether every process must enter every forward together (FSDP2 models), even one with no
+    rows of the batch to process. A tensor-parallel model's model-axis group shares one slice of
+    the batch, so its processes skip an empty share together."""
+    return isinstance(model, FSDPModule)

@@ -1,173 +1,145 @@
-"""ModelParallel -> DTensor parameters, output layouts and global (DTensor) batches.
+"""ModelParallel -> torch tensor-parallel styles on the model axis, local activations, reduced gradients.
 
 Order, and why:
-1. compute every placement first, so a bad layout raises ValueError before any collective;
-2. move the model to this process's device, then turn each parameter into a DTensor with
-   ``distribute_tensor`` (which scatters from the first process of each group, so
-   replicas start identical and shards come from one source of truth);
-3. hook every parameter so that its gradient is brought back to the parameter's own
-   placements as soon as it is accumulated: ``Partial`` over the batch axis becomes an
-   all-reduce (the data-parallel gradient reduction, overlapped with the rest of backward),
-   and a gradient that arrived sharded differently is redistributed;
-4. hook ``<module>/output`` layouts onto module outputs, and convert plain-tensor inputs of
-   the root module into global batches (this process's slice of the batch axis).
+1. read every parameter's layout and build the plan (``tp_plan``), so a bad layout raises
+   ValueError before any collective;
+2. move the model to this process's device and broadcast every parameter and buffer from the
+   first process, as DDP does: replicas and shards then start from one source of truth, even
+   when each process initialised its own copy differently;
+3. apply torch's ``ColwiseParallel`` / ``RowwiseParallel`` (``tp_styles``) to the sharded
+   Linear / Conv1D / Embedding layers and DTensor propagation inside any other sharded module;
+   everything else, and every activation, stays a plain local tensor, so code that creates
+   tensors inside ``forward`` (position ids, rotary tables, masks) runs unchanged;
+4. without ZeRO, average gradients over the batch axis (``DataAxisGradReducer``); with ZeRO,
+   FSDP2 does it (``parallelize`` applies it after this).
+
+A batch is this process's slice of the global batch (shared by the processes of one model-axis
+group), as under DDP: the loss is a per-process mean and gradients are averaged.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+import warnings
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from trainmesh import runtime
-from trainmesh.distribution.layout import TensorLayout
 
-from .dtensor_fixes import install_dtensor_fixes
-from .mesh import to_placements, to_torch_mesh
+from .data_axis_grads import DataAxisGradReducer, no_grad_sync
+from .mesh import to_torch_mesh
+from .tp_plan import build_tp_plan, describe_plan
+
+__all__ = ["apply_model_parallel", "batch_to_local", "no_grad_sync", "parameter_layouts"]
 
 
-def _parameter_placements(model: nn.Module, distribution) -> dict[int, tuple[str, list]]:
-    plan: dict[int, tuple[str, list]] = {}
-    for path, param in model.named_parameters(remove_duplicate=True):
+def parameter_layouts(model: nn.Module, distribution) -> dict[str, tuple]:
+    """Path -> layout axes of every sharded parameter, tied aliases included (validated, no collective)."""
+    by_id: dict[int, tuple] = {}
+    for path, param in model.named_parameters():  # canonical names: what the layout map is keyed on
         if isinstance(param, DTensor):
             raise ValueError(f"Parameter {path!r} is already a DTensor; distribute_model applies once.")
-        layout = distribution.get_variable_layout((path, param))
-        plan[id(param)] = (path, to_placements(layout, distribution.device_mesh))
-    return plan
+        layout = distribution.get_variable_layout((path, param))  # raises on a bad axis or divisibility
+        if any(axis is not None for axis in layout.axes):
+            by_id[id(param)] = layout.axes
+    return {path: by_id[id(p)] for path, p in model.named_parameters(remove_duplicate=False) if id(p) in by_id}
 
 
-def _output_layouts(model: nn.Module, distribution) -> dict[str, Any]:
-    layouts = {}
+def _warn_unused_output_layouts(model: nn.Module, distribution) -> None:
+    """``<module>/output`` layouts are sharding hints (Keras: ``with_sharding_constraint``). Activations
+    here are local slices of the batch, which is what a batch-axis hint asks; others are ignored."""
+    batch = distribution.batch_dim_name
     for module_path, _ in model.named_modules():
-        if module_path:
-            layout = distribution.get_tensor_layout(f"{module_path}/output")
-            if layout is not None:
-                layouts[module_path] = layout
-    return layouts
+        layout = distribution.get_tensor_layout(f"{module_path}/output") if module_path else None
+        if layout is None:
+            continue
+        if any(axis is not None and not (dim == 0 and axis == batch) for dim, axis in enumerate(layout.axes)):
+            warnings.warn(f"The layout for '{module_path}/output' {layout.axes} is a sharding hint that trainmesh "
+                          f"does not need: activations stay local to each process (its slice of the batch), and "
+                          f"tensor-parallel layers communicate on their own. It is ignored.", UserWarning, stacklevel=4)
 
 
-_grad_sync_enabled = [True]
-
-
-@contextlib.contextmanager
-def no_grad_sync() -> Iterator[None]:
-    """Let gradients accumulate un-reduced (``Partial``) during non-final micro-steps, as DDP's
-    ``no_sync`` does: the reduction then happens once, on the final micro-step's backward."""
-    previous = _grad_sync_enabled[0]
-    _grad_sync_enabled[0] = False
-    try:
-        yield
-    finally:
-        _grad_sync_enabled[0] = previous
-
-
-def _bring_grad_to_param_placements(param: DTensor) -> None:
-    grad = param.grad
-    if not _grad_sync_enabled[0]:
+def _broadcast_from_first(model: nn.Module) -> None:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
-    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
-        param.grad = grad.redistribute(param.device_mesh, param.placements)
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(tensor.data, src=0)
 
 
 def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool = True) -> nn.Module:
     """Shard ``model`` in place per ``distribution``'s layout map; returns the same module.
 
-    ``reduce_grads=False`` leaves gradient reduction over the batch axis to someone else (FSDP2,
-    when ZeRO shards the batch axis too).
+    ``reduce_grads=False`` leaves gradient averaging over the batch axis to FSDP2 (ZeRO 2-3).
     """
+    from .tp_styles import DTensorBoundary, LayoutColwise, LayoutRowwise
+    from .tp_plan import _kind
+
     if not isinstance(model, nn.Module):
         raise TypeError(f"distribute_model expects a torch.nn.Module. Received: {type(model).__name__}")
-    plan = _parameter_placements(model, distribution)  # 1. validate everything, no collective yet
-    outputs = _output_layouts(model, distribution)
-    install_dtensor_fixes()
-    torch_mesh = to_torch_mesh(distribution.device_mesh)
+    mesh = distribution.device_mesh
+    batch_axis = distribution.batch_dim_name
+    model_axes = [a for a in mesh.axis_names if a != batch_axis]
+    layouts = parameter_layouts(model, distribution)  # 1. everything validated, no collective yet
+    plans = build_tp_plan(model, layouts, batch_axis=batch_axis, model_axes=model_axes,
+                          axis_sizes={a: mesh.axis_size(a) for a in mesh.axis_names})
+    _warn_unused_output_layouts(model, distribution)
+    torch_mesh = to_torch_mesh(mesh)
     model.to(runtime.local_torch_device())
+    _broadcast_from_first(model)  # 2.
 
-    converted: dict[int, nn.Parameter] = {}  # tied weights stay tied
-    for module in model.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            key = id(param)
-            if key not in converted:
-                _, placements = plan[key]
-                dparam = nn.Parameter(
-                    distribute_tensor(param.detach(), torch_mesh, placements), requires_grad=param.requires_grad
-                )
-                if dparam.requires_grad and reduce_grads:
-                    dparam.register_post_accumulate_grad_hook(_bring_grad_to_param_placements)
-                converted[key] = dparam
-            module.register_parameter(name, converted[key])
+    if plans:  # 3.
+        model_mesh = torch_mesh[tuple(model_axes)] if len(model_axes) > 1 else torch_mesh[model_axes[0]]
+        shared: dict[int, nn.Parameter] = {}
+        for plan in plans.values():
+            module = model.get_submodule(plan.path)
+            placements = {name: _placements_on(axes, model_axes) for name, axes in plan.axes.items()}
+            if plan.style == "colwise":
+                style = LayoutColwise(placements, shared, gather_output=plan.gather_output)
+            elif plan.style == "rowwise":
+                style = LayoutRowwise(placements, shared, sharded_input=plan.sharded_input,
+                                      embedding=_kind(module) == "embedding")
+            else:
+                style = DTensorBoundary(placements, shared)
+            style._apply(module, model_mesh)
+    model._trainmesh_tp_plan = describe_plan(plans)
 
-    for module_path, layout in outputs.items():
-        module = model.get_submodule(module_path)
-        module.register_forward_hook(_output_layout_hook(module_path, layout, distribution, torch_mesh))
-
-    model.register_forward_pre_hook(lambda module, args: batch_to_global(args, distribution))
+    dp_size = distribution.data_parallel_size
+    if reduce_grads and dp_size > 1:  # 4.
+        group = torch_mesh.get_group(batch_axis) if torch_mesh.ndim > 1 else torch_mesh.get_group()
+        model._trainmesh_grad_reducer = DataAxisGradReducer(model, group, dp_size)
+    model.register_forward_pre_hook(lambda module, args, kwargs: (batch_to_local(args, distribution),
+                                                                   batch_to_local(kwargs, distribution)),
+                                    with_kwargs=True)
     model._trainmesh_distribution = distribution
     return model
 
 
-def _output_layout_hook(path: str, layout, distribution, torch_mesh):
-    def hook(module, inputs, output):
-        if not isinstance(output, DTensor):
-            raise TypeError(
-                f"A layout is set for '{path}/output' but that module returned a plain "
-                f"{type(output).__name__}; only DTensor outputs can be laid out."
-            )
-        layout.validate_for_shape(output.shape, f"{path}/output")
-        return output.redistribute(torch_mesh, to_placements(layout, distribution.device_mesh))
+def _placements_on(axes: tuple, model_axes: list[str]) -> list:
+    """One placement per model axis: ``Shard(dim)`` where the layout names it (the batch axis carries
+    no parameter shard: ``build_tp_plan`` refused that)."""
+    from torch.distributed.tensor import Replicate, Shard
 
-    return hook
-
-
-def batch_to_global(batch: Any, distribution, global_rows: int | None = None) -> Any:
-    """Treat every plain tensor in ``batch`` as this process's slice of a global batch (DTensor).
-
-    ``global_rows`` gives the global batch size when the slices are unequal (evaluation's last
-    batch, split as DTensor's ``Shard`` splits: ``torch.chunk`` sizes); by default every
-    process holds an equal slice.
-    """
-    if isinstance(batch, DTensor):
-        return batch
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() == 0:
-            return batch
-        torch_mesh = to_torch_mesh(distribution.device_mesh)
-        rows = global_rows if global_rows is not None else batch.shape[0] * distribution.data_parallel_size
-        global_shape = torch.Size((rows,) + tuple(batch.shape[1:]))
-        if global_rows is None:
-            layout = distribution.get_data_layout(global_shape)
-        else:  # an uneven split is legitimate here; skip the divisibility check
-            layout = TensorLayout((distribution.batch_dim_name,) + (None,) * (batch.dim() - 1), distribution.device_mesh)
-        placements = to_placements(layout, distribution.device_mesh)
-        local = batch.to(runtime.local_torch_device())
-        return DTensor.from_local(local, torch_mesh, placements, run_check=False, shape=global_shape,
-                                  stride=_contiguous_strides(global_shape))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(batch_to_global(item, distribution, global_rows) for item in batch)
-    if isinstance(batch, dict):
-        return {key: batch_to_global(item, distribution, global_rows) for key, item in batch.items()}
-    return batch
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, running = [], 1
-    for size in reversed(shape):
-        strides.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(strides))
+    return [Shard(axes.index(axis)) if axis in axes else Replicate() for axis in model_axes]
 
 
 def batch_to_local(batch: Any, distribution) -> Any:
-    """The inverse: this process's rows of every DTensor in ``batch`` (for metrics), plain tensors as they are."""
+    """This process's rows of every DTensor in ``batch`` (a global batch from an older script, or
+    outputs), plain tensors as they are."""
     if isinstance(batch, DTensor):
         if batch.dim() == 0:
             return batch.full_tensor()
-        torch_mesh = to_torch_mesh(distribution.device_mesh)
-        layout = TensorLayout((distribution.batch_dim_name,) + (None,) * (batch.dim() - 1), distribution.device_mesh)
-        return batch.redistribute(torch_mesh, to_placements(layout, distribution.device_mesh)).to_local()
+        from torch.distributed.tensor import Replicate, Shard
+
+        torch_mesh = batch.device_mesh
+        names = torch_mesh.mesh_dim_names or ()
+        placements = [Shard(0) if name == distribution.batch_dim_name else Replicate() for name in names]
+        if len(placements) != torch_mesh.ndim:
+            placements = [Replicate()] * torch_mesh.ndim
+        return batch.redistribute(torch_mesh, placements).to_local()
     if isinstance(batch, (tuple, list)):
         return type(batch)(batch_to_local(item, distribution) for item in batch)
     if isinstance(batch, dict):

@@ -123,13 +123,11 @@ def offload_policy(cpu_offload: bool) -> tuple[OffloadPolicy, str]:
 
 def apply_fsdp(model: nn.Module, dp_mesh, *, zero_stage: int, shard_unit=None,
                compute_dtype: torch.dtype | None = None, reduce_dtype: str | None = None,
-               cpu_offload: bool = False, batch_axis: str | None = None) -> nn.Module:
+               cpu_offload: bool = False) -> nn.Module:
     """Shard ``model`` over ``dp_mesh`` as ZeRO ``zero_stage`` (2 or 3).
 
-    ``dp_mesh`` is the 1-D batch-axis mesh, or, with ``batch_axis``, the full SPMD mesh of a
-    tensor-parallel model whose parameters are already DTensors on it (``Replicate`` over the
-    batch axis): FSDP2 then shards them over that one axis (``DataParallelMeshDims``), which is
-    ZeRO over the batch axis composed with TP over the others.
+    ``dp_mesh`` is the 1-D batch-axis mesh. A tensor-parallel model's parameters may already be
+    DTensors on the model axis of the same mesh: FSDP2 then shards them over the batch axis too.
     """
     assert zero_stage in (2, 3), zero_stage
     if isinstance(model, FSDPModule):
@@ -138,8 +136,6 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, zero_stage: int, shard_unit=None,
     offload, offload_state = offload_policy(cpu_offload)
     options = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3,
                    mp_policy=build_mixed_precision(compute_dtype, reduce_dtype), offload_policy=offload)
-    if batch_axis is not None:
-        options["dp_mesh_dims"] = _data_parallel_mesh_dims(batch_axis)
     model.to(runtime.local_torch_device())
     # fully_shard keeps each process's own chunk of its own copy; start every copy from the
     # first process's weights, as DDP does, so all stages start (and stay) identical. (DTensor
@@ -151,15 +147,6 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, zero_stage: int, shard_unit=None,
     for unit in units:
         fully_shard(unit, **options)
     fully_shard(model, **options)
-    if batch_axis is not None:
-        # A tensor-parallel model computes its loss on the GLOBAL batch (DTensor), so each batch
-        # shard's gradient is already a share of the global mean's gradient: the reduction over
-        # the batch axis must be a plain sum. FSDP's default divides by the group size, as is
-        # right for DDP-style per-shard mean losses; measured: clipped norms came out halved.
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     if zero_stage == 3 and ordered and len(units) > 1:
         # Gather unit i+1 while unit i computes (forward), and unit i-1 while unit i's backward runs.
         for current, following in zip(units, units[1:]):
@@ -167,17 +154,6 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, zero_stage: int, shard_unit=None,
             following.set_modules_to_backward_prefetch([current])
     model._trainmesh_memory = {"zero_stage": zero_stage, "shard_units": len(units) + 1, "cpu_offload": offload_state}
     return model
-
-
-def _data_parallel_mesh_dims(batch_axis: str):
-    try:
-        from torch.distributed.fsdp import DataParallelMeshDims
-    except ImportError:  # added to FSDP2 in torch 2.13
-        raise ValueError(
-            f"ZeRO over the batch axis of a ModelParallel mesh needs torch >= 2.13 (FSDP2's DataParallelMeshDims); "
-            f"this is torch {torch.__version__}. Use zero_stage=0 or DataParallel."
-        ) from None
-    return DataParallelMeshDims(shard=batch_axis)
 
 
 def is_fsdp_model(model: nn.Module) -> bool:

@@ -112,6 +112,20 @@ class LayoutMap(MutableMapping):
     def device_mesh(self) -> DeviceMesh | None:
         return self._device_mesh
 
+    @classmethod
+    def auto(cls, model, device_mesh: DeviceMesh, *, model_axis: str | None = None, verbose: bool = True) -> "LayoutMap":
+        """A tensor-parallel layout for ``model``: its own plan if it ships one (transformers'
+        ``base_model_tp_plan``), else one derived from its module tree (attention / MLP units
+        column- then row-wise, embedding and head vocab-parallel, norms replicated). Printed.
+        See :mod:`trainmesh.distribution.auto_layout`.
+
+        >>> layout_map = LayoutMap.auto(model, mesh)                  # doctest: +SKIP
+        >>> tm.ModelParallel(layout_map=layout_map, batch_dim_name="data")  # doctest: +SKIP
+        """
+        from .auto_layout import auto_layout_map
+
+        return auto_layout_map(model, device_mesh, model_axis=model_axis, verbose=verbose)
+
     def __getitem__(self, key: str) -> TensorLayout | None:
         if key in self._layouts:
             return self._layouts[key]

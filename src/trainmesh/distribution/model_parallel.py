@@ -59,13 +59,3 @@ class ModelParallel(Distribution):
         from trainmesh._torch.parallelize import parallelize
 
         return parallelize(model, self)
-
-    def _batch_to_global(self, local_batch):
-        from trainmesh._torch.tensor_parallel import batch_to_global
-
-        return batch_to_global(local_batch, self)
-
-    def _batch_to_global_rows(self, local_batch, global_rows: int):
-        from trainmesh._torch.tensor_parallel import batch_to_global
-
-        return batch_to_global(local_batch, self, global_rows)

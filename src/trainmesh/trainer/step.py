@@ -68,11 +68,16 @@ def forward_backward(model: torch.nn.Module, micro_batches: list, loss_fn: Calla
 
 
 def _replication(grad: torch.Tensor) -> int:
-    """On how many processes this very gradient value lives (so the global norm counts it once)."""
+    """On how many processes this very gradient value lives (so the global norm counts it once):
+    the job's processes over the number of distinct shards. A DTensor may live on a sub-mesh
+    (tensor parallelism's model axis) and be replicated over the rest of the job too."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
     if hasattr(grad, "placements"):
         mesh = grad.device_mesh
-        return math.prod(mesh.size(i) for i, p in enumerate(grad.placements) if p.is_replicate())
-    return dist.get_world_size() if dist.is_initialized() else 1
+        # (FSDP2's _StridedShard, over a dim TP sharded already, answers False to is_shard())
+        return world // math.prod(mesh.size(i) for i, p in enumerate(grad.placements)
+                                  if not (p.is_replicate() or p.is_partial()))
+    return world
 
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> float:

@@ -1,0 +1,155 @@
+"""``LayoutMap.auto(model, mesh)``: a tensor-parallel layout for a model nobody wrote one for.
+
+1. A model that ships its own plan (transformers: ``config.base_model_tp_plan`` for the base
+   model, the class's ``_tp_plan`` for the head) gets that plan, translated to layouts:
+   "colwise" -> weight ``(model, None)``, "rowwise" -> ``(None, model)`` (torch's Linear
+   weights are out x in). Entries of other kinds (sequence parallel, expert parallel, ...)
+   are left out, and said so.
+2. Otherwise the plan is derived from the module tree: inside each repeated block, a module
+   with two or more Linear/Conv1D children is an attention or MLP unit whose last child is the
+   output projection (row-wise) and whose other children are input projections (column-wise),
+   as Megatron splits them; the largest Embedding and a top-level head as wide as it are
+   vocab-parallel; norms and everything else stay replicated.
+
+Every proposed entry is checked against the axis size (a dimension that does not divide, or
+attention heads that do not split) and dropped with a note when it fails. The plan is printed
+(by the first process) so the user can copy it into an explicit LayoutMap.
+
+Pure description: only module types and shapes are read; nothing is distributed here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from torch import nn
+
+from .layout import LayoutMap
+from .mesh import DeviceMesh
+
+
+def _linear_kind(module: nn.Module) -> str | None:
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return "conv1d"  # transformers' GPT-2 layer: weight stored (in, out)
+    return None
+
+
+def _weight_axes(kind: str, style: str, axis: str) -> tuple:
+    colwise = style == "colwise"
+    if kind == "conv1d":
+        return (None, axis) if colwise else (axis, None)
+    return (axis, None) if colwise else (None, axis)
+
+
+def _hf_pattern(prefix: str, key: str) -> str:
+    escaped = re.escape(key).replace(r"\*", r"\d+")
+    return (re.escape(prefix) + r"\." if prefix else "") + escaped
+
+
+def _from_shipped_plan(model: nn.Module, axis: str, notes: list[str]) -> dict[str, str] | None:
+    config = getattr(model, "config", None)
+    base_plan = getattr(config, "base_model_tp_plan", None) or {}
+    head_plan = getattr(type(model), "_tp_plan", None) or {}
+    if not base_plan:
+        return None
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if prefix and not hasattr(model, prefix):
+        prefix = ""  # the model is the base model itself
+    styles: dict[str, str] = {}
+    for plan, plan_prefix in ((base_plan, prefix), (head_plan, "")):
+        for key, style in plan.items():
+            kind = {"colwise": "colwise", "colwise_gather_output": "colwise", "rowwise": "rowwise"}.get(style)
+            if kind is None:
+                notes.append(f"{key}: {style!r} left out (trainmesh applies colwise and rowwise entries)")
+                continue
+            styles[_hf_pattern(plan_prefix, key)] = kind
+    return styles
+
+
+def _in_block(path: str) -> bool:
+    return any(part.isdigit() for part in path.split("."))
+
+
+def _derived_plan(model: nn.Module, notes: list[str]) -> dict[str, str]:
+    styles: dict[str, str] = {}
+    for path, module in model.named_modules():
+        children = [(name, child) for name, child in module.named_children() if _linear_kind(child)]
+        if len(children) < 2 or not _in_block(path):
+            continue
+        *inputs, (last, _) = children
+        for name, _ in inputs:
+            styles[re.escape(f"{path}.{name}")] = "colwise"
+        styles[re.escape(f"{path}.{last}")] = "rowwise"
+    embeddings = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    if embeddings:
+        path, table = max(embeddings, key=lambda pm: pm[1].num_embeddings)
+        styles[re.escape(path)] = "vocab"
+        for head_path, head in model.named_children():
+            if _linear_kind(head) == "linear" and head.out_features == table.num_embeddings:
+                styles[re.escape(head_path)] = "colwise"
+    if not styles:
+        notes.append("no repeated block with Linear/Conv1D units and no embedding: everything stays replicated")
+    return styles
+
+
+def _check(model: nn.Module, pattern: str, style: str, axis: str, size: int, notes: list[str]) -> dict[str, tuple]:
+    """The parameter layouts of the modules ``pattern`` matches, or {} (with a note) if any fails."""
+    layouts: dict[str, tuple] = {}
+    for path, module in model.named_modules():
+        if not re.fullmatch(pattern, path):
+            continue
+        if isinstance(module, nn.Embedding):
+            if module.num_embeddings % size:
+                notes.append(f"{path}: {module.num_embeddings} rows do not divide over {axis}={size}; replicated")
+                return {}
+            layouts[f"{path}.weight"] = (axis, None)
+            continue
+        kind = _linear_kind(module)
+        if kind is None:
+            continue
+        width = module.out_features if kind == "linear" else module.nf
+        depth = module.in_features if kind == "linear" else module.nx
+        split = width if style == "colwise" else depth
+        head_dim = getattr(model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model, "head_dim", None)
+        if split % size or (style == "colwise" and isinstance(head_dim, int) and head_dim > 0
+                            and width % head_dim == 0 and (width // head_dim) % size):
+            notes.append(f"{path}: {style} does not split evenly over {axis}={size} (width {split}); replicated")
+            return {}
+        layouts[f"{path}.weight"] = _weight_axes(kind, style, axis)
+    return layouts
+
+
+def auto_layout_map(model: nn.Module, device_mesh: DeviceMesh, *, model_axis: str | None = None,
+                    verbose: bool = True) -> LayoutMap:
+    """See the module docstring. ``model_axis`` defaults to the mesh's last axis (the first is the
+    batch axis, Keras's convention); a 1-axis mesh gets an empty map (pure data parallelism)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"LayoutMap.auto needs a torch.nn.Module. Received: {type(model).__name__}")
+    if not isinstance(device_mesh, DeviceMesh):
+        raise ValueError(f"LayoutMap.auto needs a trainmesh DeviceMesh. Received: device_mesh={device_mesh!r}")
+    layout_map = LayoutMap(device_mesh)
+    if model_axis is None:
+        if len(device_mesh.axis_names) < 2:
+            return layout_map
+        model_axis = device_mesh.axis_names[-1]
+    if model_axis not in device_mesh.axis_names:
+        raise ValueError(f"model_axis {model_axis!r} is not an axis of the mesh {device_mesh.axis_names}. "
+                         f"Received: model_axis={model_axis!r}")
+    size = device_mesh.axis_size(model_axis)
+    notes: list[str] = []
+    shipped = _from_shipped_plan(model, model_axis, notes)
+    source = "the model's own tensor-parallel plan" if shipped is not None else "derived from the module tree"
+    styles = shipped if shipped is not None else _derived_plan(model, notes)
+    for pattern, style in styles.items():
+        for path, axes in _check(model, pattern, style, model_axis, size, notes).items():
+            layout_map[re.escape(path)] = axes
+    if verbose and os.environ.get("RANK", "0") == "0":
+        print(f"[trainmesh] LayoutMap.auto for {type(model).__name__} ({source}), {model_axis}={size}:")
+        for key in layout_map:
+            print(f"  {key.replace(chr(92), '')}: {layout_map[key].axes}")
+        for note in notes:
+            print(f"  note: {note}")
+    return layout_map
