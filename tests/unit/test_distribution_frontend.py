@@ -380,3 +380,23 @@ def test_scope_is_process_wide():
         assert distribution() is a
     assert seen == [a]
     assert distribution() is base
+
+
+def test_data_parallel_on_a_multi_axis_mesh_warns_and_uses_the_first_axis():
+    import trainmesh as tm
+
+    mesh = tm.DeviceMesh((2, 2), ["data", "model"], devices=[f"cpu:{i}" for i in range(4)])
+    with pytest.warns(UserWarning, match="first axis 'data' is used as the batch axis"):
+        dp = tm.DataParallel(device_mesh=mesh)
+    assert dp.batch_dim_name == "data" and dp.data_parallel_size == 2
+
+
+def test_model_parallel_legacy_device_mesh_keyword_is_deprecated_and_the_layout_maps_mesh_wins():
+    import trainmesh as tm
+
+    mesh = tm.DeviceMesh((2, 2), ["data", "model"], devices=[f"cpu:{i}" for i in range(4)])
+    other = tm.DeviceMesh((4, 1), ["data", "model"], devices=[f"cpu:{i}" for i in range(4)])
+    layout_map = tm.LayoutMap(mesh)
+    with pytest.warns(DeprecationWarning, match="device_mesh"):
+        mp = tm.ModelParallel(device_mesh=other, layout_map=layout_map, batch_dim_name="data")
+    assert mp.device_mesh is mesh

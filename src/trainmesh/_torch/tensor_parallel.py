@@ -48,6 +48,20 @@ def parameter_layouts(model: nn.Module, distribution) -> dict[str, tuple]:
     return {path: by_id[id(p)] for path, p in model.named_parameters(remove_duplicate=False) if id(p) in by_id}
 
 
+def _warn_unmatched_keys(model: nn.Module, distribution) -> None:
+    """A LayoutMap key that names nothing is most likely a typo; Keras ignores it silently, and an
+    error would break Keras scripts that carry keys for other models: warn, naming the key."""
+    import re
+
+    paths = [p for p, _ in model.named_parameters(remove_duplicate=False)]
+    paths += [f"{m}/output" for m, _ in model.named_modules() if m]
+    for key in getattr(distribution, "layout_map", {}) or {}:
+        if not any(key == path or re.fullmatch(key, path) for path in paths):
+            warnings.warn(f"The LayoutMap key {key!r} matches no parameter (or '<module>/output') of "
+                          f"{type(model).__name__}; it is ignored. Parameter paths look like {paths[:3]}.",
+                          UserWarning, stacklevel=4)
+
+
 def _warn_unused_output_layouts(model: nn.Module, distribution) -> None:
     """``<module>/output`` layouts are sharding hints (Keras: ``with_sharding_constraint``). Activations
     here are local slices of the batch, which is what a batch-axis hint asks; others are ignored."""
@@ -86,6 +100,7 @@ def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool =
     layouts = parameter_layouts(model, distribution)  # 1. everything validated, no collective yet
     plans = build_tp_plan(model, layouts, batch_axis=batch_axis, model_axes=model_axes,
                           axis_sizes={a: mesh.axis_size(a) for a in mesh.axis_names})
+    _warn_unmatched_keys(model, distribution)
     _warn_unused_output_layouts(model, distribution)
     torch_mesh = to_torch_mesh(mesh)
     model.to(runtime.local_torch_device())

@@ -114,9 +114,12 @@ def _check(model: nn.Module, pattern: str, style: str, axis: str, size: int, not
         depth = module.in_features if kind == "linear" else module.nx
         split = width if style == "colwise" else depth
         head_dim = getattr(model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model, "head_dim", None)
-        if split % size or (style == "colwise" and isinstance(head_dim, int) and head_dim > 0
-                            and width % head_dim == 0 and (width // head_dim) % size):
+        if split % size:
             notes.append(f"{path}: {style} does not split evenly over {axis}={size} (width {split}); replicated")
+            return {}
+        if (style == "colwise" and isinstance(head_dim, int) and head_dim > 0 and width % head_dim == 0
+                and (width // head_dim) % size):
+            notes.append(f"{path}: its {width // head_dim} heads do not split over {axis}={size}; replicated")
             return {}
         layouts[f"{path}.weight"] = _weight_axes(kind, style, axis)
     return layouts
@@ -143,9 +146,20 @@ def auto_layout_map(model: nn.Module, device_mesh: DeviceMesh, *, model_axis: st
     shipped = _from_shipped_plan(model, model_axis, notes)
     source = "the model's own tensor-parallel plan" if shipped is not None else "derived from the module tree"
     styles = shipped if shipped is not None else _derived_plan(model, notes)
+    # A unit (the projections of one attention or MLP module) is sharded whole or not at all: a
+    # query projection split into heads beside unsplit keys would not even run.
+    units: dict[str, list[tuple[str, str]]] = {}
     for pattern, style in styles.items():
-        for path, axes in _check(model, pattern, style, model_axis, size, notes).items():
-            layout_map[re.escape(path)] = axes
+        units.setdefault(pattern.rsplit(r"\.", 1)[0] if style != "vocab" else pattern, []).append((pattern, style))
+    for unit, members in units.items():
+        checked = [_check(model, pattern, style, model_axis, size, notes) for pattern, style in members]
+        if len(members) > 1 and not all(checked):
+            shown = unit.replace(r"\d+", "*").replace(chr(92), "")
+            notes.append(f"{shown}: left replicated as a whole (a member does not split)")
+            continue
+        for layouts in checked:
+            for path, axes in layouts.items():
+                layout_map[re.escape(path)] = axes
     if verbose and os.environ.get("RANK", "0") == "0":
         print(f"[trainmesh] LayoutMap.auto for {type(model).__name__} ({source}), {model_axis}={size}:")
         for key in layout_map:

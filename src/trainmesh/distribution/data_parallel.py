@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 from .distribution import Distribution, variable_path_and_shape
@@ -48,6 +49,11 @@ class DataParallel(Distribution):
             device_mesh = DeviceMesh(shape=(len(devices),), axis_names=["batch"], devices=devices)
         elif not isinstance(device_mesh, DeviceMesh):
             raise ValueError(f"device_mesh must be a trainmesh DeviceMesh. Received: device_mesh={device_mesh!r}")
+        elif len(device_mesh.axis_names) > 1:
+            # Keras does the same: DataParallel is 1-D; the model is replicated over the other axes.
+            warnings.warn(f"DataParallel expects a 1-D mesh; got axes {device_mesh.axis_names}. The first axis "
+                          f"{device_mesh.axis_names[0]!r} is used as the batch axis and the model is replicated "
+                          f"over the others.", UserWarning, stacklevel=2)
         super().__init__(device_mesh, batch_dim_name=device_mesh.axis_names[0], auto_shard_dataset=auto_shard_dataset)
 
     def get_variable_layout(self, variable: Any) -> TensorLayout:

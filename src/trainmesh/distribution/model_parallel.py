@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from .distribution import Distribution, variable_path_and_shape
@@ -28,7 +29,12 @@ class ModelParallel(Distribution):
 
     def __init__(self, *, layout_map: LayoutMap | None = None, batch_dim_name: str | None = None,
                  auto_shard_dataset: bool = True, zero_stage: int = 0, shard_unit: Any = None,
-                 cpu_offload: bool = False, reduce_dtype: Any = None):
+                 cpu_offload: bool = False, reduce_dtype: Any = None, device_mesh: Any = None):
+        if device_mesh is not None:
+            # Keras 3.0's signature took device_mesh too; later versions read it from the layout map.
+            warnings.warn("ModelParallel(device_mesh=...) is deprecated, as in Keras: the mesh is the layout "
+                          "map's (LayoutMap(device_mesh)). The device_mesh argument is ignored.",
+                          DeprecationWarning, stacklevel=2)
         self._memory = MemoryOptions(zero_stage=zero_stage, shard_unit=shard_unit, cpu_offload=cpu_offload,
                                      reduce_dtype=reduce_dtype)
         if not isinstance(layout_map, LayoutMap):
