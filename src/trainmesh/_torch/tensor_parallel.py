@@ -89,7 +89,7 @@ def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool =
 
     ``reduce_grads=False`` leaves gradient averaging over the batch axis to FSDP2 (ZeRO 2-3).
     """
-    from .tp_styles import DTensorBoundary, LayoutColwise, LayoutRowwise
+    from .tp_styles import DTensorBoundary, LayoutColwise, LayoutRowwise, share_block_input
     from .tp_plan import _kind
 
     if not isinstance(model, nn.Module):
@@ -120,6 +120,8 @@ def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool =
             else:
                 style = DTensorBoundary(placements, shared)
             style._apply(module, model_mesh)
+        for parent in _units_with_shared_input(plans):
+            share_block_input(model.get_submodule(parent), model_mesh)
     model._trainmesh_tp_plan = describe_plan(plans)
 
     dp_size = distribution.data_parallel_size
@@ -131,6 +133,16 @@ def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool =
                                     with_kwargs=True)
     model._trainmesh_distribution = distribution
     return model
+
+
+def _units_with_shared_input(plans) -> list[str]:
+    """Parents whose input feeds two or more paired column-wise projections (q/k/v, gate/up)."""
+    counts: dict[str, int] = {}
+    for plan in plans.values():
+        if plan.style == "colwise" and not plan.gather_output and "." in plan.path:
+            parent = plan.path.rsplit(".", 1)[0]
+            counts[parent] = counts.get(parent, 0) + 1
+    return [parent for parent, n in counts.items() if n >= 2]
 
 
 def _placements_on(axes: tuple, model_axes: list[str]) -> list:

@@ -127,3 +127,28 @@ class DTensorBoundary(ParallelStyle):
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
         module.register_forward_hook(lambda mod, args, output: _map_tensors(output, to_local))
         return module
+
+
+def share_block_input(parent: nn.Module, device_mesh) -> None:
+    """Hand a unit's input (an attention's or MLP's hidden states) to its column-wise projections
+    as one replicated DTensor, as torchtitan's ``PrepareModuleInput`` does: each projection's
+    input gradient then arrives as a ``Partial`` on that one DTensor, autograd sums them, and a
+    single all-reduce at this boundary replaces one per projection (Megatron's count: one
+    all-reduce per unit in backward). Converting is free: every process of the model axis holds
+    the whole input already. The input is the first positional tensor, else ``hidden_states=``.
+    """
+    replicate = [Replicate()] * device_mesh.ndim
+
+    def to_dtensor(tensor):
+        if isinstance(tensor, torch.Tensor) and not isinstance(tensor, DTensor) and tensor.is_floating_point():
+            return DTensor.from_local(tensor, device_mesh, replicate, run_check=False)
+        return tensor
+
+    def pre_hook(module, args, kwargs):
+        if args:
+            return (to_dtensor(args[0]), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": to_dtensor(kwargs["hidden_states"])}
+        return args, kwargs
+
+    parent.register_forward_pre_hook(pre_hook, with_kwargs=True)
