@@ -1,0 +1,133 @@
+"""trainmesh.testing.cluster: hosts as network namespaces, their links, counters and cleanup."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from trainmesh.testing.cluster import ShapingUnsupported, _ip
+
+pytestmark = pytest.mark.timeout(120)
+
+# A TCP sink on the receiving host and a sender that reports how long `nbytes` took.
+SINK = """
+import socket, sys
+srv = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("ready", flush=True)
+conn, _ = srv.accept()
+total = 0
+while chunk := conn.recv(1 << 16):
+    total += len(chunk)
+print(total, flush=True)
+"""
+SEND = """
+import socket, sys, time
+nbytes = int(sys.argv[3])
+sock = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
+start = time.perf_counter()
+sock.sendall(bytes(nbytes))
+sock.shutdown(socket.SHUT_WR)
+sock.recv(1)
+print(time.perf_counter() - start, flush=True)
+"""
+
+
+def _transfer(cluster, nbytes: int, port: int = 7000) -> float:
+    """Seconds to push ``nbytes`` from host 1 to host 0 over TCP; checks every byte arrived."""
+    server, client = cluster.hosts[0], cluster.hosts[1]
+    sink = server.popen([sys.executable, "-c", SINK, server.address, str(port)], stdout=subprocess.PIPE, text=True)
+    assert sink.stdout.readline().strip() == "ready"
+    seconds = float(client.run([sys.executable, "-c", SEND, server.address, str(port), str(nbytes)]).stdout)
+    assert int(sink.stdout.readline()) == nbytes
+    sink.wait(timeout=30)
+    return seconds
+
+
+def _root_links() -> str:
+    return "\n".join(sorted(line.split("@")[0] for line in _ip("-o", "link", "show").stdout.splitlines()))
+
+
+def test_hosts_talk_only_to_each_other_and_counters_see_it(netns_cluster):
+    before = _root_links()
+    cluster = netns_cluster(2)
+    assert [h.address for h in cluster.hosts] == ["198.18.0.1", "198.18.0.2"]
+    assert _root_links() == before  # nothing was added to this machine's own namespace
+    for host in cluster.hosts:
+        routes = _ip("-n", host.netns, "route", "show").stdout
+        assert "default" not in routes and routes.strip().startswith("198.18.0.0/24"), routes
+        # loopback is up: a process in the namespace can serve itself on 127.0.0.1
+        host.run([sys.executable, "-c", "import socket; s = socket.create_server(('127.0.0.1', 0)); "
+                  "socket.create_connection(s.getsockname(), timeout=5)"])
+    start = [h.counters() for h in cluster.hosts]
+    nbytes = 8 << 20
+    _transfer(cluster, nbytes)
+    sent = cluster.hosts[1].counters() - start[1]
+    received = cluster.hosts[0].counters() - start[0]
+    # Payload plus TCP/IP headers (a few percent), counted on both ends of the link.
+    assert nbytes <= sent.tx_bytes < 1.1 * nbytes and nbytes <= received.rx_bytes < 1.1 * nbytes
+    assert received.rx_packets > 0 and sent.tx_packets > 0
+
+
+def test_rate_shaping_slows_the_link(netns_cluster):
+    cluster = netns_cluster(2)
+    nbytes = 4 << 20
+    unshaped = _transfer(cluster, nbytes, port=7001)
+    cluster.hosts[1].shape(rate="100mbit")
+    shaped = _transfer(cluster, nbytes, port=7002)
+    rate = nbytes / shaped
+    print(f"unshaped {nbytes / unshaped / 1e6:.0f} MB/s, shaped to 100 Mbit/s: {rate / 1e6:.1f} MB/s")
+    # 100 Mbit/s is 12.5 MB/s of which TCP/IP headers take a few percent; a slow machine only lowers it.
+    assert rate < 13.5e6, rate
+    cluster.hosts[1].unshape()
+    assert nbytes / _transfer(cluster, nbytes, port=7003) > 2 * rate
+
+
+def test_delay_and_loss_or_a_clear_refusal(netns_cluster):
+    cluster = netns_cluster(2)
+    try:
+        cluster.hosts[1].shape(delay="20ms", loss=0.0)
+    except ShapingUnsupported as exc:
+        pytest.skip(f"kernel cannot delay or drop packets: {exc}")
+    seconds = _transfer(cluster, 1 << 10, port=7004)
+    assert seconds >= 0.02  # the reply byte crosses the delayed link once at least
+
+
+def test_cut_link_blocks_and_restore_heals(netns_cluster):
+    cluster = netns_cluster(2)
+    server, client = cluster.hosts
+    probe = [sys.executable, "-c", "import socket, sys; socket.create_connection((sys.argv[1], 9), timeout=1)",
+             server.address]
+    # Nothing listens on port 9: a live link answers "refused" at once, a cut one times out.
+    assert "ConnectionRefused" in client.run(probe, check=False).stderr
+    server.cut()
+    assert "timed out" in client.run(probe, check=False).stderr
+    server.restore()
+    cluster.wait_reachable()
+    assert "ConnectionRefused" in client.run(probe, check=False).stderr
+
+
+def test_kill_host_and_close_leave_nothing_behind(netns_cluster):
+    cluster = netns_cluster(2)
+    sleepers = [h.popen(["sleep", "300"]) for h in cluster.hosts for _ in range(2)]
+    time.sleep(0.2)
+    killed = cluster.hosts[1].kill()
+    assert sorted(killed) == sorted(p.pid for p in sleepers[2:])
+    assert [p.poll() for p in sleepers[2:]] == [-signal.SIGKILL] * 2 and sleepers[0].poll() is None
+    names = [cluster.bridge_netns, *(h.netns for h in cluster.hosts)]
+    cluster.close()
+    assert all(p.poll() is not None for p in sleepers)
+    listed = _ip("netns", "list").stdout
+    assert not any(name in listed for name in names), listed
+
+
+def test_without_net_admin_it_refuses_before_touching_anything(monkeypatch):
+    from trainmesh.testing import cluster as cluster_mod
+
+    monkeypatch.setattr(cluster_mod, "_has_net_admin", lambda: False)
+    assert "CAP_NET_ADMIN" in cluster_mod.unavailable_reason()
+    with pytest.raises(cluster_mod.ClusterUnavailable, match="CAP_NET_ADMIN"):
+        cluster_mod.Cluster(2)
