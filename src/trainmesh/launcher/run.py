@@ -5,6 +5,13 @@ list and runs it in this process; spawning, rendezvous, restarts and failure rep
 torchrun's. Workers find their rank in the torchrun variables (``RANK``, ``WORLD_SIZE``, ...)
 that :func:`trainmesh.initialize` reads.
 
+On several nodes each node must advertise an address the others can reach: torch's default,
+the host name, resolves to a loopback address on many machines (and on network namespaces
+that share one host name). So unless ``--local-addr`` says otherwise, a node uses the address
+of its interface that routes to the rendezvous host (see :func:`choose_local_addr`), and
+gloo, which otherwise also binds to what the host name resolves to, is pointed at that
+interface through ``GLOO_SOCKET_IFNAME``.
+
 With ``--servers K`` it first starts K local parameter servers (``trainmesh.ps.LocalCluster``),
 hands their addresses to the workers in ``TRAINMESH_PS_SERVERS`` (where
 ``tm.ParameterServerStrategy`` finds them) and stops them when the workers are done.
@@ -14,7 +21,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import os
+import socket
+import struct
 import sys
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -57,6 +67,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                         help="rendezvous address, required when --nnodes > 1 "
                         "(default on one node: a free local port)")
+    parser.add_argument("--local-addr", default=None, metavar="ADDR",
+                        help="address of this node that the other nodes can reach (default with "
+                        "--nnodes > 1: the address of the interface that routes to the rendezvous host)")
     parser.add_argument("--rdzv-id", default=None, metavar="ID",
                         help="job id shared by all nodes of one job (ignored on a standalone node)")
     parser.add_argument("--max-restarts", type=_non_negative_int, default=None, metavar="K",
@@ -88,6 +101,8 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
             # c10d assigns node ranks itself; what a fixed node rank can decide is who serves the
             # store, which is more reliable than torch's guess from the host name.
             argv += ["--rdzv-conf", f"is_host={int(args.node_rank == 0)}"]
+    if getattr(args, "local_addr", None) is not None:
+        argv += ["--local-addr", args.local_addr]
     if args.max_restarts is not None:
         argv += ["--max-restarts", str(args.max_restarts)]
     if args.monitor_interval is not None:
@@ -97,10 +112,83 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     return argv + [args.script, *args.script_args]
 
 
-def worker_env(nproc_per_node: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def choose_local_addr(rdzv_endpoint: str) -> str:
+    """The address of this machine's interface that routes to the rendezvous host.
+
+    A UDP socket's ``connect()`` only asks the kernel for a route; no packet is sent.
+
+    >>> choose_local_addr("127.0.0.1:29400")
+    '127.0.0.1'
+    """
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(rdzv_endpoint, default_port=29400)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot resolve the rendezvous host {host!r} ({exc}). "
+                         f"Received: --rdzv-endpoint {rdzv_endpoint}") from None
+    errors = []
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.connect(sockaddr)
+            except OSError as exc:
+                errors.append(f"{sockaddr[0]}: {exc}")
+                continue
+            return probe.getsockname()[0]
+    raise ValueError(f"no route from this machine to the rendezvous host ({'; '.join(errors)}). "
+                     f"Received: --rdzv-endpoint {rdzv_endpoint}")
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the local interface holding IPv4 ``address`` (Linux), or None."""
+    try:
+        import fcntl
+    except ImportError:  # not a Unix
+        return None
+    try:
+        address = socket.gethostbyname(address)
+    except OSError:
+        return None
+    siocgifaddr = 0x8915  # <linux/sockios.h>: read an interface's IPv4 address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(sock.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # an interface without an IPv4 address
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False  # a host name
+
+
+def resolve_local_addr(args: argparse.Namespace) -> str | None:
+    """``--local-addr`` as given, else chosen for a multi-node job (None on one node: torch's default)."""
+    if args.local_addr is not None or args.nnodes == 1:
+        return args.local_addr
+    return choose_local_addr(args.rdzv_endpoint)
+
+
+def worker_env(nproc_per_node: int, environ: Mapping[str, str] | None = None,
+               local_addr: str | None = None) -> dict[str, str]:
     """Variables to add to the workers' environment (none of them overrides the user's)."""
     environ = os.environ if environ is None else environ
     extra = {}
+    if local_addr is not None and not _is_loopback(local_addr) and "GLOO_SOCKET_IFNAME" not in environ:
+        # gloo advertises what the host name resolves to, often 127.0.0.1 (or an address on
+        # another network); peers on other nodes then cannot connect. Its interface is the one
+        # this node already advertises to the rendezvous. (NCCL picks its interfaces well itself.)
+        interface = interface_of(local_addr)
+        if interface is not None:
+            extra["GLOO_SOCKET_IFNAME"] = interface
     if "OMP_NUM_THREADS" not in environ:
         # Share the cores instead of letting every worker start one thread per core; torchrun's
         # own default of 1 (with a warning) wastes cores when there are more than workers.
@@ -131,6 +219,32 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
                      f"Received: --servers {args.servers} --nnodes {args.nnodes}")
     if not args.module and not Path(args.script).is_file():
         parser.error(f"script not found: {args.script!r}")
+    if args.rdzv_endpoint is not None:
+        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+        try:
+            parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+        except ValueError as exc:
+            parser.error(f"--rdzv-endpoint must be HOST:PORT ({exc}). Received: --rdzv-endpoint {args.rdzv_endpoint}")
+    if args.local_addr is not None:
+        _check_local_addr(args.local_addr, parser)
+
+
+def _check_local_addr(address: str, parser: argparse.ArgumentParser) -> None:
+    """An address no local interface holds would hang the other nodes until their timeout."""
+    try:
+        infos = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        parser.error(f"--local-addr does not resolve ({exc}). Received: --local-addr {address}")
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.bind((sockaddr[0], 0))
+                return
+            except OSError:
+                continue
+    parser.error(f"--local-addr must be an address of this machine (no local interface holds it). "
+                 f"Received: --local-addr {address}")
 
 
 def _exit_status(exitcode: int) -> int:
@@ -145,8 +259,14 @@ def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    try:
+        args.local_addr = resolve_local_addr(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.nnodes > 1:
+        print(f"[trainmesh] this node advertises {args.local_addr} to the other nodes", file=sys.stderr, flush=True)
     with _parameter_servers(args.servers, num_workers=args.nproc_per_node * args.nnodes) as ps_env:
-        with _environ_added({**worker_env(args.nproc_per_node), **ps_env}):
+        with _environ_added({**worker_env(args.nproc_per_node, local_addr=args.local_addr), **ps_env}):
             try:
                 torchrun.main(torchrun_argv(args))
             except ChildFailedError as failed:
