@@ -4,9 +4,11 @@
 overwrite parameters right away); planning, writing and DCP's metadata happen in a thread
 on the checkpoint's own gloo group. Nothing here touches the training group from that
 thread. The commit (marker + rename) is *not* done from the thread either: a rank only
-knows its own write finished, so ``PendingSave.wait`` is called from the main thread of
-every rank (at the next save or ``close``), the ranks agree with one collective that all
-writes succeeded, and only then rank 0 seals the directory.
+knows its own write finished, so the ranks agree from their main threads, with one small
+collective, that every write succeeded, and only then rank 0 seals the directory. They ask
+at every step boundary while a save is in flight (``CheckpointManager.poll``), so a save is
+committed as soon as the slowest rank's bytes are on disk, not at the next save: a crash
+between saves then loses at most one checkpoint interval.
 """
 
 from __future__ import annotations
@@ -51,3 +53,12 @@ def all_ranks_ok(ok: bool, group) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def all_ranks_finished(pending: PendingSave, group) -> bool:
+    """True when every rank's write of ``pending`` has finished (one 1-int all-reduce).
+
+    ``group`` must not be the one the writes run on: a rank still writing has DCP collectives
+    in flight on that group from its background thread, and ours would interleave with them.
+    """
+    return all_ranks_ok(pending.done(), group)

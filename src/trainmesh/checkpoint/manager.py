@@ -25,7 +25,7 @@ from torch import nn
 from .. import runtime
 from .._torch import dcp as _dcp
 from . import integrity, retention, rng
-from .async_save import PendingSave, all_ranks_ok
+from .async_save import PendingSave, all_ranks_finished, all_ranks_ok
 
 # State that differs per rank: its sampler cursor / worker state, its compressor's error-feedback
 # residuals. An object with ``load_resharded_state(states)`` gets every saved rank's state when
@@ -92,6 +92,8 @@ class CheckpointManager:
         self._distributed = dist.is_available() and dist.is_initialized()
         self._group = _dcp.new_checkpoint_group()
         self._stager = _dcp.ReusableStager() if self.async_save else None
+        # poll() asks on a group of its own: the save's group is busy in the writer thread.
+        self._poll_group = _dcp.new_checkpoint_group() if self.async_save else None
 
     # --- save ---------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], *, metrics: dict[str, float] | None = None) -> str:
@@ -150,6 +152,20 @@ class CheckpointManager:
         return pending.final_dir
 
     finalize = wait
+
+    def poll(self) -> str | None:
+        """Commit the save in flight if every rank's write has finished; else return at once.
+
+        Collective: every rank calls it at the same point (the Trainer's ``ShardedCheckpoint``
+        does at every step boundary). With nothing in flight it does nothing and sends nothing;
+        otherwise it costs one 1-int all-reduce, plus the commit once the writes are done.
+        Returns the committed directory, or None.
+        """
+        if self._pending is None:
+            return None
+        if not all_ranks_finished(self._pending, self._poll_group):
+            return None
+        return self.wait()  # every write is done: it does not block, and reports a failed one
 
     def close(self) -> None:
         self.wait()

@@ -2,7 +2,9 @@
 
 Every process writes its own shards (torch.distributed.checkpoint), asynchronously by default;
 a checkpoint counts only once its completion marker (with checksums) is written and it is
-renamed into place, so a crash mid-save never looks complete. ``fit(resume=True)`` continues
+renamed into place, so a crash mid-save never looks complete. An async save is committed at the
+first step boundary where every rank's write has finished, so a crash loses at most the steps
+since the last save. ``fit(resume=True)`` continues
 from the latest complete checkpoint (a damaged one is skipped with a warning), on any number
 of processes, ZeRO stage or mesh, at the exact data position (mid-epoch included).
 """
@@ -57,6 +59,8 @@ class ShardedCheckpoint(Callback):
     def on_train_batch_end(self, step: int, logs=None) -> None:
         if self.every_n_steps and self.trainer.global_step % self.every_n_steps == 0:
             self.manager.save(self.trainer.global_step, self.state())
+        else:
+            self.manager.poll()
 
     def on_epoch_end(self, epoch: int, logs=None) -> None:
         self.manager.save(self.trainer.global_step, self.state(), metrics=dict(logs or {}))
