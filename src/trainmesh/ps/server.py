@@ -123,13 +123,12 @@ class ParameterServer:
             # A clock carried by a request ordered after pushes not yet applied counts only then.
             self.clocks.seen(msg.sender, _clock_of(msg) if self._ordered(msg) else None)
         session = _session(msg)
-        floor_before = self.state.dedup.floor.get(session, 0)
         self.state.dedup.advance_floor(session, msg.meta.get("floor"))
-        floor = self.state.dedup.floor.get(session, 0)
-        if self.failed_pushes and floor != floor_before:  # the client waits on nothing below its floor
+        if self.failed_pushes:  # below the floor the client waits on nothing: forget those refusals
+            floor = self.state.dedup.floor.get(session, 0)
             self.failed_pushes = {(s, q) for s, q in self.failed_pushes if s != session or q >= floor}
         if kind is MessageType.PUSH:
-            if self.state.dedup.is_done(session, msg.seq):
+            if self.state.dedup.is_done(_session(msg), msg.seq):
                 self.counters["duplicates"] += 1
             else:
                 self.state.log_then(frame, self._prepare(msg))  # a bad push fails before the log
@@ -143,11 +142,14 @@ class ParameterServer:
         elif kind is MessageType.PULL:
             self.counters["pulls"] += 1
             self._check_pull(msg)
-            _enqueue_once(self.pending_pulls, peer, msg)  # a resent pull waits once (answered by the loop)
+            _enqueue_once(self.pending_pulls, peer, msg)  # a resent pull waits once
+            self._answer_pending()
         elif kind is MessageType.CLOCK:
             _enqueue_once(self.pending_clocks, peer, msg)
+            self._answer_pending()
         elif kind in (MessageType.REGISTER, MessageType.HEARTBEAT):
             self._reply(peer, msg, MessageType.OK, meta={"num_workers": self.num_workers, "server_id": self.server_id})
+            self._answer_pending()
         elif kind is MessageType.EXPORT:
             tensors, meta = self.state.export(msg.meta)
             if msg.meta.get("remove"):
