@@ -9,7 +9,9 @@ these together.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import logging
+from typing import Any, Iterator
 
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -23,8 +25,23 @@ from torch.distributed.checkpoint.state_dict import (
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
+@contextlib.contextmanager
+def _quiet_gather() -> Iterator[None]:
+    """Gathering a 2-D (ZeRO x tensor-parallel) parameter is two all-gathers by design; DTensor logs
+    a performance warning for each, every checkpoint. Quieted for these calls only, then restored:
+    the user's own DTensor code keeps torch's logging as it was."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    previous = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
 def full_model_state(model: nn.Module) -> dict[str, Any]:
-    return get_model_state_dict(model, options=_FULL)
+    with _quiet_gather():
+        return get_model_state_dict(model, options=_FULL)
 
 
 def full_optimizer_state(model: nn.Module, optimizer) -> dict[str, Any]:
@@ -32,7 +49,8 @@ def full_optimizer_state(model: nn.Module, optimizer) -> dict[str, Any]:
 
     if is_zero_optimizer(optimizer):
         return full_state(model, optimizer)
-    return get_optimizer_state_dict(model, optimizer, options=_FULL)
+    with _quiet_gather():
+        return get_optimizer_state_dict(model, optimizer, options=_FULL)
 
 
 def load_full_model_state(model: nn.Module, state: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ from trainmesh import runtime
 
 from .data_axis_grads import DataAxisGradReducer, no_grad_sync
 from .mesh import to_torch_mesh
-from .tp_plan import build_tp_plan, describe_plan
+from .tp_plan import build_tp_plan, describe_plan, layer_kind
 
 __all__ = ["apply_model_parallel", "batch_to_local", "no_grad_sync", "parameter_layouts"]
 
@@ -77,11 +77,24 @@ def _warn_unused_output_layouts(model: nn.Module, distribution) -> None:
 
 
 def _broadcast_from_first(model: nn.Module) -> None:
+    """One broadcast per dtype of all parameters and buffers flattened (not one per tensor: a
+    transformer has hundreds, and each broadcast pays a round trip)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    seen: set[int] = set()
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if id(tensor) not in seen:  # tied weights once
+            seen.add(id(tensor))
+            by_dtype.setdefault(tensor.dtype, []).append(tensor.data)
     with torch.no_grad():
-        for tensor in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(tensor.data, src=0)
+        for tensors in by_dtype.values():
+            flat = _flatten_dense_tensors(tensors)
+            dist.broadcast(flat, src=0)
+            for tensor, value in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+                tensor.copy_(value)
 
 
 def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool = True) -> nn.Module:
@@ -90,7 +103,6 @@ def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool =
     ``reduce_grads=False`` leaves gradient averaging over the batch axis to FSDP2 (ZeRO 2-3).
     """
     from .tp_styles import DTensorBoundary, LayoutColwise, LayoutRowwise, share_block_input
-    from .tp_plan import _kind
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"distribute_model expects a torch.nn.Module. Received: {type(model).__name__}")
@@ -116,7 +128,7 @@ def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool =
                 style = LayoutColwise(placements, shared, gather_output=plan.gather_output)
             elif plan.style == "rowwise":
                 style = LayoutRowwise(placements, shared, sharded_input=plan.sharded_input,
-                                      embedding=_kind(module) == "embedding")
+                                      embedding=layer_kind(module) == "embedding")
             else:
                 style = DTensorBoundary(placements, shared)
             style._apply(module, model_mesh)

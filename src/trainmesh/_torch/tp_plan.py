@@ -40,7 +40,7 @@ class ModulePlan:
     notes: list[str] = field(default_factory=list)
 
 
-def _kind(module: nn.Module) -> str | None:
+def layer_kind(module: nn.Module) -> str | None:
     if isinstance(module, nn.Linear):
         return "linear"
     if isinstance(module, nn.Embedding):
@@ -100,7 +100,7 @@ def build_tp_plan(model: nn.Module, layouts: dict[str, tuple], *, batch_axis: st
     plans: dict[str, ModulePlan] = {}
     for module_path, axes in owners.items():
         module = model.get_submodule(module_path)
-        kind = _kind(module)
+        kind = layer_kind(module)
         style = _style_of(kind, axes, model_axis)
         if style == "colwise" and getattr(module, "bias", None) is not None:
             axes["bias"] = (model_axis,)  # the bias of a column shard is that shard's slice
@@ -119,15 +119,15 @@ def _pair_siblings(model: nn.Module, plans: dict[str, ModulePlan]) -> None:
     for plan in plans.values():
         by_parent.setdefault(_parent(plan.path), []).append(plan)
     for siblings in by_parent.values():
-        rows = [p for p in siblings if p.style == "rowwise" and _kind(model.get_submodule(p.path)) != "embedding"]
+        rows = [p for p in siblings if p.style == "rowwise" and layer_kind(model.get_submodule(p.path)) != "embedding"]
         for plan in siblings:
             if plan.style != "colwise":
                 continue
             module = model.get_submodule(plan.path)
-            kind = _kind(module)
+            kind = layer_kind(module)
             width = _out_features(module, kind)
             paired = kind != "embedding" and any(
-                width <= _in_features(model.get_submodule(r.path), _kind(model.get_submodule(r.path))) for r in rows)
+                width <= _in_features(model.get_submodule(r.path), layer_kind(model.get_submodule(r.path))) for r in rows)
             plan.gather_output = not paired
             if not paired:
                 plan.notes.append("output all-gathered (no row-wise sibling consumes it as it is)")
@@ -148,7 +148,7 @@ def _check_heads(model: nn.Module, plans: dict[str, ModulePlan], model_size: int
         if not isinstance(head_dim, int) or head_dim <= 0:
             continue
         module = model.get_submodule(plan.path)
-        width = _out_features(module, _kind(module))
+        width = _out_features(module, layer_kind(module))
         heads = width // head_dim
         if width % head_dim == 0 and heads % model_size:
             raise ValueError(
