@@ -107,3 +107,31 @@ def test_no_route_to_the_rendezvous_host_is_a_usage_error(script, capsys, monkey
     with pytest.raises(SystemExit):
         run.handle(args, parser)
     assert "no route from this machine" in capsys.readouterr().err
+
+
+def test_elastic_node_range_and_rendezvous_settings_reach_torchrun(script):
+    args, _ = parse("-n", "2", "--nnodes", "1:2", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:29400",
+                    "--rdzv-conf", "last_call_timeout=2,join_timeout=60", script)
+    argv = run.torchrun_argv(args)
+    assert argv[argv.index("--nnodes") + 1] == "1:2"
+    assert argv[argv.index("--rdzv-conf") + 1] == "is_host=0,last_call_timeout=2,join_timeout=60"
+    assert run.resolve_local_addr(args) == "127.0.0.1"  # up to 2 nodes: a multi-node job
+    assert parse("-n", "2", "--nnodes", "2:2", script)[0].nnodes == "2"
+    # On several nodes the agents' store is not shared with the workers: a replacement node
+    # must find every round's store address published (see run.worker_env).
+    assert run.worker_env(2, environ={}, multi_node=True)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in run.worker_env(2, environ={})
+
+
+@pytest.mark.parametrize("bad", ["0", "2:1", "1:2:3", "a:b", "0:2"])
+def test_bad_node_range_is_refused_with_the_value(capsys, bad):
+    with pytest.raises(SystemExit):
+        parse("-n", "1", "--nnodes", bad, "x.py")
+    assert f"Received: {bad}" in capsys.readouterr().err
+
+
+def test_node_rank_checked_against_the_largest_node_count(script, capsys):
+    args, parser = parse("-n", "1", "--nnodes", "1:2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1", script)
+    with pytest.raises(SystemExit):
+        run.handle(args, parser)
+    assert "--node-rank must be < --nnodes" in capsys.readouterr().err

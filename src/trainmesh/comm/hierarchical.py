@@ -25,6 +25,19 @@ NODE_AXIS, LOCAL_AXIS = "node", "local"
 _OPS = {dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MIN, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT}
 
 
+def _job_timeout():
+    """The default group's collective timeout, for the groups made here (None: torch's default).
+
+    ``new_group()`` without a timeout gets torch's 30-minute default, not the job's: a host lost
+    mid-step would then hang the inter-node all-reduce for half an hour instead of failing and
+    letting the launcher restart the job. (Private in torch, hence the fallback.)
+    """
+    try:
+        return dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def node_groups(nnodes: int, nproc_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """``(intra_group, inter_group)`` of this process, rank = node * nproc_per_node + local rank.
 
@@ -43,13 +56,14 @@ def node_groups(nnodes: int, nproc_per_node: int) -> tuple[dist.ProcessGroup, di
         )
     rank = dist.get_rank()
     intra = inter = None
+    timeout = _job_timeout()
     # Every process creates every group, in the same order, as new_group requires.
     for node in range(nnodes):
-        group = dist.new_group([node * nproc_per_node + local for local in range(nproc_per_node)])
+        group = dist.new_group([node * nproc_per_node + local for local in range(nproc_per_node)], timeout=timeout)
         if node == rank // nproc_per_node:
             intra = group
     for local in range(nproc_per_node):
-        group = dist.new_group([node * nproc_per_node + local for node in range(nnodes)])
+        group = dist.new_group([node * nproc_per_node + local for node in range(nnodes)], timeout=timeout)
         if local == rank % nproc_per_node:
             inter = group
     return intra, inter

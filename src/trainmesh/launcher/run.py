@@ -44,6 +44,24 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def node_range(text: str) -> str:
+    """``--nnodes``: ``N`` or ``MIN:MAX`` (elastic, as torchrun takes it); returned as given, checked."""
+    parts = str(text).split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, 0)
+    except ValueError:
+        low = high = 0
+    if len(parts) > 2 or not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"must be N or MIN:MAX with 1 <= MIN <= MAX. Received: {text}")
+    return str(low) if low == high else f"{low}:{high}"
+
+
+def nodes_min_max(nnodes: str | int) -> tuple[int, int]:
+    """``"2"`` -> (2, 2); ``"1:2"`` -> (1, 2)."""
+    parts = str(nnodes).split(":")
+    return int(parts[0]), int(parts[-1])
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -61,7 +79,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument("-n", "--nproc-per-node", type=positive_int, required=True, metavar="N",
                         help="worker processes on this node")
-    parser.add_argument("--nnodes", type=positive_int, default=1, help="number of nodes (default: 1)")
+    parser.add_argument("--nnodes", type=node_range, default="1", metavar="N|MIN:MAX",
+                        help="number of nodes, or MIN:MAX for an elastic job that goes on with as few as "
+                        "MIN nodes when others are lost (default: 1)")
     parser.add_argument("--node-rank", type=_non_negative_int, default=None, metavar="R",
                         help="this node's index; node 0 hosts the rendezvous store at --rdzv-endpoint")
     parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
@@ -72,6 +92,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "--nnodes > 1: the address of the interface that routes to the rendezvous host)")
     parser.add_argument("--rdzv-id", default=None, metavar="ID",
                         help="job id shared by all nodes of one job (ignored on a standalone node)")
+    parser.add_argument("--rdzv-conf", default=None, metavar="KEY=VALUE,...",
+                        help="extra c10d rendezvous settings, as torchrun takes them (e.g. "
+                        "join_timeout=600,last_call_timeout=30,close_timeout=30)")
     parser.add_argument("--max-restarts", type=_non_negative_int, default=None, metavar="K",
                         help="restart the worker group up to K times after a failure (default: 0)")
     parser.add_argument("--monitor-interval", type=_positive_float, default=None, metavar="S",
@@ -90,17 +113,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def torchrun_argv(args: argparse.Namespace) -> list[str]:
     """The ``torch.distributed.run`` command line equivalent to a parsed ``trainmesh run``."""
     argv = ["--nproc-per-node", str(args.nproc_per_node), "--nnodes", str(args.nnodes)]
-    if args.nnodes == 1 and args.rdzv_endpoint is None:
+    if nodes_min_max(args.nnodes)[1] == 1 and args.rdzv_endpoint is None:
         # A c10d store on a port the OS picks: two jobs on one machine never collide.
         argv.append("--standalone")
     else:
         argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint]
         if args.rdzv_id is not None:
             argv += ["--rdzv-id", args.rdzv_id]
+        conf = [args.rdzv_conf] if getattr(args, "rdzv_conf", None) else []
         if args.node_rank is not None:
             # c10d assigns node ranks itself; what a fixed node rank can decide is who serves the
             # store, which is more reliable than torch's guess from the host name.
-            argv += ["--rdzv-conf", f"is_host={int(args.node_rank == 0)}"]
+            conf.insert(0, f"is_host={int(args.node_rank == 0)}")
+        if conf:
+            argv += ["--rdzv-conf", ",".join(conf)]
     if getattr(args, "local_addr", None) is not None:
         argv += ["--local-addr", args.local_addr]
     if args.max_restarts is not None:
@@ -172,13 +198,13 @@ def _is_loopback(address: str) -> bool:
 
 def resolve_local_addr(args: argparse.Namespace) -> str | None:
     """``--local-addr`` as given, else chosen for a multi-node job (None on one node: torch's default)."""
-    if args.local_addr is not None or args.nnodes == 1:
+    if args.local_addr is not None or nodes_min_max(args.nnodes)[1] == 1:
         return args.local_addr
     return choose_local_addr(args.rdzv_endpoint)
 
 
 def worker_env(nproc_per_node: int, environ: Mapping[str, str] | None = None,
-               local_addr: str | None = None) -> dict[str, str]:
+               local_addr: str | None = None, multi_node: bool = False) -> dict[str, str]:
     """Variables to add to the workers' environment (none of them overrides the user's)."""
     environ = os.environ if environ is None else environ
     extra = {}
@@ -189,6 +215,12 @@ def worker_env(nproc_per_node: int, environ: Mapping[str, str] | None = None,
         interface = interface_of(local_addr)
         if interface is not None:
             extra["GLOO_SOCKET_IFNAME"] = interface
+    if multi_node and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in environ:
+        # Read by the agent (this process). With the agent's store shared with the workers, a
+        # node that stays rank 0 across a restart keeps last round's store address and never
+        # publishes it for the new round, so a replacement node (a host that died and came back)
+        # waits for it forever (torch 2.14). Unshared, every round publishes a fresh one.
+        extra["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if "OMP_NUM_THREADS" not in environ:
         # Share the cores instead of letting every worker start one thread per core; torchrun's
         # own default of 1 (with a warning) wastes cores when there are more than workers.
@@ -209,11 +241,14 @@ def _environ_added(extra: Mapping[str, str]) -> Iterator[None]:
 
 
 def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    if args.node_rank is not None and args.node_rank >= args.nnodes:
+    max_nodes = nodes_min_max(args.nnodes)[1]
+    if args.node_rank is not None and args.node_rank >= max_nodes:
         parser.error(f"--node-rank must be < --nnodes. Received: --node-rank {args.node_rank} --nnodes {args.nnodes}")
-    if args.nnodes > 1 and args.rdzv_endpoint is None:
+    if max_nodes > 1 and args.rdzv_endpoint is None:
         parser.error(f"--rdzv-endpoint HOST:PORT is required when --nnodes > 1. Received: --nnodes {args.nnodes}")
-    if args.servers is not None and args.nnodes > 1:
+    if args.rdzv_conf is not None and not all("=" in item for item in args.rdzv_conf.split(",")):
+        parser.error(f"--rdzv-conf must be KEY=VALUE[,KEY=VALUE...]. Received: --rdzv-conf {args.rdzv_conf}")
+    if args.servers is not None and max_nodes > 1:
         parser.error("--servers starts servers on this machine, bound to 127.0.0.1, which other nodes cannot "
                      "reach; on several nodes start them with `trainmesh ps-server` and set TRAINMESH_PS_SERVERS. "
                      f"Received: --servers {args.servers} --nnodes {args.nnodes}")
@@ -263,10 +298,11 @@ def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args.local_addr = resolve_local_addr(args)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.nnodes > 1:
+    if nodes_min_max(args.nnodes)[1] > 1:
         print(f"[trainmesh] this node advertises {args.local_addr} to the other nodes", file=sys.stderr, flush=True)
-    with _parameter_servers(args.servers, num_workers=args.nproc_per_node * args.nnodes) as ps_env:
-        with _environ_added({**worker_env(args.nproc_per_node, local_addr=args.local_addr), **ps_env}):
+    with _parameter_servers(args.servers, num_workers=args.nproc_per_node * nodes_min_max(args.nnodes)[1]) as ps_env:
+        with _environ_added({**worker_env(args.nproc_per_node, local_addr=args.local_addr,
+                                      multi_node=nodes_min_max(args.nnodes)[1] > 1), **ps_env}):
             try:
                 torchrun.main(torchrun_argv(args))
             except ChildFailedError as failed:

@@ -115,7 +115,11 @@ def _elastic_store(cluster: ClusterEnv, timeout: _dt.timedelta):
     from torch.distributed.rendezvous import rendezvous
 
     store, _, _ = next(rendezvous("env://", cluster.rank, cluster.world_size, timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # The restart count is each node's own: a node that replaces a lost host starts at 0 while
+    # the survivors count on. Where the agents do not share their store with the workers
+    # (`trainmesh run` on several nodes), every round's store is new, so no prefix is needed.
+    unshared = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
+    attempt = "new_store" if unshared else os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"trainmesh/restart_{attempt}", store)
 
 
