@@ -1,8 +1,10 @@
 """A tiny fixed-data training job for the multi-host parity tests (run through `trainmesh run`).
 
-It trains the same model twice in one launch, so process start-up is paid once: under
-``tm.DataParallel()`` (DDP) and under ``tm.DataParallel(zero_stage=3)`` (FSDP2). The main
-process saves each run's full final parameters; every process records where it ran.
+It trains three times in one launch, so process start-up is paid once: the same model under
+``tm.DataParallel()`` (DDP) and under ``tm.DataParallel(zero_stage=3)`` (FSDP2), and an MLP
+under a tensor layout (``tm.ModelParallel``, mesh ``data x model`` = 2 x 2, its hidden layer
+column/row sharded on ``model``). The main process saves each run's full final parameters;
+every process records where it ran.
 """
 
 import argparse
@@ -31,6 +33,30 @@ class Net(torch.nn.Module):
         return self.head(x)
 
 
+class Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = torch.nn.Linear(16, 64)
+        self.down = torch.nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x)))
+
+
+def tensor_layout():
+    mesh = tm.DeviceMesh((2, 2), ["data", "model"], devices=tm.list_devices())
+    layout_map = tm.LayoutMap(mesh)
+    layout_map["up.weight"] = ("model", None)
+    layout_map["up.bias"] = ("model",)
+    layout_map["down.weight"] = (None, "model")
+    return tm.ModelParallel(layout_map=layout_map, batch_dim_name="data")
+
+
+RUNS = {"dp": (Net, tm.DataParallel), "zero3": (Net, lambda: tm.DataParallel(zero_stage=3)),
+        "layout": (Mlp, tensor_layout)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -42,10 +68,10 @@ def main() -> None:
                    "master_addr": cluster.master_addr, "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}, fh)
     g = torch.Generator().manual_seed(1)
     data = (torch.randn(N, 16, generator=g), torch.randn(N, 4, generator=g))
-    for name, distribution in (("dp", tm.DataParallel()), ("zero3", tm.DataParallel(zero_stage=3))):
-        model = Net()
+    for name, (model_class, distribution) in RUNS.items():
+        model = model_class()
         trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), torch.nn.MSELoss(),
-                             distribution=distribution, progress=False)
+                             distribution=distribution(), progress=False)
         trainer.fit(data, epochs=EPOCHS, batch_size=GLOBAL_BATCH)
         final = trainer.state_dict()["model"]
         if tm.is_main_process():

@@ -3,8 +3,9 @@
 `trainmesh run --nnodes 2 --nproc-per-node 2 --rdzv-endpoint 198.18.0.1:PORT` runs in each
 host; torchrun's c10d rendezvous forms one job of 4 processes, and gloo's traffic between
 the hosts crosses the veth links (the interface counters must show it). The same job on one
-host (4 processes on loopback) is the reference: DDP and ZeRO-3 must end with the same
-parameters, within 1e-6 in fp32.
+host (4 processes on loopback) is the reference: DDP, ZeRO-3 and a tensor layout
+(ModelParallel on a 2 x 2 data x model mesh) must end with the same parameters, within 1e-6
+in fp32.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 HERE = Path(__file__).parent
 JOB = HERE / "dp_job.py"
 sys.path.insert(0, str(HERE))
-from dp_job import EPOCHS, GLOBAL_BATCH, N, Net  # noqa: E402
+from dp_job import EPOCHS, GLOBAL_BATCH, N, RUNS, Net  # noqa: E402
 
 PARITY_TOL = 1e-6  # fp32, same ranks and reduction order: expected to be exact, allowed float noise
 RDZV_PORT = 29400  # inside the cluster's private network; no other job can hold it
@@ -66,7 +67,7 @@ def test_each_host_routes_to_the_rendezvous_host_through_its_own_address(netns_c
 
 
 @pytest.mark.timeout(240)
-def test_dp_and_zero3_on_two_hosts_equal_one_host(netns_cluster, tmp_path):
+def test_dp_zero3_and_tensor_layout_on_two_hosts_equal_one_host(netns_cluster, tmp_path):
     ref_out, multi_out = tmp_path / "one_host", tmp_path / "two_hosts"
     ref_out.mkdir()
     multi_out.mkdir()
@@ -104,11 +105,10 @@ def test_dp_and_zero3_on_two_hosts_equal_one_host(netns_cluster, tmp_path):
     for t in traffic:
         assert t.rx_bytes >= dp_floor and t.tx_bytes >= dp_floor, (traffic, dp_floor)
 
-    initial = Net().state_dict()
-    for name in ("dp", "zero3"):
+    for name, (model_class, _) in RUNS.items():
         one = torch.load(ref_out / f"final_{name}.pt")
         two = torch.load(multi_out / f"final_{name}.pt")
-        assert _max_abs_diff(one, initial) > 1e-3  # it trained
+        assert _max_abs_diff(one, model_class().state_dict()) > 1e-3  # it trained
         diff = _max_abs_diff(one, two)
         print(f"{name}: max |two hosts - one host| = {diff:.3g}; bytes host0 rx/tx "
               f"{traffic[0].rx_bytes}/{traffic[0].tx_bytes}")
