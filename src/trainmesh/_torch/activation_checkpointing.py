@@ -134,6 +134,8 @@ def _block_stacks(model: nn.Module) -> list[list[str]]:
             children = list(module.named_children())
             counts = Counter(type(child) for _, child in children)
             repeated = {cls for cls, n in counts.items() if n >= 2}
+            if getattr(module, "_trainmesh_blocks", False):  # a pipeline stage's blocks, even just one
+                repeated = set(counts)
             blocks = [
                 name for name, child in children if type(child) in repeated and _has_params(child)
             ]
@@ -193,13 +195,15 @@ def checkpointed_module_paths(model: nn.Module, policy) -> list[str]:
     return _paths(model, kind, arg)
 
 
-def apply_activation_checkpointing(model: nn.Module, policy) -> nn.Module:
+def apply_activation_checkpointing(model: nn.Module, policy, *, model_mechanism: bool = True) -> nn.Module:
     """Checkpoint the modules ``policy`` names (see the module docstring); mutates and returns ``model``.
 
     Names of modules, parameters, buffers and state_dict keys are unchanged. Idempotent:
     applying the same policy again does nothing; applying a different one to a model that
     already has one raises ValueError (checkpoint hooks cannot be re-targeted in place).
     Call it before FSDP / DDP wrapping (torchtitan's order: TP, then AC, then FSDP).
+    ``model_mechanism=False`` uses torch's hooks even on a model with its own mechanism (a pipeline
+    stage substitutes its first block's input in a hook, which must run outside the recomputed region).
     """
     kind, arg = _parse(policy)
     previous = getattr(model, _MARK, None)
@@ -214,7 +218,7 @@ def apply_activation_checkpointing(model: nn.Module, policy) -> nn.Module:
     if not paths:
         return model
     context_fn = partial(create_selective_checkpoint_contexts, _selective_policy) if kind == "selective" else None
-    if kind in ("full", "selective") and _uses_own_mechanism(model):
+    if kind in ("full", "selective") and model_mechanism and _uses_own_mechanism(model):
         # The model's own checkpointing (transformers' gradient_checkpointing_enable) knows its
         # layers' call conventions and switches its KV cache off while training; recomputing a
         # layer that appends to a cache would append twice.

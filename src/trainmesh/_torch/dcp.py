@@ -55,7 +55,8 @@ def sharded_state(model: nn.Module, optimizer: Any | None) -> dict[str, Any]:
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None and not is_zero_optimizer(optimizer):
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    pipelined = getattr(model, "_trainmesh_pipeline", None) is not None  # ranks hold different keys
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and not pipelined:
         # Before the ZeRO-1 part is added: that one exists on rank 0 only, so splitting it
         # would give ranks different views of what is shared.
         _keep_owned_replicas(state, dist.get_rank(), dist.get_world_size())

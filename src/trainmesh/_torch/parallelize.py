@@ -1,11 +1,17 @@
 """``parallelize``: THE one place that turns a model into its distributed form, in a fixed order.
 
+0. pipeline (a ``pipe`` axis and ``pipeline=``): the model is split into stages first, and steps
+   1-3 run on each stage (``pipeline_apply``), as torchtitan applies PP, then TP, then FSDP;
 1. tensor parallelism (ModelParallel's layout map -> DTensor parameters): it changes what a
    parameter *is* (a DTensor on the model axis), so everything after sees the final shapes;
 2. activation checkpointing: wraps sub-modules, which must happen before FSDP turns them
    into units (FSDP's hooks then run once per unit, around the checkpointed region) and
    after TP (the recomputed forward must redo TP's collectives too);
-3. data parallelism over the batch axis, last because it wraps or shards whatever the model
+3. torch.compile (``compile=``, see ``compile.py``): after layouts and checkpointing, so the
+   compiled graphs trace the DTensor ops and the checkpointed forward as they will run; before
+   DDP / FSDP2, whose communicating hooks then stay outside the compiled regions (dynamo skips
+   FSDP2's hooks; DDP's fire on gradients) and whose units are the compiled blocks themselves;
+4. data parallelism over the batch axis, last because it wraps or shards whatever the model
    has become: DDP (stage 0), DDP + sharded optimizer (stage 1; the optimizer part is
    ``Distribution.prepare_optimizer``), FSDP2 (stages 2-3).
 
@@ -19,9 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainmesh import runtime
 from trainmesh.distribution.memory_options import MemoryOptions
 
 from .activation_checkpointing import apply_activation_checkpointing
+from .compile import apply_compile
 
 
 def resolve_memory_options(distribution, *, zero_stage: int | None = None, cpu_offload: bool | None = None
@@ -32,7 +40,8 @@ def resolve_memory_options(distribution, *, zero_stage: int | None = None, cpu_o
 
 def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None,
                 activation_checkpointing: Any = None, cpu_offload: bool | None = None,
-                mixed_precision: torch.dtype | None = None, ddp_options: dict | None = None) -> nn.Module:
+                mixed_precision: torch.dtype | None = None, ddp_options: dict | None = None,
+                compile: Any = False, compile_backend: str = "inductor") -> nn.Module:
     """Apply ``distribution`` to ``model``; returns the module to train.
 
     ``mixed_precision`` is the compute dtype of a mixed-precision run (FSDP2 gathers parameters
@@ -50,6 +59,7 @@ def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None
         # A user's own Distribution subclass: its distribute_model decides, after checkpointing.
         if activation_checkpointing is not None:
             model = apply_activation_checkpointing(model, activation_checkpointing)
+        model = apply_compile(model, compile, backend=compile_backend, device_type=runtime.torch_device_type())
         return distribution.distribute_model(model)
     is_tp = isinstance(distribution, ModelParallel)
     if is_tp and options.zero_stage == 1:
@@ -58,18 +68,47 @@ def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None
     if ddp_options and options.zero_stage >= 2:
         raise ValueError(f"DDP options do not apply to zero_stage {options.zero_stage} (FSDP2). "
                          f"Received: {sorted(ddp_options)}")
+    pipeline = getattr(distribution, "pipeline", None)
+    if pipeline is not None and distribution.device_mesh.axis_size(pipeline.axis) > 1:
+        # 0. pipeline: split first, so that every later step sees one stage's modules only (a stage
+        # is a pruned copy of the model, parameter names unchanged); each stage is then laid out,
+        # checkpointed and sharded exactly as a whole model would be, on its own sub-mesh.
+        from .pipeline_apply import apply_pipeline
 
+        return apply_pipeline(model, distribution, options, lambda stage: _apply_layers(
+            stage, distribution, options, activation_checkpointing, mixed_precision, ddp_options, pipelined=True,
+            compile=compile, compile_backend=compile_backend))
+    return _apply_layers(model, distribution, options, activation_checkpointing, mixed_precision, ddp_options,
+                         compile=compile, compile_backend=compile_backend)
+
+
+def _apply_layers(model: nn.Module, distribution, options: MemoryOptions, activation_checkpointing: Any,
+                  mixed_precision: torch.dtype | None, ddp_options: dict | None, *, pipelined: bool = False,
+                  compile: Any = False, compile_backend: str = "inductor") -> nn.Module:
+    """Steps 1-3 on a whole model or one pipeline stage. A stage's gradients over the batch axis are
+    reduced by FSDP2 (ZeRO 2-3) or by the pipeline runner after its schedule, never by DDP or TP hooks,
+    which would communicate once per microbatch."""
+    from trainmesh.distribution.model_parallel import ModelParallel
+
+    is_tp = isinstance(distribution, ModelParallel)
     # 1. tensor parallelism (with ZeRO, FSDP2 reduces gradients over the batch axis instead of TP's hooks)
     if is_tp:
         from .tensor_parallel import apply_model_parallel
 
-        model = apply_model_parallel(model, distribution, reduce_grads=options.zero_stage == 0)
+        model = apply_model_parallel(model, distribution, reduce_grads=options.zero_stage == 0 and not pipelined,
+                                     whole_model=not pipelined)
     # 2. activation checkpointing
     if activation_checkpointing is not None:
-        model = apply_activation_checkpointing(model, activation_checkpointing)
+        model = apply_activation_checkpointing(model, activation_checkpointing, model_mechanism=not pipelined)
+    # 3. compile: each repeated block (or the whole model) in place, before DDP / FSDP2 wrap them
+    model = apply_compile(model, compile, backend=compile_backend, device_type=runtime.torch_device_type())
+    if pipelined and options.zero_stage < 2:
+        model.to(runtime.local_torch_device())
+        model._trainmesh_memory = {"zero_stage": options.zero_stage, "cpu_offload": "off"}
+        return model
     if is_tp and options.zero_stage == 0:
         return model  # TP already reduces gradients over the batch axis (its grad hooks)
-    # 3. data parallelism / ZeRO over the batch axis
+    # 4. data parallelism / ZeRO over the batch axis
     if options.zero_stage >= 2:
         from .mesh import to_torch_mesh
         from .zero import apply_fsdp

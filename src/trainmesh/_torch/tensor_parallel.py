@@ -97,10 +97,14 @@ def _broadcast_from_first(model: nn.Module) -> None:
                 tensor.copy_(value)
 
 
-def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool = True) -> nn.Module:
+def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool = True,
+                         whole_model: bool = True) -> nn.Module:
     """Shard ``model`` in place per ``distribution``'s layout map; returns the same module.
 
-    ``reduce_grads=False`` leaves gradient averaging over the batch axis to FSDP2 (ZeRO 2-3).
+    ``reduce_grads=False`` leaves gradient averaging over the batch axis to FSDP2 (ZeRO 2-3) or to
+    the pipeline runner. ``whole_model=False`` (a pipeline stage) skips step 2, since the whole model
+    was broadcast before it was split, and the warning about keys matching nothing (a stage holds
+    some layers only; the whole model was checked).
     """
     from .tp_styles import DTensorBoundary, LayoutColwise, LayoutRowwise, share_block_input
 
@@ -108,15 +112,18 @@ def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool =
         raise TypeError(f"distribute_model expects a torch.nn.Module. Received: {type(model).__name__}")
     mesh = distribution.device_mesh
     batch_axis = distribution.batch_dim_name
-    model_axes = [a for a in mesh.axis_names if a != batch_axis]
+    pipeline = getattr(distribution, "pipeline", None)
+    model_axes = [a for a in mesh.axis_names if a != batch_axis and (pipeline is None or a != pipeline.axis)]
     layouts = parameter_layouts(model, distribution)  # 1. everything validated, no collective yet
     plans = build_tp_plan(model, layouts, batch_axis=batch_axis, model_axes=model_axes,
                           axis_sizes={a: mesh.axis_size(a) for a in mesh.axis_names})
-    _warn_unmatched_keys(model, distribution)
+    if whole_model:
+        _warn_unmatched_keys(model, distribution)
     _warn_unused_output_layouts(model, distribution)
     torch_mesh = to_torch_mesh(mesh)
     model.to(runtime.local_torch_device())
-    _broadcast_from_first(model)  # 2.
+    if whole_model:
+        _broadcast_from_first(model)  # 2.
 
     if plans:  # 3.
         model_mesh = torch_mesh[tuple(model_axes)] if len(model_axes) > 1 else torch_mesh[model_axes[0]]

@@ -139,11 +139,14 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, zero_stage: int, shard_unit=None,
     model.to(runtime.local_torch_device())
     # fully_shard keeps each process's own chunk of its own copy; start every copy from the
     # first process's weights, as DDP does, so all stages start (and stay) identical. (DTensor
-    # parameters were distributed from one source already.)
+    # parameters were distributed from one source already.) Over the batch axis only: a pipeline
+    # stage's processes on other axes hold other stages' tensors.
+    group = dp_mesh.get_group()
+    first = dist.get_global_rank(group, 0)
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
             if not hasattr(tensor, "placements"):
-                dist.broadcast(tensor.data, src=0)
+                dist.broadcast(tensor.data, src=first, group=group)
     for unit in units:
         fully_shard(unit, **options)
     fully_shard(model, **options)

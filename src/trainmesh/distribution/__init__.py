@@ -5,6 +5,7 @@ from .distribution import Distribution, distribution, set_distribution
 from .layout import LayoutMap, TensorLayout
 from .mesh import DeviceMesh
 from .model_parallel import ModelParallel
+from .pipeline import Pipeline
 
 __all__ = [
     "DataParallel",
@@ -12,6 +13,7 @@ __all__ = [
     "Distribution",
     "LayoutMap",
     "ModelParallel",
+    "Pipeline",
     "TensorLayout",
     "distribution",
     "set_distribution",

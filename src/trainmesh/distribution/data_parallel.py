@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from .distribution import Distribution, variable_path_and_shape
 from .layout import TensorLayout
 from .memory_options import MemoryOptions
+from .pipeline import Pipeline, check_pipeline_axis
 from .mesh import DeviceMesh, _default_devices
 
 
@@ -34,7 +35,7 @@ class DataParallel(Distribution):
 
     def __init__(self, device_mesh: DeviceMesh | None = None, devices: Sequence[str] | None = None,
                  auto_shard_dataset: bool = True, *, zero_stage: int = 0, shard_unit: Any = None,
-                 cpu_offload: bool = False, reduce_dtype: Any = None):
+                 cpu_offload: bool = False, reduce_dtype: Any = None, pipeline: Pipeline | None = None):
         self._memory = MemoryOptions(zero_stage=zero_stage, shard_unit=shard_unit, cpu_offload=cpu_offload,
                                      reduce_dtype=reduce_dtype)
         if device_mesh is not None and devices is not None:
@@ -49,12 +50,21 @@ class DataParallel(Distribution):
             device_mesh = DeviceMesh(shape=(len(devices),), axis_names=["batch"], devices=devices)
         elif not isinstance(device_mesh, DeviceMesh):
             raise ValueError(f"device_mesh must be a trainmesh DeviceMesh. Received: device_mesh={device_mesh!r}")
-        elif len(device_mesh.axis_names) > 1:
+        self._pipeline = check_pipeline_axis(pipeline, device_mesh)
+        batch_axis = next(a for a in device_mesh.axis_names if pipeline is None or a != pipeline.axis)
+        if pipeline is not None and len(device_mesh.axis_names) > 2:
+            raise ValueError(f"DataParallel with a pipeline takes a 2-D mesh (pipe, batch); for more axes use "
+                             f"ModelParallel. Received: axes {device_mesh.axis_names}")
+        elif pipeline is None and len(device_mesh.axis_names) > 1:
             # Keras does the same: DataParallel is 1-D; the model is replicated over the other axes.
             warnings.warn(f"DataParallel expects a 1-D mesh; got axes {device_mesh.axis_names}. The first axis "
                           f"{device_mesh.axis_names[0]!r} is used as the batch axis and the model is replicated "
                           f"over the others.", UserWarning, stacklevel=2)
-        super().__init__(device_mesh, batch_dim_name=device_mesh.axis_names[0], auto_shard_dataset=auto_shard_dataset)
+        super().__init__(device_mesh, batch_dim_name=batch_axis, auto_shard_dataset=auto_shard_dataset)
+
+    @property
+    def pipeline(self) -> Pipeline | None:
+        return self._pipeline
 
     def get_variable_layout(self, variable: Any) -> TensorLayout:
         _, shape = variable_path_and_shape(variable)

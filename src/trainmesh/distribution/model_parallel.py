@@ -8,6 +8,7 @@ from typing import Any
 from .distribution import Distribution, variable_path_and_shape
 from .layout import LayoutMap, TensorLayout
 from .memory_options import MemoryOptions
+from .pipeline import Pipeline, check_pipeline_axis
 
 
 class ModelParallel(Distribution):
@@ -16,7 +17,9 @@ class ModelParallel(Distribution):
     Parameters matched in ``layout_map`` are sharded per their layout (DTensor); the rest
     are replicated; the batch axis (default: the mesh's first axis) splits the data and
     gradients are reduced over it. Changing only the mesh shape (4x1, 2x2, 1x4) changes
-    the balance between data and model parallelism; nothing else changes.
+    the balance between data and model parallelism; nothing else changes. ``pipeline=``
+    (a :class:`Pipeline` naming a ``pipe`` axis) splits the layers over that axis too: the
+    3-D layout ``pipe x data x model``.
 
     >>> from trainmesh.distribution import DeviceMesh, LayoutMap
     >>> mesh = DeviceMesh((2, 2), ["data", "model"], devices=[f"cpu:{i}" for i in range(4)])
@@ -29,7 +32,8 @@ class ModelParallel(Distribution):
 
     def __init__(self, *, layout_map: LayoutMap | None = None, batch_dim_name: str | None = None,
                  auto_shard_dataset: bool = True, zero_stage: int = 0, shard_unit: Any = None,
-                 cpu_offload: bool = False, reduce_dtype: Any = None, device_mesh: Any = None):
+                 cpu_offload: bool = False, reduce_dtype: Any = None, device_mesh: Any = None,
+                 pipeline: Pipeline | None = None):
         if device_mesh is not None:
             # Keras 3.0's signature took device_mesh too; later versions read it from the layout map.
             warnings.warn("ModelParallel(device_mesh=...) is deprecated, as in Keras: the mesh is the layout "
@@ -42,8 +46,15 @@ class ModelParallel(Distribution):
         mesh = layout_map.device_mesh
         if mesh is None:
             raise ValueError("The LayoutMap given to ModelParallel must carry a device mesh: LayoutMap(device_mesh).")
-        super().__init__(mesh, batch_dim_name=batch_dim_name or mesh.axis_names[0], auto_shard_dataset=auto_shard_dataset)
+        self._pipeline = check_pipeline_axis(pipeline, mesh)
+        if batch_dim_name is None:  # Keras: the first axis; with a pipeline, the first that is not its axis
+            batch_dim_name = next(a for a in mesh.axis_names if pipeline is None or a != pipeline.axis)
+        super().__init__(mesh, batch_dim_name=batch_dim_name, auto_shard_dataset=auto_shard_dataset)
         self._layout_map = layout_map
+
+    @property
+    def pipeline(self) -> Pipeline | None:
+        return self._pipeline
 
     @property
     def layout_map(self) -> LayoutMap:

@@ -44,11 +44,16 @@ class TrainerConfig:
     zero_stage: int | None = None  # 0..3: DDP, + sharded optimizer state, + sharded gradients, + sharded parameters
     cpu_offload: bool = False
     activation_checkpointing: str | None = None  # None | "full" | "selective" | "every:K" | a regex on module paths
+    # torch.compile (see trainmesh._torch.compile): False, True (the whole model), "regional" (each repeated
+    # block, torchtitan-style); compile_backend is torch.compile's backend ("inductor"; "aot_eager" traces only)
+    compile: bool | str = False
+    compile_backend: str = "inductor"
     # Gradient communication (see trainmesh.trainer.communication): a compressor spec for the
     # data-parallel reduction ("fp16", "int8", "topk:0.01", "powersgd:2", a Compressor), and
     # hierarchical all-reduce (None: on when the job spans more than one node).
     compression: Any = None
     hierarchical_allreduce: bool | None = None
+    communication: str | None = None  # "auto": probe the links once, pick hierarchy/buckets/compression
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -84,6 +89,12 @@ class TrainerConfig:
                 get_compressor(self.compression)
             except (TypeError, ValueError) as error:
                 raise ValueError(f"compression: {error} Received: compression={self.compression!r}") from error
+        from trainmesh._torch.compile import check_compile_mode
+
+        check_compile_mode(self.compile)
+        if not isinstance(self.compile_backend, str) or not self.compile_backend:
+            raise ValueError(f"compile_backend must be a torch.compile backend name. "
+                             f"Received: compile_backend={self.compile_backend!r}")
         if self.eval_batch_size is not None and self.eval_batch_size < 1:
             raise ValueError(f"eval_batch_size must be >= 1. Received: eval_batch_size={self.eval_batch_size!r}")
 

@@ -41,6 +41,17 @@ def _to_model_input(trainer, value: Any, rows: int) -> Any:
     return value
 
 
+def _forward(trainer, model: torch.nn.Module, inputs: Any, *, everywhere: bool = False) -> Any:
+    """The model's outputs; under a pipeline, the last stage's, passed stage to stage (on the last
+    stage only, or on every stage's process when ``everywhere``: predict returns them on all)."""
+    pipeline = getattr(trainer.model, "_trainmesh_pipeline", None)
+    if pipeline is not None:
+        with trainer.precision.forward_context():
+            return pipeline.forward_only(inputs, everywhere=everywhere)
+    with trainer.precision.forward_context():
+        return model(inputs)
+
+
 def run_evaluation(trainer, data: Any, batch_size: int | None, metrics: list[Metric]) -> tuple[torch.Tensor, dict]:
     """Returns the reduced ``[loss x samples, samples]`` and the reduced metric values."""
     model = _forward_model(trainer)
@@ -59,8 +70,11 @@ def run_evaluation(trainer, data: Any, batch_size: int | None, metrics: list[Met
                 inputs, targets = split_batch(trainer.precision.convert_input(batch))
                 local_targets = targets
                 inputs, targets = _to_model_input(trainer, inputs, rows), _to_model_input(trainer, targets, rows)
+                outputs = _forward(trainer, model, inputs)
+                if outputs is None:  # a pipeline stage before the last: its share is counted there
+                    trainer.callbacks.on_test_batch_end(step, {})
+                    continue
                 with trainer.precision.forward_context():
-                    outputs = model(inputs)
                     loss = trainer.loss_fn(outputs, targets)
                 value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
                 samples = batch_rows(local_targets)
@@ -98,8 +112,7 @@ def run_prediction(trainer, data: Any, batch_size: int | None) -> torch.Tensor:
                     continue
                 batch = trainer.precision.convert_input(batch)
                 inputs = batch[0] if isinstance(batch, (tuple, list)) else batch  # Keras: predict takes x
-                with trainer.precision.forward_context():
-                    shares.append(model(_to_model_input(trainer, inputs, rows)))
+                shares.append(_forward(trainer, model, _to_model_input(trainer, inputs, rows), everywhere=True))
     finally:
         model.train(was_training)
     return torch.cat(gather_batches(shares, trainer.distribution))

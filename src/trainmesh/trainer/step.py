@@ -47,6 +47,9 @@ def batch_rows(value: Any) -> int:
 def forward_backward(model: torch.nn.Module, micro_batches: list, loss_fn: Callable, precision: Precision,
                      losses: LossAccumulator, on_outputs: Callable[[Any, Any], None] | None = None) -> None:
     """Accumulate gradients of ``mean(loss over the step)`` over the micro-batches."""
+    pipeline = getattr(model, "_trainmesh_pipeline", None)
+    if pipeline is not None:  # the schedule runs forward and backward over the stages
+        return pipeline.forward_backward(micro_batches, loss_fn, precision, losses, on_outputs)
     k = len(micro_batches)
     for index, batch in enumerate(micro_batches):
         inputs, targets = split_batch(precision.convert_input(batch))
@@ -67,11 +70,14 @@ def forward_backward(model: torch.nn.Module, micro_batches: list, loss_fn: Calla
             on_outputs(outputs.detach() if torch.is_tensor(outputs) else outputs, targets)
 
 
-def _replication(grad: torch.Tensor) -> int:
+def _replication(grad: torch.Tensor, world: int | None = None) -> int:
     """On how many processes this very gradient value lives (so the global norm counts it once):
     the job's processes over the number of distinct shards. A DTensor may live on a sub-mesh
-    (tensor parallelism's model axis) and be replicated over the rest of the job too."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    (tensor parallelism's model axis) and be replicated over the rest of the job too. A pipeline
+    stage's parameters live on ``world`` processes only (its stage's; twice that for a weight the
+    first and last stage share)."""
+    if world is None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
     if hasattr(grad, "placements"):
         mesh = grad.device_mesh
         # (FSDP2's _StridedShard, over a dim TP sharded already, answers False to is_shard())
@@ -88,7 +94,8 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
             continue
         grad = param.grad
         local = grad.to_local() if hasattr(grad, "to_local") else grad
-        total += local.detach().double().pow(2).sum().cpu() / _replication(grad)
+        total += local.detach().double().pow(2).sum().cpu() / _replication(
+            grad, getattr(param, "_trainmesh_replica_world", None))
     return float(all_reduce_small(total).sqrt().item())
 
 

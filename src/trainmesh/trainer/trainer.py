@@ -76,12 +76,15 @@ class Trainer:
         self.distribution = _resolve_distribution(distribution)
         self.precision = build_precision(self.config.precision, runtime.torch_device_type())
         names_before = {id(p): name for name, p in model.named_parameters()}
+        # every name of every parameter -> its first name (a tied head's weight -> the embedding's)
+        self._canonical = {name: names_before[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
         model = self.precision.convert_module(model)
         with self.distribution.scope():
             self.model = parallelize(model, self.distribution, zero_stage=self.config.zero_stage,
                                      activation_checkpointing=self.config.activation_checkpointing,
                                      cpu_offload=self.config.cpu_offload or None,
-                                     mixed_precision=getattr(self.precision, "dtype", None))
+                                     mixed_precision=getattr(self.precision, "dtype", None),
+                                     compile=self.config.compile, compile_backend=self.config.compile_backend)
         self.communication = install_communication(self.model, self.config)  # compression, hierarchical
         self.optimizer = self._bind_optimizer(optimizer, names_before)
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
@@ -449,16 +452,20 @@ class Trainer:
                 raise TypeError(f"optimizer must be a torch Optimizer or a callable params -> Optimizer. "
                                 f"Received: {optimizer!r}")
             return self.distribution.prepare_optimizer(optimizer(self.model.parameters()), self.model)
-        # A distribution may replace parameters (DTensor); point the optimizer at the new ones.
-        new_by_name = dict(unwrap(self.model).named_parameters())
+        # A distribution may replace parameters (DTensor); point the optimizer at the new ones. A pipeline
+        # stage holds some of them only (under any of their names: a tied head's weight on the last stage).
+        pipelined = getattr(self.model, "_trainmesh_pipeline", None) is not None
+        new_by_name: dict[str, list] = {}
+        for name, param in unwrap(self.model).named_parameters():
+            new_by_name.setdefault(self._canonical.get(name, name) if pipelined else name, []).append(param)
         for group in optimizer.param_groups:
             rebound = []
             for param in group["params"]:
                 name = names_before.get(id(param))
-                if name is None or name not in new_by_name:
+                if name is None or (name not in new_by_name and not pipelined):
                     raise ValueError("The optimizer holds parameters that are not the model's. Build it from "
                                      "model.parameters(), or pass a callable params -> optimizer.")
-                rebound.append(new_by_name[name])
+                rebound.extend(new_by_name.get(name, []))
             if any(p is not q for p, q in zip(group["params"], rebound)) and optimizer.state:
                 raise ValueError("The optimizer already has state; pass a fresh one (or a callable) to the Trainer.")
             group["params"] = rebound

@@ -1,0 +1,111 @@
+"""``apply_compile``: ``torch.compile`` on the whole model or on each repeated block (torchtitan's
+"regional" compilation), in place.
+
+Modes: ``False`` (eager), ``True`` (the whole model), ``"regional"`` (each block of each outermost
+repeated-block container, found by the same rule activation checkpointing and FSDP units use; the
+default when compiling). Regional compilation is what torchtitan does: the blocks share one code
+path, so dynamo traces one block and reuses the graph for the others (compile time stays that of one
+block), and FSDP2's per-block hooks stay outside the compiled regions.
+
+Mechanism: ``nn.Module.compile()``, which compiles the module's call in place. Unlike wrapping in
+``torch.compile(module)`` it inserts no ``_orig_mod`` submodule, so parameter names, ``state_dict``
+keys, LayoutMap keys, checkpoints and optimizer rebinding are unchanged.
+
+Where compilation cannot work here (dynamo unsupported on this Python, inductor on CPU without a C++
+compiler), a warning names the reason and the model runs eager: the result is the same, only slower.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["COMPILE_MODES", "apply_compile", "check_compile_mode", "compile_unavailable_reason", "compiled_mode"]
+
+COMPILE_MODES = (False, True, "regional")
+_MARK = "_trainmesh_compile"
+
+
+def check_compile_mode(mode: Any) -> Any:
+    """``mode`` if it is one of ``COMPILE_MODES``; ValueError naming it otherwise."""
+    if not any(mode is m or (isinstance(m, str) and mode == m) for m in COMPILE_MODES):
+        raise ValueError(f"compile must be False, True (the whole model) or 'regional' (each repeated block). "
+                         f"Received: compile={mode!r}")
+    return mode
+
+
+def _cxx_compiler() -> str | None:
+    """The C++ compiler inductor would call on CPU (its own setting, then $CXX, then the usual names)."""
+    try:
+        from torch._inductor import config as inductor_config
+
+        configured = inductor_config.cpp.cxx
+        candidates = [c for c in (configured if isinstance(configured, tuple) else (configured,)) if c]
+    except Exception:  # an inductor build without the setting: the usual names only
+        candidates = []
+    candidates += [os.environ.get("CXX"), "g++", "c++", "clang++"]
+    for name in candidates:
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def compile_unavailable_reason(backend: str = "inductor", device_type: str = "cpu") -> str | None:
+    """Why ``torch.compile`` cannot run here, or None when it can (checked without compiling)."""
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        return f"torch.compile (dynamo) does not support this Python ({sys.version.split()[0]})"
+    if backend == "inductor" and device_type == "cpu" and _cxx_compiler() is None:
+        return "inductor compiles CPU kernels with a C++ compiler, and none was found (set $CXX or install g++)"
+    return None
+
+
+def _block_paths(model: nn.Module) -> list[str]:
+    """The repeated blocks, by the rule activation checkpointing and FSDP units share."""
+    from .activation_checkpointing import checkpointed_module_paths
+
+    try:
+        return checkpointed_module_paths(model, "full")
+    except ValueError:  # no repeated-block container
+        return []
+
+
+def compiled_mode(model: nn.Module) -> Any:
+    """The mode ``apply_compile`` applied to ``model`` (False when it ran eager)."""
+    return getattr(model, _MARK, False)
+
+
+def apply_compile(model: nn.Module, mode: Any, *, backend: str = "inductor", fullgraph: bool = False,
+                  device_type: str = "cpu") -> nn.Module:
+    """Compile ``model`` (``True``) or each of its repeated blocks (``"regional"``) in place; returns it.
+
+    Call it after tensor layouts and activation checkpointing, before DDP / FSDP2 (see
+    ``parallelize``). A model without repeated blocks is compiled whole under "regional".
+
+    >>> model = apply_compile(MyTransformer(), "regional")   # doctest: +SKIP
+    """
+    check_compile_mode(mode)
+    if mode is False:
+        return model
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(f"compile backend must be a torch.compile backend name. Received: backend={backend!r}")
+    reason = compile_unavailable_reason(backend, device_type)
+    if reason is not None:
+        warnings.warn(f"trainmesh: compile={mode!r} is not possible here: {reason}; the model runs eager.",
+                      RuntimeWarning, stacklevel=2)
+        setattr(model, _MARK, False)
+        return model
+    modules = dict(model.named_modules())
+    paths = _block_paths(model) if mode == "regional" else []
+    targets = [modules[path] for path in paths] or [model]
+    for module in targets:
+        module.compile(backend=backend, fullgraph=fullgraph)
+    setattr(model, _MARK, "regional" if paths else True)
+    return model

@@ -1,0 +1,350 @@
+"""Pipeline parallelism on torch's own engine: ``torch.distributed.pipelining`` stages and schedules.
+
+``apply_pipeline`` (called first by ``parallelize``) splits the model into stage copies
+(``pipeline_split``); ``parallelize`` then lays out, checkpoints and shards each stage; and
+``PipelineRunner`` runs a step through torch's schedule. What the runner adds around it:
+
+* the loss of each microbatch is divided by their number (``scale_grads=False``): a step's
+  gradient is the mean over its microbatches, as one batch on one process gives;
+* gradients over the data axis: FSDP2 (ZeRO 2-3) reduces them itself; otherwise one flattened
+  all-reduce per dtype after the schedule (no per-microbatch traffic);
+* a weight shared by the first and last stage (a tied embedding and head) lives on both; their
+  gradients are summed after each step so the two copies stay equal;
+* evaluation and prediction pass activations stage to stage with plain send/recv, one
+  microbatch, no schedule (batches there may be uneven or empty);
+* the loss exists on the last stage; the Trainer's loss all-reduce reports it everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .pipeline_split import KeyedBlocks, assign_blocks, build_stage_model, merge_stage_models
+
+
+def stage_indices(pipe_rank: int, pipe_size: int, stages_per_rank: int, schedule: str) -> list[int]:
+    """Which stages a process holds: looped (r, r+p, ...) or, for V schedules, r and 2p-1-r."""
+    if schedule == "zbv":
+        return [pipe_rank, 2 * pipe_size - 1 - pipe_rank]
+    return [pipe_rank + v * pipe_size for v in range(stages_per_rank)]
+
+
+def stage_owner(stage: int, pipe_size: int, schedule: str) -> int:
+    if schedule == "zbv":
+        return stage if stage < pipe_size else 2 * pipe_size - 1 - stage
+    return stage % pipe_size
+
+
+class StageModule(nn.Module):
+    """What torch's ``PipelineStage`` runs: the stage copy's own forward, with the received
+    activation put in place of its first block's input, and a tensor out (not a model output)."""
+
+    def __init__(self, stage_model: nn.Module, is_first: bool, forward_context: Callable):
+        super().__init__()
+        self.stage_model = stage_model
+        self.is_first = is_first
+        self.forward_context = forward_context
+        self._incoming: list[torch.Tensor] = []
+
+    def install_entry_hook(self) -> None:
+        """Last of all (after checkpointing and FSDP wrap the blocks), and ahead of their hooks, so the
+        substitution happens outside any recomputed region and before FSDP sees the arguments."""
+        if self.is_first:
+            return
+        blocks = _blocks_of(self.stage_model)
+        first = next(iter(blocks))
+
+        def substitute(module, args, kwargs):
+            if not self._incoming:
+                return None
+            x = self._incoming.pop()
+            if args:
+                return (x, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": x}
+
+        first.register_forward_pre_hook(substitute, with_kwargs=True, prepend=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.stage_model, KeyedBlocks):  # an nn.Sequential model: a plain chain
+            with self.forward_context():
+                for block in self.stage_model:
+                    x = block(x)
+            return x
+        if self.is_first:
+            ids = x
+        else:
+            ids = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+            self._incoming.append(x)
+        try:
+            with self.forward_context():
+                out = self.stage_model(ids)
+        finally:
+            self._incoming.clear()
+        return _first_tensor(out)
+
+
+def _blocks_of(stage_model: nn.Module) -> KeyedBlocks:
+    if isinstance(stage_model, KeyedBlocks):
+        return stage_model
+    container = stage_model._trainmesh_stage[2]
+    return stage_model.get_submodule(container)
+
+
+def _first_tensor(out: Any) -> torch.Tensor:
+    if torch.is_tensor(out):
+        return out
+    if hasattr(out, "logits"):  # a transformers ModelOutput
+        return out.logits
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    if hasattr(out, "last_hidden_state"):
+        return out.last_hidden_state
+    raise TypeError(f"A pipeline stage must return a tensor (or a model output holding logits). "
+                    f"Received: {type(out).__name__}")
+
+
+def plan_split(model: nn.Module, pipeline, pipe_size: int) -> tuple[str | None, list[list[str]]]:
+    """The blocks (children, for an nn.Sequential) of every stage; validates, communicates nothing."""
+    num_stages = pipeline.num_stages(pipe_size)
+    pipeline.validate(pipe_size)
+    if isinstance(model, nn.Sequential):
+        names = [n for n, _ in model.named_children()]
+        if num_stages > len(names):
+            raise ValueError(f"{num_stages} pipeline stages need at least {num_stages} children; the nn.Sequential "
+                             f"has {len(names)}.")
+        if not isinstance(pipeline.split_points, str):
+            return _sequential_split(names, pipeline.split_points, num_stages)
+        from .pipeline_split import _balanced
+
+        costs = [float(sum(p.numel() for p in c.parameters())) or 1.0 for c in model.children()]
+        return None, _balanced(names, costs, num_stages)
+    return assign_blocks(model, num_stages, pipeline.split_points, pipeline.balance)
+
+
+def split_for_pipeline(model: nn.Module, pipeline, pipe_rank: int, pipe_size: int, plan=None
+                       ) -> tuple[list[int], list[nn.Module]]:
+    """This process's stage indices and stage copies (parameter names those of the whole model)."""
+    container, parts = plan or plan_split(model, pipeline, pipe_size)
+    mine = stage_indices(pipe_rank, pipe_size, pipeline.stages_per_rank, pipeline.schedule)
+    if container is None:  # nn.Sequential: the stage is its run of children
+        return mine, [KeyedBlocks({n: model.get_submodule(n) for n in parts[i]}) for i in mine]
+    return mine, [build_stage_model(model, container, parts, i, copy_model=True) for i in mine]
+
+
+def _sequential_split(names: list[str], points, num_stages: int):
+    starts = []
+    for point in points:
+        if point not in names:
+            raise ValueError(f"Split point {point!r} names no child of the nn.Sequential ({names[0]} .. {names[-1]}). "
+                             f"Received: split_points={list(points)}")
+        starts.append(names.index(point))
+    if starts != sorted(set(starts)) or starts[0] == 0:
+        raise ValueError(f"Split points must name distinct children after the first, in order. "
+                         f"Received: split_points={list(points)}")
+    bounds = [0, *starts, len(names)]
+    return None, [names[bounds[i]:bounds[i + 1]] for i in range(num_stages)]
+
+
+class PipelineRunner:
+    """Runs training steps and forward-only passes of this process's stages."""
+
+    def __init__(self, stage_models: list[nn.Module], indices: list[int], pipeline, *, pipe_group, data_group,
+                 data_size: int, reduce_data_grads: bool, tied_groups: dict[str, Any], device: torch.device):
+        from torch.distributed.pipelining import PipelineStage
+
+        self.pipeline = pipeline
+        self.indices = indices
+        self.num_stages = pipeline.num_stages(dist.get_world_size(pipe_group))
+        self.pipe_group, self.pipe_size = pipe_group, dist.get_world_size(pipe_group)
+        self.pipe_rank = dist.get_rank(pipe_group)
+        self.data_group, self.data_size = data_group, data_size
+        self.reduce_data_grads = reduce_data_grads
+        self.tied_groups = tied_groups
+        self.device = device
+        self.stage_models = stage_models
+        self.root: nn.Module = stage_models[0]  # the module the Trainer holds (train/eval is set on it)
+        self._context: list[Callable] = [_null_context]
+        self.modules = [StageModule(m, i == 0, lambda: self._context[0]()) for m, i in zip(stage_models, indices)]
+        self.stages = [PipelineStage(module, index, self.num_stages, device, group=pipe_group)
+                       for module, index in zip(self.modules, indices)]
+        self._loss_fn: list[Callable | None] = [None]
+        self.schedule = self._build_schedule()
+
+    @property
+    def holds_first(self) -> bool:
+        return 0 in self.indices
+
+    @property
+    def holds_last(self) -> bool:
+        return self.num_stages - 1 in self.indices
+
+    def install_hooks(self) -> None:
+        for module in self.modules:
+            module.install_entry_hook()
+
+    def _build_schedule(self):
+        import torch.distributed.pipelining as pipelining
+        from trainmesh.distribution.pipeline import SCHEDULES
+
+        cls = getattr(pipelining, SCHEDULES[self.pipeline.schedule][0])
+        m = self.pipeline.microbatches
+
+        def loss(output, target):  # mean over microbatches: each one's loss / m
+            return self._loss_fn[0](output, target) / m
+
+        stages = self.stages[0] if SCHEDULES[self.pipeline.schedule][1] == 1 else self.stages
+        return cls(stages, n_microbatches=m, loss_fn=loss, scale_grads=False)
+
+    # --- training ------------------------------------------------------------------------
+    def forward_backward(self, micro_batches: list, loss_fn: Callable, precision, losses, on_outputs=None) -> None:
+        """One step's gradients: every micro-batch of the Trainer is one run of the schedule."""
+        from trainmesh.trainer.step import batch_rows, split_batch
+
+        k = len(micro_batches)
+        self._context[0] = precision.forward_context
+        scaler = precision.scaler
+        self._loss_fn[0] = (lambda out, y: _scaled(loss_fn(out, y), k, scaler))
+        self._follow_mode()
+        for batch in micro_batches:
+            inputs, targets = split_batch(precision.convert_input(batch))
+            self.pipeline.validate(self.pipe_size, batch_rows(targets))
+            step_losses: list[torch.Tensor] = []
+            args = (inputs,) if self.holds_first else ()
+            outputs = self.schedule.step(*args, target=targets if self.holds_last else None, losses=step_losses,
+                                         return_outputs=on_outputs is not None and self.holds_last)
+            if self.holds_last:
+                total = torch.stack([l.detach().float() for l in step_losses]).sum()
+                unscaled = total * k / (scaler.scale_value if scaler is not None else 1.0)
+                losses.add(unscaled, batch_rows(targets))
+                if on_outputs is not None:
+                    on_outputs(outputs.detach(), targets)
+        self._sync_tied_grads()
+        if self.reduce_data_grads and self.data_size > 1:
+            _average_grads(self.parameters(), self.data_group, self.data_size)
+
+    def _follow_mode(self) -> None:
+        for module in self.modules:  # the copies' own dropouts too, not only the merged tree's
+            module.train(self.root.training)
+
+    def parameters(self) -> list[nn.Parameter]:
+        seen, out = set(), []
+        for model in self.stage_models:
+            for p in model.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def _sync_tied_grads(self) -> None:
+        """The copies of a weight shared by the first and last stage get the sum of their gradients."""
+        for name, (group, params) in self.tied_groups.items():
+            for p in params:  # the same sharding on both sides (a tensor-parallel embedding's gradient
+                if p.grad is None:  # may come out replicated where its weight is sharded); never skip a
+                    p.grad = torch.zeros_like(p)  # side, or its partner would wait in the all-reduce
+                g = p.grad
+                if g is not None and hasattr(g, "placements") and tuple(g.placements) != tuple(p.placements):
+                    p.grad = g.redistribute(p.device_mesh, p.placements)
+            grads = [p.grad for p in params]
+            locals_ = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+            total = locals_[0] if len(locals_) == 1 else sum(locals_[1:], locals_[0].clone())
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for g in locals_:
+                if g is not total:
+                    g.copy_(total)
+
+    # --- forward only ----------------------------------------------------------------------
+    def forward_only(self, inputs: Any, *, everywhere: bool = False) -> torch.Tensor | None:
+        """The last stage's output for ``inputs`` (whole batch, one microbatch), by send/recv along the
+        stages; on every pipeline process when ``everywhere``, else on the last stage's only."""
+        self._follow_mode()
+        x = None
+        last_out = None
+        for index in range(self.num_stages):
+            owner = stage_owner(index, self.pipe_size, self.pipeline.schedule)
+            if owner != self.pipe_rank:
+                continue
+            module = self.modules[self.indices.index(index)]
+            if index == 0:
+                x = inputs
+            else:
+                prev = stage_owner(index - 1, self.pipe_size, self.pipeline.schedule)
+                if prev != self.pipe_rank or x is None:
+                    x = _recv_tensor(self.pipe_group, prev, self.device)
+            x = module(x)
+            if index == self.num_stages - 1:
+                last_out = x
+            else:
+                nxt = stage_owner(index + 1, self.pipe_size, self.pipeline.schedule)
+                if nxt != self.pipe_rank:
+                    _send_tensor(x, self.pipe_group, nxt)
+        if not everywhere:
+            return last_out
+        src = stage_owner(self.num_stages - 1, self.pipe_size, self.pipeline.schedule)
+        if self.pipe_rank == src:
+            for peer in range(self.pipe_size):
+                if peer != src:
+                    _send_tensor(last_out, self.pipe_group, peer)
+            return last_out
+        return _recv_tensor(self.pipe_group, src, self.device)
+
+
+def _scaled(loss: torch.Tensor, k: int, scaler) -> torch.Tensor:
+    if not torch.is_tensor(loss) or loss.dim() != 0:
+        raise ValueError(f"loss_fn must return a scalar tensor. Received: {type(loss).__name__} "
+                         f"with shape {tuple(getattr(loss, 'shape', ()))}")
+    loss = loss.float() / k
+    return scaler.scale(loss) if scaler is not None else loss
+
+
+def _null_context():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool]
+
+
+def _send_tensor(t: torch.Tensor, group, peer: int) -> None:
+    t = t.detach().contiguous()
+    header = torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape], dtype=torch.int64)
+    size = torch.tensor([header.numel()], dtype=torch.int64)
+    dst = dist.get_global_rank(group, peer)
+    dist.send(size, dst, group=group)
+    dist.send(header, dst, group=group)
+    dist.send(t, dst, group=group)
+
+
+def _recv_tensor(group, peer: int, device) -> torch.Tensor:
+    src = dist.get_global_rank(group, peer)
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, src, group=group)
+    header = torch.empty(int(size.item()), dtype=torch.int64)
+    dist.recv(header, src, group=group)
+    dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+    out = torch.empty([int(s) for s in header[2:2 + ndim]], dtype=dtype, device=device)
+    dist.recv(out, src, group=group)
+    return out
+
+
+def _average_grads(params: list[nn.Parameter], group, size: int) -> None:
+    """Mean of the gradients over the data axis: one flattened all-reduce per dtype."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            by_dtype.setdefault(g.dtype, []).append(g)
+    for grads in by_dtype.values():
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
+        for g, value in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(value)

@@ -1,0 +1,129 @@
+"""Shared pieces of the pipeline tests: models, data, a single-process reference, a distributed run.
+
+The distributed run trains with ``tm.Trainer`` on a mesh with a ``pipe`` axis and returns, from
+every process, the full value of each parameter it holds (names are global, so the test can merge
+what the stages hold and compare it with one process).
+"""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB, SEQ, GLOBAL_BATCH, STEPS = 32, 8, 8, 3
+
+
+def build_model(family: str, n_layer: int = 4) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if family == "gpt":
+        from trainmesh.demo.char_gpt import CharGPT, GPTConfig
+
+        return CharGPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=n_layer, n_head=2, d_model=16))
+    import transformers
+
+    if family == "llama":
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                                          num_hidden_layers=n_layer, num_attention_heads=2, num_key_value_heads=2,
+                                          max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+        return transformers.LlamaForCausalLM(config).float()
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=n_layer, n_head=2, n_positions=SEQ,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)
+    return transformers.GPT2LMHeadModel(config).float()
+
+
+def data(steps: int = STEPS):
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH * steps, SEQ + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def lm_loss(outputs, targets):
+    logits = outputs.logits if hasattr(outputs, "logits") else outputs
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def reference(family: str, n_layer: int = 4, steps: int = STEPS, max_grad_norm=None) -> dict:
+    model = build_model(family, n_layer)
+    opt = make_optimizer(model.parameters())
+    x, y = data(steps)
+    losses = []
+    for step in range(steps):
+        rows = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
+        opt.zero_grad()
+        loss = lm_loss(model(x[rows]), y[rows])
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        losses.append(loss.item())
+    return {"params": {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)},
+            "losses": losses}
+
+
+def local_full_params(model: torch.nn.Module) -> dict:
+    out = {}
+    for name, param in model.named_parameters():
+        value = param.full_tensor() if hasattr(param, "full_tensor") else param
+        out[name] = value.detach().cpu().clone()
+    return out
+
+
+def train_pipelined(family: str, mesh_shape, axes, schedule: str, *, microbatches: int = 4, zero_stage: int = 0,
+                    layout: bool = False, n_layer: int = 4, checkpointing=None, max_grad_norm=None,
+                    steps: int = STEPS, evaluate: bool = False) -> dict:
+    import trainmesh as tm
+
+    mesh = tm.DeviceMesh(mesh_shape, axes, devices=tm.list_devices())
+    model = build_model(family, n_layer)
+    pipeline = tm.Pipeline(axis="pipe", schedule=schedule, microbatches=microbatches)
+    if layout or "model" in axes:
+        layout_map = tm.LayoutMap.auto(model, mesh, model_axis="model", verbose=False)
+        distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", pipeline=pipeline)
+    else:
+        distribution = tm.DataParallel(device_mesh=mesh, pipeline=pipeline)
+    trainer = tm.Trainer(model, make_optimizer, lm_loss, distribution=distribution, zero_stage=zero_stage,
+                         activation_checkpointing=checkpointing, max_grad_norm=max_grad_norm, progress=False,
+                         log_every_n_steps=1)
+    history = trainer.fit(data(steps), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
+    out = {"params": local_full_params(trainer.model), "loss": history.history["loss"][-1]}
+    if evaluate:
+        out["eval_loss"] = trainer.evaluate(data(1), batch_size=GLOBAL_BATCH)["loss"]
+        out["predict"] = trainer.predict(data(1), batch_size=GLOBAL_BATCH)
+    return out
+
+
+def merge(results: list[dict]) -> dict:
+    merged: dict = {}
+    for result in results:
+        for name, value in result["params"].items():
+            if name in merged:
+                assert torch.equal(merged[name], value), f"two processes disagree on {name}"
+            merged[name] = value
+    return merged
+
+
+def max_diff(expected: dict, got: dict, canonical: dict | None = None) -> float:
+    worst = 0.0
+    for name, value in got.items():
+        ref = expected[canonical.get(name, name) if canonical else name]
+        worst = max(worst, (ref - value).abs().max().item())
+    return worst
+
+
+def run_configs(configs: list[dict]) -> list[dict]:
+    """Several pipelined trainings in one launch (process start-up is paid once)."""
+    return [train_pipelined(**config) for config in configs]
+
+
+def reference_eval(family: str, params: dict, n_layer: int = 4) -> tuple[float, torch.Tensor]:
+    """Loss and predictions of a one-process model holding ``params``, on the first global batch."""
+    model = build_model(family, n_layer)
+    model.load_state_dict(params, strict=False)
+    x, y = data(1)
+    with torch.no_grad():
+        out = model(x)
+        logits = out.logits if hasattr(out, "logits") else out
+        return lm_loss(logits, y).item(), logits

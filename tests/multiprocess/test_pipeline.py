@@ -1,0 +1,87 @@
+"""Pipeline parallelism (torch.distributed.pipelining schedules) under ``tm.Trainer``, against one process.
+
+Every configuration trains the same model on the same global batches as a plain single-process
+loop (SGD with momentum, fp32, 3 steps) and compares every parameter, each process contributing
+the ones its stages hold (names are global). Tolerance: 1e-5 absolute (measured: ~1e-8). One
+launch per world size runs many configurations, to pay process start-up once.
+
+Models: the project's GPT (``CharGPT``, a tied embedding and head, so the tied-gradient exchange
+between the first and last stage is exercised) and transformers GPT-2 / Llama built from configs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainmesh.testing import run_distributed
+
+from pipeline_cases import build_model, max_diff, merge, reference, reference_eval, run_configs
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv"]
+TOL = 1e-5
+
+
+def _check(configs, results_per_rank, references):
+    worst = 0.0
+    for index, config in enumerate(configs):
+        got = merge([rank_results[index] for rank_results in results_per_rank])
+        key = (config["family"], config.get("n_layer", 4), config.get("max_grad_norm"))
+        expected = references[key]["params"]
+        assert got.keys() == expected.keys(), f"{config}: the stages together must hold every parameter"
+        diff = max_diff(expected, got)
+        worst = max(worst, diff)
+        assert diff <= TOL, f"{config}: parameters differ from one process by {diff:.3g}"
+        mean_loss = sum(references[key]["losses"]) / len(references[key]["losses"])
+        for rank_results in results_per_rank:  # the loss exists on the last stage; every rank reports it
+            assert abs(rank_results[index]["loss"] - mean_loss) <= 1e-5, config
+    return worst
+
+
+def _references(configs):
+    refs = {}
+    for config in configs:
+        key = (config["family"], config.get("n_layer", 4), config.get("max_grad_norm"))
+        if key not in refs:
+            refs[key] = reference(config["family"], key[1], max_grad_norm=key[2])
+    moved = max((refs[key]["params"][name] - value).abs().max().item()
+                for key in refs for name, value in build_model(key[0], key[1]).named_parameters())
+    assert moved > 1e-3, "the reference must move the weights, or a run that did nothing would pass"
+    return refs
+
+
+def test_every_schedule_on_two_stages_matches_one_process():
+    configs = [dict(family="gpt", mesh_shape=(2, 1), axes=["pipe", "data"], schedule=s) for s in SCHEDULES]
+    configs += [dict(family="gpt2", mesh_shape=(2, 1), axes=["pipe", "data"], schedule="1f1b"),
+                dict(family="llama", mesh_shape=(2, 1), axes=["pipe", "data"], schedule="interleaved_1f1b")]
+    results = run_distributed(run_configs, world_size=2, args=(configs,), timeout=500)
+    _check(configs, results, _references(configs))
+
+
+def test_four_stages_and_pipe_by_data_with_zero_match_one_process():
+    pytest.importorskip("transformers")
+    configs = [dict(family="gpt", mesh_shape=(4, 1), axes=["pipe", "data"], schedule=s, n_layer=8)
+               for s in SCHEDULES]
+    configs += [dict(family="gpt", mesh_shape=(2, 2), axes=["pipe", "data"], schedule="1f1b", zero_stage=z,
+                     checkpointing=policy) for z, policy in ((0, "full"), (2, None), (3, "selective"))]
+    configs += [dict(family="gpt2", mesh_shape=(2, 2), axes=["pipe", "data"], schedule="gpipe", zero_stage=3,
+                     checkpointing="full")]
+    results = run_distributed(run_configs, world_size=4, args=(configs,), timeout=560)
+    _check(configs, results, _references(configs))
+
+
+def test_3d_pipe_data_model_matches_one_process_with_clipping_evaluate_and_predict():
+    pytest.importorskip("transformers")
+    configs = [dict(family="gpt", mesh_shape=(2, 2, 2), axes=["pipe", "data", "model"], schedule="1f1b",
+                    zero_stage=0, max_grad_norm=0.05, evaluate=True),
+               dict(family="gpt2", mesh_shape=(2, 2, 2), axes=["pipe", "data", "model"], schedule="interleaved_1f1b",
+                    zero_stage=2, checkpointing="full")]
+    results = run_distributed(run_configs, world_size=8, args=(configs,), timeout=560)
+    _check(configs, results, _references(configs))
+    # evaluate and predict on the 3-D layout equal the single-process model with the same weights
+    expected_loss, expected_logits = reference_eval("gpt", merge([r[0] for r in results]))
+    for rank_results in results:
+        assert abs(rank_results[0]["eval_loss"] - expected_loss) <= 1e-5
+        assert torch.allclose(rank_results[0]["predict"], expected_logits, atol=1e-5)
