@@ -1,8 +1,8 @@
 """Hierarchical all-reduce in the Trainer, on 4 gloo processes posing as 2 nodes x 2.
 
-``LOCAL_WORLD_SIZE=2`` (what torchrun sets with ``--nnodes 2 --nproc-per-node 2``) makes the
-job two nodes; the Trainer then reduces gradients inside each node, across nodes, inside
-again. The result must equal the flat all-reduce (up to summation order), with and without
+``TRAINMESH_HOST_ID`` names each process's host (on real machines the host name and interface
+address tell them apart; see trainmesh.comm.topology): two ids make the job two hosts and the
+Trainer then reduces gradients inside each host, across hosts, inside again. The result must equal the flat all-reduce (up to summation order), with and without
 compression on top.
 """
 
@@ -39,11 +39,11 @@ def train(hierarchical, compression=None) -> dict:
 def _job() -> dict:
     rank = int(os.environ["RANK"])
     # Two "nodes" of two processes, as torchrun --nnodes 2 --nproc-per-node 2 numbers them.
-    os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank % 2))
+    os.environ.update(TRAINMESH_HOST_ID=f"node{rank // 2}", LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank % 2))
     out = {"flat": train(False), "forced": train(True), "auto": train(None),
            "flat_fp16": train(False, "fp16"), "hier_fp16": train(True, "fp16"),
            "flat_powersgd": train(False, "powersgd:1"), "hier_powersgd": train(True, "powersgd:1")}
-    os.environ.update(LOCAL_WORLD_SIZE="4", LOCAL_RANK=str(rank))  # one node
+    os.environ.update(TRAINMESH_HOST_ID="node0", LOCAL_WORLD_SIZE="4", LOCAL_RANK=str(rank))  # one node
     out["one_node_auto"] = train(None)["hierarchical"]
     try:
         train(True)

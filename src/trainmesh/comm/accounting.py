@@ -9,6 +9,11 @@ What counts (one definition everywhere: step records, progress bar, benchmarks):
   (``numel x element size`` of the gradients as DDP would all-reduce them, or of FSDP2's
   padded reduce-scatter input at ZeRO stages 2-3).
 
+``wire`` / ``dense_wire``: the bytes this rank actually sends for the collectives it ran (across
+hosts only, when the reduction is hierarchical), and what the same reduction path would send in
+fp32. This is the figure a slow network cares about: an all-gathered payload reaches N-1 peers,
+a two-phase exchange sends about twice its payload; ``wire_ratio`` compares like with like.
+
 Not counted: the small control traffic (loss, stop flag, gradient norm, one-off layout checks)
 and protocol overhead. The wire traffic depends on the collective: a ring all-reduce moves
 ``2 (N-1)/N`` x its payload through each rank, an all-gather ``(N-1)`` x (every peer's payload
@@ -37,16 +42,26 @@ class StepBytes:
 
     compressed: int
     uncompressed: int
+    wire: int = 0
+    dense_wire: int = 0
 
     @property
     def ratio(self) -> float:
         """uncompressed / compressed (1.0 when nothing was sent)."""
         return self.uncompressed / self.compressed if self.compressed else 1.0
 
+    @property
+    def wire_ratio(self) -> float:
+        """fp32 wire bytes / wire bytes sent (1.0 when nothing was sent)."""
+        return self.dense_wire / self.wire if self.wire else 1.0
+
     def as_record(self) -> dict[str, float]:
         """The keys the Trainer's step records carry."""
-        return {"comm_bytes": self.compressed, "comm_bytes_uncompressed": self.uncompressed,
-                "comm_ratio": self.ratio}
+        record = {"comm_bytes": self.compressed, "comm_bytes_uncompressed": self.uncompressed,
+                  "comm_ratio": self.ratio}
+        if self.wire:
+            record.update(comm_wire_bytes=self.wire, comm_wire_bytes_fp32=self.dense_wire)
+        return record
 
 
 class ByteCounter:
@@ -57,25 +72,29 @@ class ByteCounter:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sent = 0
-        self._dense = 0
+        self._sent = self._dense = self._wire = self._dense_wire = 0
         self.total_sent = 0  # over the whole run, for summaries
         self.total_dense = 0
+        self.total_wire = 0
 
-    def add(self, *, sent: int, dense: int) -> None:
-        if sent < 0 or dense < 0:
-            raise ValueError(f"byte counts must be >= 0. Received: sent={sent}, dense={dense}")
+    def add(self, *, sent: int, dense: int, wire: int = 0, dense_wire: int = 0) -> None:
+        if min(sent, dense, wire, dense_wire) < 0:
+            raise ValueError(f"byte counts must be >= 0. Received: sent={sent}, dense={dense}, wire={wire}, "
+                             f"dense_wire={dense_wire}")
         with self._lock:
             self._sent += int(sent)
             self._dense += int(dense)
+            self._wire += int(wire)
+            self._dense_wire += int(dense_wire)
             self.total_sent += int(sent)
             self.total_dense += int(dense)
+            self.total_wire += int(wire)
 
     def take(self) -> StepBytes:
         """The bytes since the last ``take`` (one optimizer step when called once per step)."""
         with self._lock:
-            step = StepBytes(self._sent, self._dense)
-            self._sent = self._dense = 0
+            step = StepBytes(self._sent, self._dense, self._wire, self._dense_wire)
+            self._sent = self._dense = self._wire = self._dense_wire = 0
         return step
 
 

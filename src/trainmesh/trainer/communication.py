@@ -17,7 +17,11 @@ What is not supported, and why:
 * ModelParallel (tensor parallelism) + compression: its gradients are reduced by its own
   hooks over the batch axis, not by DDP.
 * hierarchical all-reduce needs the data-parallel group to be the whole job (a 1-D
-  DataParallel over every process) and a job of equal-sized nodes, ranks node-major.
+  DataParallel over every process) and hosts holding equal numbers of processes (any rank
+  order: the hosts are discovered, ``trainmesh.comm.topology``).
+* ``communication="auto"`` probes once at start (``trainmesh.comm.probe``) and picks hierarchy,
+  bucket merging and int8 compression; an explicit ``compression`` or ``hierarchical_allreduce``
+  setting wins over its choice.
 """
 
 from __future__ import annotations
@@ -49,38 +53,48 @@ def _local_world_size() -> int:
     return runtime.cluster_env().local_world_size or runtime.world_size()
 
 
-def hierarchical_layout(setting: bool | None) -> tuple[int, int] | None:
-    """``(nnodes, nproc_per_node)`` when hierarchical all-reduce is to be used, else None.
+def host_groups_for(setting: bool | None, whole_world: bool, stage: int, model: torch.nn.Module):
+    """``(topology, (intra, inter) or None)`` for ``hierarchical_allreduce=setting`` (collective).
 
-    ``None`` (auto): on when the job spans more than one node (LOCAL_WORLD_SIZE < WORLD_SIZE,
-    as with ``torchrun --nnodes 2``); ``True`` requires a layout of equal-sized nodes.
+    The hosts come from the processes themselves (``trainmesh.comm.topology``): ``None`` (auto)
+    turns hierarchy on when the job spans several hosts of equal size; ``True`` requires it.
     """
     world = runtime.world_size()
-    local = _local_world_size()
-    multi_node = 1 <= local < world and world % local == 0
-    if setting is False or (setting is None and not multi_node):
-        return None
-    if setting is True and not multi_node:
+    if setting is True and not whole_world:
+        raise ValueError("hierarchical_allreduce=True needs DDP over every process (a 1-D DataParallel, "
+                         f"zero_stage 0 or 1). Received: model {type(model).__name__}, zero_stage={stage}")
+    if world == 1 or not whole_world or setting is False:
+        return None, None
+    from trainmesh.comm.topology import discover, host_groups
+
+    topology = discover()
+    groups = host_groups(topology)
+    if groups is None and setting is True:
         raise ValueError(
-            "hierarchical_allreduce=True needs a job of several equal-sized nodes (LOCAL_WORLD_SIZE < "
-            f"WORLD_SIZE, WORLD_SIZE a multiple of it). Received: WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}")
-    return world // local, local
+            "hierarchical_allreduce=True needs processes on several hosts holding equal numbers of processes; "
+            f"this job has {topology.describe()} (hosts told apart by host name and interface address, or "
+            f"TRAINMESH_HOST_ID). Received: WORLD_SIZE={world}, LOCAL_WORLD_SIZE={_local_world_size()}")
+    return topology, groups
 
 
 class GradientCommunication:
     """What the Trainer installed: the compressor (checkpointed per rank) and the byte counter."""
 
     def __init__(self, compressor: Compressor | None, counter: ByteCounter, *, hierarchical: bool,
-                 zero_stage: int = 0) -> None:
+                 zero_stage: int = 0, plan=None, topology=None) -> None:
         self.compressor = compressor
         self.counter = counter
         self.hierarchical = hierarchical
         self.zero_stage = zero_stage
+        self.plan = plan  # communication="auto": what was chosen and why (trainmesh.comm.probe.CommPlan)
+        self.topology = topology
 
     def describe(self) -> str:
         parts = [f"compression {self.compressor!r}" if self.compressor else "no compression"]
         if self.hierarchical:
-            parts.append("hierarchical all-reduce (in node, across nodes, in node)")
+            parts.append(f"hierarchical all-reduce (in host, across hosts, in host; {self.topology.describe()})")
+        if self.plan is not None:
+            parts.append(self.plan.describe())
         return "; ".join(parts)
 
     def step_record(self) -> dict[str, Any]:
@@ -161,8 +175,14 @@ class GradientCommunication:
             self.load_resharded_state(ranks)
 
 
+COMMUNICATION_MODES = (None, "auto")
+
+
 def install_communication(model: torch.nn.Module, config) -> GradientCommunication:
     """Register the gradient communication ``config`` asks for on ``model`` (before any backward)."""
+    mode = getattr(config, "communication", None)
+    if mode not in COMMUNICATION_MODES:
+        raise ValueError(f"communication must be one of {COMMUNICATION_MODES}. Received: communication={mode!r}")
     compressor = get_compressor(config.compression)
     memory = getattr(model, "_trainmesh_memory", None) or {}
     stage = memory.get("zero_stage", 0)
@@ -171,12 +191,21 @@ def install_communication(model: torch.nn.Module, config) -> GradientCommunicati
     is_ddp = isinstance(model, DistributedDataParallel)
     counter = ByteCounter()
     whole_world = is_ddp and dist.get_world_size(model.process_group) == runtime.world_size()
-    layout = hierarchical_layout(config.hierarchical_allreduce)  # FSDP2 (stages 2-3) has no DDP to hook
-    if layout and not whole_world:
-        if config.hierarchical_allreduce:
-            raise ValueError("hierarchical_allreduce=True needs DDP over every process (a 1-D DataParallel, "
-                             f"zero_stage 0 or 1). Received: model {type(model).__name__}, zero_stage={stage}")
-        layout = None
+    # FSDP2 (stages 2-3) has no DDP to hook: no hierarchy there.
+    topology, groups = host_groups_for(config.hierarchical_allreduce, whole_world, stage, model)
+    plan, bucket_bytes = None, 0
+    if mode == "auto" and whole_world and runtime.world_size() > 1:
+        from trainmesh.comm import probe
+
+        gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        plan = probe.choose(topology, groups, gradient_bytes)
+        if runtime.rank() == 0:
+            print(f"[trainmesh] {plan.describe()}", flush=True)
+        if config.compression is None and plan.compression is not None:
+            compressor = get_compressor(plan.compression)  # an explicit compression setting wins
+        if config.hierarchical_allreduce is None and not plan.hierarchical:
+            groups = None
+        bucket_bytes = plan.bucket_bytes
     if compressor is not None and stage >= 2:
         from trainmesh.comm.reduce_scatter import install_compressed_reduce_scatter
 
@@ -196,18 +225,26 @@ def install_communication(model: torch.nn.Module, config) -> GradientCommunicati
     if getattr(compressor, "rounding", None) == "stochastic" and hasattr(compressor, "generator"):
         compressor.generator.manual_seed(compressor.seed + 7919 * runtime.rank())  # independent noise per rank
     all_reduce = None
-    if layout is not None:
-        from trainmesh.comm.hierarchical import HierarchicalState, hierarchical_all_reduce_, hierarchical_hook
+    overlap = not getattr(model, "find_unused_parameters", False)
+    if groups is not None:
+        from trainmesh.comm.hierarchical import hierarchical_all_reduce_
 
-        groups = HierarchicalState.from_layout(*layout)
-        if compressor is None:
-            model.register_comm_hook(groups, hierarchical_hook)
+        intra, inter = groups
 
         def all_reduce(tensor: torch.Tensor) -> None:
-            hierarchical_all_reduce_(tensor, intra_group=groups.intra_group, inter_group=groups.inter_group)
+            hierarchical_all_reduce_(tensor, intra_group=intra, inter_group=inter)
+    if compressor is None and (groups is not None or bucket_bytes):
+        from trainmesh.comm.ddp_hooks import DenseHookState, dense_allreduce_hook
+
+        reduce = all_reduce or (lambda tensor: dist.all_reduce(tensor, group=model.process_group))
+        model.register_comm_hook(DenseHookState(runtime.world_size(), reduce, overlap=overlap,
+                                                bucket_bytes=bucket_bytes), dense_allreduce_hook)
     if compressor is not None:
         from trainmesh.comm.ddp_hooks import CompressionHookState, compressed_allreduce_hook
 
-        state = CompressionHookState.for_model(model, compressor, counter=counter, all_reduce=all_reduce)
+        intra, inter = groups if groups is not None else (None, None)
+        state = CompressionHookState.for_model(model, compressor, counter=counter, all_reduce=all_reduce,
+                                               intra_group=intra, inter_group=inter, bucket_bytes=bucket_bytes)
         model.register_comm_hook(state, compressed_allreduce_hook)
-    return GradientCommunication(compressor, counter, hierarchical=layout is not None, zero_stage=stage)
+    return GradientCommunication(compressor, counter, hierarchical=groups is not None, zero_stage=stage,
+                                 plan=plan, topology=topology)

@@ -1,0 +1,293 @@
+"""Communication where bandwidth is scarce: hierarchy, compression and auto on 2 network-namespace hosts.
+
+    python benchmarks/communication.py [--json PATH] [--quick] [--rounds R] [--steps S] [--skip-ssp]
+
+Needs root (CAP_NET_ADMIN) for ``trainmesh.testing.cluster``: two hosts (network namespaces on a
+bridge, 198.18.0.0/24), each running ``trainmesh run --nnodes 2 --nproc-per-node P`` (c10d
+rendezvous at host 0), exactly as on two machines. Layouts: 2 hosts x 4 processes, unshaped
+and with each host's link shaped to 100 Mbit/s (tc tbf; this kernel has no netem, so no added
+delay), and 2 hosts x 2 at 100 Mbit/s.
+
+In one launch every variant trains its own copy of the same MLP (1.3M parameters, 5.2 MB of fp32
+gradients) from the same seed on the same batches, through the Trainer's installer
+(``trainmesh.trainer.communication``), interleaved: each round runs W warm-up + S timed steps of
+every variant in an order that rotates per round. Variants:
+
+* ``flat``: fp32, DDP's own flat all-reduce (``hierarchical_allreduce=False``): the baseline of
+  the byte figures (what the issue measured against);
+* ``hier``: fp32 hierarchical all-reduce over the discovered hosts (trainmesh's default on >1 host):
+  the baseline of the step-time and loss figures (the stronger fp32 side);
+* ``int8``: two-phase int8 across hosts (fp32 inside); ``topk1``: top-k 1% (all-gather of
+  (int32, fp32) pairs); ``powersgd``: PowerSGD rank 2 (hierarchical all-reduce of P and Q);
+* ``auto``: ``communication="auto"`` (probe, then its choice among flat, hier and int8).
+
+Wire bytes: each host's local rank 0 reads its ``eth0`` tx counter (sysfs inside its namespace)
+around every timed block, after a barrier; the sum over both hosts is the inter-host traffic
+(traffic between processes of one host stays on that host's loopback). Step time: per round,
+the median over timed steps of rank 0's time; a variant's figure is the median over rounds of
+its ratio to the baseline's median in the same round, with a 95% bootstrap interval.
+
+SSP figure: ``benchmarks/ps.py``'s straggler part (2 worker processes on loopback, worker 1 held
+back: it sleeps twice as long per step; no netem delay on this kernel) run here, sync vs ssp:2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve()
+VARIANTS = ("flat", "hier", "int8", "topk1", "powersgd", "auto")
+OPTIONS = {"flat": {"hierarchical_allreduce": False}, "hier": {"hierarchical_allreduce": True},
+           "int8": {"compression": "int8"}, "topk1": {"compression": "topk:0.01"},
+           "powersgd": {"compression": "powersgd:2"}, "auto": {"communication": "auto"}}
+AUTO_CANDIDATES = ("flat", "hier", "int8")  # what auto chooses among: its "best fixed choice"
+IN_DIM, HIDDEN, OUT_DIM, BATCH, LR = 256, 1024, 256, 64, 0.05
+RDZV_PORT = 29511
+
+
+# --- the job: runs in every process of the 2-host cluster ----------------------------------------
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN_DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
+                         nn.Linear(HIDDEN, OUT_DIM))
+
+
+def make_data(batches: int):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batches * BATCH, IN_DIM, generator=g)
+    teacher = torch.randn(IN_DIM, OUT_DIM, generator=g) / IN_DIM**0.5
+    return x, torch.tanh(x @ teacher) + 0.1 * torch.randn(x.shape[0], OUT_DIM, generator=g)
+
+
+def _tx_bytes() -> int:
+    with open("/sys/class/net/eth0/statistics/tx_bytes") as fh:
+        return int(fh.read())
+
+
+def job(cfg: dict) -> None:
+    import torch.distributed as dist
+
+    import trainmesh as tm
+    from trainmesh.trainer.communication import install_communication
+    from trainmesh.trainer.config import TrainerConfig
+
+    cluster = tm.initialize()
+    torch.set_num_threads(1)
+    rank, world = cluster.rank, cluster.world_size
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    num_batches = 8
+    x, y = make_data(num_batches)
+    local = BATCH // world
+    sides, printed = {}, {}
+    for name in cfg["variants"]:
+        model = tm.DataParallel().distribute_model(build_model())
+        comm = install_communication(model, TrainerConfig(**OPTIONS[name]))
+        printed[name] = comm.describe()
+        sides[name] = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=LR), "step": 0,
+                       "comm": comm, "tx": 0, "timed": 0}
+
+    def step(side) -> None:
+        start = (side["step"] % num_batches) * BATCH + rank * local
+        side["step"] += 1
+        loss = nn.functional.mse_loss(side["model"](x[start:start + local]), y[start:start + local])
+        loss.backward()
+        side["opt"].step()
+        side["opt"].zero_grad()
+        side["comm"].step_record()
+
+    times = {name: [] for name in cfg["variants"]}
+    for r in range(cfg["rounds"]):
+        shift = r % len(cfg["variants"])
+        for name in cfg["variants"][shift:] + cfg["variants"][:shift]:
+            side = sides[name]
+            for _ in range(cfg["warmup"]):
+                step(side)
+            dist.barrier()
+            tx0 = _tx_bytes() if local_rank == 0 else 0
+            block = []
+            for _ in range(cfg["steps"]):
+                t0 = time.perf_counter()
+                step(side)
+                block.append(time.perf_counter() - t0)
+            dist.barrier()
+            if local_rank == 0:
+                side["tx"] += _tx_bytes() - tx0
+            side["timed"] += cfg["steps"]
+            times[name].append(statistics.median(block))
+    result = {"times": times, "printed": printed, "steps": {n: s["step"] for n, s in sides.items()},
+              "tx": {n: s["tx"] for n, s in sides.items()}, "timed": {n: s["timed"] for n, s in sides.items()}}
+    with torch.no_grad():
+        result["final_loss"] = {n: nn.functional.mse_loss(s["model"].module(x), y).item() for n, s in sides.items()}
+        result["checksum"] = {n: float(sum(p.double().sum() for p in s["model"].parameters()))
+                              for n, s in sides.items()}
+    result["plan"] = getattr(sides.get("auto", {}).get("comm"), "plan", None).__dict__ \
+        if "auto" in sides and sides["auto"]["comm"].plan is not None else None
+    with open(os.path.join(cfg["out"], f"rank{rank}.json"), "w") as fh:
+        json.dump(result, fh)
+    tm.shutdown()
+
+
+# --- the driver: builds the cluster, launches, reads the results --------------------------------
+def launch(cluster, nproc: int, rate: str | None, cfg: dict, tag: str) -> list[dict]:
+    for host in cluster.hosts:
+        host.shape(rate=rate) if rate else host.unshape()
+    with tempfile.TemporaryDirectory() as out:
+        job_cfg = {**cfg, "out": out}
+        endpoint = f"{cluster.hosts[0].address}:{RDZV_PORT}"
+        env = {"OMP_NUM_THREADS": "1", "TRAINMESH_TIMEOUT_S": "300"}
+        procs = [host.popen([sys.executable, "-m", "trainmesh", "run", "--nnodes", "2", "--nproc-per-node",
+                             str(nproc), "--node-rank", str(host.index), "--rdzv-endpoint", endpoint,
+                             "--rdzv-id", tag, str(HERE), "--job", json.dumps(job_cfg)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for host in cluster.hosts]
+        outputs = []
+        for proc in procs:
+            try:
+                outputs.append(proc.communicate(timeout=cfg["timeout"])[0])
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                outputs.append(proc.communicate()[0])
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"{tag}: launcher failed:\n" + "\n".join(o[-3000:] for o in outputs))
+        results = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(2 * nproc)]
+    for host in cluster.hosts:
+        host.unshape()
+    return results
+
+
+def _ratio_ci(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    ratios = [x / y for x, y in zip(a, b)]
+    rng = random.Random(0)
+    boots = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(1000))
+    return statistics.median(ratios), boots[25], boots[974]
+
+
+def summarize(results: list[dict], tag: str) -> dict:
+    r0 = results[0]
+    rows = {}
+    for name in r0["times"]:
+        tx = sum(r["tx"][name] for r in results)  # only local rank 0 of each host counted
+        rows[name] = {"inter_host_bytes_per_step": tx / r0["timed"][name], "median_step_ms":
+                      statistics.median(r0["times"][name]) * 1e3, "final_loss": r0["final_loss"][name],
+                      "steps": r0["steps"][name], "round_step_s": r0["times"][name]}
+    for name, row in rows.items():
+        for base in ("flat", "hier"):
+            if base in rows:
+                row[f"step_vs_{base}"] = _ratio_ci(row["round_step_s"], rows[base]["round_step_s"])
+                row[f"bytes_vs_{base}"] = row["inter_host_bytes_per_step"] / rows[base]["inter_host_bytes_per_step"]
+    same_steps = len({row["steps"] for row in rows.values()}) == 1
+    same_weights = all(abs(r["checksum"][n] - r0["checksum"][n]) <= 1e-6 * (1 + abs(r0["checksum"][n]))
+                       for r in results for n in rows)
+    return {"tag": tag, "variants": rows, "valid": same_steps and same_weights, "plan": r0.get("plan"),
+            "printed": r0["printed"]}
+
+
+def print_table(summary: dict) -> None:
+    print(f"\n== {summary['tag']} ==")
+    header = f"{'variant':<10}{'inter-host B/step':>18}{'vs flat':>9}{'ms/step':>9}{'step vs hier (95% CI)':>26}{'loss':>9}"
+    print(header + "\n" + "-" * len(header))
+    for name, row in summary["variants"].items():
+        ratio, lo, hi = row.get("step_vs_hier", (float("nan"),) * 3)
+        print(f"{name:<10}{row['inter_host_bytes_per_step'] / 2**20:>15.2f} MB{row.get('bytes_vs_flat', 1):>9.3f}"
+              f"{row['median_step_ms']:>9.0f}{f'{ratio:.2f} ({lo:.2f}-{hi:.2f})':>26}{row['final_loss']:>9.4f}")
+    if summary["plan"]:
+        print("auto:", summary["printed"].get("auto"))
+    if not summary["valid"]:
+        print("INVALID: the variants did not take the same steps, or ranks disagree on the weights")
+
+
+def best_fixed(rows: dict) -> str:
+    return min(AUTO_CANDIDATES, key=lambda n: rows[n]["median_step_ms"])
+
+
+def figures(shaped: dict, unshaped: dict, ssp: dict | None) -> dict:
+    s, u = shaped["variants"], unshaped["variants"]
+    out = {
+        "hier_inter_host_bytes_vs_flat": s["hier"]["bytes_vs_flat"],
+        "hier_step_vs_flat_100mbit": s["hier"]["step_vs_flat"][0],
+        "int8_wire_bytes_reduction_2x4": 1 / s["int8"]["bytes_vs_flat"],
+        "topk1_wire_bytes_reduction_2x4": 1 / s["topk1"]["bytes_vs_flat"],
+        "int8_step_vs_fp32_100mbit": s["int8"]["step_vs_hier"][0],
+        "powersgd_step_vs_fp32_100mbit": s["powersgd"]["step_vs_hier"][0],
+        "auto_step_vs_best_fixed_100mbit": _ratio_ci(s["auto"]["round_step_s"], s[best_fixed(s)]["round_step_s"])[0],
+        "auto_step_vs_best_fixed_unshaped": _ratio_ci(u["auto"]["round_step_s"], u[best_fixed(u)]["round_step_s"])[0],
+        "int8_final_loss_vs_fp32": u["int8"]["final_loss"] / u["hier"]["final_loss"],
+        "powersgd_final_loss_vs_fp32": u["powersgd"]["final_loss"] / u["hier"]["final_loss"],
+    }
+    if ssp is not None:
+        out["ssp_time_to_loss_vs_sync_straggler_host"] = ssp["ratio"]
+    return out
+
+
+def ssp_part(rounds: int) -> dict:
+    sys.path.insert(0, str(HERE.parent))
+    import ps as ps_bench  # benchmarks/ps.py: one straggler harness, not two
+
+    results = ps_bench.straggler_part(rounds)
+    sync, ssp = results["ps-sync"]["seconds"], results["ps-ssp:2"]["seconds"]
+    ratio = (ssp / sync) if sync and ssp else float("nan")
+    print(f"\nSSP vs sync, worker 1 held back (sleeps 2x per step): sync {sync}s, ssp:2 {ssp}s -> {ratio:.2f}")
+    return {"ratio": ratio, "detail": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--job", help=argparse.SUPPRESS)  # set by the driver: run as one process of the job
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--rate", default="100mbit")
+    parser.add_argument("--skip-ssp", action="store_true")
+    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    if args.job:
+        job(json.loads(args.job))
+        return 0
+    from trainmesh.testing.cluster import Cluster, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        print(f"needs the namespace cluster: {reason}")
+        return 2
+    cfg = {"rounds": args.rounds or (2 if args.quick else 5), "steps": args.steps or (2 if args.quick else 3),
+           "warmup": args.warmup, "variants": list(VARIANTS), "timeout": 900}
+    summaries = {}
+    with Cluster(2) as cluster:
+        cluster.wait_reachable()
+        runs = [("2x4_100mbit", 4, args.rate), ("2x4_unshaped", 4, None)]
+        if not args.quick:
+            runs.append(("2x2_100mbit", 2, args.rate))
+        for tag, nproc, rate in runs:
+            summaries[tag] = summarize(launch(cluster, nproc, rate, cfg, tag), tag)
+            print_table(summaries[tag])
+    ssp = None if args.skip_ssp else ssp_part(1 if args.quick else 2)
+    figs = figures(summaries["2x4_100mbit"], summaries["2x4_unshaped"], ssp)
+    print("\nfigures:")
+    for name, value in figs.items():
+        print(f"  {name} = {value:.3f}")
+    valid = all(s["valid"] for s in summaries.values())
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"figures": figs, "runs": summaries, "ssp": ssp, "config": cfg, "valid": valid,
+                       "load_avg": os.getloadavg()}, fh, indent=1, default=str)
+    if not valid:
+        print("INVALID")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
