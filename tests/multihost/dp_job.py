@@ -60,6 +60,7 @@ RUNS = {"dp": (Net, tm.DataParallel), "zero3": (Net, lambda: tm.DataParallel(zer
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
     args = parser.parse_args()
     cluster = tm.initialize()
     torch.set_num_threads(1)
@@ -68,7 +69,8 @@ def main() -> None:
                    "master_addr": cluster.master_addr, "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}, fh)
     g = torch.Generator().manual_seed(1)
     data = (torch.randn(N, 16, generator=g), torch.randn(N, 4, generator=g))
-    for name, (model_class, distribution) in RUNS.items():
+    for name in args.runs.split(","):
+        model_class, distribution = RUNS[name]
         model = model_class()
         trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), torch.nn.MSELoss(),
                              distribution=distribution(), progress=False)
