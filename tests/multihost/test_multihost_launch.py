@@ -66,7 +66,7 @@ def test_each_host_routes_to_the_rendezvous_host_through_its_own_address(netns_c
         assert refusal.startswith("no route from this machine to the rendezvous host")
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_dp_zero3_and_tensor_layout_on_two_hosts_equal_one_host(netns_cluster, tmp_path):
     ref_out, multi_out = tmp_path / "one_host", tmp_path / "two_hosts"
     ref_out.mkdir()
@@ -113,3 +113,44 @@ def test_dp_zero3_and_tensor_layout_on_two_hosts_equal_one_host(netns_cluster, t
         print(f"{name}: max |two hosts - one host| = {diff:.3g}; bytes host0 rx/tx "
               f"{traffic[0].rx_bytes}/{traffic[0].tx_bytes}")
         assert diff <= PARITY_TOL, (name, diff)
+
+    # The same DDP job started as a Slurm step and as a Kubeflow PyTorchJob would start it, on
+    # the same hosts, against the same one-host reference.
+    for how, launch in (("slurm", _launch_as_srun), ("pytorchjob", _launch_as_pytorchjob)):
+        out = tmp_path / how
+        out.mkdir()
+        _finish(launch(cluster, out), timeout=150)
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+        assert [(r["world_size"], r["node_rank"]) for r in ranks] == [(4, 0), (4, 0), (4, 1), (4, 1)], (how, ranks)
+        assert {r["master_addr"] for r in ranks} == {cluster.hosts[0].address}, (how, ranks)
+        diff = _max_abs_diff(torch.load(ref_out / "final_dp.pt"), torch.load(out / "final_dp.pt"))
+        print(f"dp as {how}: max |two hosts - one host| = {diff:.3g}")
+        assert diff <= PARITY_TOL, (how, diff)
+
+
+def _launch_as_srun(cluster, out: Path) -> list[subprocess.Popen]:
+    """`srun --nodes 2 --ntasks-per-node 2 python dp_job.py`: one process per task, no launcher;
+    trainmesh.initialize reads Slurm's variables (the first host of the node list serves the
+    store on 20000 + job id % 10000). The hosts share one host name that resolves to no cluster
+    address, so gloo is told its interface, as on machines whose names resolve elsewhere."""
+    procs = []
+    for host in cluster.hosts:
+        for local in range(2):
+            env = {**WORKER_ENV, "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_NNODES": "2",
+                   "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": str(host.index), "SLURM_LOCALID": str(local),
+                   "SLURM_PROCID": str(2 * host.index + local), "SLURM_STEP_NODELIST": "198.18.0.[1-2]",
+                   "GLOO_SOCKET_IFNAME": "eth0"}
+            procs.append(host.popen([sys.executable, str(JOB), "--out", str(out), "--runs", "dp"], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _launch_as_pytorchjob(cluster, out: Path) -> list[subprocess.Popen]:
+    """A PyTorchJob with 2 pods and nprocPerNode 2: each pod runs `trainmesh run -n 2 dp_job.py`
+    with the operator's PET_* variables, which trainmesh run reads as torchrun does."""
+    master = cluster.hosts[0].address
+    return [host.popen(_launch_cmd("-n", "2", out=out) + ["--runs", "dp"],
+                       env={**WORKER_ENV, "PET_NNODES": "2", "PET_NODE_RANK": str(host.index),
+                            "PET_MASTER_ADDR": master, "PET_MASTER_PORT": "23456"},
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for host in cluster.hosts]

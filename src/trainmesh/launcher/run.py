@@ -110,6 +110,40 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
+# A Kubeflow PyTorchJob sets these on every pod (torchrun reads them as its defaults, PET_ for
+# "PyTorch elastic"): node count, this pod's node rank, and where node 0 listens.
+_PET = ("PET_NNODES", "PET_NODE_RANK", "PET_RDZV_ENDPOINT", "PET_MASTER_ADDR", "PET_MASTER_PORT", "PET_RDZV_ID")
+
+
+def apply_pytorchjob_env(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Fill ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint`` and ``--rdzv-id`` that the command
+    line left unset from a PyTorchJob's ``PET_*`` variables; returns what was taken, for the log.
+
+    Explicit options win. ``PET_RDZV_ENDPOINT`` (elastic jobs) is preferred, else
+    ``PET_MASTER_ADDR:PET_MASTER_PORT`` (node 0's pod): trainmesh always uses the c10d rendezvous,
+    which node 0 serves there.
+    """
+    env = os.environ if environ is None else environ
+    taken = []
+    if str(args.nnodes) == "1" and env.get("PET_NNODES"):
+        args.nnodes = node_range(env["PET_NNODES"])
+        taken.append(f"--nnodes {args.nnodes}")
+    if args.node_rank is None and env.get("PET_NODE_RANK"):
+        args.node_rank = _non_negative_int(env["PET_NODE_RANK"])
+        taken.append(f"--node-rank {args.node_rank}")
+    if args.rdzv_endpoint is None and nodes_min_max(args.nnodes)[1] > 1:
+        endpoint = env.get("PET_RDZV_ENDPOINT")
+        if not endpoint and env.get("PET_MASTER_ADDR"):
+            endpoint = f"{env['PET_MASTER_ADDR']}:{env.get('PET_MASTER_PORT') or 29400}"
+        if endpoint:
+            args.rdzv_endpoint = endpoint
+            taken.append(f"--rdzv-endpoint {endpoint}")
+    if getattr(args, "rdzv_id", None) is None and env.get("PET_RDZV_ID"):
+        args.rdzv_id = env["PET_RDZV_ID"]
+        taken.append(f"--rdzv-id {args.rdzv_id}")
+    return taken
+
+
 def torchrun_argv(args: argparse.Namespace) -> list[str]:
     """The ``torch.distributed.run`` command line equivalent to a parsed ``trainmesh run``."""
     argv = ["--nproc-per-node", str(args.nproc_per_node), "--nnodes", str(args.nnodes)]
@@ -289,6 +323,13 @@ def _exit_status(exitcode: int) -> int:
 
 def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Launch the workers; return 0, or the first failed worker's exit status."""
+    try:
+        from_pytorchjob = apply_pytorchjob_env(args)
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        parser.error(f"bad PyTorchJob variable ({exc}). Received: "
+                     + ", ".join(f"{k}={os.environ[k]}" for k in _PET if k in os.environ))
+    if from_pytorchjob:
+        print(f"[trainmesh] from the PyTorchJob environment: {' '.join(from_pytorchjob)}", file=sys.stderr, flush=True)
     _validate(args, parser)
     # Imported here so `trainmesh --help` and `trainmesh env` do not pay for torchrun.
     import torch.distributed.run as torchrun
