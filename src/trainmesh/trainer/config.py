@@ -48,6 +48,8 @@ class TrainerConfig:
     # block, torchtitan-style); compile_backend is torch.compile's backend ("inductor"; "aot_eager" traces only)
     compile: bool | str = False
     compile_backend: str = "inductor"
+    # The hardware's FLOP/s for MFU (per node on CPU, per GPU): None = the cached `trainmesh env --peak` probe
+    peak_flops: float | None = None
     # Gradient communication (see trainmesh.trainer.communication): a compressor spec for the
     # data-parallel reduction ("fp16", "int8", "topk:0.01", "powersgd:2", a Compressor), and
     # hierarchical all-reduce (None: on when the job spans more than one node).
@@ -95,6 +97,8 @@ class TrainerConfig:
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise ValueError(f"compile_backend must be a torch.compile backend name. "
                              f"Received: compile_backend={self.compile_backend!r}")
+        if self.peak_flops is not None and not (isinstance(self.peak_flops, (int, float)) and self.peak_flops > 0):
+            raise ValueError(f"peak_flops must be a FLOP/s figure > 0 or None. Received: peak_flops={self.peak_flops!r}")
         if self.eval_batch_size is not None and self.eval_batch_size < 1:
             raise ValueError(f"eval_batch_size must be >= 1. Received: eval_batch_size={self.eval_batch_size!r}")
 

@@ -43,6 +43,7 @@ from .schedules import scale_lr
 from .sharded_checkpoint import ShardedCheckpoint
 from .loss_tracking import LossAccumulator
 from .step import clip_gradients_, forward_backward, global_grad_norm
+from .throughput import ThroughputMeter, meta_copy
 
 
 def _resolve_distribution(distribution: Any) -> Distribution:
@@ -78,6 +79,7 @@ class Trainer:
         names_before = {id(p): name for name, p in model.named_parameters()}
         # every name of every parameter -> its first name (a tied head's weight -> the embedding's)
         self._canonical = {name: names_before[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+        self._meta_model = meta_copy(model)  # FLOPs per sample are counted on it at the first step (throughput.py)
         model = self.precision.convert_module(model)
         with self.distribution.scope():
             self.model = parallelize(model, self.distribution, zero_stage=self.config.zero_stage,
@@ -131,6 +133,10 @@ class Trainer:
         self._steps = steps  # its data position goes into checkpoints
         self.plan = Plan.derive(self.config, global_batch_size=batch_size, data_parallel_size=steps.dp,
                                 num_samples=steps.num_samples, epochs=epochs, base_lr=self._base_lrs[0])
+        self._meter = ThroughputMeter.for_job(
+            peak_flops=self.config.peak_flops, dtype=getattr(self.precision, "dtype", None) or torch.float32,
+            device_type=runtime.torch_device_type(), world_size=runtime.world_size(),
+            local_world_size=runtime.cluster_env().local_world_size, meta_model=self._meta_model)
         self._apply_lr_scaling(batch_size)
         if self.scheduler is None and self.config.scheduler is not None:
             self.scheduler = self.config.scheduler(self.optimizer)
@@ -182,12 +188,14 @@ class Trainer:
         skipped_before = self._skipped()
         iterator = iter(steps)
         step = 0
+        self._meter.restart()
         while True:
             started = time.perf_counter()
             micro_batches = next(iterator, None)
             data_wait = time.perf_counter() - started
             if micro_batches is None:
                 break
+            self._meter.observe(micro_batches, self.loss_fn)  # FLOPs per sample, the first time only
             self.callbacks.on_train_batch_begin(step, {})
             self._beacon.mark(self.global_step + 1)
             try:
@@ -204,7 +212,8 @@ class Trainer:
                 loss, samples = self._sync(losses)
                 if samples:  # a window of skipped steps only has no loss (nan), and adds nothing
                     epoch_loss_sum, epoch_samples = epoch_loss_sum + loss * samples, epoch_samples + samples
-                record.update(loss=loss, samples_per_s=samples / max(record["step_time_s"], 1e-9))
+                rates = self._meter.report(samples)  # over the wall time since the last log, the whole job's
+                record.update(loss=loss, **rates)
                 self.history.record_step(record)
                 if writer:
                     writer.log_step(record)
@@ -213,6 +222,7 @@ class Trainer:
                     shown["skipped"] = self._skipped() - skipped_before
                 if "comm_bytes" in record:  # this rank's gradient bytes sent / uncompressed (ratio)
                     shown["comm"] = self.communication.progress_text(record)
+                shown.update(self._meter.progress_values(rates))
                 self._bar.update(step + 1, shown, record["samples_per_s"])
             self.callbacks.on_train_batch_end(step, record)
             step += 1

@@ -1,0 +1,56 @@
+"""compile= validation, and the eager fallback with a warning naming why compilation is impossible."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainmesh._torch import compile as tm_compile
+from trainmesh.trainer.config import TrainerConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, "whole", None])
+def test_bad_compile_values_raise_naming_them(bad):
+    with pytest.raises(ValueError, match=repr(bad).replace("(", r"\(")):
+        TrainerConfig(compile=bad)
+
+
+def test_bad_backend_and_peak_raise():
+    with pytest.raises(ValueError, match="compile_backend"):
+        TrainerConfig(compile=True, compile_backend="")
+    with pytest.raises(ValueError, match="peak_flops=-1"):
+        TrainerConfig(peak_flops=-1)
+
+
+def test_without_a_cxx_compiler_inductor_warns_and_runs_eager(monkeypatch, tmp_path):
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "no-such-compiler"))
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no g++, c++ or clang++
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.warns(RuntimeWarning, match=r"compile='regional' is not possible here: .*C\+\+ compiler"):
+        out = tm_compile.apply_compile(model, "regional")
+    assert out is model and tm_compile.compiled_mode(model) is False
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
+
+
+def test_regional_compiles_each_repeated_block_in_place():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = torch.nn.Linear(4, 8)
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)])
+
+    model = Net()
+    names = [n for n, _ in model.named_parameters()]
+    tm_compile.apply_compile(model, "regional", backend="eager")  # marks only: nothing runs here
+    assert [getattr(b, "_compiled_call_impl", None) is not None for b in model.blocks] == [True] * 3
+    assert getattr(model.inp, "_compiled_call_impl", None) is None
+    assert [n for n, _ in model.named_parameters()] == names  # no _orig_mod in any name
+    assert tm_compile.compiled_mode(model) == "regional"
+    flat = torch.nn.Linear(2, 2)  # no repeated blocks: compiled whole
+    tm_compile.apply_compile(flat, "regional", backend="eager")
+    assert flat._compiled_call_impl is not None and tm_compile.compiled_mode(flat) is True

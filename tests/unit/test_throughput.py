@@ -1,0 +1,105 @@
+"""Throughput and MFU: FLOPs per sample from FlopCounterMode on a meta copy, the peak probe and its
+cache, and the Trainer's records (JSONL) and progress bar carrying tokens/s and MFU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trainmesh.trainer.throughput import (
+    ThroughputMeter,
+    cached_peak_flops,
+    count_flops_per_sample,
+    measure_peak_flops,
+    meta_copy,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def test_flops_per_sample_match_the_matmul_count_and_leave_the_model_alone():
+    model = mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    meta = meta_copy(model)
+    assert all(p.device.type == "meta" for p in meta.parameters())
+    flops = count_flops_per_sample(meta, torch.randn(5, 8), torch.randn(5, 4), torch.nn.MSELoss(), rows=5)
+    # layer 1: forward + weight gradient (its input needs no gradient): 2 x 2*8*16; layer 2: 3 x 2*16*4
+    assert flops == 2 * 2 * 8 * 16 + 3 * 2 * 16 * 4
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_model_that_cannot_run_on_meta_gives_no_count():
+    class ItemInForward(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) * float(x.sum().item())
+
+    meta = meta_copy(ItemInForward())
+    assert count_flops_per_sample(meta, torch.randn(2, 4), torch.randn(2, 4), torch.nn.MSELoss(), rows=2) is None
+
+
+def test_peak_probe_is_cached_per_dtype(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINMESH_CACHE_DIR", str(tmp_path))
+    assert cached_peak_flops(torch.float32) is None
+    peak = measure_peak_flops(torch.float32, seconds=0.2, sizes=(128,))
+    assert peak > 1e6  # any CPU does more than a megaflop per second
+    assert cached_peak_flops(torch.float32) == peak
+    assert cached_peak_flops(torch.bfloat16) is None
+    with pytest.raises(ValueError, match="int8"):
+        measure_peak_flops(torch.int8)
+
+
+def test_meter_mfu_is_achieved_over_peak():
+    meter = ThroughputMeter(peak_flops=1e9, peak_units=2)
+    meter.flops_per_sample, meter.tokens_per_sample = 1e6, 10
+    rates = meter.report(samples=100)
+    assert rates["tokens_per_s"] == pytest.approx(10 * rates["samples_per_s"])
+    assert rates["mfu"] == pytest.approx(rates["samples_per_s"] * 1e6 / 2e9)
+    assert set(meter.progress_values(rates)) == {"tok/s", "mfu"}
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, vocab=11, dim=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.emb(tokens))
+
+
+def lm_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_trainer_logs_tokens_per_s_and_mfu(tmp_path, capsys):
+    import trainmesh as tm
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 11, (32, 6), generator=g)
+    model = TinyLM()
+    trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss, peak_flops=1e9,
+                         log_dir=tmp_path, progress=True)
+    history = trainer.fit((tokens, tokens.roll(1, dims=1)), epochs=1, batch_size=8)
+    # forward + backward of the head (3 x 2*16*11 per token); the embedding is a lookup, 0 FLOPs
+    assert trainer._meter.flops_per_sample == 6 * 3 * 2 * 16 * 11
+    assert trainer._meter.tokens_per_sample == 6
+    for step in history.steps:
+        assert step["tokens_per_s"] == pytest.approx(6 * step["samples_per_s"])
+        assert step["mfu"] == pytest.approx(step["samples_per_s"] * 6 * 3 * 2 * 16 * 11 / 1e9)
+    lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert any("mfu" in line and "tokens_per_s" in line for line in lines)
+    out = capsys.readouterr().out
+    assert "tok/s" in out and "mfu" in out
