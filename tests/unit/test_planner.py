@@ -38,13 +38,16 @@ def test_exact_bytes_per_stage_for_a_small_mlp():
     assert (r0.params, r0.grads, r0.optimizer, r0.activations, r0.buffers) == (P, P, adam, acts, P)
     assert r0.total == P + adam + P + max(P, acts)
     r1 = rows[(1, None)]
-    assert (r1.params, r1.grads, r1.optimizer, r1.buffers) == (P, P, adam_shard, P)
+    # ZeroRedundancyOptimizer partitions whole tensors (largest first, to the least-loaded rank): rank 0
+    # holds the 32x64 weight's Adam state alone, rank 1 the three others (not dim-0 shards of each)
+    assert (r1.params, r1.grads, r1.optimizer, r1.buffers) == (P, P, 2 * 32 * 64 * 4 + 4, P)
     r2 = rows[(2, None)]
     largest_unit_grad = (64 * 32 + 32) * 4
     assert (r2.params, r2.grads, r2.optimizer, r2.buffers) == (shard, shard, adam_shard, P + largest_unit_grad)
     r3 = rows[(3, None)]
-    # root unit holds nothing (both Linears are blocks): one gathered block + its unsharded gradient
-    assert (r3.params, r3.grads, r3.optimizer, r3.buffers) == (shard, shard, adam_shard, 2 * largest_unit_grad)
+    # root unit holds nothing (both Linears are blocks): the gathered block and the prefetched next one
+    # (here: both) + the largest unsharded gradient
+    assert (r3.params, r3.grads, r3.optimizer, r3.buffers) == (shard, shard, adam_shard, P + largest_unit_grad)
     assert all(r.fits for r in report.rows) and report.best().zero_stage == 0
 
 

@@ -1,25 +1,17 @@
 """``plan``: per-rank memory of training a model, for each ZeRO stage and checkpointing choice.
 
-What each row adds up (per rank, N = world size, P/G/O = full parameters incl. buffers,
-gradients, optimizer state; "/N" = dim-0 shards on the fullest rank):
+The data-parallel special case of ``plan_parallel``: a mesh ``data=N``, one dry run of trainmesh's
+own ``parallelize`` per ZeRO stage on torch's fake process group (``dry_run.run_rank``, rank 0, which
+holds the largest shards). Parameters, gradients and optimizer state are the storages the real
+DDP / ZeroRedundancyOptimizer / FSDP2 objects leave on that rank; ``buffers`` are the working copies
+read from the same objects (DDP's gradient buckets; FSDP2's unsharded parameter groups: all of them
+at stage 2, the root and two blocks (the one computing and the one prefetched) at stage 3, plus the
+largest group's unsharded gradient before its reduce-scatter). Nothing here re-derives sharding.
 
-=====  ======  ======  ======  ==============================================================
-stage  params  grads   optim.  buffers (working copies during a step)
-=====  ======  ======  ======  ==============================================================
-0      P       G       O       DDP's gradient buckets, one more G (N > 1)
-1      P       G       O/N     DDP's gradient buckets (ZeroRedundancyOptimizer shards only O)
-2      P/N     G/N     O/N     every unit's gathered parameters (FSDP2 reshard_after_forward=False
-                               keeps them from forward to backward) + the largest unit's
-                               unsharded gradient before its reduce-scatter
-3      P/N     G/N     O/N     the root unit's gathered parameters (FSDP2 keeps the root
-                               unsharded) + one gathered block + the largest unsharded gradient
-=====  ======  ======  ======  ==============================================================
-
-Units are the repeated blocks (``meta_model.find_blocks``) plus the root. ``activations`` is
-measured (``activations.py``); with checkpointing it includes one block's recompute. ``total``
-is the sum of the columns: it assumes gradients and activations are all alive at once, which
-over-states the true peak by at most min(G, activations) (backward frees activations as it makes
-gradients). Not counted: the batch, the loss's own saved tensors, allocator/runtime overhead.
+``activations`` is measured by a fake forward of the unwrapped model (``activations.py``), for
+each checkpointing policy; with checkpointing it includes one block's recompute. ``total`` is
+``params + optimizer + buffers + max(grads, activations)`` (both with accumulation). Not counted:
+the batch, the loss's own saved tensors, allocator/runtime overhead.
 
 >>> import torch
 >>> report = plan(lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)),
@@ -38,8 +30,9 @@ import torch
 from torch import nn
 
 from .activations import ActivationProfile, checkpoint_paths, measure_activations
-from .meta_model import build_meta_model, find_blocks
-from .model_states import ModelStates, count_model_states
+from .dry_run import RankResult, run_rank
+from .mesh_spec import MeshSpec
+from .meta_model import build_meta_model
 from .report import PlanReport, PlanRow, parse_bytes
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
@@ -64,30 +57,14 @@ def _has_full(meta_model: nn.Module) -> bool:
         return False
 
 
-def _stage_row(states: ModelStates, blocks: list[str], stage: int, world_size: int, *, cpu_offload: bool,
-               policy: str | None, activations: int, budget: int | None, accumulate: bool) -> PlanRow:
-    n = world_size
-    p_full, g_full, o_full = states.param_bytes + states.buffer_bytes, states.grad_bytes, states.optimizer_bytes
-    p_shard, g_shard, o_shard = states.sharded(n)
-    p_shard += states.buffer_bytes  # FSDP2 does not shard buffers
-    units = [states.subset([b]) for b in blocks] or [states]
-    root = ModelStates(tuple(p for p in states.params if p not in {q for u in units for q in u.params}), 0)
-    largest_grad = max([u.grad_bytes for u in units] + [root.grad_bytes])
+def _stage_row(rank: RankResult, stage: int, *, cpu_offload: bool, policy: str | None, activations: int,
+               budget: int | None, accumulate: bool) -> PlanRow:
+    params, grads, optimizer, buffers = rank.params, rank.grads, rank.optimizer, rank.buffers
     notes: list[str] = []
-    if stage == 0:
-        params, grads, optimizer, buffers = p_full, g_full, o_full, g_full if n > 1 else 0
-    elif stage == 1:
-        params, grads, optimizer, buffers = p_full, g_full, o_shard, g_full if n > 1 else 0
-    elif stage == 2:
-        params, grads, optimizer = p_shard, g_shard, o_shard
-        buffers = states.param_bytes + largest_grad
-    else:
-        params, grads, optimizer = p_shard, g_shard, o_shard
-        buffers = root.param_bytes + max(u.param_bytes for u in units) + largest_grad
     host = 0
     if cpu_offload and stage >= 2:
-        host = params - states.buffer_bytes + grads + optimizer
-        params, grads, optimizer = states.buffer_bytes, 0, 0
+        # FSDP2's CPUOffloadPolicy keeps the sharded states in host memory; buffers stay on the device.
+        host, params, grads, optimizer = params + grads + optimizer, 0, 0, 0
         notes.append("sharded states offloaded to host memory (a no-op on a CPU-only run)")
     elif cpu_offload:
         notes.append("cpu_offload needs stage 2 or 3; not applied")
@@ -135,7 +112,6 @@ def plan(model_or_factory: nn.Module | Callable[[], nn.Module], *, world_size: i
     elif isinstance(example_input, torch.Tensor) and example_input.dim() and example_input.shape[0] != micro_batch:
         raise ValueError(f"example_input must be one micro-batch (leading dim {micro_batch}). "
                          f"Received: shape {tuple(example_input.shape)}")
-    blocks = find_blocks(meta_model)
     policies = [None, activation_checkpointing] if activation_checkpointing else [None] + ["full"] * _has_full(meta_model)
     activations: dict[str | None, int] = {}
     for policy in policies:
@@ -144,16 +120,20 @@ def plan(model_or_factory: nn.Module | Callable[[], nn.Module], *, world_size: i
                                                          checkpoint_paths=paths, device=device)
         kept, transient = profile.with_checkpointing(paths) if policy else (profile.total_bytes, 0)
         activations[policy] = kept + transient
-    states = count_model_states(meta_model, precision, optimizer)
     stages = [zero_stage] if zero_stage is not None else [0, 1, 2, 3]
-    rows = [_stage_row(states, blocks, stage, world_size, cpu_offload=cpu_offload, policy=policy,
-                       activations=activations[policy], budget=budget,
-                       accumulate=grad_accum_steps > 1)
+    spec = MeshSpec.parse(None, world_size)
+    measured = {stage: run_rank(meta_model, spec, 0, zero_stage=stage, activation_checkpointing=None,
+                                precision=precision, micro_batch=micro_batch,
+                                seq_len=seq_len, optimizer=optimizer, example_input=example_input)
+                for stage in stages}
+    rows = [_stage_row(measured[stage], stage, cpu_offload=cpu_offload, policy=policy,
+                       activations=activations[policy], budget=budget, accumulate=grad_accum_steps > 1)
             for stage in stages for policy in policies]
+    num_parameters = sum(p.numel() for p in meta_model.parameters())
     notes = ["total = params + optimizer + buffers + " + ("grads + activations (accumulation keeps gradients alive)"
              if grad_accum_steps > 1 else "max(grads, activations) (gradients are freed after each step)")]
     if activation_checkpointing == "selective":
         notes.append("selective checkpointing is planned as full checkpointing of the same blocks: the "
                      "saved matmul outputs it keeps are not counted (activations are under-stated)")
     return PlanReport(rows=rows, world_size=world_size, precision=precision, micro_batch=micro_batch,
-                      grad_accum_steps=grad_accum_steps, num_parameters=states.num_parameters, budget=budget, notes=notes)
+                      grad_accum_steps=grad_accum_steps, num_parameters=num_parameters, budget=budget, notes=notes)

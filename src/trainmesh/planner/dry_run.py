@@ -1,0 +1,318 @@
+"""A dry run of the real parallelization code for one rank of an N-rank world, on torch's fake
+process group, with fake tensors: nothing is allocated, nothing is sent.
+
+For a representative rank ``r``:
+
+1. ``init_process_group("fake", FakeStore(), rank=r, world_size=N)``: every collective returns
+   at once without moving data, but the process groups, their sizes and ranks are real;
+2. the model (built on the meta device) is copied into fake tensors that claim the CPU
+   (``meta_model.to_fake``), so kernels dispatch as on a real CPU run;
+3. trainmesh's own ``parallelize`` (tensor layouts, activation checkpointing, DDP/FSDP2, the
+   pipeline split) runs on it, unchanged: the parameters it leaves behind are the ones training
+   would have, and their local shards' storages are what this rank holds;
+4. the optimizer is built over those parameters (``Distribution.prepare_optimizer`` for ZeRO-1)
+   and one forward, backward and optimizer step run under ``FakeTensorMode`` with three
+   observers: ``CollectiveCounter`` (collectives per axis), ``FlopCounterMode`` and the
+   saved-tensor hooks of ``activations.py`` (bytes autograd keeps for backward).
+
+Two things are bridged, each for a reason in torch, not in trainmesh (see ``_bridge_*``):
+
+* ``nn.Module.to`` swaps FakeTensor parameters (``torch.utils.swap_tensors``), which torch
+  refuses for fakes it tracks; the fakes are already on the target device, so the planner's
+  copy of the model gets a ``to`` that returns it unchanged (this instance only);
+* DDP's C++ reducer cannot finish an all-reduce on the fake backend (its hook future carries no
+  tensor), so DDP's backward runs under ``no_sync`` and its all-reduces are read from DDP's
+  own bucket assignment (``_get_ddp_logging_data()["bucket_sizes"]``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .flops import LocalFlops
+from .collectives import CollectiveCounter, CollectiveLog, group_axes
+from .mesh_spec import MeshSpec
+
+import os
+_DEBUG = os.environ.get("TM_PLAN_DEBUG")
+_MIXED = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+@dataclass
+class RankResult:
+    """What one rank holds and does in one optimizer step (one micro-batch forward/backward)."""
+
+    rank: int
+    coords: dict[str, int]
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    flops: int
+    collectives: CollectiveLog
+    num_parameters_local: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "coords": self.coords, "params": self.params, "grads": self.grads,
+                "optimizer": self.optimizer, "activations": self.activations, "buffers": self.buffers,
+                "flops": self.flops, "collectives": self.collectives.rows(),
+                "num_parameters_local": self.num_parameters_local, "seconds": round(self.seconds, 3),
+                "notes": self.notes}
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of distinct storages (a DTensor counts its local shard; FSDP2's padded shard included)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        local = getattr(t, "_local_tensor", t)
+        storage = local.untyped_storage()
+        seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _bridge_module_to(model: nn.Module) -> None:
+    model.to = types.MethodType(lambda self, *args, **kwargs: self, model)
+
+
+def _default_batch(model: nn.Module, micro_batch: int, seq_len: int | None, mode) -> tuple[tuple, dict]:
+    """Token ids for a model that starts with an embedding (``labels=`` too for a transformers model)."""
+    vocab = next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if vocab is None or seq_len is None:
+        raise ValueError("The dry run feeds token ids: the model needs an nn.Embedding and seq_len must be given. "
+                         f"Received: seq_len={seq_len!r}, embedding={'yes' if vocab else 'none'}")
+    with mode:
+        ids = torch.zeros((micro_batch, seq_len), dtype=torch.long)
+    if _is_hf(model):
+        return (), {"input_ids": ids, "labels": ids}
+    return (ids,), {}
+
+
+def _is_hf(model: nn.Module) -> bool:
+    return any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
+
+
+def _loss(output) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    first = next(t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point())
+    return first.float().mean()
+
+
+def _unsharded_buffers(model: nn.Module, zero_stage: int) -> tuple[int, list[str]]:
+    """Working copies during a step, read from the wrapped model itself.
+
+    FSDP2: the unsharded size of each parameter group (all of them at stage 2, which keeps units
+    gathered from forward to backward; the root and the two largest at stage 3: the one
+    computing and the one prefetched), plus the largest group's unsharded gradient before its
+    reduce-scatter. DDP: its gradient buckets.
+    """
+    notes: list[str] = []
+    groups = []
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        if state is None:
+            continue
+        group = state()._fsdp_param_group
+        if group is not None:
+            # this rank's unsharded piece: the padded shard times the shard group (a tensor-parallel
+            # parameter's piece is its model-axis shard, not the global tensor)
+            numels = [p._sharded_param_data.numel() * p.mesh_info.shard_mesh_size for p in group.fsdp_params]
+            size = sum(n * (p.param_dtype or p.orig_dtype).itemsize for n, p in zip(numels, group.fsdp_params))
+            grad = sum(n * p.orig_dtype.itemsize for n, p in zip(numels, group.fsdp_params))
+            groups.append((module is model, size, grad))
+    if groups:
+        if zero_stage == 2:
+            gathered = sum(size for _, size, _ in groups)
+        else:
+            root = sum(size for is_root, size, _ in groups if is_root)
+            others = sorted((size for is_root, size, _ in groups if not is_root), reverse=True)
+            gathered = root + sum(others[:2])
+        return gathered + max(g for _, _, g in groups), notes
+    ddp = getattr(model, "_get_ddp_logging_data", None)
+    if ddp is not None:
+        sizes = [int(s) for s in str(ddp().get("bucket_sizes", "")).split(",") if s.strip()]
+        return sum(sizes), notes
+    return 0, notes
+
+
+def _ddp_all_reduces(model: nn.Module, log: CollectiveLog, axis: str, size: int) -> None:
+    data = model._get_ddp_logging_data()
+    for s in str(data.get("bucket_sizes", "")).split(","):
+        if s.strip():
+            log.add(axis, "all_reduce", int(s))
+    log.group_sizes[axis] = size
+
+
+def run_rank(meta_model: nn.Module, spec: MeshSpec, rank: int, *, zero_stage: int, activation_checkpointing: Any,
+             precision: str, micro_batch: int, seq_len: int | None, optimizer: Any = "adam",
+             example_input: Any = None, microbatches: int = 1) -> RankResult:
+    """Dry-run ``parallelize`` for ``rank`` of ``spec``; see the module docstring."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainmesh import runtime
+    from trainmesh._torch.mesh import to_torch_mesh
+    from trainmesh._torch.parallelize import parallelize
+
+    from .activations import _to_fake_input
+    from .meta_model import to_fake
+    from .model_states import resolve_optimizer
+
+    if dist.is_initialized():
+        raise RuntimeError("run_rank needs a process without a process group (it starts a fake one)")
+    start = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=spec.world_size)
+    try:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        source = meta_model.to(torch.bfloat16) if precision == "bf16-true" else meta_model
+        model = to_fake(source, mode, "cpu")
+        distribution = spec.distribution(model, zero_stage=zero_stage, microbatches=microbatches)
+        torch_mesh = to_torch_mesh(distribution.device_mesh)  # built outside the fake mode (real rank tensors)
+        axis_of = group_axes(torch_mesh)
+        _bridge_module_to(model)
+        regions = _checkpointed_modules(model, activation_checkpointing)
+        model = parallelize(model, distribution, zero_stage=zero_stage,
+                            activation_checkpointing=activation_checkpointing,
+                            mixed_precision=_MIXED.get(precision) if zero_stage >= 2 else None)
+        model.train()
+        params = [p for p in model.parameters()]
+        param_bytes = _storage_bytes(params) + _storage_bytes(model.buffers())
+        num_local = sum(getattr(p, "_local_tensor", p).numel() for p in params)
+        opt = resolve_optimizer(optimizer)([p for p in params if p.requires_grad])
+        opt = distribution.prepare_optimizer(opt, model)
+        if example_input is not None:
+            args = _to_fake_input(example_input, mode, "cpu", precision)
+            args, kwargs = (args if isinstance(args, tuple) else (args,)), {}
+        else:
+            args, kwargs = _default_batch(model, micro_batch, seq_len, mode)
+        counter = CollectiveCounter(axis_of)
+        saved: dict[int, int] = {}
+        hooks = []
+        weights = {getattr(t, "_local_tensor", t).untyped_storage()._cdata for t in [*params, *model.buffers()]}
+
+        def pack(t):
+            local = getattr(t, "_local_tensor", t)
+            storage = local.untyped_storage()
+            key = storage._cdata
+            if key not in weights and not isinstance(t, nn.Parameter):
+                saved.setdefault(key, storage.nbytes())
+                if _DEBUG and storage.nbytes() > 2**24: print("SAVED", type(t).__name__, tuple(t.shape), t.dtype, storage.nbytes() >> 20)
+            return t
+
+        for module in model.modules():  # a module's parameters as it runs (FSDP2's gathered ones included)
+            hooks.append(module.register_forward_pre_hook(
+                lambda m, _: weights.update(getattr(p, "_local_tensor", p).untyped_storage()._cdata
+                                            for p in m.parameters(recurse=False))))
+        is_ddp = hasattr(model, "_get_ddp_logging_data")
+        sync = model.no_sync() if is_ddp else _null()
+        autocast = (torch.autocast("cpu", dtype=_MIXED[precision]) if precision in _MIXED else _null())
+        flops = LocalFlops()
+        recompute = _RecomputeBytes(regions, saved)
+        with mode, counter, flops, sync, recompute:
+            with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                output = model(*args, **kwargs)
+            for t in tree_leaves(output):  # alive until the loss is computed
+                if isinstance(t, torch.Tensor):
+                    saved.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
+            loss = _loss(output)
+            activation_bytes = sum(saved.values())
+            recompute.backward = True
+            loss.backward()
+        recompute.close()
+        for hook in hooks:
+            hook.remove()
+        activation_bytes += recompute.peak
+        if is_ddp:
+            batch_axis = distribution.batch_dim_name
+            _ddp_all_reduces(model, counter.log, batch_axis, distribution.device_mesh.axis_size(batch_axis))
+        grad_bytes = _storage_bytes(p.grad for p in params)
+        with mode, counter:
+            opt.step()
+        optim_state = getattr(opt, "optim", opt).state  # ZeroRedundancyOptimizer keeps its shard's in .optim
+        optimizer_bytes = _storage_bytes(v for s in optim_state.values() for v in s.values()
+                                         if isinstance(v, torch.Tensor))
+        buffers, notes = _unsharded_buffers(model, zero_stage)
+        coords = spec.coords(rank)
+        return RankResult(rank=rank, coords=coords, params=param_bytes, grads=grad_bytes, optimizer=optimizer_bytes,
+                          activations=activation_bytes, buffers=buffers, flops=flops.total,
+                          collectives=counter.log, num_parameters_local=num_local,
+                          seconds=time.perf_counter() - start, notes=notes)
+    finally:
+        runtime.shutdown()  # forgets the torch meshes and the adopted group (not owned: not destroyed)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _checkpointed_modules(model: nn.Module, policy: Any) -> list[nn.Module]:
+    """The modules ``policy`` checkpoints (outermost only), asked of the checkpointing module itself."""
+    if policy is None:
+        return []
+    from trainmesh._torch.activation_checkpointing import checkpointed_module_paths
+
+    paths = list(checkpointed_module_paths(model, policy))
+    paths = [p for p in paths if not any(p.startswith(q + ".") for q in paths if q != p)]
+    return [model.get_submodule(p) for p in paths]
+
+
+class _RecomputeBytes(TorchDispatchMode):
+    """Activation checkpointing, measured: in forward a checkpointed module keeps only its inputs
+    (added to ``saved``); in backward it is run again, and the bytes its re-run creates are alive
+    together until its backward is done: the largest such re-run is the recompute transient."""
+
+    def __init__(self, regions: list[nn.Module], saved: dict[int, int]):
+        super().__init__()
+        self.saved, self.backward, self.peak = saved, False, 0
+        self.current: dict[int, int] | None = None
+        self.handles = []
+        for module in regions:
+            self.handles.append(module.register_forward_pre_hook(self._enter))
+            self.handles.append(module.register_forward_hook(self._exit))
+
+    def _enter(self, module, inputs):
+        if not self.backward:
+            for t in tree_leaves(inputs):
+                if isinstance(t, torch.Tensor):
+                    self.saved.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
+        else:
+            self.current = {}
+
+    def _exit(self, module, inputs, output):
+        if self.backward and self.current is not None:
+            self.peak = max(self.peak, sum(self.current.values()))
+            self.current = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.current is not None:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.current.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
+        return out
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

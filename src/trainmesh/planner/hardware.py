@@ -1,0 +1,97 @@
+"""Hardware figures for step time: a device's FLOP rate and an alpha-beta model of each link.
+
+A collective on an axis costs ``calls * alpha + wire_bytes / beta`` (``collectives.wire_bytes``,
+ring algorithms). An axis uses the intra-node link when its whole process group fits in one node
+(``stride * size <= devices_per_node``, ranks numbered row-major as torchrun does), else the
+inter-node link, whose per-device bandwidth is the bottleneck of a ring that crosses nodes.
+
+Figures come from one of two places, and the output names which:
+
+* ``published``: vendor datasheet numbers (``HARDWARE["h100"]``: 989 TFLOP/s dense bf16,
+  NVLink 4 at 900 GB/s bidirectional = 450 GB/s each way, one 400 Gb/s NDR NIC per GPU = 50 GB/s).
+  Peak numbers: a plan on them is a best case; alphas (5 us NVLink, 10 us InfiniBand) are the
+  order of NCCL's small-message latency, an assumption, not a datasheet figure;
+* ``calibrated``: measured on this machine by ``trainmesh plan --calibrate`` (``calibrate.py``).
+
+>>> h = HARDWARE["h100"]
+>>> h.link_for(stride=1, size=8).name, h.link_for(stride=8, size=16).name
+('nvlink', 'infiniband')
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from .collectives import CollectiveLog, wire_bytes
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    alpha: float       # seconds per call
+    beta: float        # bytes per second, one direction, per device
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    source: str        # "published: ..." or "calibrated on <host> ..."
+    flops: float       # FLOP/s per device at the planned precision
+    devices_per_node: int
+    intra: Link
+    inter: Link
+    memory: int | None = None
+
+    def link_for(self, *, stride: int, size: int) -> Link:
+        return self.intra if stride * size <= self.devices_per_node else self.inter
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Hardware":
+        data = dict(data)
+        data["intra"], data["inter"] = Link(**data["intra"]), Link(**data["inter"])
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str) -> "Hardware":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+HARDWARE = {
+    "h100": Hardware(
+        name="h100", source="published: NVIDIA H100 SXM5 datasheet (989 TFLOP/s dense bf16, NVLink 900 GB/s "
+        "bidirectional), 400 Gb/s NDR InfiniBand per GPU; alphas assumed (5 us / 10 us)",
+        flops=989e12, devices_per_node=8, intra=Link("nvlink", 5e-6, 450e9), inter=Link("infiniband", 10e-6, 50e9),
+        memory=80 * 10**9),
+}
+
+
+def resolve_hardware(value: str | Hardware | None) -> Hardware:
+    if isinstance(value, Hardware):
+        return value
+    if value is None:
+        return HARDWARE["h100"]
+    if value in HARDWARE:
+        return HARDWARE[value]
+    if isinstance(value, str) and value.endswith(".json"):
+        try:
+            return Hardware.load(value)
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"Cannot read hardware figures from {value!r}: {exc}") from exc
+    raise ValueError(f"hardware is one of {sorted(HARDWARE)} or a JSON file written by --calibrate. "
+                     f"Received: hardware={value!r}")
+
+
+def axis_seconds(log: CollectiveLog, hardware: Hardware, strides: dict[str, int]) -> dict[str, float]:
+    """Seconds each axis's collectives take on ``hardware`` (``strides``: axis -> rank stride)."""
+    out: dict[str, float] = {}
+    for row in log.rows():
+        axis, size = row["axis"], max(row["group_size"], 1)
+        link = hardware.link_for(stride=strides.get(axis, hardware.devices_per_node), size=size)
+        seconds = row["count"] * link.alpha + wire_bytes(row["kind"], row["bytes"], size) / link.beta
+        out[axis] = out.get(axis, 0.0) + (seconds if size > 1 else 0.0)
+    return out

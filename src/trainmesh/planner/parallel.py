@@ -1,0 +1,211 @@
+"""``plan_parallel``: per-rank memory, collectives and step time of an N-rank mesh, from dry runs.
+
+Everything per rank is *measured* on the dry run of the real code (``dry_run.run_rank``) for
+the representative ranks of the mesh (``MeshSpec.representative_ranks``); this module only
+adds up and prices what was measured:
+
+* peak memory = params + optimizer + buffers + max(grads, activations), the Trainer's order
+  (gradients freed after each step; with accumulation or a pipeline both are alive together);
+* step time on ``hardware``: compute = measured FLOPs / the device's FLOP rate; each axis's
+  collectives priced by the alpha-beta model (``hardware.axis_seconds``); model-axis (tensor
+  parallel) traffic is on the critical path, batch-axis traffic (DDP buckets, FSDP2 gathers and
+  reduce-scatters) overlaps compute and only its excess shows;
+* MFU = model FLOPs (6N + 12·L·H·T per token, the convention torchtitan and Megatron-LM report)
+  per step over world size x step time x peak.
+
+>>> from trainmesh.planner.parallel import plan_parallel
+>>> p = plan_parallel("tiny-llama", world_size=8, mesh="data=4,model=2", zero_stage=3,
+...                   micro_batch=1, seq_len=64)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import nn
+
+from .dry_run import RankResult, run_rank
+from .hardware import Hardware, axis_seconds, resolve_hardware
+from .mesh_spec import MeshSpec
+from .meta_model import build_meta_model
+from .models import model_factory, model_shape
+from .report import format_bytes, parse_bytes
+
+CHECKPOINTING = (None, "none", "full", "selective")
+
+
+@dataclass
+class StepEstimate:
+    compute: float
+    axes: dict[str, float]          # seconds per axis
+    exposed: dict[str, float]       # seconds per axis that compute does not hide
+    seconds: float
+    mfu: float | None
+
+    @property
+    def comm_share(self) -> float:
+        return sum(self.exposed.values()) / self.seconds if self.seconds else 0.0
+
+    @property
+    def scaling_efficiency(self) -> float:
+        """Compute over step time: 1.0 when no communication shows."""
+        return self.compute / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class ParallelPlan:
+    model: str
+    mesh: MeshSpec
+    zero_stage: int
+    activation_checkpointing: str | None
+    precision: str
+    micro_batch: int
+    seq_len: int | None
+    num_parameters: int
+    ranks: list[RankResult]
+    step: StepEstimate
+    hardware: Hardware
+    device_memory: int | None
+    grad_accum_steps: int = 1
+    notes: list[str] = field(default_factory=list)
+
+    def peak(self, r: RankResult) -> int:
+        together = self.grad_accum_steps > 1
+        step = r.grads + r.activations if together else max(r.grads, r.activations)
+        return r.params + r.optimizer + r.buffers + step
+
+    @property
+    def worst(self) -> RankResult:
+        return max(self.ranks, key=self.peak)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak(self.worst)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device_memory is None else self.peak_bytes <= self.device_memory
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "mesh": self.mesh.text(), "world_size": self.mesh.world_size,
+                "zero_stage": self.zero_stage, "activation_checkpointing": self.activation_checkpointing,
+                "precision": self.precision, "micro_batch": self.micro_batch, "seq_len": self.seq_len,
+                "num_parameters": self.num_parameters, "grad_accum_steps": self.grad_accum_steps,
+                "ranks": [{**r.to_dict(), "peak": self.peak(r)} for r in self.ranks],
+                "peak_bytes": self.peak_bytes, "device_memory": self.device_memory, "fits": self.fits,
+                "step": {"compute_s": self.step.compute, "axes_s": self.step.axes, "exposed_s": self.step.exposed,
+                         "seconds": self.step.seconds, "mfu": self.step.mfu, "comm_share": self.step.comm_share,
+                         "scaling_efficiency": self.step.scaling_efficiency},
+                "hardware": self.hardware.to_dict(), "notes": self.notes}
+
+    def table(self) -> str:
+        lines = [f"PLAN (dry run of trainmesh's parallelize on a fake process group; not a measurement)",
+                 f"model {self.model}: {self.num_parameters / 1e9:.2f}B parameters, world size {self.mesh.world_size}, "
+                 f"mesh {self.mesh.text()}, ZeRO {self.zero_stage}, checkpointing "
+                 f"{self.activation_checkpointing or 'none'}, {self.precision}, micro-batch {self.micro_batch}"
+                 + (f" x {self.seq_len} tokens" if self.seq_len else ""),
+                 "", "per rank          params      grads  optimizer  activations    buffers       peak"]
+        for r in self.ranks:
+            where = ",".join(f"{a}={i}" for a, i in r.coords.items())
+            lines.append(f"rank {r.rank:<5} ({where})")
+            lines.append("                " + " ".join(format_bytes(v).rjust(10) for v in (
+                r.params, r.grads, r.optimizer, r.activations, r.buffers, self.peak(r))))
+        if self.device_memory is not None:
+            lines.append(f"device memory {format_bytes(self.device_memory)}: "
+                         + ("fits" if self.fits else f"does NOT fit (over by {format_bytes(self.peak_bytes - self.device_memory)})"))
+        lines += ["", "collectives per step (rank " + str(self.worst.rank) + ")",
+                  "  axis      group  kind             calls        bytes"]
+        for row in self.worst.collectives.rows():
+            lines.append(f"  {row['axis']:<9} {row['group_size']:>5}  {row['kind']:<15} {row['count']:>6} "
+                         f"{format_bytes(row['bytes']):>12}")
+        s = self.step
+        lines += ["", f"step time on {self.hardware.name} ({self.hardware.source})",
+                  f"  compute {s.compute * 1e3:.1f} ms; " + "; ".join(
+                      f"{a} {t * 1e3:.1f} ms ({s.exposed.get(a, 0) * 1e3:.1f} exposed)" for a, t in s.axes.items()),
+                  f"  step {s.seconds * 1e3:.1f} ms, communication share {s.comm_share:.1%}, scaling efficiency "
+                  f"{s.scaling_efficiency:.1%}" + (f", MFU {s.mfu:.1%}" if s.mfu is not None else "")]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def estimate_step(ranks: list[RankResult], spec: MeshSpec, hardware: Hardware, *, tokens_per_rank: float | None,
+                  shape: dict, accum: int = 1) -> StepEstimate:
+    strides = {a: spec.stride(a) for a in spec.names}
+    worst = None
+    for r in ranks:
+        compute = r.flops * accum / hardware.flops
+        axes = {a: t * accum for a, t in axis_seconds(r.collectives, hardware, strides).items()}
+        exposed = {}
+        for axis, t in axes.items():
+            hidden = axis == spec.batch_axis  # gradient/parameter traffic overlaps compute
+            exposed[axis] = max(0.0, t - compute) if hidden else t
+        seconds = compute + sum(exposed.values())
+        if worst is None or seconds > worst.seconds:
+            worst = StepEstimate(compute, axes, exposed, seconds, None)
+    if tokens_per_rank and shape.get("num_layers") and shape.get("hidden") and worst.seconds:
+        per_token = 6 * shape["num_parameters"] + 12 * shape["num_layers"] * shape["hidden"] * (shape.get("seq") or 0)
+        worst.mfu = per_token * tokens_per_rank * accum / (worst.seconds * hardware.flops)
+    return worst
+
+
+def plan_parallel(model: str | nn.Module | Callable[[], nn.Module], *, world_size: int, mesh: str | None = None,
+                  zero_stage: int = 0, activation_checkpointing: str | None = None, precision: str = "bf16-mixed",
+                  micro_batch: int = 1, seq_len: int | None = None, example_input: Any = None,
+                  optimizer: Any = "adam", device_memory: int | str | None = None,
+                  hardware: str | Hardware | None = "h100", grad_accum_steps: int = 1) -> ParallelPlan:
+    """Dry-run ``model`` on an N-rank ``mesh`` and price it; see the module docstring."""
+    spec = MeshSpec.parse(mesh, world_size)  # bad meshes fail here, before anything is built
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0..3. Received: zero_stage={zero_stage!r}")
+    if activation_checkpointing == "none":
+        activation_checkpointing = None
+    if not isinstance(micro_batch, int) or micro_batch < 1:
+        raise ValueError(f"micro_batch must be an int >= 1. Received: micro_batch={micro_batch!r}")
+    budget = parse_bytes(device_memory) if device_memory is not None else None
+    hw = resolve_hardware(hardware)
+    name = model if isinstance(model, str) else getattr(model, "__name__", type(model).__name__)
+    meta = build_meta_model(model if isinstance(model, nn.Module) else model_factory(model))
+    shape = {**model_shape(meta), "seq": seq_len}
+    ranks = [run_rank(meta, spec, rank, zero_stage=zero_stage, activation_checkpointing=activation_checkpointing,
+                      precision=precision, micro_batch=micro_batch, seq_len=seq_len, optimizer=optimizer,
+                      example_input=example_input)
+             for rank in spec.representative_ranks()]
+    dp = spec.size(spec.batch_axis)
+    tokens = micro_batch * (seq_len or 0) * dp / world_size if seq_len else None
+    step = estimate_step(ranks, spec, hw, tokens_per_rank=tokens, shape=shape, accum=grad_accum_steps)
+    plan = ParallelPlan(model=str(name), mesh=spec, zero_stage=zero_stage,
+                        activation_checkpointing=activation_checkpointing, precision=precision,
+                        micro_batch=micro_batch, seq_len=seq_len, num_parameters=shape["num_parameters"],
+                        ranks=ranks, step=step, hardware=hw, device_memory=budget, grad_accum_steps=grad_accum_steps)
+    plan.notes.append("ranks dry-run: " + ", ".join(f"{r.rank} ({r.seconds:.1f} s)" for r in ranks)
+                      + "; other ranks hold the same or smaller shards")
+    if plan.fits is False:
+        plan.notes.append(advice(plan))
+    return plan
+
+
+def advice(plan: ParallelPlan) -> str:
+    """Which knob cuts the worst rank's peak the most, from its measured parts."""
+    r = plan.worst
+    over = plan.peak_bytes - plan.device_memory
+    dp = plan.mesh.size(plan.mesh.batch_axis)
+    options = []
+    if plan.zero_stage < 3 and dp > 1:
+        # what is still whole on each rank at this stage, and would be split dp ways at stage 3
+        whole = {0: r.params + r.grads + r.optimizer, 1: r.params + r.grads, 2: r.params}[plan.zero_stage]
+        options.append((whole * (1 - 1 / dp), f"--zero 3 (shards what is still whole over {dp} ranks)"))
+    if plan.activation_checkpointing is None:
+        options.append((r.activations * 0.7, "--activation-checkpointing full (keeps block inputs only)"))
+    if plan.micro_batch > 1:
+        options.append((r.activations * (1 - 1 / plan.micro_batch), "--micro-batch 1"))
+    options.append(((r.params + r.grads + r.optimizer) / 2, "a model axis twice as large (model=2x)"))
+    saved, knob = max(options)
+    return (f"over the device memory by {format_bytes(over)} on rank {r.rank}; the knob that helps most: {knob}, "
+            f"about {format_bytes(saved)} less")
+
+
+__all__ = ["plan_parallel", "ParallelPlan", "StepEstimate", "estimate_step"]

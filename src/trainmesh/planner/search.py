@@ -1,0 +1,92 @@
+"""``search``: candidate meshes x ZeRO stages x checkpointing, each dry-run, ranked by step time.
+
+Candidates: a model axis of 1, 2, 4 or 8 (at most a node, where tensor parallelism's per-layer
+all-reduces can stay on NVLink) that divides the world size; the rest is the batch axis. ZeRO
+stages 0-3 (1 only without a model axis: ModelParallel offers 2-3), checkpointing none or full.
+A mesh whose model axis the model cannot split (no layer divides) is skipped with a note.
+Each candidate is a full dry run; the ones that fit ``device_memory`` are ranked fastest first
+(estimated step time), ties to less communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import nn
+
+from .meta_model import build_meta_model
+from .models import model_factory
+from .parallel import ParallelPlan, plan_parallel
+from .report import format_bytes
+
+
+@dataclass
+class SearchResult:
+    plans: list[ParallelPlan]
+    device_memory: int
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def ranked(self) -> list[ParallelPlan]:
+        fitting = [p for p in self.plans if p.fits]
+        return sorted(fitting, key=lambda p: (p.step.seconds, p.step.comm_share))
+
+    @property
+    def best(self) -> ParallelPlan | None:
+        return self.ranked[0] if self.ranked else None
+
+    def table(self) -> str:
+        lines = [f"PLAN search (dry runs on a fake process group; not a measurement), device memory "
+                 f"{format_bytes(self.device_memory)}",
+                 "  #  mesh                       zero  checkpointing        peak  fits   step ms  comm    MFU"]
+        order = self.ranked + [p for p in self.plans if not p.fits]
+        for i, p in enumerate(order, 1):
+            mfu = f"{p.step.mfu:.1%}" if p.step.mfu is not None else "-"
+            lines.append(f"{i:>3}  {p.mesh.text():<26} {p.zero_stage:>4}  {p.activation_checkpointing or 'none':<13}"
+                         f"{format_bytes(p.peak_bytes):>11}  {'yes' if p.fits else 'no':<4} {p.step.seconds * 1e3:>8.1f}"
+                         f"  {p.step.comm_share:>5.1%} {mfu:>6}")
+        if not self.ranked:
+            lines.append("nothing fits: " + (min(self.plans, key=lambda p: p.peak_bytes).notes[-1]
+                                             if self.plans else "no candidate could be planned"))
+        lines += [f"skipped: {s}" for s in self.skipped]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device_memory": self.device_memory, "skipped": self.skipped,
+                "best": self.best.to_dict() if self.best else None,
+                "ranked": [{"mesh": p.mesh.text(), "zero_stage": p.zero_stage,
+                            "activation_checkpointing": p.activation_checkpointing, "peak_bytes": p.peak_bytes,
+                            "fits": p.fits, "step_seconds": p.step.seconds, "comm_share": p.step.comm_share,
+                            "mfu": p.step.mfu} for p in self.ranked + [p for p in self.plans if not p.fits]]}
+
+
+def candidates(world_size: int, max_model: int = 8) -> list[tuple[str, int, str | None]]:
+    out = []
+    for model in (1, 2, 4, 8):
+        if model > max_model or world_size % model:
+            continue
+        mesh = f"data={world_size // model}" + (f",model={model}" if model > 1 else "")
+        for zero in ((0, 1, 2, 3) if model == 1 else (0, 2, 3)):
+            for checkpointing in (None, "full"):
+                out.append((mesh, zero, checkpointing))
+    return out
+
+
+def search(model: str | nn.Module | Callable[[], nn.Module], *, world_size: int, device_memory: int,
+           progress: Callable[[str], None] | None = None, **kwargs) -> SearchResult:
+    meta = build_meta_model(model if isinstance(model, nn.Module) else model_factory(model))
+    result = SearchResult([], device_memory)
+    for mesh, zero, checkpointing in candidates(world_size):
+        try:
+            plan = plan_parallel(meta, world_size=world_size, mesh=mesh, zero_stage=zero,
+                                 activation_checkpointing=checkpointing, device_memory=device_memory, **kwargs)
+        except ValueError as exc:
+            result.skipped.append(f"{mesh} zero {zero}: {exc}")
+            continue
+        plan.model = model if isinstance(model, str) else plan.model
+        result.plans.append(plan)
+        if progress:
+            progress(f"  planned {mesh} zero {zero} checkpointing {checkpointing or 'none'}: peak "
+                     f"{format_bytes(plan.peak_bytes)}, step {plan.step.seconds * 1e3:.1f} ms")
+    return result
