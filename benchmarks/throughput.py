@@ -1,0 +1,222 @@
+"""Compiled vs eager steps, and the demo's MFU, on 4 gloo processes.
+
+    python benchmarks/throughput.py [--rounds R] [--steps S] [--quick] [--json PATH]
+
+Models: the demo's character GPT (its default size and step: bf16-mixed, 2 micro-batches of 16
+windows of 64 per process) and a Llama-style transformers ``LlamaForCausalLM`` built from a small
+config (no download), each under DataParallel and ZeRO-3, eager (``compile=False``) against
+compiled (``compile="regional"``, each decoder block). Both variants of a pair are built by the
+Trainer in the same processes and step through the Trainer's own ``forward_backward`` plus the
+optimizer step, on the same batches; rounds alternate the order (eager first, then compiled
+first). Compile time (the first step) is reported apart and kept out of the step medians.
+
+Figures (``--json``): ``compiled_vs_eager_step_gpt`` (GPT, DataParallel, median step time
+compiled / eager), ``compiled_vs_eager_step_llama_zero3``, ``compiled_parity_max_abs_diff``
+(fp32, 4 SGD steps, parameters of compiled vs eager, max over GPT/DP and Llama/ZeRO-3) and
+``demo_mfu_vs_bf16_peak`` (the demo GPT's model FLOPs per second on its default path under
+DataParallel / this node's bf16 matmul peak measured by the ``trainmesh env --peak`` probe in the
+same run, before the workers start). Exit 1 and INVALID when the two sides of a pair did not do
+the same work (different step counts, or losses apart by more than bf16 noise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from trainmesh.testing import run_distributed
+
+WORLD = 4
+GPT_VOCAB, SEQ = 96, 64
+LOSS_TOLERANCE = 0.05  # bf16-mixed: compiled and eager losses after equal steps (nats)
+
+
+def build(model_name: str):
+    from trainmesh.demo.char_gpt import CharGPT, GPTConfig, lm_loss
+    from trainmesh.demo.job import DemoSettings
+
+    torch.manual_seed(0)
+    if model_name == "gpt":
+        s = DemoSettings.full()
+        model = CharGPT(GPTConfig(vocab_size=GPT_VOCAB, block_size=s.block_size, n_layer=s.n_layer,
+                                  n_head=s.n_head, d_model=s.d_model))
+        return model, lm_loss, GPT_VOCAB
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config), lambda out, y: lm_loss(out.logits, y), 256
+
+
+def batches(vocab: int, n: int, rows: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (rows, SEQ + 1), generator=g)
+        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    return out
+
+
+def make_trainer(model_name: str, stage: int, mode, precision: str, optimizer=torch.optim.AdamW, lr=1e-3):
+    import trainmesh as tm
+
+    model, loss_fn, vocab = build(model_name)
+    trainer = tm.Trainer(model, optimizer(model.parameters(), lr=lr), loss_fn,
+                         distribution=tm.DataParallel(zero_stage=stage), precision=precision, compile=mode,
+                         progress=False)
+    return trainer, vocab
+
+
+def step(trainer, micro_batches) -> float:
+    from trainmesh.trainer.loss_tracking import LossAccumulator
+    from trainmesh.trainer.step import forward_backward
+
+    losses = LossAccumulator()
+    forward_backward(trainer.model, micro_batches, trainer.loss_fn, trainer.precision, losses)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return float(losses._step_sum / losses._step_samples)
+
+
+def worker(cfg: dict) -> dict:
+    import torch.distributed as dist
+
+    import trainmesh as tm
+
+    rank, out = tm.rank(), {"pairs": {}, "parity": {}}
+    micro, accum = cfg["micro_batch"], cfg["accum"]
+    for pair in cfg["pairs"]:
+        model_name, stage = pair.split("/")
+        stage = int(stage.removeprefix("zero"))
+        sides = {"eager": make_trainer(model_name, stage, False, "bf16-mixed"),
+                 "compiled": make_trainer(model_name, stage, "regional", "bf16-mixed")}
+        vocab = sides["eager"][1]
+        data = batches(vocab, accum * (cfg["rounds"] * cfg["steps"] + 1), micro, seed=1000 + rank)
+        times = {side: [] for side in sides}
+        losses = {side: [] for side in sides}
+        first = {}
+        for side, (trainer, _) in sides.items():  # step 1: compilation (and the eager side's warm-up)
+            dist.barrier()
+            started = time.perf_counter()
+            losses[side].append(step(trainer, data[:accum]))
+            first[side] = time.perf_counter() - started
+        for r in range(cfg["rounds"]):
+            order = list(sides) if r % 2 == 0 else list(reversed(sides))
+            for side in order:
+                trainer = sides[side][0]
+                for s in range(cfg["steps"]):
+                    index = 1 + r * cfg["steps"] + s
+                    dist.barrier()
+                    started = time.perf_counter()
+                    losses[side].append(step(trainer, data[index * accum:(index + 1) * accum]))
+                    times[side].append(time.perf_counter() - started)
+        out["pairs"][pair] = {"times": times, "losses": losses, "first_step_s": first,
+                              "compiled": getattr(sides["compiled"][0].unwrapped_model, "_trainmesh_compile", False)}
+        if pair == "gpt/zero0" and rank == 0:
+            from trainmesh.trainer.throughput import count_flops_per_sample, meta_copy
+
+            model, loss_fn, _ = build("gpt")
+            out["gpt_flops_per_sample"] = count_flops_per_sample(meta_copy(model), data[0][0], data[0][1], loss_fn,
+                                                                 rows=micro)
+        del sides
+    for pair in cfg["parity"]:  # fp32: the compiled path computes what eager computes
+        model_name, stage = pair.split("/")
+        stage = int(stage.removeprefix("zero"))
+        params = {}
+        for side, mode in (("eager", False), ("compiled", "regional")):
+            # SGD: the parameters then differ by what the gradients differ by; Adam's normalisation would
+            # blow a 1e-9 difference in a near-zero gradient up to a full lr-sized step.
+            trainer, vocab = make_trainer(model_name, stage, mode, "fp32", torch.optim.SGD, 0.1)
+            for batch in batches(vocab, 4, micro, seed=2000 + rank):
+                step(trainer, [batch])
+            params[side] = trainer.state_dict()["model"]
+        if rank == 0:
+            out["parity"][pair] = max((params["compiled"][k] - params["eager"][k]).abs().max().item()
+                                      for k in params["eager"])
+    return out
+
+
+def _ci95(values: list[float]) -> tuple[float, float]:
+    rng = random.Random(0)
+    boots = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(1000))
+    return boots[25], boots[974]
+
+
+def summarize(results: list[dict], cfg: dict, peak: float) -> dict:
+    report, valid = {"pairs": {}}, True
+    for pair in cfg["pairs"]:
+        per = [res["pairs"][pair] for res in results]
+        # A step is as slow as its slowest process.
+        steps = {side: [max(ts) for ts in zip(*(p["times"][side] for p in per))] for side in ("eager", "compiled")}
+        med = {side: statistics.median(v) for side, v in steps.items()}
+        ratios = [c / e for c, e in zip(steps["compiled"], steps["eager"])]
+        final = {side: [p["losses"][side][-1] for p in per] for side in ("eager", "compiled")}
+        same = (len(steps["eager"]) == len(steps["compiled"]) and per[0]["compiled"] == "regional"
+                and max(abs(a - b) for a, b in zip(final["eager"], final["compiled"])) <= LOSS_TOLERANCE)
+        valid &= same
+        report["pairs"][pair] = {
+            "eager_ms": 1e3 * med["eager"], "compiled_ms": 1e3 * med["compiled"],
+            "ratio": med["compiled"] / med["eager"], "ratio_ci95_of_step_ratios": _ci95(ratios),
+            "first_step_s": {side: max(p["first_step_s"][side] for p in per) for side in ("eager", "compiled")},
+            "final_losses": final, "same_work": same, "steps": len(steps["eager"]),
+        }
+    figures = {}
+    if "gpt/zero0" in report["pairs"]:
+        figures["compiled_vs_eager_step_gpt"] = report["pairs"]["gpt/zero0"]["ratio"]
+        flops = results[0].get("gpt_flops_per_sample")
+        demo = report["pairs"]["gpt/zero0"]
+        seconds = demo["eager_ms"] / 1e3  # the demo's default path (eager: see benchmarks/README.md)
+        samples = cfg["micro_batch"] * cfg["accum"] * WORLD
+        report["demo_model_flops_per_s"] = flops * samples / seconds if flops else None
+        if flops and peak:
+            figures["demo_mfu_vs_bf16_peak"] = report["demo_model_flops_per_s"] / peak
+    if "llama/zero3" in report["pairs"]:
+        figures["compiled_vs_eager_step_llama_zero3"] = report["pairs"]["llama/zero3"]["ratio"]
+    if results[0]["parity"]:
+        figures["compiled_parity_max_abs_diff"] = max(results[0]["parity"].values())
+    report.update(figures=figures, parity=results[0]["parity"], bf16_peak_flops=peak, valid=valid)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, help="alternating rounds per pair (default 6; --quick 2)")
+    parser.add_argument("--steps", type=int, help="timed steps per side per round (default 5; --quick 3)")
+    parser.add_argument("--quick", action="store_true", help="GPT under DataParallel only, few steps")
+    parser.add_argument("--json", metavar="PATH", help="write the report (with a top-level 'figures') here")
+    args = parser.parse_args(argv)
+    pairs = ["gpt/zero0"] if args.quick else ["gpt/zero0", "gpt/zero3", "llama/zero0", "llama/zero3"]
+    parity = ["gpt/zero0"] if args.quick else ["gpt/zero0", "llama/zero3"]
+    cfg = {"pairs": pairs, "parity": parity, "rounds": args.rounds or (2 if args.quick else 6),
+           "steps": args.steps or (3 if args.quick else 5), "micro_batch": 16, "accum": 2}
+    from trainmesh.trainer.throughput import measure_peak_flops
+
+    peak = measure_peak_flops(torch.bfloat16, seconds=3.0, save=False)  # the node, before the workers start
+    results = run_distributed(worker, world_size=WORLD, args=(cfg,), timeout=3000, collective_timeout=900)
+    report = summarize(results, cfg, peak)
+    print(f"{WORLD} processes, 1 thread each; bf16 matmul peak of this node {peak / 1e9:.0f} GFLOP/s")
+    header = f"{'pair':<14}{'eager ms':>10}{'compiled ms':>13}{'ratio':>8}{'95% CI':>16}{'compile s':>11}{'same work':>11}"
+    print(header + "\n" + "-" * len(header))
+    for pair, p in report["pairs"].items():
+        low, high = p["ratio_ci95_of_step_ratios"]
+        print(f"{pair:<14}{p['eager_ms']:>10.1f}{p['compiled_ms']:>13.1f}{p['ratio']:>8.3f}"
+              f"{f'{low:.3f}-{high:.3f}':>16}{p['first_step_s']['compiled']:>11.1f}{str(p['same_work']):>11}")
+    for name, value in report["figures"].items():
+        print(f"{name} = {value:.4g}")
+    if not report["valid"]:
+        print("INVALID: compiled and eager did not do the same work (steps, compilation or losses differ)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0 if report["valid"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
