@@ -93,7 +93,9 @@ class CheckpointManager:
         self._group = _dcp.new_checkpoint_group()
         self._stager = _dcp.ReusableStager() if self.async_save else None
         # poll() asks on a group of its own: the save's group is busy in the writer thread.
+        # (Unless a step's all-reduce already carried the question: see commit_rider.)
         self._poll_group = _dcp.new_checkpoint_group() if self.async_save else None
+        self._heard: tuple[PendingSave, bool] | None = None  # (save asked about, all ranks done)
 
     # --- save ---------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], *, metrics: dict[str, float] | None = None) -> str:
@@ -163,9 +165,20 @@ class CheckpointManager:
         """
         if self._pending is None:
             return None
-        if not all_ranks_finished(self._pending, self._poll_group):
+        heard, self._heard = self._heard, None
+        if heard is not None and heard[0] is self._pending:
+            all_done = heard[1]  # from this step's own all-reduce: nothing more to send
+        else:
+            all_done = all_ranks_finished(self._pending, self._poll_group)
+        if not all_done:
             return None
         return self.wait()  # every write is done: it does not block, and reports a failed one
+
+    def commit_rider(self) -> "CommitRider":
+        """An object for :func:`trainmesh.trainer.loss_tracking.add_rider`: the question
+        :meth:`poll` asks ("is every rank's write done?") then rides on the step's all-reduce,
+        and ``poll`` right after that step sends nothing of its own."""
+        return CommitRider(self)
 
     def close(self) -> None:
         self.wait()
@@ -252,3 +265,20 @@ class CheckpointManager:
         box = [value]
         dist.broadcast_object_list(box, src=0, group=self._group)
         return box[0]
+
+
+class CommitRider:
+    """Asks, within another collective, whether every rank's write of the save in flight is done."""
+
+    def __init__(self, manager: CheckpointManager) -> None:
+        self.manager = manager
+        self._asked: PendingSave | None = None
+
+    def local_value(self) -> float:
+        self._asked = self.manager._pending
+        return 1.0 if self._asked is not None and self._asked.done() else 0.0
+
+    def receive(self, total: float) -> None:
+        if self._asked is not None:
+            world = dist.get_world_size() if self.manager._distributed else 1
+            self.manager._heard = (self._asked, total >= world)

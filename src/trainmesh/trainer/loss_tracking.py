@@ -12,6 +12,9 @@ Two modes:
 
 A DTensor loss counts as its global value times this process's rows; processes that share a
 data index then contribute equally to numerator and denominator, so the ratio stays exact.
+
+Other per-step agreements can ride on the checked mode's all-reduce instead of making their own
+(:func:`add_rider`): the async checkpoint commit asks "is every rank's write done?" this way.
 """
 
 from __future__ import annotations
@@ -21,6 +24,22 @@ import math
 import torch
 
 from trainmesh._torch.reduce import all_reduce_small
+
+# Riders: objects with ``local_value() -> float`` and ``receive(total: float)``, summed over every
+# process in the per-step all-reduce. Every process must register the same riders in the same
+# order (a Trainer callback's on_train_begin does), or the vectors' lengths would differ.
+_RIDERS: list = []
+
+
+def add_rider(rider) -> None:
+    """Sum ``rider.local_value()`` over every process in each checked step's all-reduce and hand
+    the total to ``rider.receive()``. Unchecked steps carry nothing: the rider hears nothing."""
+    _RIDERS.append(rider)
+
+
+def remove_rider(rider) -> None:
+    if rider in _RIDERS:
+        _RIDERS.remove(rider)
 
 
 class LossAccumulator:
@@ -57,8 +76,11 @@ class LossAccumulator:
             _to_cpu_double(self._local_sum), _f64(self._local_samples),
             step_value if finite else _f64(0.0), _f64(step_samples if finite else 0),
             _f64(1.0 if stop_local else 0.0), _f64(0.0 if finite else 1.0),
+            *(_f64(rider.local_value()) for rider in _RIDERS),
         ])
         reduced = all_reduce_small(vector).tolist()
+        for rider, total in zip(_RIDERS, reduced[6:]):
+            rider.receive(total)
         self._local_sum, self._local_samples = 0.0, 0
         nonfinite = reduced[5] > 0
         self._global_sum += reduced[0] + (0.0 if nonfinite else reduced[2])

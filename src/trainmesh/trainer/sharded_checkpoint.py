@@ -54,7 +54,14 @@ class ShardedCheckpoint(Callback):
         return state
 
     def on_train_begin(self, logs=None) -> None:
-        self._ensure_manager()
+        manager = self._ensure_manager()
+        self._drop_rider()  # one left by a fit that raised
+        if manager.async_save:
+            # The commit check rides on the step's own loss all-reduce (when the Trainer makes one).
+            from .loss_tracking import add_rider
+
+            self._rider = manager.commit_rider()
+            add_rider(self._rider)
 
     def on_train_batch_end(self, step: int, logs=None) -> None:
         if self.every_n_steps and self.trainer.global_step % self.every_n_steps == 0:
@@ -66,8 +73,16 @@ class ShardedCheckpoint(Callback):
         self.manager.save(self.trainer.global_step, self.state(), metrics=dict(logs or {}))
 
     def on_train_end(self, logs=None) -> None:
+        self._drop_rider()
         if self.manager is not None:
             self.manager.wait()  # the last async save is sealed before fit returns
+
+    def _drop_rider(self) -> None:
+        if getattr(self, "_rider", None) is not None:
+            from .loss_tracking import remove_rider
+
+            remove_rider(self._rider)
+            self._rider = None
 
     def resume(self) -> bool:
         """Load the latest complete checkpoint into the trainer; False when there is none."""
