@@ -1,6 +1,6 @@
 """Communication where bandwidth is scarce: hierarchy, compression and auto on 2 network-namespace hosts.
 
-    python benchmarks/communication.py [--json PATH] [--quick] [--rounds R] [--steps S] [--skip-ssp]
+    python benchmarks/communication.py [--json PATH] [--quick] [--rounds R] [--steps S] [--skip-ssp | --ssp-only]
 
 Needs root (CAP_NET_ADMIN) for ``trainmesh.testing.cluster``: two hosts (network namespaces on a
 bridge, 198.18.0.0/24), each running ``trainmesh run --nnodes 2 --nproc-per-node P`` (c10d
@@ -27,8 +27,10 @@ around every timed block, after a barrier; the sum over both hosts is the inter-
 the median over timed steps of rank 0's time; a variant's figure is the median over rounds of
 its ratio to the baseline's median in the same round, with a 95% bootstrap interval.
 
-SSP figure: ``benchmarks/ps.py``'s straggler part (2 worker processes on loopback, worker 1 held
-back: it sleeps twice as long per step; no netem delay on this kernel) run here, sync vs ssp:2.
+SSP figure: 2 parameter-server workers (loopback, one server), linear regression to 0.5% of the
+initial loss, sync vs ssp:4, with a straggler simulated by holding a worker back (sleep; this
+kernel has no netem, so no link delay): ``persistent`` (worker 1 always 2x slower: the figure)
+and ``transient`` (each worker held back 6x on a random quarter of its steps: printed, in "extra").
 """
 
 from __future__ import annotations
@@ -231,15 +233,124 @@ def figures(shaped: dict, unshaped: dict, ssp: dict | None) -> dict:
     return out
 
 
-def ssp_part(rounds: int) -> dict:
-    sys.path.insert(0, str(HERE.parent))
-    import ps as ps_bench  # benchmarks/ps.py: one straggler harness, not two
+def extra_figures(summaries: dict, ssp: dict | None) -> dict:
+    """Figures beyond the issue's names: the other baselines and layouts, for the README."""
+    s = summaries["2x4_100mbit"]["variants"]
+    out = {"int8_wire_bytes_reduction_vs_hier_2x4": s["hier"]["inter_host_bytes_per_step"]
+           / s["int8"]["inter_host_bytes_per_step"],
+           "topk1_wire_bytes_reduction_vs_hier_2x4": s["hier"]["inter_host_bytes_per_step"]
+           / s["topk1"]["inter_host_bytes_per_step"],
+           "topk1_step_vs_fp32_100mbit": s["topk1"]["step_vs_hier"][0]}
+    if "2x2_100mbit" in summaries:
+        t = summaries["2x2_100mbit"]["variants"]
+        out.update({"hier_inter_host_bytes_vs_flat_2x2": t["hier"]["bytes_vs_flat"],
+                    "int8_wire_bytes_reduction_2x2": 1 / t["int8"]["bytes_vs_flat"],
+                    "topk1_wire_bytes_reduction_2x2": 1 / t["topk1"]["bytes_vs_flat"],
+                    "hier_step_vs_flat_100mbit_2x2": t["hier"]["step_vs_flat"][0],
+                    "int8_step_vs_fp32_100mbit_2x2": t["int8"]["step_vs_hier"][0],
+                    "powersgd_step_vs_fp32_100mbit_2x2": t["powersgd"]["step_vs_hier"][0]})
+    if ssp is not None:
+        out["ssp_time_to_loss_vs_sync_transient_straggler"] = ssp["transient"]
+    return out
 
-    results = ps_bench.straggler_part(rounds)
-    sync, ssp = results["ps-sync"]["seconds"], results["ps-ssp:2"]["seconds"]
-    ratio = (ssp / sync) if sync and ssp else float("nan")
-    print(f"\nSSP vs sync, worker 1 held back (sleeps 2x per step): sync {sync}s, ssp:2 {ssp}s -> {ratio:.2f}")
-    return {"ratio": ratio, "detail": results}
+
+# --- SSP vs sync with a straggler (parameter server) ----------------------------------------------
+COMPUTE_S, PS_DIM, PS_LR, TARGET_FRACTION, PS_MAX_S = 0.010, 64, 0.01, 0.005, 60.0
+SSP_MODES = ("sync", "ssp:4")
+
+
+def _held_back(schedule: str, rank: int, rng: random.Random) -> float:
+    """Seconds of simulated compute this step. ``persistent``: worker 1 (the straggler host) always
+    takes twice as long. ``transient``: each worker, independently, is held back 6x on a quarter of
+    its steps (a noisy host: GC, a neighbour's burst). No netem on this kernel, so no link delay."""
+    if schedule == "persistent":
+        return COMPUTE_S * (2 if rank == 1 else 1)
+    return COMPUTE_S * (6 if rng.random() < 0.25 else 1)
+
+
+def _ps_run(mode: str, schedule: str, flag_dir: str, tag: str) -> dict:
+    import torch.distributed as dist
+
+    import trainmesh as tm
+
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    truth = torch.randn(PS_DIM, 1, generator=gen)
+    x_eval = torch.randn(1024, PS_DIM, generator=gen)
+    y_eval = x_eval @ truth
+    gen, rng = torch.Generator().manual_seed(100 + rank), random.Random(7 + rank)
+    torch.manual_seed(0)
+    model = nn.Linear(PS_DIM, 1)
+    with torch.no_grad():
+        target = TARGET_FRACTION * float(nn.functional.mse_loss(model(x_eval), y_eval))
+    strategy = tm.ParameterServerStrategy(num_servers=1, mode=mode)
+    model, optimizer = strategy.prepare(model, torch.optim.SGD(model.parameters(), lr=PS_LR))
+    stop_file, done_file = os.path.join(flag_dir, f"stop-{tag}"), os.path.join(flag_dir, f"done-{tag}")
+    dist.barrier()
+    started, steps, reached = time.perf_counter(), 0, None
+    while True:
+        if rank == 0 and reached is not None and os.path.exists(done_file):
+            break
+        xb = torch.randn(32, PS_DIM, generator=gen)
+        loss = nn.functional.mse_loss(model(xb), xb @ truth)
+        optimizer.zero_grad()
+        loss.backward()
+        time.sleep(_held_back(schedule, rank, rng))
+        optimizer.step()
+        steps += 1
+        elapsed = time.perf_counter() - started
+        stop = elapsed > PS_MAX_S
+        if rank == 0 and reached is None:
+            with torch.no_grad():
+                if float(nn.functional.mse_loss(model(x_eval), y_eval)) <= target or stop:
+                    reached = elapsed if not stop else None
+                    stop = True
+        if mode == "sync":  # lockstep anyway: stop together (a sync pull would wait for the other)
+            flag = torch.tensor([1.0 if stop else 0.0])
+            dist.all_reduce(flag)
+            if flag.item():
+                break
+        elif rank == 0:
+            if stop and not os.path.exists(stop_file):
+                open(stop_file, "w").close()
+            # Rank 0 keeps stepping until rank 1 has seen the stop: its clock must not strand
+            # rank 1's next SSP pull (and its servers must outlive rank 1's last request).
+            if stop and os.path.exists(done_file):
+                break
+            if stop:
+                reached = reached if reached is not None else float("nan")
+        elif os.path.exists(stop_file):
+            open(done_file, "w").close()
+            break
+    strategy.close()
+    dist.barrier()
+    return {"seconds": None if reached != reached else reached, "steps": steps}
+
+
+def _ps_worker(rounds: int, flag_dir: str) -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    for schedule in ("persistent", "transient"):
+        for r in range(rounds):
+            for mode in (SSP_MODES if r % 2 == 0 else SSP_MODES[::-1]):
+                out.setdefault(f"{schedule}/{mode}", []).append(_ps_run(mode, schedule, flag_dir, f"{schedule}{r}{mode}"))
+    return out
+
+
+def ssp_part(rounds: int) -> dict:
+    from trainmesh.testing import run_distributed
+
+    with tempfile.TemporaryDirectory() as flag_dir:
+        runs = run_distributed(_ps_worker, 2, args=(rounds, flag_dir), timeout=900)[0]
+    out = {"runs": runs}
+    print(f"\nparameter server, 2 workers, time to {TARGET_FRACTION} x initial loss (median of {rounds}):")
+    for schedule in ("persistent", "transient"):
+        sec = {m: statistics.median([r["seconds"] or PS_MAX_S for r in runs[f"{schedule}/{m}"]]) for m in SSP_MODES}
+        out[schedule] = sec[SSP_MODES[1]] / sec["sync"]
+        print(f"  {schedule:<10} sync {sec['sync']:.2f}s  {SSP_MODES[1]} {sec[SSP_MODES[1]]:.2f}s  "
+              f"ratio {out[schedule]:.2f}")
+    out["ratio"] = out["persistent"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,12 +360,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rate", default="100mbit")
-    parser.add_argument("--skip-ssp", action="store_true")
+    parser.add_argument("--skip-ssp", action="store_true", help="leave out the parameter-server SSP part")
+    parser.add_argument("--ssp-only", action="store_true", help="only the SSP part (no cluster needed)")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     if args.job:
         job(json.loads(args.job))
+        return 0
+    if args.ssp_only:
+        ssp = ssp_part(1 if args.quick else 3)
+        print(f"ssp_time_to_loss_vs_sync_straggler_host = {ssp['ratio']:.3f}")
         return 0
     from trainmesh.testing.cluster import Cluster, unavailable_reason
 
@@ -273,15 +389,19 @@ def main(argv: list[str] | None = None) -> int:
         for tag, nproc, rate in runs:
             summaries[tag] = summarize(launch(cluster, nproc, rate, cfg, tag), tag)
             print_table(summaries[tag])
-    ssp = None if args.skip_ssp else ssp_part(1 if args.quick else 2)
+    ssp = None if args.skip_ssp else ssp_part(1 if args.quick else 3)
     figs = figures(summaries["2x4_100mbit"], summaries["2x4_unshaped"], ssp)
+    extra = extra_figures(summaries, ssp)
     print("\nfigures:")
     for name, value in figs.items():
+        print(f"  {name} = {value:.3f}")
+    print("extra (other baselines and layouts):")
+    for name, value in extra.items():
         print(f"  {name} = {value:.3f}")
     valid = all(s["valid"] for s in summaries.values())
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"figures": figs, "runs": summaries, "ssp": ssp, "config": cfg, "valid": valid,
+            json.dump({"figures": figs, "extra": extra, "runs": summaries, "ssp": ssp, "config": cfg, "valid": valid,
                        "load_avg": os.getloadavg()}, fh, indent=1, default=str)
     if not valid:
         print("INVALID")
