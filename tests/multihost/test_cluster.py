@@ -96,6 +96,20 @@ def test_delay_and_loss_or_a_clear_refusal(netns_cluster):
     assert seconds >= 0.02  # the reply byte crosses the delayed link once at least
 
 
+def test_packet_loss_is_injected_and_tcp_still_delivers_every_byte(netns_cluster):
+    cluster = netns_cluster(2)
+    sender = cluster.hosts[1]
+    before = sender.tcp_retransmits()
+    sender.shape(loss=5.0)  # netem where the kernel has it, else htb + u32 on the IP ID
+    assert 4 <= sender.loss_applied <= 6
+    _transfer(cluster, 1 << 20, port=7005)  # every byte arrives (checked inside)
+    retransmitted = sender.tcp_retransmits() - before
+    print(f"5% loss: {retransmitted} segments retransmitted for 1 MiB")
+    assert retransmitted > 0  # packets really were lost
+    sender.unshape()
+    assert sender.loss_applied is None
+
+
 def test_cut_link_blocks_and_restore_heals(netns_cluster):
     cluster = netns_cluster(2)
     server, client = cluster.hosts

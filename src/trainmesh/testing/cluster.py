@@ -135,6 +135,7 @@ class Host:
         self.address = f"{SUBNET}.{index + 1}"
         self.port = f"p{index}"  # the bridge's end of this host's veth pair
         self._procs: list[subprocess.Popen] = []
+        self.loss_applied: float | None = None  # percent of packets dropped by shape(loss=...)
 
     def __repr__(self) -> str:
         return f"Host({self.index}, {self.address}, netns={self.netns!r})"
@@ -184,9 +185,10 @@ class Host:
         """Shape this host's link in both directions: ``rate`` like ``"1gbit"``, ``delay`` like
         ``"5ms"`` (one way), ``loss`` in percent. Replaces any earlier shaping.
 
-        Rate alone uses ``tbf``; delay or loss need ``netem``, which some kernels lack
-        (:class:`ShapingUnsupported` then). Egress is shaped on the host's ``eth0`` and ingress
-        on the bridge's port toward the host, so neither side needs an ingress qdisc.
+        Rate alone uses ``tbf``; delay or loss use ``netem``. Where the kernel has no netem,
+        loss (with or without a rate) falls back to :meth:`_drop_some` (``htb`` + ``u32``), and
+        delay raises :class:`ShapingUnsupported`. Egress is shaped on the host's ``eth0`` and
+        ingress on the bridge's port toward the host, so neither side needs an ingress qdisc.
         """
         if rate is None and delay is None and loss is None:
             raise ValueError("shape() needs rate, delay or loss. Received: none of them")
@@ -200,18 +202,65 @@ class Host:
             qdisc += ["delay", delay] if delay else []
             qdisc += ["loss", f"{loss}%"] if loss else []
             qdisc += ["rate", rate] if rate else []
+        try:
+            self._apply(qdisc, f"rate={rate!r} delay={delay!r} loss={loss!r}")
+            self.loss_applied = loss
+        except ShapingUnsupported:
+            if delay is not None or not loss:
+                raise
+            self.unshape()
+            self._drop_some(loss, rate)
+
+    def _apply(self, qdisc: list[str], what: str) -> None:
         for netns, dev in ((self.netns, IFACE), (self.cluster.bridge_netns, self.port)):
             done = _ip("netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root", *qdisc, check=False)
             if done.returncode != 0:
                 if "unknown" in done.stderr.lower():
-                    raise ShapingUnsupported(f"this kernel has no `{qdisc[0]}` qdisc, needed for "
-                                             f"rate={rate!r} delay={delay!r} loss={loss!r}: {done.stderr.strip()}")
+                    raise ShapingUnsupported(f"this kernel has no `{qdisc[0]}` qdisc, needed for {what}: "
+                                             f"{done.stderr.strip()}")
                 raise RuntimeError(f"tc on {netns}/{dev} failed: {done.stderr.strip()}")
+
+    def _drop_some(self, loss: float, rate: str | None) -> None:
+        """Packet loss without netem: IPv4 packets whose IP ID falls in ``round(loss% x 64)`` of
+        64 buckets go to an ``htb`` class whose queue holds nothing (``pfifo limit 0``), so they
+        are dropped; the rest pass (at ``rate``, if given).
+
+        A connected TCP socket numbers its packets' IDs consecutively, and a retransmission gets
+        a new ID, so this drops about ``loss``% of segments spread over time, like random loss.
+        Packets with ID 0 (SYN-ACKs of a listening socket) are never dropped: the buckets are
+        taken from the top. Loss is quantised to 1/64 (1.5625%); :attr:`loss_applied` says what
+        was applied.
+        """
+        buckets = max(1, min(63, round(loss / 100 * 64)))
+        line = rate or "100gbit"
+        for netns, dev in ((self.netns, IFACE), (self.cluster.bridge_netns, self.port)):
+            tc = ["netns", "exec", netns, "tc"]
+            steps = [
+                ["qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1", "r2q", "100000"],
+                ["class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", line],
+                ["class", "add", "dev", dev, "parent", "1:", "classid", "1:2", "htb", "rate", line],
+                ["qdisc", "add", "dev", dev, "parent", "1:2", "handle", "2:", "pfifo", "limit", "0"],
+            ]
+            steps += [["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                       "match", "u16", str(63 - b), "0x3f", "at", "4", "flowid", "1:2"] for b in range(buckets)]
+            for step in steps:
+                done = _ip(*tc, *step, check=False)
+                if done.returncode != 0:
+                    raise ShapingUnsupported(f"cannot drop packets on {dev} (no netem, and htb/u32 failed: "
+                                             f"`tc {' '.join(step)}`: {done.stderr.strip()})")
+        self.loss_applied = buckets / 64 * 100
 
     def unshape(self) -> None:
         """Remove any shaping from this host's link."""
+        self.loss_applied = None
         for netns, dev in ((self.netns, IFACE), (self.cluster.bridge_netns, self.port)):
             _ip("netns", "exec", netns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+
+    def tcp_retransmits(self) -> int:
+        """TCP segments retransmitted by this host's processes so far (its namespace's own count)."""
+        lines = [line.split() for line in self.run(["cat", "/proc/net/snmp"], timeout=30).stdout.splitlines()
+                 if line.startswith("Tcp:")]
+        return int(lines[1][lines[0].index("RetransSegs")])
 
     def counters(self) -> LinkCounters:
         """This host's ``eth0`` counters, read from sysfs inside its namespace."""
