@@ -57,6 +57,10 @@ from .trainer import (
 
 __version__ = "0.1.0"
 
+from ._torch import engine as _engine  # noqa: E402  (the front end applies through it)
+
+_engine.register()
+
 
 def __getattr__(name: str):
     # Lazy: importing trainmesh must not import the parameter server (or pyzmq).

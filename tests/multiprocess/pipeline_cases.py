@@ -127,3 +127,43 @@ def reference_eval(family: str, params: dict, n_layer: int = 4) -> tuple[float, 
         out = model(x)
         logits = out.logits if hasattr(out, "logits") else out
         return lm_loss(logits, y).item(), logits
+
+
+class Interrupt(Exception):
+    """Raised by every process at the same step: a crash after the last checkpoint."""
+
+
+def train_with_checkpoints(layout: str, ckpt_dir: str, *, resume: bool, crash_at_step: int | None = None,
+                           epochs: int = 2, steps: int = 4) -> dict:
+    """The GPT with SGD-momentum under ``layout`` ("3d": pipe 2 x data 2 x model 2, "dp": data only),
+    2 epochs of 4 shuffled steps, a sharded checkpoint every 2 steps (synchronous)."""
+    import trainmesh as tm
+
+    model = build_model("gpt")
+    if layout == "3d":
+        mesh = tm.DeviceMesh((2, 2, 2), ["pipe", "data", "model"], devices=tm.list_devices())
+        layout_map = tm.LayoutMap.auto(model, mesh, model_axis="model", verbose=False)
+        distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data",
+                                        pipeline=tm.Pipeline(schedule="1f1b", microbatches=2))
+    else:
+        distribution = tm.DataParallel()
+    first_step: list = []  # the global step of the first step this run takes
+    holder: list = []
+    callbacks = [tm.ShardedCheckpoint(ckpt_dir, every_n_steps=2, async_save=False),
+                 tm.LambdaCallback(on_train_batch_begin=lambda step, logs: first_step.append(
+                     holder[0].global_step + 1) if not first_step else None)]
+    if crash_at_step is not None:
+        def crash(step, logs, trainer_steps=[0]):
+            trainer_steps[0] += 1
+            if trainer_steps[0] == crash_at_step:
+                raise Interrupt()
+        callbacks.append(tm.LambdaCallback(on_train_batch_begin=crash))
+    trainer = tm.Trainer(model, make_optimizer, lm_loss, distribution=distribution, callbacks=callbacks,
+                         progress=False, seed=7)
+    holder.append(trainer)
+    try:
+        trainer.fit(data(steps), epochs=epochs, batch_size=GLOBAL_BATCH, shuffle=True, resume=resume)
+    except Interrupt:
+        pass
+    return {"params": local_full_params(trainer.unwrapped_model), "global_step": trainer.global_step,
+            "first_step": first_step[0] if first_step else None}

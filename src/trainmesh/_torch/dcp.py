@@ -171,10 +171,35 @@ def load_sharded(model: nn.Module, optimizer: Any | None, path: str, process_gro
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        own_groups = [list(group["params"]) for group in state["optimizer"]["param_groups"]]
+        aliases = _rename_state(state["optimizer"], _aliases(model))
     dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=_no_dist())
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
+        _rename_state(state["optimizer"], aliases)
+        # The saved param groups list the parameters of whichever process wrote them (under a pipeline,
+        # one stage's); the hyper-parameters carry over, the names must be this model's own.
+        loaded_groups = state["optimizer"]["param_groups"]
+        if len(loaded_groups) == len(own_groups):
+            for group, names in zip(loaded_groups, own_groups):
+                group["params"] = names
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """A pipeline's last stage holds a tied head's weight under the head's name; checkpoints of the
+    whole model keep its optimizer state under the embedding's (the parameter's first name)."""
+    runner = getattr(model, "_trainmesh_pipeline", None)
+    return dict(getattr(runner, "aliases", {}) or {})
+
+
+def _rename_state(optimizer_state: dict, renames: dict[str, str]) -> dict[str, str]:
+    """Rename optimizer-state keys in place; returns the reverse mapping."""
+    states = optimizer_state.get("state", {})
+    for old, new in renames.items():
+        if old in states and new not in states:
+            states[new] = states.pop(old)
+    return {new: old for old, new in renames.items()}
 
 
 def full_model_state_on_rank0(model: nn.Module) -> dict[str, Any]:

@@ -183,6 +183,21 @@ class PipelineRunner:
     def holds_last(self) -> bool:
         return self.num_stages - 1 in self.indices
 
+    def describe(self) -> str:
+        return self.pipeline.describe(self.pipe_size) + f"; this process holds stage(s) {self.indices}"
+
+    def check_batches(self, micro_batch_size: int | None, num_samples: int | None, global_batch_size: int | None,
+                      *, drop_remainder: bool) -> None:
+        """Every step's rows per data replica must divide into the microbatches, the last one too (the
+        stages' buffers are shaped by the first step)."""
+        if micro_batch_size is not None:
+            self.pipeline.validate(self.pipe_size, micro_batch_size)
+        if num_samples and global_batch_size and num_samples % global_batch_size and not drop_remainder:
+            raise ValueError(f"A pipeline runs every step with the same microbatch shapes; the dataset's "
+                             f"{num_samples} samples leave a last batch of {num_samples % global_batch_size} rows "
+                             f"(global batch {global_batch_size}). Pass drop_remainder=True or a dataset that "
+                             f"divides. Received: {num_samples} samples")
+
     def install_hooks(self) -> None:
         for module in self.modules:
             module.install_entry_hook()

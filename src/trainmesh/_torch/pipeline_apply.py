@@ -125,8 +125,20 @@ def apply_pipeline(model: nn.Module, distribution, options, apply_layers: Callab
     merged = merge_stage_models(stage_models)
     merged._trainmesh_pipeline = runner
     runner.root = merged
+    runner.aliases = _aliases(merged, tied)
     merged._trainmesh_memory = {"zero_stage": options.zero_stage, "cpu_offload": "off"}
     return merged
+
+
+def _aliases(merged: nn.Module, tied: list[list[str]]) -> dict[str, str]:
+    """Local name -> the whole model's first name, for tied weights held here under another name only."""
+    local = {name for name, _ in merged.named_parameters()}
+    out = {}
+    for names in tied:
+        held = [n for n in names if n in local]
+        if len(held) == 1 and held[0] != names[0]:
+            out[held[0]] = names[0]
+    return out
 
 
 def _mark_replicas(runner: PipelineRunner, groups: dict, pipe_size: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Sequence
 
+from .backend import engine
 from .distribution import Distribution, variable_path_and_shape
 from .layout import TensorLayout
 from .memory_options import MemoryOptions
@@ -78,9 +79,7 @@ class DataParallel(Distribution):
         ``ddp_options`` go to ``DistributedDataParallel`` (``find_unused_parameters``,
         ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``, ...), stages 0-1 only.
         """
-        from trainmesh._torch.parallelize import parallelize
-
-        return parallelize(model, self, ddp_options=ddp_options)
+        return engine("apply_model")(model, self, ddp_options=ddp_options)
 
     def prepare_optimizer(self, optimizer, model):
         """Stage 1: the same optimizer with its state sharded (``ZeroRedundancyOptimizer``).
@@ -90,6 +89,4 @@ class DataParallel(Distribution):
         stage = getattr(model, "_trainmesh_memory", {}).get("zero_stage", self._memory.zero_stage)
         if stage != 1:
             return optimizer
-        from trainmesh._torch.zero_optimizer import shard_optimizer_state
-
-        return shard_optimizer_state(optimizer, self)
+        return engine("prepare_optimizer")(optimizer, self)

@@ -2,7 +2,8 @@
 
 A distribution answers *where tensors live* (``get_data_layout``, ``get_variable_layout``,
 ``get_tensor_layout``) without touching torch.distributed; ``distribute_model`` and
-``distribute_dataset`` turn the answers into torch machinery, through ``trainmesh._torch``.
+``distribute_dataset`` turn the answers into torch machinery, through the engine registered in
+``backend`` (torch's, by the package root): the front end never imports ``trainmesh._torch``.
 """
 
 from __future__ import annotations
@@ -162,9 +163,9 @@ class Distribution(abc.ABC):
 
     def global_mean(self, value):
         """``value`` (a loss or metric computed on this process's batch) as a one-device run reports it."""
-        from trainmesh._torch.reduce import global_mean
+        from .backend import engine
 
-        return global_mean(value)
+        return engine("global_mean")(value)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} mesh={self._device_mesh!r}, batch_dim_name={self._batch_dim_name!r}>"

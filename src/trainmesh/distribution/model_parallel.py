@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from .backend import engine
 from .distribution import Distribution, variable_path_and_shape
 from .layout import LayoutMap, TensorLayout
 from .memory_options import MemoryOptions
@@ -73,6 +74,4 @@ class ModelParallel(Distribution):
 
     def distribute_model(self, model):
         """Shard ``model``'s parameters in place per the layout map (DTensor); returns the model."""
-        from trainmesh._torch.parallelize import parallelize
-
-        return parallelize(model, self)
+        return engine("apply_model")(model, self)
