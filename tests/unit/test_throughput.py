@@ -103,3 +103,27 @@ def test_trainer_logs_tokens_per_s_and_mfu(tmp_path, capsys):
     assert any("mfu" in line and "tokens_per_s" in line for line in lines)
     out = capsys.readouterr().out
     assert "tok/s" in out and "mfu" in out
+
+
+def test_optimizer_implementation_switches_kernels_and_keeps_the_result():
+    import trainmesh as tm
+    from trainmesh.trainer.step import set_optimizer_implementation
+
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    params = {}
+    for impl in (None, "fused", "foreach", "for-loop"):
+        model = mlp()
+        trainer = tm.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), torch.nn.MSELoss(),
+                             optimizer_implementation=impl, max_grad_norm=0.5, progress=False)
+        group = trainer.optimizer.param_groups[0]
+        if impl is not None:
+            assert (group["fused"], group["foreach"]) == {"fused": (True, False), "foreach": (False, True),
+                                                          "for-loop": (False, False)}[impl]
+        trainer.fit((x, y), epochs=2, batch_size=8)
+        params[impl] = torch.cat([p.detach().flatten() for p in trainer.unwrapped_model.parameters()])
+    for impl in ("fused", "foreach", "for-loop"):
+        assert (params[impl] - params[None]).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="'fast'"):
+        set_optimizer_implementation(torch.optim.SGD(mlp().parameters(), lr=0.1), "fast")
+    with pytest.warns(RuntimeWarning, match="LBFGS has no 'fused'"):
+        set_optimizer_implementation(torch.optim.LBFGS(mlp().parameters()), "fused")

@@ -48,6 +48,8 @@ class TrainerConfig:
     # block, torchtitan-style); compile_backend is torch.compile's backend ("inductor"; "aot_eager" traces only)
     compile: bool | str = False
     compile_backend: str = "inductor"
+    # torch's optimizer kernels: "fused", "foreach", "for-loop"; None = as the optimizer was built
+    optimizer_implementation: str | None = None
     # The hardware's FLOP/s for MFU (per node on CPU, per GPU): None = the cached `trainmesh env --peak` probe
     peak_flops: float | None = None
     # Gradient communication (see trainmesh.trainer.communication): a compressor spec for the
@@ -97,6 +99,11 @@ class TrainerConfig:
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise ValueError(f"compile_backend must be a torch.compile backend name. "
                              f"Received: compile_backend={self.compile_backend!r}")
+        from .step import OPTIMIZER_IMPLEMENTATIONS
+
+        if self.optimizer_implementation not in OPTIMIZER_IMPLEMENTATIONS:
+            raise ValueError(f"optimizer_implementation must be one of {OPTIMIZER_IMPLEMENTATIONS}. "
+                             f"Received: optimizer_implementation={self.optimizer_implementation!r}")
         if self.peak_flops is not None and not (isinstance(self.peak_flops, (int, float)) and self.peak_flops > 0):
             raise ValueError(f"peak_flops must be a FLOP/s figure > 0 or None. Received: peak_flops={self.peak_flops!r}")
         if self.eval_batch_size is not None and self.eval_batch_size < 1:

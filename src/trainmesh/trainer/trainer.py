@@ -42,7 +42,7 @@ from .progress import ProgressBar
 from .schedules import scale_lr
 from .sharded_checkpoint import ShardedCheckpoint
 from .loss_tracking import LossAccumulator
-from .step import clip_gradients_, forward_backward, global_grad_norm
+from .step import clip_gradients_, forward_backward, global_grad_norm, set_optimizer_implementation
 from .throughput import ThroughputMeter, meta_copy
 
 
@@ -89,6 +89,7 @@ class Trainer:
                                      compile=self.config.compile, compile_backend=self.config.compile_backend)
         self.communication = install_communication(self.model, self.config)  # compression, hierarchical
         self.optimizer = self._bind_optimizer(optimizer, names_before)
+        set_optimizer_implementation(self.optimizer, self.config.optimizer_implementation)  # fused / foreach kernels
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.scheduler = None  # built in fit, after any lr scaling, so it starts from the scaled lr
         self.loss_fn = loss_fn
