@@ -73,7 +73,7 @@ def local_full_params(model: torch.nn.Module) -> dict:
 
 def train_pipelined(family: str, mesh_shape, axes, schedule: str, *, microbatches: int = 4, zero_stage: int = 0,
                     layout: bool = False, n_layer: int = 4, checkpointing=None, max_grad_norm=None,
-                    steps: int = STEPS, evaluate: bool = False) -> dict:
+                    steps: int = STEPS, evaluate: bool = False, precision: str = "fp32", tol: float = 0.0) -> dict:
     import trainmesh as tm
 
     mesh = tm.DeviceMesh(mesh_shape, axes, devices=tm.list_devices())
@@ -86,7 +86,7 @@ def train_pipelined(family: str, mesh_shape, axes, schedule: str, *, microbatche
         distribution = tm.DataParallel(device_mesh=mesh, pipeline=pipeline)
     trainer = tm.Trainer(model, make_optimizer, lm_loss, distribution=distribution, zero_stage=zero_stage,
                          activation_checkpointing=checkpointing, max_grad_norm=max_grad_norm, progress=False,
-                         log_every_n_steps=1)
+                         log_every_n_steps=1, precision=precision)
     history = trainer.fit(data(steps), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
     out = {"params": local_full_params(trainer.model), "loss": history.history["loss"][-1]}
     if evaluate:

@@ -33,10 +33,11 @@ def _check(configs, results_per_rank, references):
         assert got.keys() == expected.keys(), f"{config}: the stages together must hold every parameter"
         diff = max_diff(expected, got)
         worst = max(worst, diff)
-        assert diff <= TOL, f"{config}: parameters differ from one process by {diff:.3g}"
+        tol = config.get("tol") or TOL
+        assert diff <= tol, f"{config}: parameters differ from one process by {diff:.3g}"
         mean_loss = sum(references[key]["losses"]) / len(references[key]["losses"])
         for rank_results in results_per_rank:  # the loss exists on the last stage; every rank reports it
-            assert abs(rank_results[index]["loss"] - mean_loss) <= 1e-5, config
+            assert abs(rank_results[index]["loss"] - mean_loss) <= max(tol, 1e-5), config
     return worst
 
 
@@ -54,6 +55,9 @@ def _references(configs):
 
 def test_every_schedule_on_two_stages_matches_one_process():
     configs = [dict(family="gpt", mesh_shape=(2, 1), axes=["pipe", "data"], schedule=s) for s in SCHEDULES]
+    # bf16 autocast inside the stages: close to the fp32 run, not equal (bf16 keeps 8 bits of mantissa)
+    configs += [dict(family="gpt", mesh_shape=(2, 1), axes=["pipe", "data"], schedule="1f1b",
+                     precision="bf16-mixed", tol=2e-2)]
     configs += [dict(family="gpt2", mesh_shape=(2, 1), axes=["pipe", "data"], schedule="1f1b"),
                 dict(family="llama", mesh_shape=(2, 1), axes=["pipe", "data"], schedule="interleaved_1f1b")]
     results = run_distributed(run_configs, world_size=2, args=(configs,), timeout=500)

@@ -1,0 +1,245 @@
+"""Pipeline parallelism: parity with one process, idle (bubble) fraction against theory, activations held.
+
+    python benchmarks/pipeline.py [--rounds R] [--microbatches M] [--json PATH] [--quick]
+
+Parity: the project's GPT trained 3 steps (SGD with momentum, fp32) by ``tm.Trainer`` under
+pipe=2 (1F1B) on 2 processes and under pipe 2 x data 2 x model 2 (8 processes), against a plain
+single-process loop on the same batches: the largest parameter difference.
+
+Bubble: on 2 processes (p = 2 stages, one thread each) the same 8-block GPT runs GPipe, 1F1B and
+Interleaved 1F1B (2 virtual stages per process) with M microbatches, rounds interleaved, the order
+rotating. A process's busy time is the time it spends inside its stages' compute calls (torch's
+``forward_one_chunk`` / ``backward_one_chunk``, timed in place); idle fraction = 1 - busy / step
+time, the median over rounds, the mean over the two processes. Theory
+for GPipe and 1F1B: (p - 1) / (M + p - 1). Interleaving with v stages per process divides the
+bubble by v in theory (Narayanan et al. 2021), at the price of v times the messages.
+
+Activations: the peak bytes of tensors saved for backward (``saved_tensors_hooks``: packed minus
+unpacked) during one step on each process; GPipe holds every microbatch's, 1F1B at most p.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from trainmesh.testing import run_distributed
+
+VOCAB, SEQ, BATCH, STEPS = 64, 32, 8, 3
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def gpt(n_layer: int, d_model: int, seq: int = SEQ):
+    from trainmesh.demo.char_gpt import CharGPT, GPTConfig
+
+    torch.manual_seed(0)
+    return CharGPT(GPTConfig(vocab_size=VOCAB, block_size=seq, n_layer=n_layer, n_head=4, d_model=d_model))
+
+
+def tokens(n: int, rows: int, seq: int = SEQ, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, VOCAB, (n * rows, seq + 1), generator=g)
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def lm_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+# --- parity ---------------------------------------------------------------------------------
+def _parity_job(shape: tuple, axes: list) -> dict:
+    import trainmesh as tm
+
+    model = gpt(4, 32)
+    mesh = tm.DeviceMesh(shape, axes, devices=tm.list_devices())
+    pipeline = tm.Pipeline(axis="pipe", schedule="1f1b", microbatches=2)
+    if "model" in axes:
+        layout_map = tm.LayoutMap.auto(model, mesh, model_axis="model", verbose=False)
+        distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", pipeline=pipeline)
+    else:
+        distribution = tm.DataParallel(device_mesh=mesh, pipeline=pipeline)
+    trainer = tm.Trainer(model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lm_loss,
+                         distribution=distribution, progress=False)
+    trainer.fit(tokens(STEPS, BATCH), epochs=1, batch_size=BATCH, shuffle=False)
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for name, p in trainer.model.named_parameters()}
+
+
+def _single_process() -> dict:
+    model = gpt(4, 32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = tokens(STEPS, BATCH)
+    for step in range(STEPS):
+        rows = slice(step * BATCH, (step + 1) * BATCH)
+        optimizer.zero_grad()
+        lm_loss(model(x[rows]), y[rows]).backward()
+        optimizer.step()
+    return dict(model.named_parameters(remove_duplicate=False))
+
+
+def parity(world: int, shape: tuple, axes: list) -> float:
+    results = run_distributed(_parity_job, world_size=world, args=(shape, axes), timeout=600)
+    reference = _single_process()
+    return max((reference[name].detach() - value).abs().max().item() for part in results for name, value in part.items())
+
+
+# --- bubble and activations -------------------------------------------------------------------
+class SavedBytes:
+    """Peak bytes of tensors saved for backward, inside the ``with``."""
+
+    def __init__(self):
+        self.current = self.peak = 0
+
+    def __enter__(self):
+        def pack(t):
+            size = t.numel() * t.element_size()
+            self.current += size
+            self.peak = max(self.peak, self.current)
+            return (t, size)
+
+        def unpack(packed):
+            t, size = packed
+            self.current -= size
+            return t
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+class BusyClock:
+    """Seconds this process spends inside its stages' compute during a step: torch's schedules call
+    ``forward_one_chunk`` / ``backward_one_chunk`` (and ``backward_weight_one_chunk`` for zero-bubble)
+    for the work of one microbatch; sends and receives are waited on outside them."""
+
+    def __init__(self, runner):
+        self.seconds = 0.0
+        for stage in runner.stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                if hasattr(stage, name):
+                    setattr(stage, name, self._timed(getattr(stage, name)))
+
+    def _timed(self, method):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return timed
+
+
+def _bubble_job(rounds: int, microbatches: int, n_layer: int, d_model: int) -> dict:
+    import torch.distributed as dist
+
+    import trainmesh as tm
+    from trainmesh.trainer.loss_tracking import LossAccumulator
+    from trainmesh.trainer.precision import build_precision
+
+    precision = build_precision("fp32", "cpu")
+    mesh = tm.DeviceMesh((2, 1), ["pipe", "data"], devices=tm.list_devices())
+    runners = {}
+    for schedule in SCHEDULES:
+        pipeline = tm.Pipeline(axis="pipe", schedule=schedule, microbatches=microbatches)
+        model = tm.DataParallel(device_mesh=mesh, pipeline=pipeline).distribute_model(gpt(n_layer, d_model))
+        runners[schedule] = model._trainmesh_pipeline
+    rows = 2 * microbatches  # two sequences per microbatch
+    x, y = tokens(1, rows)
+    clocks = {s: BusyClock(r) for s, r in runners.items()}
+    busy = {s: [] for s in SCHEDULES}
+    steps = {s: [] for s in SCHEDULES}
+    peaks = {}
+    for round_index in range(rounds):
+        order = SCHEDULES[round_index % 3:] + SCHEDULES[:round_index % 3]
+        for schedule in order:
+            runner = runners[schedule]
+            dist.barrier()
+            clocks[schedule].seconds = 0.0
+            start = time.perf_counter()
+            with SavedBytes() as saved:
+                runner.forward_backward([(x, y)], lm_loss, precision, LossAccumulator())
+            own = time.perf_counter() - start
+            busy[schedule].append(clocks[schedule].seconds / own)  # this process's busy share of its step
+            elapsed = torch.tensor([own], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest process
+            steps[schedule].append(elapsed.item())
+            peaks[schedule] = max(peaks.get(schedule, 0), saved.peak)
+            for p in runner.parameters():
+                p.grad = None
+    return {"busy_share": busy, "step_s": steps, "peak_saved_bytes": peaks}
+
+
+def ci95(values: list[float]) -> tuple[float, float]:
+    if len(values) < 4:
+        return (min(values), max(values))
+    ordered = sorted(values)
+    lo, hi = int(0.025 * (len(ordered) - 1)), int(round(0.975 * (len(ordered) - 1)))
+    return ordered[lo], ordered[hi]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--quick", action="store_true", help="6 rounds, a narrower model")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.d_model = 6, 128
+
+    pp2 = parity(2, (2, 1), ["pipe", "data"])
+    hybrid = parity(8, (2, 2, 2), ["pipe", "data", "model"])
+    ranks = run_distributed(_bubble_job, world_size=2, args=(args.rounds, args.microbatches, args.layers, args.d_model),
+                            timeout=900)
+    p, m = 2, args.microbatches
+    theory = (p - 1) / (m + p - 1)
+    rows, idle = [], {}
+    for schedule in SCHEDULES:
+        step = statistics.median(max(r["step_s"][schedule][i] for r in ranks) for i in range(args.rounds))
+        per_rank = [1 - statistics.median(r["busy_share"][schedule]) for r in ranks]
+        idle[schedule] = statistics.mean(per_rank)
+        lo, hi = ci95([max(r["step_s"][schedule][i] for r in ranks) for i in range(args.rounds)])
+        peak = max(r["peak_saved_bytes"][schedule] for r in ranks)
+        rows.append((schedule, step * 1e3, lo * 1e3, hi * 1e3, idle[schedule], peak / 2**20))
+        idle[schedule + "_peak"] = peak
+    figures = {
+        "pp2_parity_max_abs_diff": pp2,
+        "hybrid_3d_parity_max_abs_diff": hybrid,
+        "gpipe_bubble_vs_theory": idle["gpipe"] / theory,
+        "interleaved_bubble_vs_1f1b": idle["interleaved_1f1b"] / idle["1f1b"] if idle["1f1b"] > 0 else float("inf"),
+        "1f1b_peak_activations_vs_gpipe": idle["1f1b_peak"] / idle["gpipe_peak"],
+    }
+    print(f"pipeline, p = {p} processes, M = {m} microbatches, {args.layers} blocks of width {args.d_model}, "
+          f"{args.rounds} interleaved rounds; load {os.getloadavg()[0]:.1f}")
+    print(f"{'schedule':<18}{'step ms':>10}{'95% range':>20}{'idle':>8}{'saved MiB':>11}")
+    for schedule, step, lo, hi, frac, mib in rows:
+        print(f"{schedule:<18}{step:>10.1f}{f'[{lo:.1f}, {hi:.1f}]':>20}{frac:>8.3f}{mib:>11.2f}")
+    print(f"theory (GPipe, 1F1B): idle {theory:.3f}")
+    for name, value in figures.items():
+        print(f"  {name} = {value:.4g}")
+    valid = pp2 <= 1e-5 and hybrid <= 1e-5
+    if not valid:
+        print("INVALID: the pipelined runs did not do the same work as one process", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"figures": figures,
+                       "detail": {"rows": rows, "theory_idle": theory, "config": vars(args),
+                                  "torch": torch.__version__, "machine": platform.machine(),
+                                  "load": os.getloadavg()[0], "per_rank": ranks}}, fh, indent=2, default=str)
+    return 0 if valid else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
