@@ -134,6 +134,10 @@ class Trainer:
         self._steps = steps  # its data position goes into checkpoints
         self.plan = Plan.derive(self.config, global_batch_size=batch_size, data_parallel_size=steps.dp,
                                 num_samples=steps.num_samples, epochs=epochs, base_lr=self._base_lrs[0])
+        pipeline = getattr(self.model, "_trainmesh_pipeline", None)
+        if pipeline is not None:  # before any step: every process raises, none waits in a collective
+            pipeline.check_batches(self.plan.micro_batch_size, steps.num_samples, self.plan.global_batch_size,
+                                   drop_remainder=self.config.drop_remainder)
         self._meter = ThroughputMeter.for_job(
             peak_flops=self.config.peak_flops, dtype=getattr(self.precision, "dtype", None) or torch.float32,
             device_type=runtime.torch_device_type(), world_size=runtime.world_size(),
@@ -146,6 +150,8 @@ class Trainer:
             memory = getattr(self.model, "_trainmesh_memory", None)
             if memory and (memory["zero_stage"] or memory["cpu_offload"] != "off"):
                 print(f"[trainmesh] memory: {', '.join(f'{k} {v}' for k, v in memory.items())}", flush=True)
+            if pipeline is not None:
+                print(f"[trainmesh] {pipeline.describe()}", flush=True)
             if self.communication.compressor or self.communication.hierarchical:
                 print(f"[trainmesh] gradients: {self.communication.describe()}", flush=True)
         self._stop_local = self.stop_requested = False
