@@ -1,8 +1,8 @@
 """``Trainer(compile=...)`` under every layout equals eager (fp32, 1e-5) and does not recompile.
 
 One launch of 2 gloo processes trains the same model eager and compiled under DataParallel,
-ZeRO 1-3 (FSDP2), a tensor layout (a 1x2 data x model mesh), and activation checkpointing with
-ZeRO-3, regional (each block) and whole-model; every compiled run's parameters, losses and
+ZeRO 1-3 (FSDP2), a tensor layout (a 1x2 data x model mesh), activation checkpointing with
+ZeRO-3, and two pipeline stages (1F1B), regional (each block) and whole-model; every compiled run's parameters, losses and
 gradient norms equal the eager run's within 1e-5, and dynamo compiles no new graph after step 2.
 
 Compile time dominates (inductor compiles C++ on CPU): the model is tiny, the cases share one
@@ -34,6 +34,7 @@ CASES = {
     "zero3_ac_regional": ("dp", 3, "full", "regional", "aot_eager"),
     "tp_regional": ("tp", 0, None, "regional", "aot_eager"),
     "tp_zero3_ac_regional": ("tp", 3, "full", "regional", "aot_eager"),
+    "pipeline_regional": ("pipe", 0, None, "regional", "aot_eager"),
 }
 
 
@@ -73,6 +74,9 @@ def distribution(kind, stage):
 
     if kind == "dp":
         return tm.DataParallel(zero_stage=stage)
+    if kind == "pipe":  # two stages of one block each, 2 microbatches, 1F1B
+        mesh = tm.DeviceMesh((2, 1), ["pipe", "data"], devices=tm.list_devices())
+        return tm.DataParallel(device_mesh=mesh, pipeline=tm.Pipeline(axis="pipe", schedule="1f1b", microbatches=2))
     mesh = tm.DeviceMesh((1, 2), ["data", "model"], devices=tm.list_devices())
     layout_map = tm.LayoutMap(mesh)
     layout_map[r"blocks\.\d+\.up\.weight"] = ("model", None)
@@ -101,8 +105,13 @@ def train(kind, stage, ac, mode, backend):
                          distribution=distribution(kind, stage), max_grad_norm=1.0, activation_checkpointing=ac,
                          compile=mode, compile_backend=backend, callbacks=[CountGraphs()], progress=False)
     history = trainer.fit(data(), epochs=EPOCHS, batch_size=BATCH)
+    if kind == "pipe":  # each stage's own parameters (full values), compared process by process
+        params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                  for k, v in trainer.unwrapped_model.named_parameters()}
+    else:
+        params = {k: v.clone() for k, v in trainer.state_dict()["model"].items()}
     return {"losses": [s["loss"] for s in history.steps], "norms": [s["grad_norm"] for s in history.steps],
-            "params": {k: v.clone() for k, v in trainer.state_dict()["model"].items()},
+            "params": params,
             "names": sorted(n for n, _ in trainer.unwrapped_model.named_parameters()), "graphs": graphs,
             "compiled": getattr(trainer.unwrapped_model, "_trainmesh_compile", False)}
 
@@ -118,7 +127,7 @@ def _job(cases):
 @pytest.fixture(scope="module")
 def results():
     cases = [name for name, case in CASES.items() if not (case[4] == "inductor" and NO_INDUCTOR)]
-    return run_distributed(_job, world_size=2, args=(cases,), timeout=540, collective_timeout=300)[0]
+    return run_distributed(_job, world_size=2, args=(cases,), timeout=540, collective_timeout=300)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -126,7 +135,12 @@ def test_compiled_equals_eager_without_recompiles(results, name):
     if CASES[name][4] == "inductor" and NO_INDUCTOR:
         print(f"skipping {name}: {NO_INDUCTOR}")
         pytest.skip(NO_INDUCTOR)
-    eager, compiled = results[name]["eager"], results[name]["compiled"]
+    ranks = results if CASES[name][0] == "pipe" else results[:1]  # stages hold different parameters
+    for rank_results in ranks:
+        check(name, rank_results[name]["eager"], rank_results[name]["compiled"])
+
+
+def check(name, eager, compiled):
     assert compiled["compiled"] in (True, "regional"), compiled["compiled"]  # it did compile, not fall back
     assert eager["graphs"][-1] == 0  # the eager run compiled nothing
     assert compiled["names"] == eager["names"]  # compiling in place renames nothing
