@@ -44,3 +44,18 @@ def test_usage_errors():
     assert proc.returncode == 2 and "nomodule_xyz" in proc.stderr
     proc = run_plan("--example", "--world-size", "2", "--micro-batch", "4", "--budget", "lots")
     assert proc.returncode == 2 and "Received" in proc.stderr
+
+
+def test_mesh_plan_writes_json_and_exits_3_when_it_does_not_fit(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = run_plan("--world-size", "8", "--mesh", "data=4,model=2", "--model", "tiny-llama", "--zero", "3",
+                    "--seq", "64", "--precision", "fp32", "--device-memory", "4MiB", "--json", str(out))
+    assert proc.returncode == 3, proc.stderr
+    assert "PLAN" in proc.stdout and "does NOT fit (over by" in proc.stdout and "knob that helps most" in proc.stdout
+    plan = json.loads(out.read_text())
+    assert plan["mesh"] == "data=4,model=2" and plan["fits"] is False
+    rows = {(r["axis"], r["kind"]) for r in plan["ranks"][0]["collectives"]}
+    assert {("data", "all_gather"), ("data", "reduce_scatter"), ("model", "all_reduce")} <= rows
+    assert plan["step"]["seconds"] > 0 and plan["hardware"]["name"] == "h100"
+    bad = run_plan("--world-size", "8", "--mesh", "data=3,model=2", "--model", "tiny-llama", "--seq", "64")
+    assert bad.returncode == 2 and "multiplies to 6 ranks" in bad.stderr

@@ -42,8 +42,6 @@ from .flops import LocalFlops
 from .collectives import CollectiveCounter, CollectiveLog, group_axes
 from .mesh_spec import MeshSpec
 
-import os
-_DEBUG = os.environ.get("TM_PLAN_DEBUG")
 _MIXED = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
 
@@ -167,12 +165,9 @@ def run_rank(meta_model: nn.Module, spec: MeshSpec, rank: int, *, zero_stage: in
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from trainmesh import runtime
-    from trainmesh._torch.mesh import to_torch_mesh
-    from trainmesh._torch.parallelize import parallelize
 
     from .activations import _to_fake_input
     from .meta_model import to_fake
-    from .model_states import resolve_optimizer
 
     if dist.is_initialized():
         raise RuntimeError("run_rank needs a process without a process group (it starts a fake one)")
@@ -182,81 +177,102 @@ def run_rank(meta_model: nn.Module, spec: MeshSpec, rank: int, *, zero_stage: in
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         source = meta_model.to(torch.bfloat16) if precision == "bf16-true" else meta_model
         model = to_fake(source, mode, "cpu")
-        distribution = spec.distribution(model, zero_stage=zero_stage, microbatches=microbatches)
-        torch_mesh = to_torch_mesh(distribution.device_mesh)  # built outside the fake mode (real rank tensors)
-        axis_of = group_axes(torch_mesh)
         _bridge_module_to(model)
-        regions = _checkpointed_modules(model, activation_checkpointing)
-        model = parallelize(model, distribution, zero_stage=zero_stage,
-                            activation_checkpointing=activation_checkpointing,
-                            mixed_precision=_MIXED.get(precision) if zero_stage >= 2 else None)
-        model.train()
-        params = [p for p in model.parameters()]
-        param_bytes = _storage_bytes(params) + _storage_bytes(model.buffers())
-        num_local = sum(getattr(p, "_local_tensor", p).numel() for p in params)
-        opt = resolve_optimizer(optimizer)([p for p in params if p.requires_grad])
-        opt = distribution.prepare_optimizer(opt, model)
         if example_input is not None:
             args = _to_fake_input(example_input, mode, "cpu", precision)
             args, kwargs = (args if isinstance(args, tuple) else (args,)), {}
         else:
             args, kwargs = _default_batch(model, micro_batch, seq_len, mode)
-        counter = CollectiveCounter(axis_of)
-        saved: dict[int, int] = {}
-        hooks = []
-        weights = {getattr(t, "_local_tensor", t).untyped_storage()._cdata for t in [*params, *model.buffers()]}
-
-        def pack(t):
-            local = getattr(t, "_local_tensor", t)
-            storage = local.untyped_storage()
-            key = storage._cdata
-            if key not in weights and not isinstance(t, nn.Parameter):
-                saved.setdefault(key, storage.nbytes())
-                if _DEBUG and storage.nbytes() > 2**24: print("SAVED", type(t).__name__, tuple(t.shape), t.dtype, storage.nbytes() >> 20)
-            return t
-
-        for module in model.modules():  # a module's parameters as it runs (FSDP2's gathered ones included)
-            hooks.append(module.register_forward_pre_hook(
-                lambda m, _: weights.update(getattr(p, "_local_tensor", p).untyped_storage()._cdata
-                                            for p in m.parameters(recurse=False))))
-        is_ddp = hasattr(model, "_get_ddp_logging_data")
-        sync = model.no_sync() if is_ddp else _null()
-        autocast = (torch.autocast("cpu", dtype=_MIXED[precision]) if precision in _MIXED else _null())
-        flops = LocalFlops()
-        recompute = _RecomputeBytes(regions, saved)
-        with mode, counter, flops, sync, recompute:
-            with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                output = model(*args, **kwargs)
-            for t in tree_leaves(output):  # alive until the loss is computed
-                if isinstance(t, torch.Tensor):
-                    saved.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
-            loss = _loss(output)
-            activation_bytes = sum(saved.values())
-            recompute.backward = True
-            loss.backward()
-        recompute.close()
-        for hook in hooks:
-            hook.remove()
-        activation_bytes += recompute.peak
-        if is_ddp:
-            batch_axis = distribution.batch_dim_name
-            _ddp_all_reduces(model, counter.log, batch_axis, distribution.device_mesh.axis_size(batch_axis))
-        grad_bytes = _storage_bytes(p.grad for p in params)
-        with mode, counter:
-            opt.step()
-        optim_state = getattr(opt, "optim", opt).state  # ZeroRedundancyOptimizer keeps its shard's in .optim
-        optimizer_bytes = _storage_bytes(v for s in optim_state.values() for v in s.values()
-                                         if isinstance(v, torch.Tensor))
-        buffers, notes = _unsharded_buffers(model, zero_stage)
-        coords = spec.coords(rank)
-        return RankResult(rank=rank, coords=coords, params=param_bytes, grads=grad_bytes, optimizer=optimizer_bytes,
-                          activations=activation_bytes, buffers=buffers, flops=flops.total,
-                          collectives=counter.log, num_parameters_local=num_local,
-                          seconds=time.perf_counter() - start, notes=notes)
+        result = measure_step(model, spec, rank, args, kwargs, zero_stage=zero_stage,
+                              activation_checkpointing=activation_checkpointing, precision=precision,
+                              optimizer=optimizer, microbatches=microbatches, mode=mode)
+        result.seconds = time.perf_counter() - start
+        return result
     finally:
         runtime.shutdown()  # forgets the torch meshes and the adopted group (not owned: not destroyed)
         if dist.is_initialized():
             dist.destroy_process_group()
+        # DTensor caches sharding decisions keyed by mesh *shape*: the next rank's mesh compares equal
+        # to this one but has new process groups, so a cached spec would name a destroyed group.
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
+
+
+def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwargs: dict, *, zero_stage: int,
+                 activation_checkpointing: Any, precision: str, optimizer: Any = "adam", microbatches: int = 1,
+                 mode: Any = None) -> RankResult:
+    """Parallelize ``model`` as training does and run one step, measuring it. With ``mode`` (a
+    ``FakeTensorMode``) on the fake process group: the dry run; without, on a real group and real
+    tensors: the same measurement of a real step (``benchmarks/plan_accuracy.py``)."""
+    from trainmesh._torch.mesh import to_torch_mesh
+    from trainmesh._torch.parallelize import parallelize
+
+    from .model_states import resolve_optimizer
+
+    fake = mode is not None
+    mode = mode if fake else _null()
+    distribution = spec.distribution(model, zero_stage=zero_stage, microbatches=microbatches)
+    torch_mesh = to_torch_mesh(distribution.device_mesh)  # built outside the fake mode (real rank tensors)
+    axis_of = group_axes(torch_mesh)
+    regions = _checkpointed_modules(model, activation_checkpointing)
+    model = parallelize(model, distribution, zero_stage=zero_stage, activation_checkpointing=activation_checkpointing,
+                        mixed_precision=_MIXED.get(precision) if zero_stage >= 2 else None)
+    model.train()
+    params = [p for p in model.parameters()]
+    param_bytes = _storage_bytes(params) + _storage_bytes(model.buffers())
+    num_local = sum(getattr(p, "_local_tensor", p).numel() for p in params)
+    opt = resolve_optimizer(optimizer)([p for p in params if p.requires_grad])
+    opt = distribution.prepare_optimizer(opt, model)
+    counter = CollectiveCounter(axis_of)
+    saved: dict[int, int] = {}
+    hooks = []
+    weights = {getattr(t, "_local_tensor", t).untyped_storage()._cdata for t in [*params, *model.buffers()]}
+
+    def pack(t):
+        local = getattr(t, "_local_tensor", t)
+        storage = local.untyped_storage()
+        key = storage._cdata
+        if key not in weights and not isinstance(t, nn.Parameter):
+            saved.setdefault(key, storage.nbytes())
+        return t
+
+    for module in model.modules():  # a module's parameters as it runs (FSDP2's gathered ones included)
+        hooks.append(module.register_forward_pre_hook(
+            lambda m, _: weights.update(getattr(p, "_local_tensor", p).untyped_storage()._cdata
+                                        for p in m.parameters(recurse=False))))
+    is_ddp = hasattr(model, "_get_ddp_logging_data")
+    sync = model.no_sync() if is_ddp and fake else _null()
+    autocast = (torch.autocast("cpu", dtype=_MIXED[precision]) if precision in _MIXED else _null())
+    flops = LocalFlops()
+    recompute = _RecomputeBytes(regions, saved)
+    with mode, counter, flops, sync, recompute:
+        with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            output = model(*args, **kwargs)
+        for t in tree_leaves(output):  # alive until the loss is computed
+            if isinstance(t, torch.Tensor):
+                saved.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
+        loss = _loss(output)
+        activation_bytes = sum(saved.values())
+        recompute.backward = True
+        loss.backward()
+    recompute.close()
+    for hook in hooks:
+        hook.remove()
+    activation_bytes += recompute.peak
+    if is_ddp and fake:
+        batch_axis = distribution.batch_dim_name
+        _ddp_all_reduces(model, counter.log, batch_axis, distribution.device_mesh.axis_size(batch_axis))
+    grad_bytes = _storage_bytes(p.grad for p in params)
+    with mode, counter:
+        opt.step()
+    optim_state = getattr(opt, "optim", opt).state  # ZeroRedundancyOptimizer keeps its shard's in .optim
+    optimizer_bytes = _storage_bytes(v for s in optim_state.values() for v in s.values()
+                                     if isinstance(v, torch.Tensor))
+    buffers, notes = _unsharded_buffers(model, zero_stage)
+    return RankResult(rank=rank, coords=spec.coords(rank), params=param_bytes, grads=grad_bytes,
+                      optimizer=optimizer_bytes, activations=activation_bytes, buffers=buffers, flops=flops.total,
+                      collectives=counter.log, num_parameters_local=num_local, seconds=0.0, notes=notes)
 
 
 def _checkpointed_modules(model: nn.Module, policy: Any) -> list[nn.Module]:

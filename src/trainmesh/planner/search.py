@@ -61,23 +61,27 @@ class SearchResult:
                             "mfu": p.step.mfu} for p in self.ranked + [p for p in self.plans if not p.fits]]}
 
 
-def candidates(world_size: int, max_model: int = 8) -> list[tuple[str, int, str | None]]:
+def candidates(world_size: int, max_model: int = 8, zero_stages=(0, 1, 2, 3),
+               checkpointing_choices=(None, "full")) -> list[tuple[str, int, str | None]]:
     out = []
     for model in (1, 2, 4, 8):
         if model > max_model or world_size % model:
             continue
         mesh = f"data={world_size // model}" + (f",model={model}" if model > 1 else "")
-        for zero in ((0, 1, 2, 3) if model == 1 else (0, 2, 3)):
-            for checkpointing in (None, "full"):
+        for zero in zero_stages:
+            if zero == 1 and model > 1:
+                continue  # ModelParallel shards optimizer state with FSDP2 (stages 2-3)
+            for checkpointing in checkpointing_choices:
                 out.append((mesh, zero, checkpointing))
     return out
 
 
 def search(model: str | nn.Module | Callable[[], nn.Module], *, world_size: int, device_memory: int,
-           progress: Callable[[str], None] | None = None, **kwargs) -> SearchResult:
+           progress: Callable[[str], None] | None = None, zero_stages=(0, 1, 2, 3),
+           checkpointing_choices=(None, "full"), max_model: int = 8, **kwargs) -> SearchResult:
     meta = build_meta_model(model if isinstance(model, nn.Module) else model_factory(model))
     result = SearchResult([], device_memory)
-    for mesh, zero, checkpointing in candidates(world_size):
+    for mesh, zero, checkpointing in candidates(world_size, max_model, zero_stages, checkpointing_choices):
         try:
             plan = plan_parallel(meta, world_size=world_size, mesh=mesh, zero_stage=zero,
                                  activation_checkpointing=checkpointing, device_memory=device_memory, **kwargs)
