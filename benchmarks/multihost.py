@@ -98,8 +98,13 @@ def _wait(procs, log: Path, timeout: float = 600) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
     if any(p.returncode != 0 for p in procs):
-        raise RuntimeError(f"a launcher failed ({[p.returncode for p in procs]}); its log: {log}\n"
-                           + log.read_text()[-3000:])
+        raise RuntimeError(f"a launcher failed ({[p.returncode for p in procs]}); its log ends:\n{_tail(log)}")
+
+
+def _tail(log: Path) -> str:
+    lines = [line for line in log.read_text().splitlines()
+             if "Warning" not in line and "return func" not in line and not line.startswith("frame #")]
+    return "\n".join(lines[-40:])
 
 
 class Ports:
@@ -146,7 +151,7 @@ def host_kill(cluster, work: Path) -> tuple[int, int, float]:
     deadline = time.monotonic() + 300
     while len(glob.glob(str(hit / "stalled.rank*"))) < 2:
         if time.monotonic() > deadline or survivor.poll() is not None:
-            raise RuntimeError(f"host 1 never reached step {KILL_AT}; log: {log}")
+            raise RuntimeError(f"host 1 never reached step {KILL_AT}; its log ends:\n{_tail(log)}")
         time.sleep(0.2)
     time.sleep(0.5)
     host1.kill()
@@ -155,7 +160,7 @@ def host_kill(cluster, work: Path) -> tuple[int, int, float]:
     resumed = [int(line.split()[2]) for name in glob.glob(str(hit / "samples.rank*.log"))
                for line in Path(name).read_text().splitlines() if line.startswith("RESUME run-1 ")]
     if not resumed:
-        raise RuntimeError(f"no restart was logged; log: {log}")
+        raise RuntimeError(f"no restart was logged; the log ends:\n{_tail(log)}")
     a, b = torch.load(ref / "final.pt"), torch.load(hit / "final.pt")
     identical = int(all(torch.equal(a[k], b[k]) for k in a))
     return identical, KILL_AT - min(resumed), _max_abs_diff(a, b)
