@@ -68,9 +68,10 @@ def make_trainer(model_name: str, stage: int, mode, precision: str, optimizer=to
     import trainmesh as tm
 
     model, loss_fn, vocab = build(model_name)
+    # The demo's optimizer kernels (fused AdamW; FSDP2's DTensor shards get foreach) on both sides.
     trainer = tm.Trainer(model, optimizer(model.parameters(), lr=lr), loss_fn,
                          distribution=tm.DataParallel(zero_stage=stage), precision=precision, compile=mode,
-                         progress=False)
+                         optimizer_implementation="fused", progress=False)
     return trainer, vocab
 
 
