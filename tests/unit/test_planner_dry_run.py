@@ -72,3 +72,16 @@ def test_search_ranks_fitting_candidates_fastest_first():
     assert [p.step.seconds for p in ranked] == sorted(p.step.seconds for p in ranked)
     assert any(not p.fits for p in result.plans)  # the budget is tight enough to rule some out
     assert "PLAN search" in result.table()
+
+
+def test_a_3d_pipe_x_data_x_model_plan_runs_the_pipeline_split():
+    plan = plan_parallel("tiny-llama", world_size=8, mesh="pipe=2,data=2,model=2", zero_stage=3, micro_batch=1,
+                         seq_len=32, precision="fp32", microbatches=4)
+    first, last = plan.ranks
+    assert (first.rank, last.rank) == (0, 4) and (first.in_flight, last.in_flight) == (2, 1)
+    # each stage holds about half the layers: neither holds the whole model's parameters
+    assert first.params + last.params < 1.3 * plan.num_parameters * 4 / 4  # 4 = data x model shards
+    pipe = {r["kind"]: r for r in first.collectives.rows() if r["axis"] == "pipe"}
+    # stage 0 sends one (1, 32, 256) fp32 activation per microbatch forward
+    assert pipe["send_recv"]["count"] == 4 and pipe["send_recv"]["bytes"] == 4 * 32 * 256 * 4
+    assert "pipe bubble" in plan.step.exposed

@@ -44,6 +44,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="default bf16-mixed with --model/--mesh, fp32 in the table form")
     parser.add_argument("--activation-checkpointing", "--checkpointing", dest="checkpointing", default=None,
                         metavar="POLICY", help="none, full, selective, every:K or a regex on module paths")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="pipeline microbatches per step (default: 2 x the pipe axis)")
+    parser.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved_1f1b, ...")
     parser.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
     parser.add_argument("--grad-accum-steps", type=int, default=1)
     parser.add_argument("--cpu-offload", action="store_true")
@@ -119,7 +122,8 @@ def _handle_parallel(args, parser) -> int:
             _emit(args, result.table(), result.to_dict())
             return 0 if result.best is not None else 3
         plan = plan_parallel(model, mesh=args.mesh, zero_stage=args.zero_stage or 0,
-                             activation_checkpointing=args.checkpointing, device_memory=budget, **kwargs)
+                             activation_checkpointing=args.checkpointing, device_memory=budget,
+                             microbatches=args.microbatches, schedule=args.schedule, **kwargs)
     except (ValueError, TypeError) as exc:
         print(f"trainmesh plan: error: {exc}", file=sys.stderr)
         return 2

@@ -38,7 +38,7 @@ _KINDS = {
     "reduce_scatter_tensor_coalesced": "reduce_scatter",
     "broadcast_": "broadcast", "broadcast": "broadcast",
     "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all",
-    "send": "send_recv", "recv_": "send_recv", "recv_any_source_": "send_recv",
+    "send": "send_recv",  # point-to-point counted once, at the sender (a recv is its partner's send)
     "reduce_": "reduce", "gather_": "gather", "scatter_": "scatter",
 }
 _WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,

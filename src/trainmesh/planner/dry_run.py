@@ -61,13 +61,16 @@ class RankResult:
     num_parameters_local: int
     seconds: float
     notes: list[str] = field(default_factory=list)
+    microbatches: int = 1          # a pipeline step's microbatches (compute and per-microbatch traffic x this)
+    in_flight: int = 1             # microbatches whose activations a pipeline stage holds at once
+    boundary: tuple | None = None  # (shape, dtype) of the activation a pipeline stage sends on
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "coords": self.coords, "params": self.params, "grads": self.grads,
                 "optimizer": self.optimizer, "activations": self.activations, "buffers": self.buffers,
                 "flops": self.flops, "collectives": self.collectives.rows(),
                 "num_parameters_local": self.num_parameters_local, "seconds": round(self.seconds, 3),
-                "notes": self.notes}
+                "notes": self.notes, "microbatches": self.microbatches, "in_flight": self.in_flight}
 
 
 def _storage_bytes(tensors) -> int:
@@ -158,8 +161,10 @@ def _ddp_all_reduces(model: nn.Module, log: CollectiveLog, axis: str, size: int)
 
 def run_rank(meta_model: nn.Module, spec: MeshSpec, rank: int, *, zero_stage: int, activation_checkpointing: Any,
              precision: str, micro_batch: int, seq_len: int | None, optimizer: Any = "adam",
-             example_input: Any = None, microbatches: int = 1) -> RankResult:
-    """Dry-run ``parallelize`` for ``rank`` of ``spec``; see the module docstring."""
+             example_input: Any = None, microbatches: int = 1, schedule: str = "1f1b",
+             boundary: tuple | None = None) -> RankResult:
+    """Dry-run ``parallelize`` for ``rank`` of ``spec``; see the module docstring. ``boundary`` is the
+    (shape, dtype) a pipeline stage receives (from the first stage's dry run)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -185,7 +190,8 @@ def run_rank(meta_model: nn.Module, spec: MeshSpec, rank: int, *, zero_stage: in
             args, kwargs = _default_batch(model, micro_batch, seq_len, mode)
         result = measure_step(model, spec, rank, args, kwargs, zero_stage=zero_stage,
                               activation_checkpointing=activation_checkpointing, precision=precision,
-                              optimizer=optimizer, microbatches=microbatches, mode=mode)
+                              optimizer=optimizer, microbatches=microbatches, schedule=schedule, mode=mode,
+                              boundary=boundary)
         result.seconds = time.perf_counter() - start
         return result
     finally:
@@ -201,7 +207,7 @@ def run_rank(meta_model: nn.Module, spec: MeshSpec, rank: int, *, zero_stage: in
 
 def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwargs: dict, *, zero_stage: int,
                  activation_checkpointing: Any, precision: str, optimizer: Any = "adam", microbatches: int = 1,
-                 mode: Any = None) -> RankResult:
+                 schedule: str = "1f1b", mode: Any = None, boundary: tuple | None = None) -> RankResult:
     """Parallelize ``model`` as training does and run one step, measuring it. With ``mode`` (a
     ``FakeTensorMode``) on the fake process group: the dry run; without, on a real group and real
     tensors: the same measurement of a real step (``benchmarks/plan_accuracy.py``)."""
@@ -212,7 +218,7 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
 
     fake = mode is not None
     mode = mode if fake else _null()
-    distribution = spec.distribution(model, zero_stage=zero_stage, microbatches=microbatches)
+    distribution = spec.distribution(model, zero_stage=zero_stage, microbatches=microbatches, schedule=schedule)
     torch_mesh = to_torch_mesh(distribution.device_mesh)  # built outside the fake mode (real rank tensors)
     axis_of = group_axes(torch_mesh)
     regions = _checkpointed_modules(model, activation_checkpointing)
@@ -246,19 +252,40 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
     autocast = (torch.autocast("cpu", dtype=_MIXED[precision]) if precision in _MIXED else _null())
     flops = LocalFlops()
     recompute = _RecomputeBytes(regions, saved)
+    runner = getattr(model, "_trainmesh_pipeline", None)
+    if runner is not None:  # the stages are copies: their own checkpointed modules
+        recompute.close()
+        regions = [m for stage in runner.stage_models for m in _checkpointed_modules(stage, activation_checkpointing)]
+        recompute = _RecomputeBytes(regions, saved)
     with mode, counter, flops, sync, recompute:
         with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            output = model(*args, **kwargs)
-        for t in tree_leaves(output):  # alive until the loss is computed
-            if isinstance(t, torch.Tensor):
-                saved.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
-        loss = _loss(output)
+            if runner is None:
+                outputs = [model(*args, **kwargs)]
+            else:
+                outputs, inputs = _stage_forwards(runner, args, kwargs, boundary)
+        for output in outputs:
+            for t in tree_leaves(output):  # alive until the loss is computed
+                if isinstance(t, torch.Tensor):
+                    saved.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
         activation_bytes = sum(saved.values())
         recompute.backward = True
-        loss.backward()
+        if runner is None:
+            _loss(outputs[0]).backward()
+        else:
+            _stage_backwards(runner, outputs)
     recompute.close()
     for hook in hooks:
         hook.remove()
+    notes: list[str] = []
+    if runner is not None:
+        boundary, per_step = _pipeline_traffic(runner, outputs, inputs, distribution, spec, axis_of, mode)
+        counter.log = counter.log.scaled(microbatches).merged(per_step)
+        flops.total *= microbatches
+        in_flight = microbatches if schedule == "gpipe" else min(microbatches, runner.pipe_size - runner.pipe_rank)
+        activation_bytes *= in_flight
+        notes.append(f"pipeline ({schedule}, {microbatches} microbatches): one microbatch measured per stage; compute "
+                     f"and stage traffic x {microbatches}; activations x the microbatches a stage holds in flight "
+                     f"(1F1B: pipe size - stage; GPipe: all); send/recv counted from the measured boundary shapes")
     activation_bytes += recompute.peak
     if is_ddp and fake:
         batch_axis = distribution.batch_dim_name
@@ -269,10 +296,74 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
     optim_state = getattr(opt, "optim", opt).state  # ZeroRedundancyOptimizer keeps its shard's in .optim
     optimizer_bytes = _storage_bytes(v for s in optim_state.values() for v in s.values()
                                      if isinstance(v, torch.Tensor))
-    buffers, notes = _unsharded_buffers(model, zero_stage)
+    buffers, buffer_notes = _unsharded_buffers(model, zero_stage)
+    notes += buffer_notes
     return RankResult(rank=rank, coords=spec.coords(rank), params=param_bytes, grads=grad_bytes,
                       optimizer=optimizer_bytes, activations=activation_bytes, buffers=buffers, flops=flops.total,
-                      collectives=counter.log, num_parameters_local=num_local, seconds=0.0, notes=notes)
+                      collectives=counter.log, num_parameters_local=num_local, seconds=0.0, notes=notes,
+                      microbatches=microbatches if runner is not None else 1,
+                      in_flight=in_flight if runner is not None else 1,
+                      boundary=boundary if runner is not None else None)
+
+
+def _stage_forwards(runner, args: tuple, kwargs: dict, boundary: tuple | None):
+    """One microbatch through each stage this rank holds, as the schedule runs them (``StageModule``):
+    the first stage on the token ids, a later one on a received activation of the boundary's shape."""
+    ids = args[0] if args else kwargs.get("input_ids")
+    outputs, inputs = [], []
+    for module, index in zip(runner.modules, runner.indices):
+        if index == 0:
+            x = ids
+        else:
+            if boundary is None:
+                raise ValueError("A later pipeline stage needs the activation shape the first stage sends; "
+                                 "dry-run the first stage's rank first.")
+            shape, dtype = boundary
+            x = torch.zeros(shape, dtype=dtype, requires_grad=True)
+        inputs.append(x)
+        outputs.append(module(x))
+    return outputs, inputs
+
+
+def _stage_backwards(runner, outputs: list) -> None:
+    for index, out in sorted(zip(runner.indices, outputs), key=lambda pair: -pair[0]):
+        if index == runner.num_stages - 1:
+            logits = out.float()
+            if logits.dim() == 3:  # a language model head: the loss a Trainer's lm loss computes
+                target = torch.zeros(logits.shape[:2], dtype=torch.long)
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+            else:
+                loss = logits.mean()
+            loss.backward()
+        else:
+            out.backward(torch.ones_like(out))
+
+
+def _pipeline_traffic(runner, outputs, inputs, distribution, spec: MeshSpec, axis_of: dict, mode):
+    """Per-step traffic besides each microbatch's stage compute: the activations and their gradients a
+    stage sends (torch's schedule sends them point-to-point; the fake group does not run the schedule,
+    so they are counted from the shapes measured here), and the runner's own per-step reductions (its
+    data-axis gradient average, the tied-weight sum), run for real on the fake group."""
+    from trainmesh._torch.pipeline import _average_grads
+
+    log = CollectiveLog()
+    pipe = runner.pipeline.axis
+    m = runner.pipeline.microbatches
+    boundary = None
+    for out, x, index in zip(outputs, inputs, runner.indices):
+        if index == 0 and out is not None:
+            boundary = (tuple(out.shape), out.dtype)
+        if index < runner.num_stages - 1:
+            log.add(pipe, "send_recv", out.numel() * out.element_size() * m, m)
+        if index > 0:
+            log.add(pipe, "send_recv", x.numel() * x.element_size() * m, m)
+    log.group_sizes[pipe] = runner.pipe_size
+    counter = CollectiveCounter(axis_of, log)
+    with mode, counter:
+        runner._sync_tied_grads()
+        if runner.reduce_data_grads and runner.data_size > 1:
+            _average_grads(runner.parameters(), runner.data_group, runner.data_size)
+    return boundary, log
 
 
 def _checkpointed_modules(model: nn.Module, policy: Any) -> list[nn.Module]:

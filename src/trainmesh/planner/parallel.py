@@ -45,7 +45,9 @@ class StepEstimate:
 
     @property
     def comm_share(self) -> float:
-        return sum(self.exposed.values()) / self.seconds if self.seconds else 0.0
+        """Exposed communication over step time (the pipeline bubble is idle time, not communication)."""
+        comm = sum(t for a, t in self.exposed.items() if not a.endswith(" bubble"))
+        return comm / self.seconds if self.seconds else 0.0
 
     @property
     def scaling_efficiency(self) -> float:
@@ -101,7 +103,7 @@ class ParallelPlan:
 
     def table(self) -> str:
         lines = [f"PLAN (dry run of trainmesh's parallelize on a fake process group; not a measurement)",
-                 f"model {self.model}: {self.num_parameters / 1e9:.2f}B parameters, world size {self.mesh.world_size}, "
+                 f"model {self.model}: {_count(self.num_parameters)} parameters, world size {self.mesh.world_size}, "
                  f"mesh {self.mesh.text()}, ZeRO {self.zero_stage}, checkpointing "
                  f"{self.activation_checkpointing or 'none'}, {self.precision}, micro-batch {self.micro_batch}"
                  + (f" x {self.seq_len} tokens" if self.seq_len else ""),
@@ -122,7 +124,8 @@ class ParallelPlan:
         s = self.step
         lines += ["", f"step time on {self.hardware.name} ({self.hardware.source})",
                   f"  compute {s.compute * 1e3:.1f} ms; " + "; ".join(
-                      f"{a} {t * 1e3:.1f} ms ({s.exposed.get(a, 0) * 1e3:.1f} exposed)" for a, t in s.axes.items()),
+                      f"{a} {t * 1e3:.1f} ms ({s.exposed.get(a, 0) * 1e3:.1f} exposed)" for a, t in s.axes.items())
+                  + "".join(f"; {a} {t * 1e3:.1f} ms" for a, t in s.exposed.items() if a.endswith(" bubble")),
                   f"  step {s.seconds * 1e3:.1f} ms, communication share {s.comm_share:.1%}, scaling efficiency "
                   f"{s.scaling_efficiency:.1%}" + (f", MFU {s.mfu:.1%}" if s.mfu is not None else "")]
         lines += [f"note: {n}" for n in self.notes]
@@ -130,6 +133,10 @@ class ParallelPlan:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def estimate_step(ranks: list[RankResult], spec: MeshSpec, hardware: Hardware, *, tokens_per_rank: float | None,
@@ -144,6 +151,12 @@ def estimate_step(ranks: list[RankResult], spec: MeshSpec, hardware: Hardware, *
             hidden = axis == spec.batch_axis  # gradient/parameter traffic overlaps compute
             exposed[axis] = max(0.0, t - compute) if hidden else t
         seconds = compute + sum(exposed.values())
+        if r.microbatches > 1 and spec.pipe_axis:
+            # 1F1B / GPipe: p - 1 extra microbatch slots of the stage's critical path (the bubble)
+            p = spec.size(spec.pipe_axis)
+            critical = compute + sum(t for a, t in exposed.items() if a != spec.batch_axis)
+            exposed[spec.pipe_axis + " bubble"] = critical * (p - 1) / r.microbatches
+            seconds += exposed[spec.pipe_axis + " bubble"]
         if worst is None or seconds > worst.seconds:
             worst = StepEstimate(compute, axes, exposed, seconds, None)
     if tokens_per_rank and shape.get("num_layers") and shape.get("hidden") and worst.seconds:
@@ -156,7 +169,8 @@ def plan_parallel(model: str | nn.Module | Callable[[], nn.Module], *, world_siz
                   zero_stage: int = 0, activation_checkpointing: str | None = None, precision: str = "bf16-mixed",
                   micro_batch: int = 1, seq_len: int | None = None, example_input: Any = None,
                   optimizer: Any = "adam", device_memory: int | str | None = None,
-                  hardware: str | Hardware | None = "h100", grad_accum_steps: int = 1) -> ParallelPlan:
+                  hardware: str | Hardware | None = "h100", grad_accum_steps: int = 1,
+                  microbatches: int | None = None, schedule: str = "1f1b") -> ParallelPlan:
     """Dry-run ``model`` on an N-rank ``mesh`` and price it; see the module docstring."""
     spec = MeshSpec.parse(mesh, world_size)  # bad meshes fail here, before anything is built
     if zero_stage not in (0, 1, 2, 3):
@@ -170,17 +184,25 @@ def plan_parallel(model: str | nn.Module | Callable[[], nn.Module], *, world_siz
     name = model if isinstance(model, str) else getattr(model, "__name__", type(model).__name__)
     meta = build_meta_model(model if isinstance(model, nn.Module) else model_factory(model))
     shape = {**model_shape(meta), "seq": seq_len}
-    ranks = [run_rank(meta, spec, rank, zero_stage=zero_stage, activation_checkpointing=activation_checkpointing,
-                      precision=precision, micro_batch=micro_batch, seq_len=seq_len, optimizer=optimizer,
-                      example_input=example_input)
-             for rank in spec.representative_ranks()]
+    pipe = spec.size(spec.pipe_axis)
+    microbatches = microbatches or (2 * pipe if pipe > 1 else 1)
+    ranks: list[RankResult] = []
+    boundary = None
+    for rank in spec.representative_ranks():  # pipe order: the first stage tells the others what they receive
+        result = run_rank(meta, spec, rank, zero_stage=zero_stage, activation_checkpointing=activation_checkpointing,
+                          precision=precision, micro_batch=micro_batch, seq_len=seq_len, optimizer=optimizer,
+                          example_input=example_input, microbatches=microbatches, schedule=schedule,
+                          boundary=boundary)
+        boundary = boundary or result.boundary
+        ranks.append(result)
     dp = spec.size(spec.batch_axis)
-    tokens = micro_batch * (seq_len or 0) * dp / world_size if seq_len else None
+    tokens = micro_batch * (seq_len or 0) * dp * (microbatches if pipe > 1 else 1) / world_size if seq_len else None
     step = estimate_step(ranks, spec, hw, tokens_per_rank=tokens, shape=shape, accum=grad_accum_steps)
     plan = ParallelPlan(model=str(name), mesh=spec, zero_stage=zero_stage,
                         activation_checkpointing=activation_checkpointing, precision=precision,
                         micro_batch=micro_batch, seq_len=seq_len, num_parameters=shape["num_parameters"],
                         ranks=ranks, step=step, hardware=hw, device_memory=budget, grad_accum_steps=grad_accum_steps)
+    plan.notes += sorted({n for r in ranks for n in r.notes})
     plan.notes.append("ranks dry-run: " + ", ".join(f"{r.rank} ({r.seconds:.1f} s)" for r in ranks)
                       + "; other ranks hold the same or smaller shards")
     if plan.fits is False:
