@@ -167,7 +167,7 @@ def host_kill(cluster, work: Path) -> tuple[int, int, float]:
 
 
 def step_time(cluster, work: Path, side: str, steps: int, index: int) -> tuple[float, dict]:
-    out = work / f"step_{side}_{index}"
+    out = work / f"step_{side.replace(' ', '_')}_{index}"
     out.mkdir()
     log = work / "step.log"
     script = [str(Path(__file__).resolve()), "--worker", "--steps", str(steps), "--out", str(out)]

@@ -61,7 +61,7 @@ def launch(host, out: Path, *, nnodes: str, port: int, job_args: tuple[str, ...]
     cmd = [sys.executable, "-m", "trainmesh", "run", "--nnodes", nnodes, "--nproc-per-node", "2",
            "--node-rank", str(host.index), "--rdzv-endpoint", f"{host.cluster.hosts[0].address}:{port}",
            "--rdzv-id", f"job{port}", "--rdzv-conf", RDZV_CONF, "--max-restarts", "2", "--monitor-interval", "0.5",
-           str(JOB), "--out", str(out), "--step-sleep", "0.2", *job_args]
+           str(JOB), "--out", str(out), "--step-sleep", "0.1", *job_args]
     logfile = open(out / f"launcher{host.index}{log}.log", "w")
     return host.popen(cmd, env=ENV, stdout=logfile, stderr=subprocess.STDOUT)
 
