@@ -56,6 +56,28 @@ def effective_steps(out) -> dict[int, dict[int, list[int]]]:
     return kept, order
 
 
+def resume_points(out) -> dict[str, set[int]]:
+    """{attempt: the global steps its processes resumed at} (one value when they agree)."""
+    points: dict[str, set[int]] = defaultdict(set)
+    for name in os.listdir(out):
+        if name.startswith("samples.rank"):
+            with open(os.path.join(out, name)) as fh:
+                for parts in (line.split() for line in fh):
+                    if parts and parts[0] == "RESUME":
+                        points[parts[1]].add(int(parts[2]))
+    return dict(points)
+
+
+def assert_resumed(out, checkpoint: str, first: str, second: str) -> None:
+    """The first attempt started at 0; every process of the second resumed at the same step: 4 (killed
+    after step 5, checkpoints every 2 steps). An async sharded save is sealed only once every rank's
+    write has finished (checked at a later step boundary), so the step-4 save may still be in flight
+    when the kill lands: then step 2, the last sealed one."""
+    resumed = resume_points(out)
+    assert resumed.keys() == {first, second} and resumed[first] == {0}, resumed
+    assert resumed[second] in ([{4}] if checkpoint == "full" else [{4}, {2}]), resumed
+
+
 def assert_exactly_once(out) -> list[str]:
     kept, attempts = effective_steps(out)
     assert sorted(kept) == list(range(EPOCHS))
@@ -81,7 +103,9 @@ def test_sigkill_mid_epoch_restarts_and_matches_an_uninterrupted_run(tmp_path, u
     assert proc.returncode == 0, proc.stderr[-3000:]
     attempts = assert_exactly_once(tmp_path)
     assert attempts == ["run-0", "run-1"]  # a real restart happened
-    assert effective_steps(tmp_path)[0]  # and resumed from step 4 (checkpoint every 2 steps)
+    assert_resumed(tmp_path, checkpoint, "run-0", "run-1")
+    # ... at the exact data position: each step trained the same samples as in the uninterrupted run.
+    assert effective_steps(tmp_path)[0] == effective_steps(reference_dir)[0]
     final = torch.load(os.path.join(tmp_path, "final.pt"))
     for name, value in reference.items():
         assert torch.equal(final[name], value), name  # exactly: fp32, deterministic CPU
@@ -97,6 +121,7 @@ def test_resume_on_a_different_number_of_processes(tmp_path, uninterrupted, chec
     assert second.returncode == 0, second.stderr[-3000:]
     attempts = assert_exactly_once(tmp_path)
     assert attempts == ["two-0", "four-0"]
+    assert_resumed(tmp_path, checkpoint, "two-0", "four-0")  # all 4 processes at the same step
     final = torch.load(os.path.join(tmp_path, "final.pt"))
     for name, value in reference.items():
         torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,6 @@ from trainmesh.trainer.log_writer import LogWriter
 
 pytestmark = pytest.mark.timeout(60)
 
-_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
                                       reason="matplotlib is not installed (pip install 'trainmesh[plot]')")
 
@@ -25,12 +23,20 @@ def run_plot(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=50)
 
 
-def png_size(path: Path) -> tuple[int, int]:
-    """Width and height from the IHDR chunk, after checking the PNG signature."""
-    data = path.read_bytes()
-    assert data[:8] == _PNG_SIGNATURE, "not a PNG file"
-    assert data[12:16] == b"IHDR"
-    return struct.unpack(">II", data[16:24])
+def read_matplotlib_png(path: Path):
+    """The image as a float array (H, W, 3 or 4), after checking that matplotlib wrote the file."""
+    from matplotlib.image import imread
+
+    assert b"Matplotlib version" in path.read_bytes()[:200], "no matplotlib Software chunk"
+    image = imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100 and image.shape[2] in (3, 4)
+    return image
+
+
+def color_pixels(image, hex_color: str, tol: float = 0.02) -> int:
+    """How many pixels are ``hex_color`` (within ``tol`` per channel)."""
+    rgb = [int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    return int((abs(image[..., :3] - rgb) <= tol).all(axis=-1).sum())
 
 
 def write_logs(log_dir: Path, *, epochs: int = 3, steps_per_epoch: int = 20, val: bool = True) -> None:
@@ -55,9 +61,15 @@ def test_plot_default_out(tmp_path: Path) -> None:
     result = run_plot(str(log_dir), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     out = log_dir / "curves.png"
-    assert out.stat().st_size > 0
-    width, height = png_size(out)
-    assert width > 100 and height > 100
+    image = read_matplotlib_png(out)
+    # Drawn, not blank: the step loss (tab:blue), train/held-out loss per epoch (tab:orange,
+    # tab:green) and the throughput (tab:purple).
+    for color, at_least in (("#1f77b4", 200), ("#ff7f0e", 20), ("#2ca02c", 20), ("#9467bd", 200)):
+        assert color_pixels(image, color) >= at_least, color
+    # The throughput curve is in the lower panel, the loss curves in the upper one.
+    half = image.shape[0] // 2
+    assert color_pixels(image[half:], "#9467bd") > 10 * color_pixels(image[:half], "#9467bd")
+    assert color_pixels(image[:half], "#1f77b4") > 10 * color_pixels(image[half:], "#1f77b4")
     assert str(out) in result.stdout
 
 
@@ -70,7 +82,8 @@ def test_plot_out_path_and_epoch_only_logs(tmp_path: Path) -> None:
     out = tmp_path / "figures" / "run1.png"  # parent created
     result = run_plot(str(log_dir), "--out", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert png_size(out)[0] > 100
+    image = read_matplotlib_png(out)
+    assert color_pixels(image, "#ff7f0e") >= 20  # the epoch train loss
     assert not (log_dir / "curves.png").exists()
 
 

@@ -44,15 +44,18 @@ def _run(policy: str, bad_step: int, epochs: int, checkpoint_dir: str | None = N
 
     class Capture(tm.Callback):
         def on_train_batch_end(self, step, logs=None):
+            weights = [p.detach().clone() for p in trainer.unwrapped_model.parameters()]
             if logs.get("nonfinite"):
-                weights_after["w"] = [p.detach().clone() for p in trainer.unwrapped_model.parameters()]
+                weights_after["w"] = weights
+                if checkpoint_dir:  # what the rollback should have restored: the file as it is now
+                    state = torch.load(os.path.join(checkpoint_dir, "last.pt"), map_location="cpu",
+                                       weights_only=False)
+                    weights_after["checkpoint"] = [v.clone() for v in state["model"].values()]
+            elif "w" not in weights_after:
+                weights_after["before"] = weights  # the last good step's weights (before the bad one)
 
     trainer.callbacks.append(Capture())
     history = trainer.fit(_data(), epochs=epochs, batch_size=BATCH, shuffle=False)
-    checkpoint = None
-    if checkpoint_dir:
-        state = torch.load(os.path.join(checkpoint_dir, "last.pt"), map_location="cpu", weights_only=False)
-        checkpoint = list(state["model"].values()) if state["model"] else None
     return {
         "skipped": [s.get("nonfinite", False) for s in history.steps],
         "losses": [s["loss"] for s in history.steps],
@@ -60,6 +63,8 @@ def _run(policy: str, bad_step: int, epochs: int, checkpoint_dir: str | None = N
         "params": [p.detach().clone() for p in trainer.unwrapped_model.parameters()],
         "rollbacks": trainer.rollbacks,
         "after_bad_step": weights_after.get("w"),
+        "before_bad_step": weights_after.get("before"),
+        "checkpoint_at_bad_step": weights_after.get("checkpoint"),
         "epoch_losses": history.history["loss"],
     }
 
@@ -68,8 +73,9 @@ def _scenarios(tmp: str) -> dict:
     return {
         "skip": _run("skip", bad_step=2, epochs=1),
         "stop": _run("stop", bad_step=1, epochs=2),
-        # Epoch 1 saves last.pt; the NaN comes at the first step of epoch 2 (global step 4).
-        "rollback": _run("rollback", bad_step=4, epochs=2, checkpoint_dir=os.path.join(tmp, "ckpt")),
+        # Epoch 1 saves last.pt; the NaN comes at the third step of epoch 2 (global step 6), after two
+        # good steps have moved the weights away from the checkpoint's (so skip != rollback).
+        "rollback": _run("rollback", bad_step=6, epochs=2, checkpoint_dir=os.path.join(tmp, "ckpt")),
     }
 
 
@@ -98,10 +104,15 @@ def test_stop_ends_training_on_every_process_at_the_same_step(results):
 def test_rollback_restores_the_last_checkpoint(results):
     for result in results:
         rollback = result["rollback"]
-        assert rollback["rollbacks"] == 1 and rollback["skipped"] == [False] * 4 + [True, False, False, False]
-    # Right after the bad step, the weights are the checkpoint's (saved at the end of epoch 1).
-    first = results[0]["rollback"]
-    saved_epoch1 = results[0]["rollback"]["after_bad_step"]
-    assert saved_epoch1 is not None
-    for a, b in zip(first["after_bad_step"], results[1]["rollback"]["after_bad_step"]):
+        assert rollback["rollbacks"] == 1 and rollback["skipped"] == [False] * 6 + [True, False]
+        # Right after the bad step, the weights are exactly the checkpoint's (saved at the end of
+        # epoch 1), not the weights the two good steps of epoch 2 had reached.
+        restored, saved = rollback["after_bad_step"], rollback["checkpoint_at_bad_step"]
+        assert restored is not None and saved is not None and len(restored) == len(saved) == 4
+        for a, b in zip(restored, saved):
+            assert torch.equal(a, b)
+        moved = max((a - b).abs().max().item() for a, b in zip(rollback["before_bad_step"], saved))
+        assert moved > 1e-4, "the good steps of epoch 2 did not move the weights: the check would be vacuous"
+        assert all(torch.isfinite(p).all() for p in rollback["params"])
+    for a, b in zip(results[0]["rollback"]["after_bad_step"], results[1]["rollback"]["after_bad_step"]):
         assert torch.equal(a, b)

@@ -1,12 +1,10 @@
 """The demo's parts on their own, in one process: corpus, vocabulary, windows, model, sampling,
-the PNG fallback, and the command-line plumbing (nothing is launched here)."""
+the loss-curve PNG (matplotlib), and the command-line plumbing (nothing is launched here)."""
 
 from __future__ import annotations
 
 import argparse
 import math
-import struct
-import zlib
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,6 @@ import torch
 
 from trainmesh.demo import CharGPT, CharVocab, CharWindows, GPTConfig, build_corpus, generate, lm_loss
 from trainmesh.demo.corpus import UNKNOWN_CHAR, select_sources
-from trainmesh.demo.curve_png import draw_loss_png, nice_ticks
 from trainmesh.demo.generate import sample_ids
 from trainmesh.demo.job import DemoSettings, draw_curves, parse_args
 from trainmesh.launcher import demo as demo_cmd
@@ -35,12 +32,11 @@ def tiny_model(vocab_size: int, *, block_size: int = 16, seed: int = 0) -> CharG
     return CharGPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=2, n_head=2, d_model=32))
 
 
-def read_png_header(data: bytes) -> tuple[int, int]:
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    length, kind = struct.unpack(">I4s", data[8:16])
-    assert (length, kind) == (13, b"IHDR")
-    assert struct.unpack(">I", data[29:33])[0] == zlib.crc32(data[12:29])
-    return struct.unpack(">II", data[16:24])
+def color_pixels(image, hex_color: str, tol: float = 0.02) -> int:
+    """How many pixels of an RGB(A) float image are ``hex_color`` (within ``tol`` per channel)."""
+    rgb = torch.tensor([int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    pixels = torch.as_tensor(image[..., :3])
+    return int(((pixels - rgb).abs() <= tol).all(dim=-1).sum())
 
 
 # --- corpus ---------------------------------------------------------------------------------
@@ -190,32 +186,45 @@ def test_generation_is_seeded_and_leaves_the_model_alone(corpus) -> None:
         sample_ids(model, torch.tensor([], dtype=torch.long), 5)
 
 
-# --- the PNG fallback and the job's helpers ----------------------------------------------------
-def test_builtin_png(tmp_path: Path) -> None:
-    path = draw_loss_png(tmp_path / "sub" / "c.png", list(range(1, 101)), [4 - i / 40 for i in range(100)],
-                         [50, 100], [3.0, 2.0], width=300, height=200)
-    assert read_png_header(path.read_bytes()) == (300, 200)
-    assert nice_ticks(1.4, 4.4, cover=True) == [1, 2, 3, 4, 5] and nice_ticks(1, 411) == [100, 200, 300, 400]
-    # Empty series still make a (blank) figure rather than failing.
-    assert read_png_header(draw_loss_png(tmp_path / "e.png", [], []).read_bytes()) == (900, 540)
-
-
-def test_draw_curves_falls_back_without_matplotlib(tmp_path: Path, monkeypatch) -> None:
-    from trainmesh.launcher import plot
+# --- the loss curve (matplotlib) and the job's helpers --------------------------------------------
+def _write_logs(log_dir: Path) -> None:
     from trainmesh.trainer.log_writer import LogWriter
 
-    with LogWriter(tmp_path / "logs", tensorboard=False) as writer:
-        for step in range(1, 21):
-            writer.log_step({"epoch": (step - 1) // 10, "global_step": step, "loss": 3 - step / 10})
+    with LogWriter(log_dir, tensorboard=False) as writer:
+        for step in range(1, 41):
+            writer.log_step({"epoch": (step - 1) // 20, "global_step": step, "loss": 3 - step / 20,
+                             "samples_per_s": 100.0 + step})
         for epoch in range(2):
             writer.log_epoch({"epoch": epoch, "loss": 2.5 - epoch, "val_loss": 2.6 - epoch})
 
-    def no_matplotlib(*args, **kwargs):
-        raise ImportError("No module named 'matplotlib'")
 
-    monkeypatch.setattr(plot, "draw", no_matplotlib)
-    assert draw_curves(tmp_path / "logs", tmp_path / "curve.png") == "built-in"
-    assert read_png_header((tmp_path / "curve.png").read_bytes()) == (900, 540)
+def test_draw_curves_writes_a_matplotlib_png(tmp_path: Path) -> None:
+    image_mod = pytest.importorskip("matplotlib.image", reason="matplotlib is in the `test` and `demo` extras")
+    _write_logs(tmp_path / "logs")
+    png = tmp_path / "curve.png"
+    assert draw_curves(tmp_path / "logs", png) == "matplotlib"
+    assert b"Matplotlib version" in png.read_bytes()[:200]  # the Software text chunk matplotlib writes
+    image = image_mod.imread(png)
+    assert image.shape[0] > 300 and image.shape[1] > 500 and image.shape[2] in (3, 4)
+    # Not blank: the step loss (tab:blue), the held-out markers (tab:green) and the throughput
+    # (tab:purple) are all drawn.
+    assert color_pixels(image, "#1f77b4") > 200
+    assert color_pixels(image, "#2ca02c") > 20
+    assert color_pixels(image, "#9467bd") > 100
+
+
+def test_draw_curves_without_matplotlib_says_how_to_get_it(tmp_path: Path, monkeypatch, capsys) -> None:
+    import sys
+
+    _write_logs(tmp_path / "logs")
+    # A None entry in sys.modules makes `import matplotlib...` fail as if it were not installed.
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert draw_curves(tmp_path / "logs", tmp_path / "curve.png") is None
+    assert not (tmp_path / "curve.png").exists()
+    err = capsys.readouterr().err
+    assert "needs matplotlib" in err and "pip install -e '.[demo]'" in err and "trainmesh plot" in err
 
 
 def test_settings_and_job_arguments() -> None:

@@ -121,9 +121,9 @@ def test_read_log_errors_and_truncated_last_line(tmp_path: Path) -> None:
         read_log(tmp_path)
 
 
-@pytest.mark.skipif(not tensorboard_available(), reason="tensorboard is not installed "
-                    "(pip install 'trainmesh[tensorboard]'); the TensorBoard path is untested")
 def test_tensorboard_scalars(tmp_path: Path) -> None:
+    # tensorboard is in the `test` extra: no skip, a missing install fails here rather than hiding the path.
+    assert tensorboard_available(), "tensorboard is not installed: pip install -e '.[test]'"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     with LogWriter(tmp_path) as writer:  # auto: tensorboard is installed

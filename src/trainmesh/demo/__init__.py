@@ -6,7 +6,6 @@ The pieces, one concept per module:
   character vocabulary, the train/held-out split and the ``(input, target)`` window dataset.
 * :mod:`~trainmesh.demo.char_gpt`: the model (a small pre-LN decoder-only transformer) and its loss.
 * :mod:`~trainmesh.demo.generate`: seeded temperature / top-k sampling from a trained model.
-* :mod:`~trainmesh.demo.curve_png`: a dependency-free loss-curve PNG for machines without matplotlib.
 * :mod:`~trainmesh.demo.job`: the per-process training program that ``trainmesh demo`` launches.
 
 Only the job imports the Trainer, so the parts can be used (and tested) on their own.
