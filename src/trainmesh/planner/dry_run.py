@@ -207,7 +207,8 @@ def run_rank(meta_model: nn.Module, spec: MeshSpec, rank: int, *, zero_stage: in
 
 def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwargs: dict, *, zero_stage: int,
                  activation_checkpointing: Any, precision: str, optimizer: Any = "adam", microbatches: int = 1,
-                 schedule: str = "1f1b", mode: Any = None, boundary: tuple | None = None) -> RankResult:
+                 schedule: str = "1f1b", mode: Any = None, boundary: tuple | None = None,
+                 keep: dict | None = None) -> RankResult:
     """Parallelize ``model`` as training does and run one step, measuring it. With ``mode`` (a
     ``FakeTensorMode``) on the fake process group: the dry run; without, on a real group and real
     tensors: the same measurement of a real step (``benchmarks/plan_accuracy.py``)."""
@@ -296,6 +297,8 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
     optim_state = getattr(opt, "optim", opt).state  # ZeroRedundancyOptimizer keeps its shard's in .optim
     optimizer_bytes = _storage_bytes(v for s in optim_state.values() for v in s.values()
                                      if isinstance(v, torch.Tensor))
+    if keep is not None:
+        keep.update(model=model, optimizer=opt)
     buffers, buffer_notes = _unsharded_buffers(model, zero_stage)
     notes += buffer_notes
     return RankResult(rank=rank, coords=spec.coords(rank), params=param_bytes, grads=grad_bytes,
