@@ -85,3 +85,22 @@ def test_a_3d_pipe_x_data_x_model_plan_runs_the_pipeline_split():
     # stage 0 sends one (1, 32, 256) fp32 activation per microbatch forward
     assert pipe["send_recv"]["count"] == 4 and pipe["send_recv"]["bytes"] == 4 * 32 * 256 * 4
     assert "pipe bubble" in plan.step.exposed
+
+
+def test_alpha_beta_fit_and_calibrated_hardware_round_trip(tmp_path):
+    from trainmesh.planner.calibrate import fit_alpha_beta
+    from trainmesh.planner.hardware import Hardware, Link, resolve_hardware
+
+    alpha, beta = 50e-6, 2e9
+    times = {s: alpha + s / beta for s in (2**12, 2**16, 2**20, 2**23)}
+    fitted_alpha, fitted_beta = fit_alpha_beta(times)
+    assert abs(fitted_alpha - alpha) < 1e-7 and abs(fitted_beta / beta - 1) < 1e-6
+    hw = Hardware(name="calibrated", source="calibrated: test", flops=1e11, devices_per_node=1 << 30,
+                  intra=Link("loopback", alpha, beta), inter=Link("loopback", alpha, beta))
+    path = tmp_path / "hw.json"
+    import json
+
+    path.write_text(json.dumps(hw.to_dict()))
+    assert resolve_hardware(str(path)) == hw
+    with pytest.raises(ValueError, match="Received: hardware='a100'"):
+        resolve_hardware("a100")

@@ -56,10 +56,11 @@ def _allreduce_times(sizes: list[int], repeats: int) -> dict[int, float]:
 
 
 def fit_alpha_beta(times: dict[int, float], wire_factor: float = 1.0) -> tuple[float, float]:
-    """Least squares of ``t = alpha + wire_factor * bytes / beta``; alpha >= 0."""
+    """Least squares of ``t = alpha + wire_factor * bytes / beta`` in *relative* error (weights 1/t), so
+    the small messages that decide alpha count as much as the large ones that decide beta; alpha >= 0."""
     x = np.array([wire_factor * s for s in times], dtype=float)
     y = np.array(list(times.values()), dtype=float)
-    slope, intercept = np.polyfit(x, y, 1)
+    slope, intercept = np.polyfit(x, y, 1, w=1.0 / y)
     return max(float(intercept), 0.0), 1.0 / max(float(slope), 1e-15)
 
 
