@@ -115,11 +115,14 @@ def test_dp_zero3_and_tensor_layout_on_two_hosts_equal_one_host(netns_cluster, t
         assert diff <= PARITY_TOL, (name, diff)
 
     # The same DDP job started as a Slurm step and as a Kubeflow PyTorchJob would start it, on
-    # the same hosts, against the same one-host reference.
+    # the same hosts (both jobs at once: they share nothing), against the same one-host reference.
+    jobs = {}
     for how, launch in (("slurm", _launch_as_srun), ("pytorchjob", _launch_as_pytorchjob)):
+        (tmp_path / how).mkdir()
+        jobs[how] = launch(cluster, tmp_path / how)
+    for how, procs in jobs.items():
+        _finish(procs, timeout=200)
         out = tmp_path / how
-        out.mkdir()
-        _finish(launch(cluster, out), timeout=150)
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
         assert [(r["world_size"], r["node_rank"]) for r in ranks] == [(4, 0), (4, 0), (4, 1), (4, 1)], (how, ranks)
         assert {r["master_addr"] for r in ranks} == {cluster.hosts[0].address}, (how, ranks)
