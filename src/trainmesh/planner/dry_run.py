@@ -12,8 +12,13 @@ For a representative rank ``r``:
    would have, and their local shards' storages are what this rank holds;
 4. the optimizer is built over those parameters (``Distribution.prepare_optimizer`` for ZeRO-1)
    and one forward, backward and optimizer step run under ``FakeTensorMode`` with three
-   observers: ``CollectiveCounter`` (collectives per axis), ``FlopCounterMode`` and the
-   saved-tensor hooks of ``activations.py`` (bytes autograd keeps for backward).
+   observers: ``CollectiveCounter`` (collectives per axis), ``LocalFlops`` and saved-tensor
+   hooks (bytes autograd keeps for backward; with checkpointing, the checkpointed modules'
+   inputs and the largest re-run in backward, ``_RecomputeBytes``). A pipeline stage runs its
+   ``StageModule`` on one microbatch (``dry_run_pipeline.py``).
+
+``measure_step`` is steps 3-4 alone: on a real process group with real tensors it measures a
+real step the same way, which is how the tests and ``benchmarks/plan_accuracy.py`` check plans.
 
 Two things are bridged, each for a reason in torch, not in trainmesh (see ``_bridge_*``):
 
@@ -27,7 +32,6 @@ Two things are bridged, each for a reason in torch, not in trainmesh (see ``_bri
 
 from __future__ import annotations
 
-import math
 import time
 import types
 from dataclasses import dataclass, field
@@ -40,6 +44,7 @@ from torch.utils._pytree import tree_leaves
 
 from .flops import LocalFlops
 from .collectives import CollectiveCounter, CollectiveLog, group_axes
+from .dry_run_pipeline import pipeline_traffic, stage_backwards, stage_forwards
 from .mesh_spec import MeshSpec
 
 _MIXED = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
@@ -263,7 +268,7 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
             if runner is None:
                 outputs = [model(*args, **kwargs)]
             else:
-                outputs, inputs = _stage_forwards(runner, args, kwargs, boundary)
+                outputs, inputs = stage_forwards(runner, args, kwargs, boundary)
         for output in outputs:
             for t in tree_leaves(output):  # alive until the loss is computed
                 if isinstance(t, torch.Tensor):
@@ -273,13 +278,13 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
         if runner is None:
             _loss(outputs[0]).backward()
         else:
-            _stage_backwards(runner, outputs)
+            stage_backwards(runner, outputs)
     recompute.close()
     for hook in hooks:
         hook.remove()
     notes: list[str] = []
     if runner is not None:
-        boundary, per_step = _pipeline_traffic(runner, outputs, inputs, distribution, spec, axis_of, mode)
+        boundary, per_step = pipeline_traffic(runner, outputs, inputs, distribution, spec, axis_of, mode)
         counter.log = counter.log.scaled(microbatches).merged(per_step)
         flops.total *= microbatches
         in_flight = microbatches if schedule == "gpipe" else min(microbatches, runner.pipe_size - runner.pipe_rank)
@@ -307,66 +312,6 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
                       microbatches=microbatches if runner is not None else 1,
                       in_flight=in_flight if runner is not None else 1,
                       boundary=boundary if runner is not None else None)
-
-
-def _stage_forwards(runner, args: tuple, kwargs: dict, boundary: tuple | None):
-    """One microbatch through each stage this rank holds, as the schedule runs them (``StageModule``):
-    the first stage on the token ids, a later one on a received activation of the boundary's shape."""
-    ids = args[0] if args else kwargs.get("input_ids")
-    outputs, inputs = [], []
-    for module, index in zip(runner.modules, runner.indices):
-        if index == 0:
-            x = ids
-        else:
-            if boundary is None:
-                raise ValueError("A later pipeline stage needs the activation shape the first stage sends; "
-                                 "dry-run the first stage's rank first.")
-            shape, dtype = boundary
-            x = torch.zeros(shape, dtype=dtype, requires_grad=True)
-        inputs.append(x)
-        outputs.append(module(x))
-    return outputs, inputs
-
-
-def _stage_backwards(runner, outputs: list) -> None:
-    for index, out in sorted(zip(runner.indices, outputs), key=lambda pair: -pair[0]):
-        if index == runner.num_stages - 1:
-            logits = out.float()
-            if logits.dim() == 3:  # a language model head: the loss a Trainer's lm loss computes
-                target = torch.zeros(logits.shape[:2], dtype=torch.long)
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
-            else:
-                loss = logits.mean()
-            loss.backward()
-        else:
-            out.backward(torch.ones_like(out))
-
-
-def _pipeline_traffic(runner, outputs, inputs, distribution, spec: MeshSpec, axis_of: dict, mode):
-    """Per-step traffic besides each microbatch's stage compute: the activations and their gradients a
-    stage sends (torch's schedule sends them point-to-point; the fake group does not run the schedule,
-    so they are counted from the shapes measured here), and the runner's own per-step reductions (its
-    data-axis gradient average, the tied-weight sum), run for real on the fake group."""
-    from trainmesh._torch.pipeline import _average_grads
-
-    log = CollectiveLog()
-    pipe = runner.pipeline.axis
-    m = runner.pipeline.microbatches
-    boundary = None
-    for out, x, index in zip(outputs, inputs, runner.indices):
-        if index == 0 and out is not None:
-            boundary = (tuple(out.shape), out.dtype)
-        if index < runner.num_stages - 1:
-            log.add(pipe, "send_recv", out.numel() * out.element_size() * m, m)
-        if index > 0:
-            log.add(pipe, "send_recv", x.numel() * x.element_size() * m, m)
-    log.group_sizes[pipe] = runner.pipe_size
-    counter = CollectiveCounter(axis_of, log)
-    with mode, counter:
-        runner._sync_tied_grads()
-        if runner.reduce_data_grads and runner.data_size > 1:
-            _average_grads(runner.parameters(), runner.data_group, runner.data_size)
-    return boundary, log
 
 
 def _checkpointed_modules(model: nn.Module, policy: Any) -> list[nn.Module]:
