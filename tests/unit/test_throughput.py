@@ -127,3 +127,15 @@ def test_optimizer_implementation_switches_kernels_and_keeps_the_result():
         set_optimizer_implementation(torch.optim.SGD(mlp().parameters(), lr=0.1), "fast")
     with pytest.warns(RuntimeWarning, match="LBFGS has no 'fused'"):
         set_optimizer_implementation(torch.optim.LBFGS(mlp().parameters()), "fused")
+
+
+def test_env_peak_measures_caches_and_prints(tmp_path, monkeypatch, capsys):
+    from trainmesh.launcher.cli import main
+
+    monkeypatch.setenv("TRAINMESH_CACHE_DIR", str(tmp_path))
+    assert main(["env", "--peak", "fp32", "--peak-seconds", "0.2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["peak_dtype"] == "fp32" and report["peak_flops"] > 1e6
+    assert cached_peak_flops(torch.float32) == report["peak_flops"]  # what the Trainer's MFU will use
+    assert main(["env", "--peak", "fp32", "--peak-seconds", "0"]) == 1
+    assert "--peak-seconds must be > 0" in capsys.readouterr().err
