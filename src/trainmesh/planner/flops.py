@@ -17,8 +17,6 @@ use (no discount for the causal mask).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
@@ -67,4 +65,4 @@ def model_flops_per_token(num_parameters: int, num_layers: int, hidden: int, seq
     return 6 * num_parameters + 12 * num_layers * hidden * seq_len
 
 
-__all__ = ["LocalFlops", "model_flops_per_token", "math"]
+__all__ = ["LocalFlops", "model_flops_per_token"]
