@@ -5,7 +5,11 @@
 * ``ddp_hooks``: a DDP communication hook that averages through a ``trainmesh.compression``
   compressor (stage 0 and ZeRO-1);
 * ``reduce_scatter``: the same for FSDP2's reduce-scatter (ZeRO stages 2-3);
-* ``hierarchical``: all-reduce inside each node, across nodes, inside again.
+* ``hierarchical``: all-reduce inside each node, across nodes, inside again;
+* ``two_phase``: compressed reduce-scatter + compressed all-gather (int8 on the wire both ways);
+* ``bucket_worker``: the hooks' background thread (overlap with backward) and bucket merging;
+* ``topology``: which processes share a host, from the processes themselves;
+* ``probe``: ``communication="auto"``: measure the links once, choose, say why.
 
 The Trainer installs them from ``TrainerConfig.compression`` / ``hierarchical_allreduce``
 (``trainmesh.trainer.communication``).
@@ -15,10 +19,14 @@ from .accounting import ByteCounter, StepBytes
 from .ddp_hooks import CompressionHookState, compressed_allreduce_hook
 from .diagnosis import CollectiveTimeoutError, ProgressBeacon
 from .hierarchical import HierarchicalState, hierarchical_all_reduce_, hierarchical_hook, node_groups
+from .probe import CommPlan
 from .reduce_scatter import CompressedReduceScatter
+from .topology import Topology, discover, host_groups
+from .two_phase import hierarchical_compressed_all_reduce, two_phase_all_reduce, two_phase_wire_bytes
 
 __all__ = [
-    "ByteCounter", "CollectiveTimeoutError", "CompressedReduceScatter", "CompressionHookState", "HierarchicalState",
-    "ProgressBeacon", "StepBytes", "compressed_allreduce_hook", "hierarchical_all_reduce_", "hierarchical_hook",
-    "node_groups",
+    "ByteCounter", "CollectiveTimeoutError", "CommPlan", "CompressedReduceScatter", "CompressionHookState",
+    "HierarchicalState", "ProgressBeacon", "StepBytes", "Topology", "compressed_allreduce_hook", "discover",
+    "hierarchical_all_reduce_", "hierarchical_compressed_all_reduce", "hierarchical_hook", "host_groups",
+    "node_groups", "two_phase_all_reduce", "two_phase_wire_bytes",
 ]

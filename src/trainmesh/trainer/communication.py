@@ -77,6 +77,11 @@ def host_groups_for(setting: bool | None, whole_world: bool, stage: int, model: 
     return topology, groups
 
 
+def _two_phase_key(key: str) -> bool:
+    """A residual of the two-phase exchange (``"<bucket>|row j/N"``, ``"<bucket>|sum/N"``)."""
+    return "|row " in key or "|sum/" in key
+
+
 class GradientCommunication:
     """What the Trainer installed: the compressor (checkpointed per rank) and the byte counter."""
 
@@ -142,13 +147,15 @@ class GradientCommunication:
         mine = resized[runtime.rank()]
         from trainmesh.comm.reduce_scatter import KEY_MARK
 
-        stale = [k for k in mine.get("residuals", {}) if KEY_MARK in k]
+        # ZeRO-2/3 rows, and the two-phase exchange's rows/sums, are laid out for the old world size.
+        stale = [k for k in mine.get("residuals", {}) if KEY_MARK in k or _two_phase_key(k)]
         if stale:  # ZeRO-2/3 rows of the old world size: nothing in this run uses those keys
-            warnings.warn(f"{len(stale)} error-feedback residuals of ZeRO stage 2-3 units were saved for "
+            warnings.warn(f"{len(stale)} error-feedback residuals of ZeRO stage 2-3 units or two-phase rows were saved for "
                           f"{saved_world} processes; their padded row layout does not exist on {world}, so they "
                           "restart from zero.", RuntimeWarning, stacklevel=2)
             for field in ("residuals", "momentum"):
-                mine[field] = {k: v for k, v in mine.get(field, {}).items() if KEY_MARK not in k}
+                mine[field] = {k: v for k, v in mine.get(field, {}).items()
+                               if KEY_MARK not in k and not _two_phase_key(k)}
         if self.compressor.summable:
             # Summable compressors see gradient / N (see ddp_hooks): rescale to the new N.
             mine["residuals"] = {k: v * (saved_world / world) for k, v in mine.get("residuals", {}).items()}
