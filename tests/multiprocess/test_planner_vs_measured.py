@@ -120,8 +120,9 @@ def test_planned_total_within_15_percent_of_measured_peak():
 
 # --- the dry run (fake process group, fake tensors) against the same step run for real ---------------
 
-# ZeRO-3 + checkpointing, tensor parallel alone (its all-reduce hooks), and TP x ZeRO-3 (2-D FSDP2)
-REAL_CASES = [("data=4", 3, "full"), ("data=2,model=2", 0, None), ("data=2,model=2", 3, None)]
+# ZeRO-3 + checkpointing, and TP x ZeRO-3 (2-D FSDP2 over tensor-parallel DTensors); DDP and TP alone
+# are compared with real runs in benchmarks/plan_accuracy.py (kept out of the suite's time budget)
+REAL_CASES = [("data=4", 3, "full"), ("data=2,model=2", 3, None)]
 
 
 def _real_steps(cases) -> list[dict]:
@@ -145,7 +146,7 @@ def _real_steps(cases) -> list[dict]:
 @pytest.mark.timeout(300)
 def test_dry_run_equals_the_real_step_on_4_processes():
     """Every byte and every collective the dry run reports is what the same step does on 4 real gloo
-    processes: ZeRO-3 + checkpointing, tensor parallel, and TP x ZeRO-3 (a Llama from transformers)."""
+    processes: ZeRO-3 + checkpointing and TP x ZeRO-3 (a Llama from transformers)."""
     from trainmesh.planner.dry_run import run_rank
     from trainmesh.planner.mesh_spec import MeshSpec
     from trainmesh.planner.meta_model import build_meta_model
