@@ -32,7 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--out", default="trainmesh-demo", metavar="DIR",
                         help="output directory (default: ./trainmesh-demo)")
     parser.add_argument("--epochs", type=run.positive_int, default=None, metavar="E",
-                        help="training epochs (default: 3; 2 with --quick)")
+                        help="training epochs (default: 2)")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny corpus and model that finish in seconds (for tests and smoke checks)")
     return parser
