@@ -127,7 +127,10 @@ def main(argv=None):
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--quick", action="store_true", help="a smaller model (4 x 1024), 2 rounds")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.layers, args.width = 2, 4, 1024
     from trainmesh.testing import run_distributed
 
     root = args.dir or tempfile.mkdtemp(prefix="trainmesh-ckpt-bench-")
@@ -157,7 +160,8 @@ def main(argv=None):
     print(f"async blocking / sync save = {ratio:.3f} (target <= 0.10: {'met' if ratio <= 0.10 else 'NOT met'}); "
           f"sync / torch.save = {sync_med / rows['torch.save']['save_s']['median']:.2f}")
     report = {"params": out["params"], "nproc": args.nproc, "rounds": args.rounds, "savers": rows,
-              "async_blocking_over_sync": ratio, "raw": res, "torch": torch.__version__}
+              "async_blocking_over_sync": ratio, "raw": res, "torch": torch.__version__, "quick": args.quick,
+              "figures": {"async_ckpt_block_vs_sync": ratio}, "loadavg": os.getloadavg()}
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=1)

@@ -300,7 +300,10 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"transport": transport, "compression": compression, "straggler": straggler, **verdict,
                        "config": {**vars(args), "compute_s": COMPUTE_S, "lr": LR, "target_fraction": TARGET_FRACTION,
                                   "dim": DIM}, "torch": torch.__version__,
-                       "load_average": os.getloadavg()}, fh, indent=1)
+                       "load_average": os.getloadavg(),
+                       # push throughput / raw ZeroMQ loopback for the same 1 MB messages (higher is better)
+                       "figures": ({"ps_push_1mb_vs_raw_zmq": transport["1 MB"]["push_to_loopback"]}
+                                   if "1 MB" in transport else {})}, fh, indent=1)
     return 0
 
 

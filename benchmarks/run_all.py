@@ -1,0 +1,189 @@
+"""Run every benchmark and write one results file.
+
+    python benchmarks/run_all.py [--quick] [--only a,b] --json PATH
+
+Each benchmark in ``REGISTRY`` runs as its own subprocess, one after another (never two at once:
+they time things), with ``--json`` pointing at a temporary file and one thread per process. The
+output holds ``commit``, ``date``, ``machine``, ``versions``, the load average around every
+benchmark, each benchmark's full detail, and a merged top-level ``figures`` (name -> number).
+
+A benchmark is skipped, with the reason recorded, when its script is missing, an optional package
+it needs is not importable, or it needs root (network namespaces) and this is not root. A
+benchmark that exits non-zero and printed INVALID did not compare equal work: its figures are kept
+in its detail but left out of the top-level ``figures``, and ``invalid`` names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# name, script, modules it needs beyond trainmesh's runtime deps, needs root, extra args (quick, full).
+# The scripts of other work streams are listed here too; a missing one is skipped with the reason.
+REGISTRY = [
+    {"name": "ddp_overhead", "script": "ddp_overhead.py", "needs": []},
+    {"name": "trainer_overhead", "script": "trainer_overhead.py", "needs": ["accelerate", "lightning_fabric"]},
+    {"name": "zero_memory", "script": "zero_memory.py", "needs": ["deepspeed"]},
+    {"name": "checkpoint", "script": "checkpoint.py", "needs": []},
+    {"name": "dataloader", "script": "dataloader.py", "needs": []},
+    {"name": "ps", "script": "ps.py", "needs": ["zmq"]},
+    {"name": "compression", "script": "compression.py", "needs": []},
+    {"name": "tensor_parallel", "script": "tensor_parallel.py", "needs": ["transformers"]},
+    {"name": "pipeline", "script": "pipeline.py", "needs": []},
+    {"name": "throughput", "script": "throughput.py", "needs": ["transformers"]},
+    {"name": "plan_accuracy", "script": "plan_accuracy.py", "needs": ["transformers"]},
+    {"name": "communication", "script": "communication.py", "needs": [], "root": True},
+    {"name": "multihost", "script": "multihost.py", "needs": [], "root": True},
+]
+
+# Fixed figure names that one benchmark reports under its own name: (fixed name, benchmark, its name).
+ALIASES = [("planner_vs_measured_peak", "plan_accuracy", "plan_memory_vs_measured_worst")]
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def commit_info() -> dict:
+    head = _run(["git", "rev-parse", "HEAD"])
+    dirty = bool(_run(["git", "status", "--porcelain", "--untracked-files=no"]))
+    return {"commit": head[:12] if head else "unknown", "dirty": dirty}
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        with open("/proc/meminfo") as fh:
+            mem_gib = round(int(next(line.split()[1] for line in fh if line.startswith("MemTotal"))) / 2**20, 1)
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "memory_gib": mem_gib, "system": platform.system(),
+            "release": platform.release(), "python": platform.python_version(), "gpu": "none (CPU, gloo)"}
+
+
+def versions() -> dict:
+    out = {}
+    for module in ("torch", "numpy", "trainmesh", "zmq", "transformers", "accelerate", "lightning_fabric",
+                   "deepspeed", "matplotlib"):
+        if importlib.util.find_spec(module) is None:
+            out[module] = None
+            continue
+        code = f"import {module} as m; print(getattr(m, '__version__', '?'))"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, DS_ACCELERATOR="cpu"))
+        out[module] = proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 and proc.stdout.strip() else None
+    return out
+
+
+def skip_reason(entry: dict) -> str | None:
+    if not os.path.exists(os.path.join(HERE, entry["script"])):
+        return f"benchmarks/{entry['script']} is not in this checkout"
+    missing = [m for m in entry["needs"] if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"optional package(s) not importable: {', '.join(missing)} (pip install -e '.[bench]')"
+    if entry.get("root") and os.geteuid() != 0:
+        return "needs root (CAP_NET_ADMIN) for the network-namespace cluster"
+    return None
+
+
+def run_one(entry: dict, quick: bool, timeout: float) -> dict:
+    reason = skip_reason(entry)
+    if reason:
+        print(f"[{entry['name']}] skipped: {reason}", flush=True)
+        return {"status": "skipped", "reason": reason, "figures": {}}
+    with tempfile.TemporaryDirectory(prefix="trainmesh-bench-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, os.path.join(HERE, entry["script"]), "--json", out] + (["--quick"] if quick else [])
+        env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+        load_before, started = os.getloadavg(), time.perf_counter()
+        print(f"[{entry['name']}] {' '.join(cmd[1:2] + cmd[3:])} (load {load_before[0]:.2f})", flush=True)
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+            rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+        except subprocess.TimeoutExpired as error:
+            rc, stdout, stderr = None, (error.stdout or b"").decode(errors="replace") if isinstance(
+                error.stdout, bytes) else (error.stdout or ""), f"timed out after {timeout:.0f} s"
+        seconds = time.perf_counter() - started
+        detail = None
+        if os.path.exists(out):
+            with open(out) as fh:
+                detail = json.load(fh)
+    invalid = "INVALID" in stdout
+    status = "ok" if rc == 0 and detail is not None else "invalid" if invalid else "failed"
+    figures = (detail or {}).get("figures") or {}
+    print(f"[{entry['name']}] {status} in {seconds:.0f} s: {json.dumps(figures)}", flush=True)
+    return {"status": status, "exit_code": rc, "seconds": round(seconds, 1), "command": " ".join(cmd[1:2] + cmd[3:]),
+            "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "figures": figures,
+            "detail": detail, "stdout_tail": stdout[-6000:], "stderr_tail": stderr[-3000:]}
+
+
+def merge_figures(benchmarks: dict) -> tuple[dict, dict]:
+    """Top-level figures from every valid benchmark; where two report one name, the first keeps it."""
+    figures, sources = {}, {}
+    for name, result in benchmarks.items():
+        if result["status"] != "ok":
+            continue
+        for key, value in result["figures"].items():
+            if key not in figures and isinstance(value, (int, float)) and not isinstance(value, bool):
+                figures[key], sources[key] = value, name
+    for fixed, bench, own in ALIASES:
+        result = benchmarks.get(bench, {})
+        if fixed not in figures and result.get("status") == "ok" and own in result["figures"]:
+            figures[fixed], sources[fixed] = result["figures"][own], f"{bench}:{own}"
+    return figures, sources
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="PATH", required=True, help="write the merged results here")
+    parser.add_argument("--quick", action="store_true", help="every benchmark's --quick (a smoke run each)")
+    parser.add_argument("--only", default="", help="comma list of benchmark names (default: all)")
+    parser.add_argument("--timeout", type=float, help="seconds per benchmark (default 900; --quick 600)")
+    args = parser.parse_args(argv)
+    names = [e["name"] for e in REGISTRY]
+    only = [n for n in args.only.split(",") if n]
+    unknown = [n for n in only if n not in names]
+    if unknown:
+        parser.error(f"--only names unknown benchmarks {unknown}; known: {names}")
+    timeout = args.timeout or (600.0 if args.quick else 3600.0)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    report = {**commit_info(), "date": started.strftime("%Y-%m-%dT%H:%M:%SZ"), "mode": "quick" if args.quick else "full",
+              "machine": machine_info(), "versions": versions(), "load_avg_start": os.getloadavg(), "benchmarks": {}}
+    for entry in REGISTRY:
+        if only and entry["name"] not in only:
+            continue
+        report["benchmarks"][entry["name"]] = run_one(entry, args.quick, timeout)
+    report["load_avg_end"] = os.getloadavg()
+    report["figures"], report["figure_sources"] = merge_figures(report["benchmarks"])
+    report["invalid"] = [n for n, r in report["benchmarks"].items() if r["status"] == "invalid"]
+    report["failed"] = [n for n, r in report["benchmarks"].items() if r["status"] == "failed"]
+    report["skipped"] = {n: r["reason"] for n, r in report["benchmarks"].items() if r["status"] == "skipped"}
+    with open(args.json, "w") as fh:
+        json.dump(report, fh, indent=1, sort_keys=False)
+    print(f"\n{len(report['figures'])} figures; invalid {report['invalid']}; failed {report['failed']}; "
+          f"skipped {sorted(report['skipped'])}; wrote {args.json}")
+    return 1 if report["invalid"] or report["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
