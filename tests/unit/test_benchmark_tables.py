@@ -1,0 +1,63 @@
+"""The benchmark tables in the READMEs are exactly what benchmarks/render_tables.py renders from
+benchmarks/results/latest.json: a figure edited by hand, or a results file committed without
+re-rendering, fails here."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _render_module():
+    spec = importlib.util.spec_from_file_location("render_tables", os.path.join(ROOT, "benchmarks", "render_tables.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def render():
+    return _render_module()
+
+
+@pytest.fixture(scope="module")
+def results(render):
+    with open(render.RESULTS) as fh:
+        return json.load(fh)
+
+
+@pytest.mark.timeout(30)
+def test_results_file_has_the_fixed_fields(results):
+    for key in ("commit", "date", "machine", "versions", "benchmarks", "figures", "mode"):
+        assert key in results, key
+    assert results["figures"], "no figures in the results file"
+    assert all(isinstance(v, (int, float)) for v in results["figures"].values())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("which", ["benchmarks/README.md", "README.md"])
+def test_readme_tables_match_the_results_file(render, results, which):
+    path = os.path.join(ROOT, which)
+    with open(path) as fh:
+        current = fh.read()
+    expected = render.rendered(path, results)
+    assert current == expected, f"{which} is stale: run python benchmarks/render_tables.py"
+
+
+@pytest.mark.timeout(30)
+def test_a_changed_figure_is_caught(render, results, tmp_path):
+    """The check can fail: one figure changed in the results renders a different table."""
+    name = next(iter(results["figures"]))
+    changed = {**results, "figures": {**results["figures"], name: results["figures"][name] * 1.5 + 1}}
+    path = os.path.join(ROOT, "benchmarks", "README.md")
+    assert render.rendered(path, changed) != render.rendered(path, results)
+
+
+@pytest.mark.timeout(30)
+def test_every_figure_in_the_tables_comes_from_the_file(render, results):
+    body = render.render_bench(results)
+    for name, value in results["figures"].items():
+        assert f"| `{name}` | {render._fmt(value)} |" in body, name
