@@ -86,11 +86,12 @@ def train_pipelined(family: str, mesh_shape, axes, schedule: str, *, microbatche
         distribution = tm.DataParallel(device_mesh=mesh, pipeline=pipeline)
     trainer = tm.Trainer(model, make_optimizer, lm_loss, distribution=distribution, zero_stage=zero_stage,
                          activation_checkpointing=checkpointing, max_grad_norm=max_grad_norm, progress=False,
-                         log_every_n_steps=1, precision=precision)
+                         log_every_n_steps=1, precision=precision, metrics=["accuracy"] if evaluate else None)
     history = trainer.fit(data(steps), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
     out = {"params": local_full_params(trainer.model), "loss": history.history["loss"][-1]}
     if evaluate:
-        out["eval_loss"] = trainer.evaluate(data(1), batch_size=GLOBAL_BATCH)["loss"]
+        logs = trainer.evaluate(data(1), batch_size=GLOBAL_BATCH)
+        out["eval_loss"], out["eval_accuracy"] = logs["loss"], logs["accuracy"]
         out["predict"] = trainer.predict(data(1), batch_size=GLOBAL_BATCH)
     return out
 

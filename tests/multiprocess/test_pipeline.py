@@ -16,7 +16,7 @@ import torch
 
 from trainmesh.testing import run_distributed
 
-from pipeline_cases import build_model, max_diff, merge, reference, reference_eval, run_configs
+from pipeline_cases import build_model, data, max_diff, merge, reference, reference_eval, run_configs
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
@@ -76,7 +76,7 @@ def test_four_stages_and_pipe_by_data_with_zero_match_one_process():
     _check(configs, results, _references(configs))
 
 
-def test_3d_pipe_data_model_matches_one_process_with_clipping_evaluate_and_predict():
+def test_3d_pipe_data_model_matches_one_process_with_clipping_metrics_evaluate_and_predict():
     pytest.importorskip("transformers")
     configs = [dict(family="gpt", mesh_shape=(2, 2, 2), axes=["pipe", "data", "model"], schedule="1f1b",
                     zero_stage=0, max_grad_norm=0.05, evaluate=True),
@@ -86,6 +86,8 @@ def test_3d_pipe_data_model_matches_one_process_with_clipping_evaluate_and_predi
     _check(configs, results, _references(configs))
     # evaluate and predict on the 3-D layout equal the single-process model with the same weights
     expected_loss, expected_logits = reference_eval("gpt", merge([r[0] for r in results]))
-    for rank_results in results:
+    expected_accuracy = (expected_logits.argmax(-1) == data(1)[1]).double().mean().item()
+    for rank_results in results:  # exact global metrics: the last stage's counts, reduced over every rank
         assert abs(rank_results[0]["eval_loss"] - expected_loss) <= 1e-5
+        assert abs(rank_results[0]["eval_accuracy"] - expected_accuracy) <= 1e-12
         assert torch.allclose(rank_results[0]["predict"], expected_logits, atol=1e-5)
