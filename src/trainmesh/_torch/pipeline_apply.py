@@ -80,7 +80,7 @@ def _tied_groups(stage_models: list[nn.Module], tied: list[list[str]], torch_mes
     my_group = None
     if first != last and tied:
         for row in ranks.tolist():
-            group = dist.new_group([row[first], row[last]])
+            group = dist.new_group([row[first], row[last]], timeout=runtime.collective_timeout())
             if dist.get_rank() in (row[first], row[last]):
                 my_group = group
     out = {}
