@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .pipeline_split import KeyedBlocks, assign_blocks, build_stage_model, merge_stage_models
+from .pipeline_split import KeyedBlocks, assign_blocks, build_stage_model, merge_stage_models, split_at
 
 
 def stage_indices(pipe_rank: int, pipe_size: int, stages_per_rank: int, schedule: str) -> list[int]:
@@ -118,7 +118,7 @@ def plan_split(model: nn.Module, pipeline, pipe_size: int) -> tuple[str | None, 
             raise ValueError(f"{num_stages} pipeline stages need at least {num_stages} children; the nn.Sequential "
                              f"has {len(names)}.")
         if not isinstance(pipeline.split_points, str):
-            return _sequential_split(names, pipeline.split_points, num_stages)
+            return None, split_at(names, pipeline.split_points, num_stages)
         from .pipeline_split import _balanced
 
         costs = [float(sum(p.numel() for p in c.parameters())) or 1.0 for c in model.children()]
@@ -134,20 +134,6 @@ def split_for_pipeline(model: nn.Module, pipeline, pipe_rank: int, pipe_size: in
     if container is None:  # nn.Sequential: the stage is its run of children
         return mine, [KeyedBlocks({n: model.get_submodule(n) for n in parts[i]}) for i in mine]
     return mine, [build_stage_model(model, container, parts, i, copy_model=True) for i in mine]
-
-
-def _sequential_split(names: list[str], points, num_stages: int):
-    starts = []
-    for point in points:
-        if point not in names:
-            raise ValueError(f"Split point {point!r} names no child of the nn.Sequential ({names[0]} .. {names[-1]}). "
-                             f"Received: split_points={list(points)}")
-        starts.append(names.index(point))
-    if starts != sorted(set(starts)) or starts[0] == 0:
-        raise ValueError(f"Split points must name distinct children after the first, in order. "
-                         f"Received: split_points={list(points)}")
-    bounds = [0, *starts, len(names)]
-    return None, [names[bounds[i]:bounds[i + 1]] for i in range(num_stages)]
 
 
 class PipelineRunner:

@@ -127,20 +127,24 @@ def assign_blocks(model: nn.Module, num_stages: int, split_points: str | Sequenc
         raise ValueError(f"{num_stages} pipeline stages need at least {num_stages} blocks; "
                          f"{type(model).__name__} has {len(blocks)} in {container!r}.")
     if not isinstance(split_points, str):
-        prefix = f"{container}." if container else ""
-        starts = []
-        for point in split_points:
-            name = point[len(prefix):] if point.startswith(prefix) else point
-            if name not in blocks:
-                raise ValueError(f"Split point {point!r} names no block; blocks are {prefix}{blocks[0]} .. "
-                                 f"{prefix}{blocks[-1]}. Received: split_points={list(split_points)}")
-            starts.append(blocks.index(name))
-        if starts != sorted(set(starts)) or starts[0] == 0:
-            raise ValueError(f"Split points must name distinct blocks after the first, in order. "
-                             f"Received: split_points={list(split_points)}")
-        bounds = [0, *starts, len(blocks)]
-        return container, [blocks[bounds[i]:bounds[i + 1]] for i in range(num_stages)]
+        return container, split_at(blocks, split_points, num_stages, prefix=f"{container}." if container else "")
     return container, _balanced(blocks, _block_costs(model, container, blocks, balance, example), num_stages)
+
+
+def split_at(blocks: list[str], points: Sequence[str], num_stages: int, *, prefix: str = "") -> list[list[str]]:
+    """Blocks per stage when ``points`` name the blocks (``prefix`` + name) that begin stages 1, 2, ..."""
+    starts = []
+    for point in points:
+        name = point[len(prefix):] if point.startswith(prefix) else point
+        if name not in blocks:
+            raise ValueError(f"Split point {point!r} names no block; blocks are {prefix}{blocks[0]} .. "
+                             f"{prefix}{blocks[-1]}. Received: split_points={list(points)}")
+        starts.append(blocks.index(name))
+    if starts != sorted(set(starts)) or starts[0] == 0:
+        raise ValueError(f"Split points must name distinct blocks after the first, in order. "
+                         f"Received: split_points={list(points)}")
+    bounds = [0, *starts, len(blocks)]
+    return [blocks[bounds[i]:bounds[i + 1]] for i in range(num_stages)]
 
 
 def _balanced(blocks: list[str], costs: list[float], num_stages: int) -> list[list[str]]:
