@@ -9,6 +9,20 @@ from trainmesh._torch.pipeline_split import assign_blocks, build_stage_model, me
 from trainmesh.demo.char_gpt import CharGPT, GPTConfig
 
 
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """Applying a distribution initialises a one-process group; later tests (the planner's fake
+    process group) need none, so a group this test started is shut down again."""
+    import torch.distributed as dist
+
+    before = dist.is_initialized()
+    yield
+    if dist.is_initialized() and not before:
+        import trainmesh as tm
+
+        tm.shutdown()
+
 def gpt(n_layer=4):
     torch.manual_seed(0)
     return CharGPT(GPTConfig(vocab_size=16, block_size=8, n_layer=n_layer, n_head=2, d_model=8))
