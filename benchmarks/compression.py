@@ -84,7 +84,8 @@ def worker(cfg: dict) -> dict:
         side["opt"].zero_grad()
         side["losses"].append(loss.item())
         record = side["comm"].step_record()
-        side["bytes"].append((record.get("comm_bytes"), record.get("comm_bytes_uncompressed")))
+        side["bytes"].append((record.get("comm_bytes"), record.get("comm_bytes_uncompressed"),
+                              record.get("comm_wire_bytes"), record.get("comm_wire_bytes_fp32")))
 
     times = {name: [] for name in cfg["variants"]}
     orders = []
@@ -124,7 +125,12 @@ def summarize(results: list[dict], cfg: dict) -> dict:
                   for r in range(cfg["rounds"])]
         pooled = [t for rnd in rounds for t in rnd]
         sent = [b[0] if b[0] is not None else dense for res in results for b in res["bytes"][name]]
+        wire = [(b[2], b[3]) for res in results for b in res["bytes"][name] if len(b) > 3 and b[2]]
         rows[name] = {"median_ms": statistics.median(pooled), "round_medians_ms": [statistics.median(r) for r in rounds],
+                      # what crosses the transport (an all-gather of payloads, a two-phase exchange...) vs an
+                      # fp32 ring all-reduce of the same gradients, as the communication layer counts them
+                      "wire_bytes_ratio": (statistics.mean(d for _, d in wire) / statistics.mean(w for w, _ in wire)
+                                           if wire else None),
                       "bytes_per_step_per_rank": statistics.mean(sent), "bytes_ratio": dense / statistics.mean(sent),
                       "final_loss": results[0]["final_loss"][name], "steps": results[0]["steps"][name],
                       "train_loss_last_round": results[0]["train_loss_last_round"][name]}
@@ -145,6 +151,21 @@ def summarize(results: list[dict], cfg: dict) -> dict:
     return {"variants": rows, "round_order": results[0]["orders"], "num_params": params, "dense_bytes": dense,
             "initial_loss": results[0]["initial_loss"], "loss_band": LOSS_BAND, "config": cfg,
             "world_size": cfg["nproc"], "torch_version": torch.__version__}
+
+
+def figures(rows: dict) -> dict:
+    """Issue 13's fixed names, for the variants this run measured (int8, and top-k at 1%)."""
+    out = {}
+    for short, name in (("int8", "int8"), ("topk1", "topk:0.01")):
+        row = rows.get(name)
+        if row is None:
+            continue
+        out[f"{short}_payload_reduction"] = row["bytes_ratio"]
+        if row.get("wire_bytes_ratio"):
+            out[f"{short}_wire_bytes_reduction"] = row["wire_bytes_ratio"]
+        if "loss_vs_none" in row:
+            out[f"{short}_final_loss_vs_fp32"] = 1 + row["loss_vs_none"]
+    return out
 
 
 def print_report(report: dict) -> None:
@@ -170,6 +191,8 @@ def print_report(report: dict) -> None:
               f"{row['median_ms']:>10.0f}{time_text:>22}{row['final_loss']:>11.4f}{loss_text:>9}  {', '.join(targets)}")
     print(f"initial loss {report['initial_loss']:.4f}; every variant took "
           f"{next(iter(report['variants'].values()))['steps']} steps on the same batches")
+    for name, value in report.get("figures", {}).items():
+        print(f"  {name} = {value:.4g}")
     if cfg["quick"]:
         print("(--quick: a smoke run, too few steps to judge the loss band)")
 
@@ -203,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     results = run_distributed(worker, world_size=cfg["nproc"], args=(cfg,), timeout=300.0 + 10 * total_steps)
     report = summarize(results, cfg)
+    report["figures"] = figures(report["variants"])
     report["load_avg_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
     print_report(report)
     if args.json:
