@@ -2,27 +2,14 @@
 (``trainmesh._torch``) or torch.distributed; the engine reads it, and the package root connects them."""
 
 import ast
-
-import pytest
 import importlib
 import pathlib
 
+import pytest
+
 FRONT_END = pathlib.Path(importlib.import_module("trainmesh.distribution").__file__).parent
+pytestmark = pytest.mark.usefixtures("no_process_group_left_behind")
 
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group_left_behind():
-    """Applying a distribution initialises a one-process group; later tests (the planner's fake
-    process group) need none, so a group this test started is shut down again."""
-    import torch.distributed as dist
-
-    before = dist.is_initialized()
-    yield
-    if dist.is_initialized() and not before:
-        import trainmesh as tm
-
-        tm.shutdown()
 
 def _imports(path: pathlib.Path) -> set[str]:
     names = set()

@@ -8,20 +8,8 @@ from trainmesh._torch.pipeline import plan_split, stage_indices, stage_owner
 from trainmesh._torch.pipeline_split import assign_blocks, build_stage_model, merge_stage_models
 from trainmesh.demo.char_gpt import CharGPT, GPTConfig
 
+pytestmark = pytest.mark.usefixtures("no_process_group_left_behind")
 
-
-@pytest.fixture(autouse=True)
-def _no_process_group_left_behind():
-    """Applying a distribution initialises a one-process group; later tests (the planner's fake
-    process group) need none, so a group this test started is shut down again."""
-    import torch.distributed as dist
-
-    before = dist.is_initialized()
-    yield
-    if dist.is_initialized() and not before:
-        import trainmesh as tm
-
-        tm.shutdown()
 
 def gpt(n_layer=4):
     torch.manual_seed(0)
