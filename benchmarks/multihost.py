@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from stats import ci95  # this folder's (benchmarks run as scripts)
+
 ROOT = Path(__file__).resolve().parent.parent
 DP_JOB = ROOT / "tests" / "multihost" / "dp_job.py"
 FT_JOB = ROOT / "tests" / "multihost" / "host_ft_job.py"
@@ -179,12 +181,6 @@ def step_time(cluster, work: Path, side: str, steps: int, index: int) -> tuple[f
     result = json.loads((out / "times.json").read_text())
     assert result["world_size"] == 4, result
     return statistics.median(result["step_s"]), torch.load(out / "final.pt")
-
-
-def ci95(values: list[float]) -> tuple[float, float]:
-    values = sorted(values)
-    k = max(0, int(len(values) * 0.025))
-    return values[k], values[-1 - k]
 
 
 def _load() -> str:

@@ -32,6 +32,8 @@ import torch
 
 from trainmesh.testing import run_distributed
 
+from stats import ci95  # this folder's (benchmarks run as scripts)
+
 VOCAB, SEQ, BATCH, STEPS = 64, 32, 8, 3
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -177,14 +179,6 @@ def _bubble_job(rounds: int, microbatches: int, n_layer: int, d_model: int) -> d
             for p in runner.parameters():
                 p.grad = None
     return {"busy_share": busy, "step_s": steps, "peak_saved_bytes": peaks}
-
-
-def ci95(values: list[float]) -> tuple[float, float]:
-    if len(values) < 4:
-        return (min(values), max(values))
-    ordered = sorted(values)
-    lo, hi = int(0.025 * (len(ordered) - 1)), int(round(0.975 * (len(ordered) - 1)))
-    return ordered[lo], ordered[hi]
 
 
 def main() -> int:

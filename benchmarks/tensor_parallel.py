@@ -32,6 +32,8 @@ import torch
 
 from trainmesh.testing import run_distributed
 
+from stats import ci95  # this folder's (benchmarks run as scripts)
+
 VOCAB, SEQ, HIDDEN, FFN, HEADS = 256, 128, 256, 688, 8
 
 
@@ -145,12 +147,6 @@ def activation_saving() -> dict:
         loss.backward()
         out[policy or "none"] = sum(saved)
     return out
-
-
-def ci95(values: list[float]) -> tuple[float, float]:
-    values = sorted(values)
-    k = max(0, int(len(values) * 0.025))
-    return values[k], values[-1 - k]
 
 
 def main() -> int:
