@@ -7,8 +7,11 @@ pipe=2 (1F1B) on 2 processes and under pipe 2 x data 2 x model 2 (8 processes), 
 single-process loop on the same batches: the largest parameter difference.
 
 Bubble: on 2 processes (p = 2 stages, one thread each) the same 8-block GPT runs GPipe, 1F1B and
-Interleaved 1F1B (2 virtual stages per process) with M microbatches, rounds interleaved, the order
-rotating. A process's busy time is the time it spends inside its stages' compute calls (torch's
+Interleaved 1F1B (2 virtual stages per process) with M microbatches of 8 sequences of 128 tokens
+(``--rows-per-microbatch``, ``--seq``), rounds interleaved, the order rotating. Theory counts only
+fill and drain; every send, receive and schedule step outside the compute calls is idle here too,
+so microbatches must carry enough work (~0.1 s each here) for the comparison to mean anything: with
+2 sequences of 32 tokens per microbatch the fixed per-message costs alone doubled the idle share. A process's busy time is the time it spends inside its stages' compute calls (torch's
 ``forward_one_chunk`` / ``backward_one_chunk``, timed in place); idle fraction = 1 - busy / step
 time, the median over rounds, the mean over the two processes. Theory
 for GPipe and 1F1B: (p - 1) / (M + p - 1). Interleaving with v stages per process divides the
@@ -141,7 +144,7 @@ class BusyClock:
         return timed
 
 
-def _bubble_job(rounds: int, microbatches: int, n_layer: int, d_model: int) -> dict:
+def _bubble_job(rounds: int, microbatches: int, n_layer: int, d_model: int, rows_per_micro: int, seq: int) -> dict:
     import torch.distributed as dist
 
     import trainmesh as tm
@@ -153,10 +156,9 @@ def _bubble_job(rounds: int, microbatches: int, n_layer: int, d_model: int) -> d
     runners = {}
     for schedule in SCHEDULES:
         pipeline = tm.Pipeline(axis="pipe", schedule=schedule, microbatches=microbatches)
-        model = tm.DataParallel(device_mesh=mesh, pipeline=pipeline).distribute_model(gpt(n_layer, d_model))
+        model = tm.DataParallel(device_mesh=mesh, pipeline=pipeline).distribute_model(gpt(n_layer, d_model, seq))
         runners[schedule] = model._trainmesh_pipeline
-    rows = 2 * microbatches  # two sequences per microbatch
-    x, y = tokens(1, rows)
+    x, y = tokens(1, rows_per_micro * microbatches, seq)
     clocks = {s: BusyClock(r) for s, r in runners.items()}
     busy = {s: [] for s in SCHEDULES}
     steps = {s: [] for s in SCHEDULES}
@@ -187,6 +189,8 @@ def main() -> int:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--rows-per-microbatch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="6 rounds, a narrower model")
     args = parser.parse_args()
@@ -195,7 +199,8 @@ def main() -> int:
 
     pp2 = parity(2, (2, 1), ["pipe", "data"])
     hybrid = parity(8, (2, 2, 2), ["pipe", "data", "model"])
-    ranks = run_distributed(_bubble_job, world_size=2, args=(args.rounds, args.microbatches, args.layers, args.d_model),
+    ranks = run_distributed(_bubble_job, world_size=2, args=(args.rounds, args.microbatches, args.layers, args.d_model,
+                                                                    args.rows_per_microbatch, args.seq),
                             timeout=900)
     p, m = 2, args.microbatches
     theory = (p - 1) / (m + p - 1)
