@@ -133,6 +133,33 @@ def test_attention_is_causal() -> None:
     assert not torch.allclose(a[0, 10:], b[0, 10:])
 
 
+def test_low_precision_short_attention_takes_the_math_kernel_with_the_same_result(monkeypatch) -> None:
+    from trainmesh.demo import char_gpt
+
+    model = tiny_model(50)
+    ids = torch.randint(0, 50, (4, 16))
+    calls = []
+    original = char_gpt.sdpa_kernel
+    monkeypatch.setattr(char_gpt, "sdpa_kernel", lambda *a, **k: calls.append(a) or original(*a, **k))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        math_out = model(ids)
+        math_out.float().sum().backward()
+    assert len(calls) == 2  # one per block, only under low precision at T <= MATH_ATTENTION_MAX_T
+    math_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    monkeypatch.setattr(char_gpt, "MATH_ATTENTION_MAX_T", 0)  # torch's own kernel choice
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        flash_out = model(ids)
+        flash_out.float().sum().backward()
+    assert len(calls) == 2
+    # The same function, up to bf16 rounding (8-bit mantissa: ~1e-2 relative).
+    torch.testing.assert_close(math_out.float(), flash_out.float(), atol=3e-2, rtol=3e-2)
+    for a, p in zip(math_grads, model.parameters()):
+        torch.testing.assert_close(a, p.grad, atol=5e-2 * float(p.grad.abs().max()) + 1e-3, rtol=5e-2)
+    model(ids)  # fp32: torch's choice, no override
+    assert len(calls) == 2
+
+
 def test_loss_at_init_and_under_bf16_autocast() -> None:
     model = tiny_model(50)
     x, y = torch.randint(0, 50, (4, 16)), torch.randint(0, 50, (4, 16))

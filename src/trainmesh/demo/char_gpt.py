@@ -14,6 +14,15 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# Up to this sequence length, a low-precision attention on CPU takes torch's math kernel (two
+# matmuls and a softmax) instead of its CPU flash kernel: at the demo's shapes the flash kernel's
+# bf16 backward is 3x slower (one thread, forward + backward, batch 16, 4 heads of 32: T=64 2.7 vs
+# 7.7 ms, T=128 10.3 vs 17.5 ms; at T=256 with heads of 64 flash is ahead, 20 vs 24 ms). It was over
+# half of the demo's step, and an opaque kernel that torch.compile cannot fuse or speed up either;
+# the math path's mask, softmax and casts are ordinary ops that inductor fuses.
+MATH_ATTENTION_MAX_T = 128
 
 
 @dataclass(frozen=True)
@@ -52,8 +61,12 @@ class CausalSelfAttention(nn.Module):
         b, t, c = x.shape
         # (B, T, 3C) -> three (B, heads, T, C/heads) tensors.
         q, k, v = self.qkv(x).view(b, t, 3, self.n_head, c // self.n_head).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        if x.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and t <= MATH_ATTENTION_MAX_T:
+            with sdpa_kernel(SDPBackend.MATH):  # scoped to this call: torch's choice is restored after it
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
