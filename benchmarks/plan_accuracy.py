@@ -1,23 +1,33 @@
-"""How true is ``trainmesh plan``? Plan a run, then run it for real on 2, 4 and 8 gloo processes.
+"""How true is ``trainmesh plan``? Plan a run, then run it for real on 2 and 4 (8 in the full run) gloo processes.
 
-For each case (DP, ZeRO-3, TP, TP x ZeRO-3, ZeRO-3 + checkpointing; a Llama from transformers built
-from a config) and every rank:
+Cases: DP, ZeRO-3, TP, a pipeline (pipe=2) at 2 processes; ZeRO-3 + checkpointing, TP x ZeRO-3 and
+pipe x ZeRO-3 at 4; the full run adds pipe x data x model and TP x ZeRO-3 at 8. The model is a Llama
+from transformers built from a config (no download).
 
-* planned: the dry run of that rank (``trainmesh.planner.dry_run.run_rank``: trainmesh's parallelize on
-  torch's fake process group, fake tensors) and its step time priced on *this machine's* calibrated
-  figures (``planner.calibrate``: matmul FLOP rate shared by the processes on the available cores,
-  loopback alpha/beta from 2 gloo processes);
-* measured, on real processes, same model, batch and settings:
+* planned, before anything runs: this machine is calibrated (``trainmesh.planner.calibrate``: matmul
+  and memory-bandwidth curves, per-op and per-DTensor-op overheads of a tiny model's step, loopback
+  alpha/beta, cores); every rank is dry-run on torch's fake process group
+  (``planner.dry_run.run_rank``) and the step is priced with those figures
+  (``planner.parallel.estimate_step``: every op of the dry run, collectives per axis, overlap,
+  processes sharing the cores, the pipeline bubble);
+* measured on real processes, same model, batch and settings, independently of the plan:
+  - step time: wall clock of real training steps (forward, backward, optimizer step; a pipeline runs
+    torch's schedule through trainmesh's runner), the slowest rank per step; the cases of one world
+    size are set up together and their steps interleaved, round after round;
+  - communication: the bytes each process wrote to its sockets during a step (``wchar`` of
+    ``/proc/self/io``: gloo's TCP pairs write with ``write``/``writev``; the process prints nothing
+    while timed), against the plan's bytes on the wire (``collectives.wire_bytes`` with gloo's
+    algorithms); on Linux only;
   - memory: the peak of live CPU tensor bytes over construction, parallelize and two training steps
-    (a ``TorchDispatchMode`` that re-reads every live storage's size at each op, so FSDP2's storage
-    resizes are seen), against the plan's peak (params + optimizer + buffers + max(grads, activations));
-  - communication: bytes of every c10d call on the real gloo groups (the planner's own dispatch-level
-    counter, now on real tensors), per axis and kind;
-  - step time: the median of timed training steps (forward, backward, optimizer step).
+    (a ``TorchDispatchMode`` re-reading every live storage's size at each op), against the plan's
+    peak (params + optimizer + buffers + max(grads, activations)).
 
-Figures (``--json``): ``plan_memory_vs_measured_worst``, ``plan_comm_bytes_vs_counted_worst``,
-``plan_step_time_vs_measured_worst``: the planned/measured ratio farthest from 1 over cases and ranks.
-Pipeline cases are planned but not run here (the real schedule's step is not measured by this script).
+Checks that both sides did the same work (INVALID otherwise): the FLOPs of a real step (counted on it)
+equal the plan's (within 2% for a pipeline, whose loss is computed a little differently).
+
+Figures (``--json``): ``plan_step_time_vs_measured_worst`` (planned / median measured step),
+``plan_comm_bytes_vs_counted_worst`` (planned wire bytes / socket bytes), ``plan_memory_vs_measured_worst``:
+each the ratio farthest from 1 over cases (and ranks).
 
     python benchmarks/plan_accuracy.py [--quick] [--json PATH]
 """
@@ -36,24 +46,39 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from stats import ci95  # noqa: E402
+
 MODEL = dict(model_type="llama", hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=8, vocab_size=4096, max_position_embeddings=256)
 MICRO_BATCH, SEQ = 4, 128
+MICROBATCHES = 4  # a pipeline step: 4 microbatches of MICRO_BATCH // 4 rows, the same tokens as the others
 CASES = [  # (processes, mesh, zero stage, checkpointing, label)
     (2, "data=2", 0, None, "DP"),
     (2, "data=2", 3, None, "ZeRO-3"),
     (2, "data=1,model=2", 0, None, "TP"),
+    (2, "pipe=2,data=1", 0, None, "PP"),
     (4, "data=4", 3, "full", "ZeRO-3+AC"),
     (4, "data=2,model=2", 3, None, "TPxZeRO-3"),
+    (4, "pipe=2,data=2", 3, None, "PPxZeRO-3"),
+    (8, "pipe=2,data=2,model=2", 3, None, "3-D"),
     (8, "data=4,model=2", 3, None, "TPxZeRO-3"),
 ]
-TIMED_STEPS = 5
+QUICK = ("DP", "ZeRO-3", "TP", "PP", "PPxZeRO-3")
 
 
 def build_model():
     from trainmesh.planner.models import _from_config
 
     return _from_config(MODEL)
+
+
+def _is_pipe(mesh: str) -> bool:
+    return mesh.startswith("pipe=")
+
+
+def _rows(mesh: str) -> int:
+    return MICRO_BATCH // MICROBATCHES if _is_pipe(mesh) else MICRO_BATCH
 
 
 class LiveBytes(TorchDispatchMode):
@@ -82,139 +107,182 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _worker(cases) -> list[dict]:
+def _socket_bytes() -> int:
+    """Bytes this process has written with write-family calls (gloo's sockets; nothing else writes while timed)."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split(":")[1]) for line in f if line.startswith("wchar"))
+    except (OSError, StopIteration):
+        return -1
+
+
+def _setup(case):
+    """Parallelize one case as training does; returns a function that runs one training step."""
     import trainmesh as tm
-    from trainmesh.planner.dry_run import measure_step
+    from trainmesh._torch.parallelize import parallelize
     from trainmesh.planner.mesh_spec import MeshSpec
+    from trainmesh.planner.model_states import resolve_optimizer
+    from trainmesh.trainer.loss_tracking import LossAccumulator
+    from trainmesh.trainer.precision import build_precision
 
-    out = []
-    for _, mesh, zero, checkpointing, _ in cases:
-        torch.manual_seed(0)
-        ids = torch.randint(0, MODEL["vocab_size"], (MICRO_BATCH, SEQ))
-        batch = {"input_ids": ids, "labels": ids}
-        keep: dict = {}
+    _, mesh, zero, checkpointing, _ = case
+    spec = MeshSpec.parse(mesh, tm.world_size())
+    torch.manual_seed(0)
+    model = build_model()
+    distribution = spec.distribution(model, zero_stage=zero, microbatches=MICROBATCHES)
+    model = parallelize(model, distribution, zero_stage=zero, activation_checkpointing=checkpointing)
+    model.train()
+    opt = distribution.prepare_optimizer(resolve_optimizer("adam")([p for p in model.parameters()]), model)
+    ids = torch.randint(0, MODEL["vocab_size"], (_rows(mesh) * (MICROBATCHES if _is_pipe(mesh) else 1), SEQ))
+    runner = getattr(model, "_trainmesh_pipeline", None)
+    precision, losses = build_precision("fp32"), LossAccumulator()
+
+    def lm_loss(logits, target):  # the loss the planner's dry run computes on a last stage
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+    def step():
+        if runner is None:
+            model(input_ids=ids, labels=ids).loss.backward()
+        else:
+            runner.forward_backward([(ids, ids)], lm_loss, precision, losses)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _worker(cases, rounds: int) -> dict:
+    import trainmesh as tm
+    from trainmesh.planner.flops import LocalFlops
+    from trainmesh.planner.op_costs import OpProfile
+
+    steps, peaks, flops, ops = [], [], [], []
+    for case in cases:
         with LiveBytes() as tracker:
-            model = build_model()
-            result = measure_step(model, MeshSpec.parse(mesh, tm.world_size()), tm.rank(), (), batch,
-                                  zero_stage=zero, activation_checkpointing=checkpointing, precision="fp32", keep=keep)
-            model, opt = keep["model"], keep["optimizer"]
-            opt.zero_grad(set_to_none=True)
-            model(**batch).loss.backward()  # a second step: the optimizer state exists through it
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        # The FLOP rate is probed in every process at the same time, just before and after the timed
-        # steps: the processes share the cores (and the machine may be loaded), so a rate measured
-        # alone would not be the rate the step gets.
-        from trainmesh.planner.calibrate import measure_flops
-
-        tm.barrier()
-        rate = [measure_flops(512, repeats=3)]
-        times = []
-        for _ in range(TIMED_STEPS + 1):
+            step = _setup(case)
+            step()  # the first step creates the optimizer state; the second runs with it
+            with LocalFlops() as counter, OpProfile() as profile:
+                step()
+        steps.append(step)
+        peaks.append(tracker.peak)
+        flops.append(counter.total)
+        ops.append(profile.ops())
+    times = [[] for _ in cases]
+    wire = [[] for _ in cases]
+    for r in range(rounds):  # interleaved: every case once per round, in a rotating order
+        for i in [(r + k) % len(cases) for k in range(len(cases))]:
             tm.barrier()
+            written = _socket_bytes()
             start = time.perf_counter()
-            model(**batch).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
-        tm.barrier()
-        rate.append(measure_flops(512, repeats=3))
-        out.append({"result": result.to_dict(), "peak": tracker.peak, "step": statistics.median(times[1:]),
-                    "steps": times[1:], "flops_rate": statistics.mean(rate)})
-    return out
+            steps[i]()
+            times[i].append(time.perf_counter() - start)
+            wire[i].append(_socket_bytes() - written)
+    return {"times": times, "wire": wire, "peaks": peaks, "flops": flops, "ops": ops}
 
 
-def _planned(case, rank: int, hardware, flops_rate: float) -> dict:
+def _plan(case, hardware) -> dict:
+    from trainmesh.planner.collectives import wire_bytes
     from trainmesh.planner.dry_run import run_rank
-    from trainmesh.planner.hardware import Hardware
     from trainmesh.planner.mesh_spec import MeshSpec
     from trainmesh.planner.meta_model import build_meta_model
     from trainmesh.planner.parallel import ParallelPlan, estimate_step
 
     n, mesh, zero, checkpointing, _ = case
     spec = MeshSpec.parse(mesh, n)
-    result = run_rank(build_meta_model(build_model), spec, rank, zero_stage=zero,
-                      activation_checkpointing=checkpointing, precision="fp32", micro_batch=MICRO_BATCH, seq_len=SEQ)
-    # the FLOP rate each process had while the real steps ran (probed in all of them at once)
-    shared = Hardware(**{**hardware.__dict__, "flops": flops_rate})
-    step = estimate_step([result], spec, shared, tokens_per_rank=None, shape={})
+    meta = build_meta_model(build_model)
+    results, boundary = [], None
+    for rank in range(n):  # rank order is pipe order: the first stage tells the others what they receive
+        result = run_rank(meta, spec, rank, zero_stage=zero, activation_checkpointing=checkpointing,
+                          precision="fp32", micro_batch=_rows(mesh), seq_len=SEQ, microbatches=MICROBATCHES,
+                          boundary=boundary)
+        boundary = boundary or result.boundary
+        results.append(result)
+    step = estimate_step(results, spec, hardware, tokens_per_rank=None, shape={})
     plan = ParallelPlan(model="bench", mesh=spec, zero_stage=zero, activation_checkpointing=checkpointing,
-                        precision="fp32", micro_batch=MICRO_BATCH, seq_len=SEQ, num_parameters=0, ranks=[result],
-                        step=step, hardware=shared, device_memory=None)
-    return {"result": result.to_dict(), "peak": plan.peak(result), "step": step.seconds}
+                        precision="fp32", micro_batch=_rows(mesh), seq_len=SEQ, num_parameters=0, ranks=results,
+                        step=step, hardware=hardware, device_memory=None)
+    wire = [sum(wire_bytes(row["kind"], row["bytes"], row["group_size"], hardware.backend)
+                for row in r.collectives.rows()) for r in results]
+    return {"peaks": [plan.peak(r) for r in results], "step": step, "wire": wire,
+            "flops": [r.flops for r in results], "ops": [r.ops.ops() for r in results]}
 
 
-def _comm_ratio(planned: list[dict], counted: list[dict]) -> float:
-    key = lambda rows: {(r["axis"], r["kind"]): r["bytes"] for r in rows}  # noqa: E731
-    p, c = key(planned), key(counted)
-    if set(p) != set(c):
-        return float("nan")
-    ratios = [p[k] / c[k] for k in p if c[k]]
-    return max(ratios, key=lambda r: abs(r - 1), default=1.0)
-
-
-def _spread(values: list[float]) -> str:
-    if len(values) < 2:
-        return "-"
-    s = sorted(values)
-    return f"{s[0] * 1e3:.1f}-{s[-1] * 1e3:.1f}"
+def _farthest(values):
+    return max(values, key=lambda v: abs(v - 1) if v == v else float("inf"), default=1.0)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 and 4 processes only, fewer cases")
+    parser.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK)} only, fewer rounds")
+    parser.add_argument("--rounds", type=int, default=None, help="timed steps per case (default 5 quick, 15 full)")
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    from trainmesh.planner.calibrate import calibrate_link, measure_flops
-    from trainmesh.planner.hardware import Hardware
+    from trainmesh.planner.calibrate import calibrate
     from trainmesh.testing import run_distributed
 
-    cases = [c for c in CASES if not args.quick or c[0] <= 4][: 3 if args.quick else None]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    link = calibrate_link(repeats=5)
-    flops = measure_flops(512)
-    hardware = Hardware(name="this machine", source=f"calibrated here: {flops / 1e9:.1f} GFLOP/s alone (fp32 "
-                        f"matmul, one thread; each case uses the rate its processes measured together), loopback "
-                        f"alpha {link.alpha * 1e6:.0f} us beta {link.beta / 1e9:.2f} GB/s; {cores} cores",
-                        flops=flops, devices_per_node=1 << 30, intra=link, inter=link)
-    print(hardware.source)
-    rows, worst = [], {"memory": 1.0, "comm": 1.0, "step": 1.0}
-    invalid = []
+    cases = [c for c in CASES if not args.quick or (c[4] in QUICK and c[0] <= 4)]
+    rounds = args.rounds or (5 if args.quick else 15)
+    hardware = calibrate(save=False)  # this machine now, under its current load; one thread per process
+    print(hardware.describe())
+    rows, invalid = [], []
+    worst = {"memory": [], "comm": [], "step": []}
     for n in sorted({c[0] for c in cases}):
         group = [c for c in cases if c[0] == n]
-        measured = run_distributed(_worker, world_size=n, args=(group,), timeout=900)
-        for index, case in enumerate(group):
+        plans = [_plan(case, hardware) for case in group]  # planned before anything runs
+        measured = run_distributed(_worker, world_size=n, args=(group, rounds), timeout=1200)
+        for index, (case, plan) in enumerate(zip(group, plans)):
+            per_round = [max(measured[r]["times"][index][k] for r in range(n)) for k in range(rounds)]
+            median, (low, high) = statistics.median(per_round), ci95(per_round)
+            step_ratio = plan["step"].seconds / median
+            worst["step"].append(step_ratio)
             for rank in range(n):
-                real = measured[rank][index]
-                rate = statistics.median(measured[r][index]["flops_rate"] for r in range(n))
-                plan = _planned(case, rank, hardware, rate)
-                if plan["result"]["flops"] != real["result"]["flops"]:
-                    invalid.append(f"{case[4]} n={n} rank {rank}: planned and run FLOPs differ (not the same work)")
-                ratios = {"memory": plan["peak"] / real["peak"],
-                          "comm": _comm_ratio(plan["result"]["collectives"], real["result"]["collectives"]),
-                          "step": plan["step"] / real["step"]}
-                for k, r in ratios.items():
-                    if r != r or abs(r - 1) > abs(worst[k] - 1):  # nan (mismatched collectives) is worst
-                        worst[k] = r
-                rows.append((case[4], n, case[1], rank, plan["peak"], real["peak"], ratios["memory"], ratios["comm"],
-                             plan["step"], real["step"], _spread(real["steps"]), ratios["step"]))
-    print(f"{'case':<11}{'n':>2}  {'mesh':<15}{'rank':>4}  {'plan MiB':>9} {'meas MiB':>9} {'ratio':>6}  "
-          f"{'comm':>6}  {'plan ms':>8} {'meas ms':>8} {'spread ms':>13} {'ratio':>6}")
+                real = measured[rank]
+                tolerance = 0.02 if _is_pipe(case[1]) else 0.0
+                if abs(plan["flops"][rank] - real["flops"][index]) > tolerance * real["flops"][index]:
+                    invalid.append(f"{case[4]} n={n} rank {rank}: planned {plan['flops'][rank]} and run "
+                                   f"{real['flops'][index]} FLOPs differ (not the same work)")
+                socket = statistics.median(real["wire"][index])
+                comm = plan["wire"][rank] / socket if socket > 0 else (1.0 if plan["wire"][rank] == 0 else float("nan"))
+                memory = plan["peaks"][rank] / real["peaks"][index]
+                worst["memory"].append(memory)
+                worst["comm"].append(comm)
+                rows.append({"case": case[4], "n": n, "mesh": case[1], "rank": rank,
+                             "plan_peak": plan["peaks"][rank], "peak": real["peaks"][index], "memory_ratio": memory,
+                             "plan_wire": plan["wire"][rank], "socket_bytes": socket, "comm_ratio": comm,
+                             "plan_ops": plan["ops"][rank], "ops": real["ops"][index],
+                             "plan_step": plan["step"].seconds, "step": median, "step_ci95": [low, high],
+                             "step_ratio": step_ratio, "step_ratio_ci95": [plan["step"].seconds / high,
+                                                                           plan["step"].seconds / low],
+                             "plan_parts": {**{k: v for k, v in plan["step"].phases.items()},
+                                            **{f"{a} exposed": v for a, v in plan["step"].exposed.items()}}})
+    print(f"\n{'case':<10}{'n':>2} {'mesh':<22}{'rank':>4} {'plan MiB':>9} {'meas MiB':>9} {'ratio':>6}  "
+          f"{'plan MB':>8} {'sock MB':>8} {'ratio':>6}  {'plan ops':>8} {'ops':>6}")
     for r in rows:
-        print(f"{r[0]:<11}{r[1]:>2}  {r[2]:<15}{r[3]:>4}  {r[4] / 2**20:>9.1f} {r[5] / 2**20:>9.1f} {r[6]:>6.3f}  "
-              f"{r[7]:>6.3f}  {r[8] * 1e3:>8.1f} {r[9] * 1e3:>8.1f} {r[10]:>13} {r[11]:>6.2f}")
-    figures = {"plan_memory_vs_measured_worst": round(worst["memory"], 4),
-               "plan_comm_bytes_vs_counted_worst": round(worst["comm"], 4),
-               "plan_step_time_vs_measured_worst": round(worst["step"], 4)}
+        print(f"{r['case']:<10}{r['n']:>2} {r['mesh']:<22}{r['rank']:>4} {r['plan_peak'] / 2**20:>9.1f} "
+              f"{r['peak'] / 2**20:>9.1f} {r['memory_ratio']:>6.3f}  {r['plan_wire'] / 1e6:>8.2f} "
+              f"{r['socket_bytes'] / 1e6:>8.2f} {r['comm_ratio']:>6.3f}  {r['plan_ops']:>8} {r['ops']:>6}")
+    print(f"\nstep time ({rounds} interleaved rounds; measured = slowest rank per step, median and 95% interval)")
+    print(f"{'case':<10}{'n':>2} {'mesh':<22}{'plan ms':>8} {'meas ms':>8} {'95% interval':>16} {'ratio':>6} "
+          f"{'ratio 95%':>12}  planned parts (ms)")
+    for r in rows:
+        if r["rank"]:
+            continue
+        parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in r["plan_parts"].items() if v > 5e-4)
+        print(f"{r['case']:<10}{r['n']:>2} {r['mesh']:<22}{r['plan_step'] * 1e3:>8.1f} {r['step'] * 1e3:>8.1f} "
+              f"{r['step_ci95'][0] * 1e3:>7.1f}-{r['step_ci95'][1] * 1e3:<8.1f} {r['step_ratio']:>6.2f} "
+              f"{r['step_ratio_ci95'][0]:>5.2f}-{r['step_ratio_ci95'][1]:<6.2f}  {parts}")
+    figures = {"plan_memory_vs_measured_worst": round(_farthest(worst["memory"]), 4),
+               "plan_comm_bytes_vs_counted_worst": round(_farthest(worst["comm"]), 4),
+               "plan_step_time_vs_measured_worst": round(_farthest(worst["step"]), 4)}
     print(json.dumps(figures))
-    print("not measured here: pipeline (PP, 3-D) cases are planned by trainmesh plan but their real schedule is "
-          "not run by this script; shaped (netns) links not used")
+    print("comm bytes are counted at the sockets (independent of the planner's dispatcher counter); "
+          "shaped (netns) links not used")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"figures": figures, "rows": rows, "hardware": hardware.to_dict(), "invalid": invalid}, f,
-                      indent=2)
+            json.dump({"figures": figures, "rows": rows, "hardware": hardware.to_dict(), "invalid": invalid,
+                       "rounds": rounds}, f, indent=2)
     if invalid:
         print("INVALID: " + "; ".join(invalid))
         return 1

@@ -1,23 +1,28 @@
-"""``trainmesh plan --calibrate``: this machine's FLOP rate and its links' alpha and beta, measured.
+"""``trainmesh plan --calibrate``: this machine's per-op costs and its link's alpha and beta, measured.
 
-* FLOP rate: the best of several timed fp32 matmuls (``n x n @ n x n`` = 2n^3 FLOPs) on the
-  threads the process has; a step's compute is priced with it.
+* Per-op costs (``calibrate_ops``): matmul FLOP/s and memory bandwidth as curves over op size,
+  the dispatch overhead of an op in a training step and the extra of an op on DTensors, on the
+  threads the process has; ``op_costs.price`` prices every op of a dry-run step with them.
 * Links: all-reduces of 4 KiB .. 8 MiB between two gloo processes on loopback
   (``trainmesh.testing.run_distributed``), median per size, and a least-squares fit of
   ``t = alpha + wire_bytes / beta`` (for two ranks a ring all-reduce sends the buffer once).
-  ``calibrate_link(addresses=...)`` measures the same between network-namespace hosts (the
-  shaped links of ``trainmesh.testing.cluster``) when given a cluster's rendezvous.
+* Cores: the CPUs this process may run on; processes beyond them share (``Hardware.contention``).
 
-The result is a ``Hardware`` whose intra- and inter-node links are both the measured one
-(one machine), saved with ``--json PATH`` and used with ``--hardware PATH``.
+The result is a ``Hardware`` (backend gloo, intra- and inter-node links both the measured one: one
+machine), cached per machine, torch version and thread count (``--hardware calibrated`` reads the
+cache), and written with ``--json PATH`` for ``--hardware PATH``. Not measured: links between hosts
+(a plan over several hosts takes their figures from a JSON file).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -73,16 +78,73 @@ def calibrate_link(repeats: int = 7, sizes: list[int] | None = None) -> Link:
     return Link("loopback", alpha, beta)
 
 
-def calibrate(n: int = 1024) -> "CalibratedHardware":
-    flops = measure_flops(n)
-    link = calibrate_link()
-    return CalibratedHardware(
-        name="calibrated", source=f"calibrated on {platform.node() or 'this machine'} ({os.cpu_count()} CPUs, "
-        f"torch {torch.__version__}): fp32 matmul {n}x{n}, gloo all-reduce on loopback",
-        flops=flops, devices_per_node=1 << 30, intra=link, inter=link)
+def cache_path() -> Path:
+    """Where ``calibrate`` keeps its figures (beside ``trainmesh env --peak``'s cache)."""
+    root = os.environ.get("TRAINMESH_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "trainmesh")
+    return Path(root) / "plan_calibration.json"
+
+
+def _key() -> str:
+    # the figures hold for this machine, this torch and this many threads per process
+    return f"{platform.node()}|{platform.machine()}|torch {torch.__version__}|threads={torch.get_num_threads()}"
+
+
+def calibrate(n: int = 1024, *, link: bool = True, save: bool = True) -> "CalibratedHardware":
+    """Measure this machine (about 20 s): per-op cost curves and overheads (``calibrate_ops``) on the
+    threads this process has, and the loopback link's alpha/beta between two gloo processes."""
+    from .calibrate_ops import (measure_bandwidth_curve, measure_dtensor_overhead, measure_floor,
+                                measure_flops_curve, measure_op_overhead)
+
+    floor = measure_floor()
+    flops_curve = measure_flops_curve(floor)
+    bandwidth_curve = measure_bandwidth_curve(floor)
+    loop = calibrate_link() if link else Link("loopback", 0.0, float("inf"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    hardware = CalibratedHardware(
+        name="calibrated", source=f"calibrated on {platform.node() or 'this machine'} ({cores} cores, "
+        f"{torch.get_num_threads()} thread(s) per process, torch {torch.__version__}): matmul and add curves, "
+        "op overheads of a tiny model's step, gloo all-reduce on loopback",
+        flops=max(r for _, r in flops_curve), devices_per_node=1 << 30, intra=loop, inter=loop,
+        memory_bandwidth=bandwidth_curve[-1][1], flops_curve=flops_curve, bandwidth_curve=bandwidth_curve,
+        cores=cores, backend="gloo")
+    overhead, _ = measure_op_overhead(hardware)
+    hardware = replace(hardware, op_overhead=overhead)
+    dtensor = measure_dtensor_overhead(hardware)
+    hardware = replace(hardware, dtensor_op_overhead=dtensor or 0.0)
+    if save:
+        _save(hardware)
+    return hardware
+
+
+def _save(hardware: Hardware) -> None:
+    path = cache_path()
+    try:
+        cached = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        cached = {}
+    cached[_key()] = hardware.to_dict()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cached, indent=1))
+    os.replace(tmp, path)
+
+
+def cached_calibration() -> "CalibratedHardware | None":
+    """The figures ``calibrate`` saved for this machine, torch and thread count, or None."""
+    try:
+        data = json.loads(cache_path().read_text()).get(_key())
+    except (OSError, ValueError):
+        return None
+    return CalibratedHardware.from_dict(data) if data else None
 
 
 class CalibratedHardware(Hardware):
     def describe(self) -> str:
-        return (f"{self.source}\n  FLOP rate   {self.flops / 1e9:.1f} GFLOP/s\n"
+        curve = lambda points, unit: ", ".join(f"{s:.0e}: {r / 1e9:.1f}" for s, r in points) + f" {unit}"  # noqa: E731
+        return (f"{self.source}\n  FLOP rate   {self.flops / 1e9:.1f} GFLOP/s (best matmul)\n"
+                f"  matmuls     {curve(self.flops_curve, 'GFLOP/s')} (by FLOPs)\n"
+                f"  bandwidth   {curve(self.bandwidth_curve, 'GB/s')} (by bytes moved)\n"
+                f"  per op      {self.op_overhead * 1e6:.1f} us; on DTensors +{self.dtensor_op_overhead * 1e6:.1f} us\n"
+                f"  cores       {self.cores}\n"
                 f"  {self.intra.name:<11} alpha {self.intra.alpha * 1e6:.1f} us, beta {self.intra.beta / 1e9:.2f} GB/s")

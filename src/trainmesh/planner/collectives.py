@@ -45,11 +45,20 @@ _WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1
          "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
 
 
-def wire_bytes(kind: str, nbytes: float, group_size: int) -> float:
-    """Bytes one rank sends over its link for a collective whose full buffer is ``nbytes``."""
+# gloo (torch 2.14's ProcessGroupGloo on CPU) differs from the ring table in one place, seen in the
+# bytes a process writes to its sockets: its reduce-scatter all-reduces the whole input, then keeps its
+# piece (2(n-1)/n of the full buffer, twice the ring's). benchmarks/plan_accuracy.py checks this table
+# against the bytes each real process wrote.
+_WIRE_GLOO = {**_WIRE, "reduce_scatter": _WIRE["all_reduce"]}
+
+
+def wire_bytes(kind: str, nbytes: float, group_size: int, backend: str = "nccl") -> float:
+    """Bytes one rank sends over its link for a collective whose full buffer is ``nbytes``, with the
+    algorithms of ``backend`` (``"nccl"``: rings; ``"gloo"``: rings, reduce-scatter as an all-reduce)."""
     if group_size <= 1:
         return 0.0
-    return _WIRE.get(kind, lambda n: 1.0)(group_size) * nbytes
+    table = _WIRE_GLOO if backend == "gloo" else _WIRE
+    return table.get(kind, lambda n: 1.0)(group_size) * nbytes
 
 
 @dataclass

@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .flops import LocalFlops
+from .op_costs import OpProfile
 from .collectives import CollectiveCounter, CollectiveLog, group_axes
 from .dry_run_pipeline import pipeline_traffic, stage_backwards, stage_forwards
 from .mesh_spec import MeshSpec
@@ -69,13 +70,15 @@ class RankResult:
     microbatches: int = 1          # a pipeline step's microbatches (compute and per-microbatch traffic x this)
     in_flight: int = 1             # microbatches whose activations a pipeline stage holds at once
     boundary: tuple | None = None  # (shape, dtype) of the activation a pipeline stage sends on
+    ops: OpProfile | None = None   # every op of the step with its FLOPs and bytes (op_costs.price prices it)
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "coords": self.coords, "params": self.params, "grads": self.grads,
                 "optimizer": self.optimizer, "activations": self.activations, "buffers": self.buffers,
                 "flops": self.flops, "collectives": self.collectives.rows(),
                 "num_parameters_local": self.num_parameters_local, "seconds": round(self.seconds, 3),
-                "notes": self.notes, "microbatches": self.microbatches, "in_flight": self.in_flight}
+                "notes": self.notes, "microbatches": self.microbatches, "in_flight": self.in_flight,
+                "ops": self.ops.rows() if self.ops is not None else None}
 
 
 def _storage_bytes(tensors) -> int:
@@ -257,13 +260,14 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
     sync = model.no_sync() if is_ddp and fake else _null()
     autocast = (torch.autocast("cpu", dtype=_MIXED[precision]) if precision in _MIXED else _null())
     flops = LocalFlops()
+    ops = OpProfile()
     recompute = _RecomputeBytes(regions, saved)
     runner = getattr(model, "_trainmesh_pipeline", None)
     if runner is not None:  # the stages are copies: their own checkpointed modules
         recompute.close()
         regions = [m for stage in runner.stage_models for m in _checkpointed_modules(stage, activation_checkpointing)]
         recompute = _RecomputeBytes(regions, saved)
-    with mode, counter, flops, sync, recompute:
+    with mode, counter, flops, ops, sync, recompute:
         with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if runner is None:
                 outputs = [model(*args, **kwargs)]
@@ -275,6 +279,7 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
                     saved.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
         activation_bytes = sum(saved.values())
         recompute.backward = True
+        ops.phase = "backward"
         if runner is None:
             _loss(outputs[0]).backward()
         else:
@@ -287,6 +292,7 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
         boundary, per_step = pipeline_traffic(runner, outputs, inputs, distribution, spec, axis_of, mode)
         counter.log = counter.log.scaled(microbatches).merged(per_step)
         flops.total *= microbatches
+        ops = ops.scaled(microbatches)
         in_flight = microbatches if schedule == "gpipe" else min(microbatches, runner.pipe_size - runner.pipe_rank)
         activation_bytes *= in_flight
         notes.append(f"pipeline ({schedule}, {microbatches} microbatches): one microbatch measured per stage; compute "
@@ -297,7 +303,8 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
         batch_axis = distribution.batch_dim_name
         _ddp_all_reduces(model, counter.log, batch_axis, distribution.device_mesh.axis_size(batch_axis))
     grad_bytes = _storage_bytes(p.grad for p in params)
-    with mode, counter:
+    ops.phase = "optimizer"
+    with mode, counter, ops:
         opt.step()
     optim_state = getattr(opt, "optim", opt).state  # ZeroRedundancyOptimizer keeps its shard's in .optim
     optimizer_bytes = _storage_bytes(v for s in optim_state.values() for v in s.values()
@@ -311,7 +318,7 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
                       collectives=counter.log, num_parameters_local=num_local, seconds=0.0, notes=notes,
                       microbatches=microbatches if runner is not None else 1,
                       in_flight=in_flight if runner is not None else 1,
-                      boundary=boundary if runner is not None else None)
+                      boundary=boundary if runner is not None else None, ops=ops)
 
 
 def _checkpointed_modules(model: nn.Module, policy: Any) -> list[nn.Module]:

@@ -39,6 +39,16 @@ def _local(value):
     return getattr(value, "_local_tensor", value)
 
 
+def op_flops(func, args, kwargs, out) -> int:
+    """FLOPs of one op on the tensors given (local shards: see ``LocalFlops``); 0 for an op without a formula."""
+    packet = func._overloadpacket
+    if packet in flop_registry:
+        return int(flop_registry[packet](*args, **kwargs, out_val=out))
+    if "scaled_dot_product" in func.__name__ and "attention" in func.__name__:
+        return _attention_flops(func.__name__, args)
+    return 0
+
+
 class LocalFlops(TorchDispatchMode):
     """Sums FLOPs of ops on local tensors while active; ``total`` is the count."""
 
@@ -49,14 +59,10 @@ class LocalFlops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        packet = func._overloadpacket
         # A DTensor op runs its local op below every mode (this one included): count it on the local
         # shards' shapes, which is the work this rank's device does.
         local_args, local_kwargs, local_out = tree_map(_local, (args, kwargs, out))
-        if packet in flop_registry:
-            self.total += int(flop_registry[packet](*local_args, **local_kwargs, out_val=local_out))
-        elif "scaled_dot_product" in func.__name__ and "attention" in func.__name__:
-            self.total += _attention_flops(func.__name__, local_args)
+        self.total += op_flops(func, local_args, local_kwargs, local_out)
         return out
 
 
@@ -65,4 +71,4 @@ def model_flops_per_token(num_parameters: int, num_layers: int, hidden: int, seq
     return 6 * num_parameters + 12 * num_layers * hidden * seq_len
 
 
-__all__ = ["LocalFlops", "model_flops_per_token"]
+__all__ = ["LocalFlops", "op_flops", "model_flops_per_token"]

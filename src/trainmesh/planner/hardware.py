@@ -42,6 +42,17 @@ class Hardware:
     intra: Link
     inter: Link
     memory: int | None = None
+    # Per-op pricing (``op_costs.price``): an op costs max(flops / rate, bytes / bandwidth) + overhead.
+    memory_bandwidth: float | None = None   # bytes/s a memory-bound op moves (None: not priced)
+    flops_curve: tuple = ()                 # ((flops of one matmul, FLOP/s it gets), ...), ascending
+    bandwidth_curve: tuple = ()             # ((bytes one op moves, bytes/s it gets), ...), ascending
+    op_overhead: float = 0.0                # seconds every dispatched op costs besides its work
+    dtensor_op_overhead: float = 0.0        # extra seconds of an op on DTensors (sharding propagation)
+    # A CPU host: the cores its processes share (None: each device computes on its own). With more
+    # processes than cores each runs at cores/processes of its rate, and communication (memory copies
+    # on the same cores) cannot hide behind compute.
+    cores: int | None = None
+    backend: str = "nccl"                   # which collective algorithms price the wire (collectives.wire_bytes)
 
     def link_for(self, *, stride: int, size: int) -> Link:
         return self.intra if stride * size <= self.devices_per_node else self.inter
@@ -53,7 +64,21 @@ class Hardware:
     def from_dict(cls, data: dict) -> "Hardware":
         data = dict(data)
         data["intra"], data["inter"] = Link(**data["intra"]), Link(**data["inter"])
+        for key in ("flops_curve", "bandwidth_curve"):
+            data[key] = tuple(tuple(point) for point in data.get(key, ()))
         return cls(**data)
+
+    def processes_per_node(self, world_size: int) -> int:
+        return min(world_size, self.devices_per_node)
+
+    def contention(self, world_size: int) -> float:
+        """How much slower each process computes because processes share cores (1.0 on devices)."""
+        return max(1.0, self.processes_per_node(world_size) / self.cores) if self.cores else 1.0
+
+    def overlaps(self, world_size: int) -> bool:
+        """Whether communication can run beside compute: on devices (copy engines, NCCL's own SMs)
+        yes; on a CPU host only while a core is left over for gloo's threads."""
+        return self.cores is None or self.processes_per_node(world_size) < self.cores
 
     @classmethod
     def load(cls, path: str) -> "Hardware":
@@ -64,9 +89,10 @@ class Hardware:
 HARDWARE = {
     "h100": Hardware(
         name="h100", source="published: NVIDIA H100 SXM5 datasheet (989 TFLOP/s dense bf16, NVLink 900 GB/s "
-        "bidirectional), 400 Gb/s NDR InfiniBand per GPU; alphas assumed (5 us / 10 us)",
+        "bidirectional, HBM3 3.35 TB/s), 400 Gb/s NDR InfiniBand per GPU; alphas assumed (5 us / 10 us); "
+        "kernel launches assumed hidden by asynchronous execution (no per-op overhead)",
         flops=989e12, devices_per_node=8, intra=Link("nvlink", 5e-6, 450e9), inter=Link("infiniband", 10e-6, 50e9),
-        memory=80 * 10**9),
+        memory=80 * 10**9, memory_bandwidth=3.35e12),
 }
 
 
@@ -92,6 +118,6 @@ def axis_seconds(log: CollectiveLog, hardware: Hardware, strides: dict[str, int]
     for row in log.rows():
         axis, size = row["axis"], max(row["group_size"], 1)
         link = hardware.link_for(stride=strides.get(axis, hardware.devices_per_node), size=size)
-        seconds = row["count"] * link.alpha + wire_bytes(row["kind"], row["bytes"], size) / link.beta
+        seconds = row["count"] * link.alpha + wire_bytes(row["kind"], row["bytes"], size, hardware.backend) / link.beta
         out[axis] = out.get(axis, 0.0) + (seconds if size > 1 else 0.0)
     return out

@@ -28,6 +28,7 @@ from torch import nn
 from .dry_run import RankResult, run_rank
 from .hardware import Hardware, axis_seconds, resolve_hardware
 from .mesh_spec import MeshSpec
+from .op_costs import price
 from .meta_model import build_meta_model
 from .models import model_factory, model_shape
 from .report import format_bytes, parse_bytes
@@ -42,11 +43,12 @@ class StepEstimate:
     exposed: dict[str, float]       # seconds per axis that compute does not hide
     seconds: float
     mfu: float | None
+    phases: dict[str, float] = field(default_factory=dict)   # forward / backward / optimizer seconds
 
     @property
     def comm_share(self) -> float:
         """Exposed communication over step time (the pipeline bubble is idle time, not communication)."""
-        comm = sum(t for a, t in self.exposed.items() if not a.endswith(" bubble"))
+        comm = sum(t for a, t in self.exposed.items() if not a.endswith(" bubble") and a != "cores shared")
         return comm / self.seconds if self.seconds else 0.0
 
     @property
@@ -96,7 +98,8 @@ class ParallelPlan:
                 "num_parameters": self.num_parameters, "grad_accum_steps": self.grad_accum_steps,
                 "ranks": [{**r.to_dict(), "peak": self.peak(r)} for r in self.ranks],
                 "peak_bytes": self.peak_bytes, "device_memory": self.device_memory, "fits": self.fits,
-                "step": {"compute_s": self.step.compute, "axes_s": self.step.axes, "exposed_s": self.step.exposed,
+                "step": {"compute_s": self.step.compute, "phases_s": self.step.phases, "axes_s": self.step.axes,
+                         "exposed_s": self.step.exposed,
                          "seconds": self.step.seconds, "mfu": self.step.mfu, "comm_share": self.step.comm_share,
                          "scaling_efficiency": self.step.scaling_efficiency},
                 "hardware": self.hardware.to_dict(), "notes": self.notes}
@@ -123,9 +126,11 @@ class ParallelPlan:
                          f"{format_bytes(row['bytes']):>12}")
         s = self.step
         lines += ["", f"step time on {self.hardware.name} ({self.hardware.source})",
-                  f"  compute {s.compute * 1e3:.1f} ms; " + "; ".join(
+                  f"  compute {s.compute * 1e3:.1f} ms (" + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in s.phases.items())
+                  + "); " + "; ".join(
                       f"{a} {t * 1e3:.1f} ms ({s.exposed.get(a, 0) * 1e3:.1f} exposed)" for a, t in s.axes.items())
-                  + "".join(f"; {a} {t * 1e3:.1f} ms" for a, t in s.exposed.items() if a.endswith(" bubble")),
+                  + "".join(f"; {a} {t * 1e3:.1f} ms" for a, t in s.exposed.items()
+                            if a.endswith(" bubble") or a == "cores shared"),
                   f"  step {s.seconds * 1e3:.1f} ms, communication share {s.comm_share:.1%}, scaling efficiency "
                   f"{s.scaling_efficiency:.1%}" + (f", MFU {s.mfu:.1%}" if s.mfu is not None else "")]
         lines += [f"note: {n}" for n in self.notes]
@@ -139,26 +144,52 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+def _phases(r: RankResult, hardware: Hardware, accum: int) -> dict[str, float]:
+    """Seconds of forward, backward and optimizer on one rank, alone on its device: every op priced
+    (``op_costs.price``) when the hardware has per-op figures, else the FLOPs at the peak rate."""
+    if r.ops is not None and (hardware.memory_bandwidth or hardware.op_overhead or hardware.flops_curve):
+        phases = price(r.ops, hardware)
+    else:  # forward : backward FLOPs are about 1 : 2
+        phases = {"forward": r.flops / 3 / hardware.flops, "backward": 2 * r.flops / 3 / hardware.flops,
+                  "optimizer": 0.0}
+    return {p: t * (accum if p != "optimizer" else 1) for p, t in phases.items()}
+
+
 def estimate_step(ranks: list[RankResult], spec: MeshSpec, hardware: Hardware, *, tokens_per_rank: float | None,
                   shape: dict, accum: int = 1) -> StepEstimate:
+    """The slowest representative rank's step on ``hardware``; see the module docstring."""
     strides = {a: spec.stride(a) for a in spec.names}
+    overlap = hardware.overlaps(spec.world_size)
     worst = None
     for r in ranks:
-        compute = r.flops * accum / hardware.flops
+        phases = _phases(r, hardware, accum)
+        compute = sum(phases.values())
         axes = {a: t * accum for a, t in axis_seconds(r.collectives, hardware, strides).items()}
         exposed = {}
         for axis, t in axes.items():
-            hidden = axis == spec.batch_axis  # gradient/parameter traffic overlaps compute
-            exposed[axis] = max(0.0, t - compute) if hidden else t
-        seconds = compute + sum(exposed.values())
+            # DDP's buckets and FSDP2's gathers/reduce-scatters run beside forward and backward; only
+            # what does not fit behind them shows. Tensor-parallel and stage traffic is on the path.
+            hidden = overlap and axis == spec.batch_axis
+            exposed[axis] = max(0.0, t - phases["forward"] - phases["backward"]) if hidden else t
+        path = compute + sum(exposed.values())
         if r.microbatches > 1 and spec.pipe_axis:
             # 1F1B / GPipe: p - 1 extra microbatch slots of the stage's critical path (the bubble)
             p = spec.size(spec.pipe_axis)
-            critical = compute + sum(t for a, t in exposed.items() if a != spec.batch_axis)
+            critical = phases["forward"] + phases["backward"] + sum(
+                t for a, t in exposed.items() if a != spec.batch_axis)
             exposed[spec.pipe_axis + " bubble"] = critical * (p - 1) / r.microbatches
-            seconds += exposed[spec.pipe_axis + " bubble"]
+            path += exposed[spec.pipe_axis + " bubble"]
+        seconds = path
+        if hardware.cores:
+            # Processes sharing a CPU host's cores: the step is also at least the CPU time every process
+            # asks for (compute, and loopback copies) spread over the cores; a stage idle in the pipeline
+            # bubble asks for none, so the bubble can hide behind the others' work.
+            busy = (compute + sum(axes.values())) * hardware.processes_per_node(spec.world_size) / hardware.cores
+            if busy > path:
+                exposed["cores shared"] = busy - path
+                seconds = busy
         if worst is None or seconds > worst.seconds:
-            worst = StepEstimate(compute, axes, exposed, seconds, None)
+            worst = StepEstimate(compute, axes, exposed, seconds, None, phases=phases)
     if tokens_per_rank and shape.get("num_layers") and shape.get("hidden") and worst.seconds:
         per_token = 6 * shape["num_parameters"] + 12 * shape["num_layers"] * shape["hidden"] * (shape.get("seq") or 0)
         worst.mfu = per_token * tokens_per_rank * accum / (worst.seconds * hardware.flops)

@@ -1,0 +1,146 @@
+"""Per-op cost figures of this machine, measured by short micro-benchmarks (``trainmesh plan --calibrate``).
+
+What ``op_costs.price`` needs, each from its own probe, none from a model the planner is asked about:
+
+* ``floor``: the time of the cheapest op (a 1-element add, no autograd): dispatch alone. The curves
+  below subtract it, so a small op's rate is its work's rate, and the overhead is priced once;
+* ``flops_curve``: FLOP/s of square fp32 matmuls of 16..1024 (small matmuls get far less than large);
+* ``bandwidth_curve``: bytes/s of an out-of-place add of 1 KiB..64 MiB per operand (cache-resident
+  sizes move faster than DRAM-bound ones);
+* ``op_overhead``: a training step (forward, backward, Adam) of a tiny MLP-and-norm model whose
+  work is negligible, over the ops it dispatched (counted by ``op_costs.OpProfile``): what each op
+  costs in module calls, autograd and the optimizer's Python loop;
+* ``dtensor_op_overhead``: the same model tensor-parallel over 2 ranks of torch's fake process
+  group (trainmesh's own ``parallelize``; collectives return at once), the extra time per op
+  that ran on DTensors: sharding propagation.
+
+All on the thread count the process has now (``torch.get_num_threads()``), which is what each
+training process will have. Each probe takes the median of repeats: the machine may be loaded.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from .op_costs import OpProfile, price
+
+MATMUL_SIZES = (16, 32, 64, 128, 256, 512, 1024)
+ADD_NUMELS = tuple(2**k for k in range(8, 25, 2))  # 1 KiB .. 64 MiB per fp32 operand
+
+
+def _median_time(fn, repeats: int, inner: int = 1) -> float:
+    fn()  # warm-up: allocator, thread pool, kernel choice
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - start) / inner)
+    return statistics.median(times)
+
+
+def measure_floor(repeats: int = 21) -> float:
+    a, b = torch.ones(1), torch.ones(1)
+    return _median_time(lambda: torch.add(a, b), repeats, inner=200)
+
+
+def measure_flops_curve(floor: float, repeats: int = 7) -> tuple:
+    points = []
+    for n in MATMUL_SIZES:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        t = _median_time(lambda: a @ b, repeats, inner=max(1, 2**20 // n**2))
+        points.append((2 * n**3, 2 * n**3 / max(t - floor, t * 0.05)))
+    return tuple(points)
+
+
+def measure_bandwidth_curve(floor: float, repeats: int = 7) -> tuple:
+    points = []
+    for numel in ADD_NUMELS:
+        a, b, c = torch.ones(numel), torch.ones(numel), torch.empty(numel)
+        t = _median_time(lambda: torch.add(a, b, out=c), repeats, inner=max(1, 2**20 // numel))
+        moved = 3 * numel * 4
+        points.append((moved, moved / max(t - floor, t * 0.05)))
+    return tuple(points)
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+def _tiny_model(width: int = 16, depth: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[_Block(width) for _ in range(depth)])
+
+
+def _step_time(model: nn.Module, repeats: int) -> tuple[float, OpProfile]:
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(2, 4, 16)
+
+    def step(profile: OpProfile | None = None):
+        if profile is not None:
+            profile.phase = "forward"
+        loss = model(x).float().pow(2).mean()
+        if profile is not None:
+            profile.phase = "backward"
+        loss.backward()
+        if profile is not None:
+            profile.phase = "optimizer"
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()  # warm-up; the optimizer state exists from here on
+    with OpProfile() as profile:
+        step(profile)
+    return _median_time(step, repeats), profile
+
+
+def measure_op_overhead(hardware, repeats: int = 15) -> tuple[float, int]:
+    """(seconds per op, ops per step) of the tiny model's training step, its priced work taken out."""
+    seconds, profile = _step_time(_tiny_model(), repeats)
+    work = sum(price(profile, hardware).values())
+    return max(seconds - work, 0.0) / profile.ops(), profile.ops()
+
+
+def measure_dtensor_overhead(hardware, repeats: int = 9) -> float | None:
+    """Extra seconds per DTensor op, from the tiny model tensor-parallel over 2 fake ranks; None when a
+    process group already exists (the fake one cannot be started beside it)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainmesh import runtime
+    from trainmesh._torch.parallelize import parallelize
+
+    from .mesh_spec import MeshSpec
+
+    if dist.is_initialized():
+        return None
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = _tiny_model()
+        distribution = MeshSpec.parse("data=1,model=2", 2).distribution(model, zero_stage=0)
+        model = parallelize(model, distribution, zero_stage=0, activation_checkpointing=None)
+        seconds, profile = _step_time(model, repeats)
+    finally:
+        runtime.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
+    work = sum(price(profile, hardware).values())  # hardware carries op_overhead by now
+    dtensor_ops = sum(n for (_, d, _, _), n in profile.counts.items() if d)
+    return max(seconds - work, 0.0) / max(dtensor_ops, 1)
+
+
+__all__ = ["measure_floor", "measure_flops_curve", "measure_bandwidth_curve", "measure_op_overhead",
+           "measure_dtensor_overhead"]
