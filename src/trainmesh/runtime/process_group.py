@@ -6,6 +6,7 @@ so DTensor, DeviceMesh and DDP run unchanged on 1 process and on N; no socket is
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import os
 import threading
@@ -102,6 +103,7 @@ def initialize(
                 dist.init_process_group(chosen_backend, init_method=cluster.init_method, rank=cluster.rank,
                                         world_size=cluster.world_size, timeout=td)
         _state.update(cluster=cluster, timeout=td, owned=True)
+        atexit.register(_release_at_exit)
         return cluster
 
 
@@ -177,6 +179,36 @@ def barrier() -> None:
         dist.monitored_barrier(timeout=collective_timeout(), wait_all_ranks=True)
     else:
         dist.barrier()
+
+
+EXIT_RELEASE_S = 20.0
+
+
+def _release_at_exit() -> None:
+    """At interpreter exit, destroy the group trainmesh started if the script did not.
+
+    Why: gloo's worker threads free a finished collective's tensors themselves, which needs the
+    GIL. A script that ends right after its last collective (``fit`` then exit, the usual torchrun
+    script) races interpreter finalization, where a thread asking for the GIL is made to exit
+    and, inside a C++ destructor, that is ``std::terminate``: the process dies with SIGABRT
+    ("terminate called without an active exception") and torchrun reports the job failed.
+    Destroying the group here joins those threads first. No barrier (a peer may be gone), and
+    bounded: a teardown stuck on a dead peer must not hold the exit forever.
+    """
+    if not (dist.is_available() and dist.is_initialized() and _state["owned"]):
+        return
+
+    def release() -> None:
+        try:
+            for callback in _on_shutdown:
+                callback()
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - leaving anyway; nothing left to report it to
+            pass
+
+    worker = threading.Thread(target=release, name="trainmesh-exit", daemon=True)
+    worker.start()
+    worker.join(EXIT_RELEASE_S)
 
 
 def shutdown() -> None:
