@@ -12,6 +12,7 @@ import signal
 import torch
 
 import trainmesh as tm
+from trainmesh.testing.sample_log import SampleLog
 
 N, GLOBAL_BATCH = 96, 16  # 6 steps per epoch
 
@@ -35,32 +36,16 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
 
-    def log(line: str) -> None:
-        with open(log_path, "a") as fh:
-            fh.write(line + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-
-    class SampleLog(tm.Callback):
-        started = False
-
-        def on_train_batch_begin(self, step, logs=None):
-            if not self.started:  # after the auto-resume: where this attempt starts
-                log(f"RESUME {attempt} {self.trainer.global_step}")
-                self.started = True
-
-        def on_train_batch_end(self, step, logs=None):
-            indices = " ".join(map(str, self.trainer._steps.last_indices))
-            log(f"STEP {attempt} {self.trainer.epoch} {self.trainer.global_step} {indices}")
-            if args.kill_at and restart == 0 and rank == 1 and self.trainer.global_step == args.kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
+    def kill_rank1(global_step: int) -> None:
+        if args.kill_at and restart == 0 and rank == 1 and global_step == args.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     if args.checkpoint == "sharded":  # DCP shards, async, sealed with a checksummed marker
         checkpoint = tm.ShardedCheckpoint(os.path.join(args.out, "ckpt"), every_n_steps=2, async_save=True)
     else:  # one full state file, written atomically by the main process
         checkpoint = tm.ModelCheckpoint(os.path.join(args.out, "ckpt"), save_best=False, save_every_n_steps=2)
     trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), torch.nn.MSELoss(),
-                         callbacks=[checkpoint, SampleLog()], progress=False)
+                         callbacks=[checkpoint, SampleLog(log_path, attempt, after_step=kill_rank1)], progress=False)
     trainer.fit(data, epochs=args.epochs, batch_size=GLOBAL_BATCH, resume=True)
     final = trainer.state_dict()["model"]
     if tm.is_main_process():

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import trainmesh as tm
+from trainmesh.testing.sample_log import SampleLog
 
 N, GLOBAL_BATCH = 96, 16  # 6 steps per epoch on any world size dividing 16
 
@@ -47,33 +48,18 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
 
-    def log(line: str) -> None:
-        with open(log_path, "a") as fh:
-            fh.write(line + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+    def stall(global_step: int) -> None:
+        if args.stall_at and global_step == args.stall_at:
+            with open(os.path.join(args.out, f"stalled.rank{rank}"), "w") as fh:
+                fh.write(attempt)
+            time.sleep(600)  # until the test kills this host or cuts it off
 
-    class SampleLog(tm.Callback):
-        started = False
-
-        def on_train_batch_begin(self, step, logs=None):
-            if not self.started:  # after the auto-resume: where this attempt starts
-                log(f"RESUME {attempt} {self.trainer.global_step} {cluster.world_size}")
-                self.started = True
-            if args.step_sleep:
-                time.sleep(args.step_sleep)
-
-        def on_train_batch_end(self, step, logs=None):
-            indices = " ".join(map(str, self.trainer._steps.last_indices))
-            log(f"STEP {attempt} {self.trainer.epoch} {self.trainer.global_step} {indices}")
-            if args.stall_at and self.trainer.global_step == args.stall_at:
-                with open(os.path.join(args.out, f"stalled.rank{rank}"), "w") as fh:
-                    fh.write(attempt)
-                time.sleep(600)  # until the test kills this host or cuts it off
-
+    sample_log = SampleLog(log_path, attempt, resume_extra=str(cluster.world_size),
+                           before_step=(lambda: time.sleep(args.step_sleep)) if args.step_sleep else None,
+                           after_step=stall)
     checkpoint = tm.ShardedCheckpoint(os.path.join(args.out, "ckpt"), every_n_steps=args.every, async_save=True)
     trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), torch.nn.MSELoss(),
-                         callbacks=[checkpoint, SampleLog()], progress=False)
+                         callbacks=[checkpoint, sample_log], progress=False)
     try:
         trainer.fit(data, epochs=args.epochs, batch_size=GLOBAL_BATCH, resume=True)
     except Exception as error:  # the survivors' diagnosis is part of what the tests check
