@@ -18,23 +18,11 @@ import torch
 
 from trainmesh.testing import run_distributed
 
+from compression_task import make_data, make_model
+
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
-IN, HIDDEN, N_SAMPLES, BATCH, EPOCHS = 16, 96, 1920, 64, 3
-
-
-def make_data():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(N_SAMPLES, IN, generator=g)
-    teacher_in, teacher_out = torch.randn(IN, 32, generator=g) / IN**0.5, torch.randn(32, 1, generator=g)
-    y = torch.tanh(x @ teacher_in) @ teacher_out
-    return x, y / y.std() + 0.25 * torch.randn(y.shape, generator=g)
-
-
-def make_model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN),
-                               torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
+BATCH, EPOCHS = 64, 3
 
 
 def train(**options):
