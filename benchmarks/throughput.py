@@ -2,9 +2,9 @@
 
     python benchmarks/throughput.py [--rounds R] [--steps S] [--quick] [--json PATH]
 
-Models: the demo's character GPT (its default size and step: bf16-mixed, 2 micro-batches of 16
-windows of 64 per process) and a Llama-style transformers ``LlamaForCausalLM`` built from a small
-config (no download), each under DataParallel and ZeRO-3, eager (``compile=False``) against
+Models: the demo's character GPT (its default size and step, read from ``DemoSettings.full()``:
+bf16-mixed, one micro-batch of 32 windows of 64 per process) and a Llama-style transformers ``LlamaForCausalLM`` built from a small
+config (no download; 2 micro-batches of 16 sequences of 64 per process), each under DataParallel and ZeRO-3, eager (``compile=False``) against
 compiled (``compile="regional"``, each decoder block). Both variants of a pair are built by the
 Trainer in the same processes and step through the Trainer's own ``forward_backward`` plus the
 optimizer step, on the same batches; rounds alternate the order (eager first, then compiled
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -53,6 +54,15 @@ def build(model_name: str):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False)
     config._attn_implementation = "sdpa"
     return LlamaForCausalLM(config), lambda out, y: lm_loss(out.logits, y), 256
+
+
+def shapes() -> dict[str, tuple[int, int]]:
+    """(rows per micro-batch per process, micro-batches per step) of each model: the demo's own step for
+    the GPT (its global batch over WORLD processes and its accumulation), 2 x 16 for the Llama."""
+    from trainmesh.demo.job import DemoSettings
+
+    s = DemoSettings.full()
+    return {"gpt": (s.global_batch_for(WORLD) // (s.grad_accum_steps * WORLD), s.grad_accum_steps), "llama": (16, 2)}
 
 
 def batches(vocab: int, n: int, rows: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -92,9 +102,9 @@ def worker(cfg: dict) -> dict:
     import trainmesh as tm
 
     rank, out = tm.rank(), {"pairs": {}, "parity": {}}
-    micro, accum = cfg["micro_batch"], cfg["accum"]
     for pair in cfg["pairs"]:
         model_name, stage = pair.split("/")
+        micro, accum = cfg["shape"][model_name]
         stage = int(stage.removeprefix("zero"))
         sides = {"eager": make_trainer(model_name, stage, False, "bf16-mixed"),
                  "compiled": make_trainer(model_name, stage, "regional", "bf16-mixed")}
@@ -130,6 +140,7 @@ def worker(cfg: dict) -> dict:
     for pair in cfg["parity"]:  # fp32: the compiled path computes what eager computes
         model_name, stage = pair.split("/")
         stage = int(stage.removeprefix("zero"))
+        micro = cfg["shape"][model_name][0]
         params = {}
         for side, mode in (("eager", False), ("compiled", "regional")):
             # SGD: the parameters then differ by what the gradients differ by; Adam's normalisation would
@@ -174,7 +185,7 @@ def summarize(results: list[dict], cfg: dict, peak: float) -> dict:
         flops = results[0].get("gpt_flops_per_sample")
         demo = report["pairs"]["gpt/zero0"]
         seconds = demo["eager_ms"] / 1e3  # the demo's default path (eager: see benchmarks/README.md)
-        samples = cfg["micro_batch"] * cfg["accum"] * WORLD
+        samples = math.prod(cfg["shape"]["gpt"]) * WORLD
         report["demo_model_flops_per_s"] = flops * samples / seconds if flops else None
         if flops and peak:
             figures["demo_mfu_vs_bf16_peak"] = report["demo_model_flops_per_s"] / peak
@@ -196,13 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     pairs = ["gpt/zero0"] if args.quick else ["gpt/zero0", "gpt/zero3", "llama/zero0", "llama/zero3"]
     parity = ["gpt/zero0"] if args.quick else ["gpt/zero0", "llama/zero3"]
     cfg = {"pairs": pairs, "parity": parity, "rounds": args.rounds or (2 if args.quick else 6),
-           "steps": args.steps or (3 if args.quick else 5), "micro_batch": 16, "accum": 2}
+           "steps": args.steps or (3 if args.quick else 5), "shape": shapes()}
     from trainmesh.trainer.throughput import measure_peak_flops
 
     peak = measure_peak_flops(torch.bfloat16, seconds=3.0, save=False)  # the node, before the workers start
     results = run_distributed(worker, world_size=WORLD, args=(cfg,), timeout=3000, collective_timeout=900)
     report = summarize(results, cfg, peak)
     print(f"{WORLD} processes, 1 thread each; bf16 matmul peak of this node {peak / 1e9:.0f} GFLOP/s")
+    print("both sides: bf16-mixed, fused AdamW (foreach on ZeRO-3 shards), the same batches; rows x micro-batches "
+          "per process and step: " + ", ".join(f"{m} {r} x {k}" for m, (r, k) in cfg["shape"].items()))
     header = f"{'pair':<14}{'eager ms':>10}{'compiled ms':>13}{'ratio':>8}{'95% CI':>16}{'compile s':>11}{'same work':>11}"
     print(header + "\n" + "-" * len(header))
     for pair, p in report["pairs"].items():
