@@ -151,8 +151,9 @@ def _setup(case):
     return step
 
 
-def _worker(cases, rounds: int) -> dict:
+def _worker(cases, rounds: int, hardware) -> dict:
     import trainmesh as tm
+    from trainmesh.planner.calibrate_ops import measure_compute
     from trainmesh.planner.flops import LocalFlops
     from trainmesh.planner.op_costs import OpProfile
 
@@ -169,23 +170,43 @@ def _worker(cases, rounds: int) -> dict:
         ops.append(profile.ops())
     times = [[] for _ in cases]
     wire = [[] for _ in cases]
-    for r in range(rounds):  # interleaved: every case once per round, in a rotating order
-        for i in [(r + k) % len(cases) for k in range(len(cases))]:
+    probes = []
+    for r in range(rounds):
+        # The machine is shared and its load moves by the minute: the per-op figures are measured again
+        # every round by one process alone (the others wait in a barrier), beside the steps they price.
+        if tm.rank() == 0:
+            probes.append(measure_compute(hardware, repeats=3).to_dict())
+        for i in [(r + k) % len(cases) for k in range(len(cases))]:  # interleaved, in a rotating order
             tm.barrier()
             written = _socket_bytes()
             start = time.perf_counter()
             steps[i]()
             times[i].append(time.perf_counter() - start)
             wire[i].append(_socket_bytes() - written)
-    return {"times": times, "wire": wire, "peaks": peaks, "flops": flops, "ops": ops}
+    return {"times": times, "wire": wire, "peaks": peaks, "flops": flops, "ops": ops, "probes": probes}
 
 
-def _plan(case, hardware) -> dict:
-    from trainmesh.planner.collectives import wire_bytes
+def _median_hardware(hardware, probes: list[dict]):
+    """``hardware`` with each per-op figure the median of the rounds' probes (curves point by point)."""
+    from dataclasses import replace
+
+    from trainmesh.planner.hardware import Hardware
+
+    probes = [Hardware.from_dict(p) for p in probes]
+    curve = lambda name: tuple((size, statistics.median(getattr(p, name)[i][1] for p in probes))  # noqa: E731
+                               for i, (size, _) in enumerate(getattr(probes[0], name)))
+    flops_curve, bandwidth_curve = curve("flops_curve"), curve("bandwidth_curve")
+    return replace(hardware, flops=max(r for _, r in flops_curve), flops_curve=flops_curve,
+                   bandwidth_curve=bandwidth_curve, memory_bandwidth=bandwidth_curve[-1][1],
+                   op_overhead=statistics.median(p.op_overhead for p in probes),
+                   external_load=statistics.median(p.external_load for p in probes))
+
+
+def _dry_run(case) -> list:
+    """Every rank of ``case`` dry-run on the fake process group (trainmesh's parallelize, fake tensors)."""
     from trainmesh.planner.dry_run import run_rank
     from trainmesh.planner.mesh_spec import MeshSpec
     from trainmesh.planner.meta_model import build_meta_model
-    from trainmesh.planner.parallel import ParallelPlan, estimate_step
 
     n, mesh, zero, checkpointing, _ = case
     spec = MeshSpec.parse(mesh, n)
@@ -197,6 +218,16 @@ def _plan(case, hardware) -> dict:
                           boundary=boundary)
         boundary = boundary or result.boundary
         results.append(result)
+    return results
+
+
+def _price(case, results: list, hardware) -> dict:
+    from trainmesh.planner.collectives import wire_bytes
+    from trainmesh.planner.mesh_spec import MeshSpec
+    from trainmesh.planner.parallel import ParallelPlan, estimate_step
+
+    n, mesh, zero, checkpointing, _ = case
+    spec = MeshSpec.parse(mesh, n)
     step = estimate_step(results, spec, hardware, tokens_per_rank=None, shape={})
     plan = ParallelPlan(model="bench", mesh=spec, zero_stage=zero, activation_checkpointing=checkpointing,
                         precision="fp32", micro_batch=_rows(mesh), seq_len=SEQ, num_parameters=0, ranks=results,
@@ -230,9 +261,14 @@ def main() -> int:
     worst = {"memory": [], "comm": [], "step": []}
     for n in sorted({c[0] for c in cases}):
         group = [c for c in cases if c[0] == n]
-        plans = [_plan(case, hardware) for case in group]  # planned before anything runs
-        measured = run_distributed(_worker, world_size=n, args=(group, rounds), timeout=1200)
-        for index, (case, plan) in enumerate(zip(group, plans)):
+        dry = [_dry_run(case) for case in group]  # planned before anything runs
+        measured = run_distributed(_worker, world_size=n, args=(group, rounds, hardware), timeout=1200)
+        during = _median_hardware(hardware, measured[0]["probes"])
+        print(f"\n{n} processes; per-op figures measured during the rounds (median of {rounds}):\n"
+              + "\n".join(during.describe().splitlines()[1:4]) + f"\n  external load {during.external_load:.1f} runnable")
+        for index, (case, results) in enumerate(zip(group, dry)):
+            plan = _price(case, results, during)
+            before = _price(case, results, hardware).get("step").seconds
             per_round = [max(measured[r]["times"][index][k] for r in range(n)) for k in range(rounds)]
             median, (low, high) = statistics.median(per_round), ci95(per_round)
             step_ratio = plan["step"].seconds / median
@@ -253,7 +289,8 @@ def main() -> int:
                              "plan_wire": plan["wire"][rank], "socket_bytes": socket, "comm_ratio": comm,
                              "plan_ops": plan["ops"][rank], "ops": real["ops"][index],
                              "plan_step": plan["step"].seconds, "step": median, "step_ci95": [low, high],
-                             "step_ratio": step_ratio, "step_ratio_ci95": [plan["step"].seconds / high,
+                             "step_ratio": step_ratio, "plan_step_before": before,
+                             "step_ratio_before": before / median, "step_ratio_ci95": [plan["step"].seconds / high,
                                                                            plan["step"].seconds / low],
                              "plan_parts": {**{k: v for k, v in plan["step"].phases.items()},
                                             **{f"{a} exposed": v for a, v in plan["step"].exposed.items()}}})
@@ -265,14 +302,14 @@ def main() -> int:
               f"{r['socket_bytes'] / 1e6:>8.2f} {r['comm_ratio']:>6.3f}  {r['plan_ops']:>8} {r['ops']:>6}")
     print(f"\nstep time ({rounds} interleaved rounds; measured = slowest rank per step, median and 95% interval)")
     print(f"{'case':<10}{'n':>2} {'mesh':<22}{'plan ms':>8} {'meas ms':>8} {'95% interval':>16} {'ratio':>6} "
-          f"{'ratio 95%':>12}  planned parts (ms)")
+          f"{'ratio 95%':>12} {'before':>7}  planned parts (ms)")
     for r in rows:
         if r["rank"]:
             continue
         parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in r["plan_parts"].items() if v > 5e-4)
         print(f"{r['case']:<10}{r['n']:>2} {r['mesh']:<22}{r['plan_step'] * 1e3:>8.1f} {r['step'] * 1e3:>8.1f} "
               f"{r['step_ci95'][0] * 1e3:>7.1f}-{r['step_ci95'][1] * 1e3:<8.1f} {r['step_ratio']:>6.2f} "
-              f"{r['step_ratio_ci95'][0]:>5.2f}-{r['step_ratio_ci95'][1]:<6.2f}  {parts}")
+              f"{r['step_ratio_ci95'][0]:>5.2f}-{r['step_ratio_ci95'][1]:<6.2f} {r['step_ratio_before']:>7.2f}  {parts}")
     figures = {"plan_memory_vs_measured_worst": round(_farthest(worst["memory"]), 4),
                "plan_comm_bytes_vs_counted_worst": round(_farthest(worst["comm"]), 4),
                "plan_step_time_vs_measured_worst": round(_farthest(worst["step"]), 4)}

@@ -93,25 +93,17 @@ def _key() -> str:
 def calibrate(n: int = 1024, *, link: bool = True, save: bool = True) -> "CalibratedHardware":
     """Measure this machine (about 20 s): per-op cost curves and overheads (``calibrate_ops``) on the
     threads this process has, and the loopback link's alpha/beta between two gloo processes."""
-    from .calibrate_ops import (measure_bandwidth_curve, measure_dtensor_overhead, measure_floor,
-                                measure_flops_curve, measure_op_overhead)
+    from .calibrate_ops import measure_compute, measure_dtensor_overhead
 
-    floor = measure_floor()
-    flops_curve = measure_flops_curve(floor)
-    bandwidth_curve = measure_bandwidth_curve(floor)
     loop = calibrate_link() if link else Link("loopback", 0.0, float("inf"))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     hardware = CalibratedHardware(
         name="calibrated", source=f"calibrated on {platform.node() or 'this machine'} ({cores} cores, "
         f"{torch.get_num_threads()} thread(s) per process, torch {torch.__version__}): matmul and add curves, "
         "op overheads of a tiny model's step, gloo all-reduce on loopback",
-        flops=max(r for _, r in flops_curve), devices_per_node=1 << 30, intra=loop, inter=loop,
-        memory_bandwidth=bandwidth_curve[-1][1], flops_curve=flops_curve, bandwidth_curve=bandwidth_curve,
-        cores=cores, backend="gloo")
-    overhead, _ = measure_op_overhead(hardware)
-    hardware = replace(hardware, op_overhead=overhead)
-    dtensor = measure_dtensor_overhead(hardware)
-    hardware = replace(hardware, dtensor_op_overhead=dtensor or 0.0)
+        flops=0.0, devices_per_node=1 << 30, intra=loop, inter=loop, cores=cores, backend="gloo")
+    hardware = measure_compute(hardware)
+    hardware = replace(hardware, dtensor_op_overhead=measure_dtensor_overhead(hardware) or 0.0)
     if save:
         _save(hardware)
     return hardware
@@ -146,5 +138,5 @@ class CalibratedHardware(Hardware):
                 f"  matmuls     {curve(self.flops_curve, 'GFLOP/s')} (by FLOPs)\n"
                 f"  bandwidth   {curve(self.bandwidth_curve, 'GB/s')} (by bytes moved)\n"
                 f"  per op      {self.op_overhead * 1e6:.1f} us; on DTensors +{self.dtensor_op_overhead * 1e6:.1f} us\n"
-                f"  cores       {self.cores}\n"
+                f"  cores       {self.cores} (others' runnable processes while measured: {self.external_load:.1f})\n"
                 f"  {self.intra.name:<11} alpha {self.intra.alpha * 1e6:.1f} us, beta {self.intra.beta / 1e9:.2f} GB/s")

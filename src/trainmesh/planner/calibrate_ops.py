@@ -4,15 +4,19 @@ What ``op_costs.price`` needs, each from its own probe, none from a model the pl
 
 * ``floor``: the time of the cheapest op (a 1-element add, no autograd): dispatch alone. The curves
   below subtract it, so a small op's rate is its work's rate, and the overhead is priced once;
-* ``flops_curve``: FLOP/s of square fp32 matmuls of 16..1024 (small matmuls get far less than large);
-* ``bandwidth_curve``: bytes/s of an out-of-place add of 1 KiB..64 MiB per operand (cache-resident
-  sizes move faster than DRAM-bound ones);
+* ``flops_curve``: FLOP/s of square fp32 matmuls of 16..1024 in the three layouts a linear layer's
+  step uses (small matmuls get far less than large);
+* ``bandwidth_curve``: bytes/s of adds of 1 KiB..64 MiB per operand into fresh outputs (as a step's
+  ops allocate theirs), each on operands the previous ones did not touch (small ones stay
+  cache-resident and move faster);
 * ``op_overhead``: a training step (forward, backward, Adam) of a tiny MLP-and-norm model whose
   work is negligible, over the ops it dispatched (counted by ``op_costs.OpProfile``): what each op
   costs in module calls, autograd and the optimizer's Python loop;
 * ``dtensor_op_overhead``: the same model tensor-parallel over 2 ranks of torch's fake process
   group (trainmesh's own ``parallelize``; collectives return at once), the extra time per op
-  that ran on DTensors: sharding propagation.
+  that ran on DTensors: sharding propagation;
+* ``external_load``: processes of others runnable while it measured (``/proc/stat``): the share of
+  the cores they take is in the figures above, and in what the job's processes will get.
 
 All on the thread count the process has now (``torch.get_num_threads()``), which is what each
 training process will have. Each probe takes the median of repeats: the machine may be loaded.
@@ -49,22 +53,67 @@ def measure_floor(repeats: int = 21) -> float:
 
 
 def measure_flops_curve(floor: float, repeats: int = 7) -> tuple:
+    """A linear layer's step runs its matmul three ways (forward ``x @ W.T``, input gradient ``g @ W``,
+    weight gradient ``g.T @ x``); each size is timed in all three layouts and the mean taken."""
     points = []
     for n in MATMUL_SIZES:
         a, b = torch.randn(n, n), torch.randn(n, n)
-        t = _median_time(lambda: a @ b, repeats, inner=max(1, 2**20 // n**2))
+        inner = max(1, 2**20 // n**2)
+        t = statistics.mean(_median_time(fn, repeats, inner) for fn in
+                            (lambda: a @ b.t(), lambda: a @ b, lambda: a.t() @ b))
         points.append((2 * n**3, 2 * n**3 / max(t - floor, t * 0.05)))
     return tuple(points)
 
 
-def measure_bandwidth_curve(floor: float, repeats: int = 7) -> tuple:
+def measure_bandwidth_curve(floor: float, repeats: int = 7, pool_bytes: int = 256 * 2**20) -> tuple:
+    """Each add reads and writes tensors the previous adds did not touch (a pool of ``pool_bytes``,
+    8x a large L3): a step's working set (weights, activations, optimizer state) is far larger than
+    the caches, so its ops mostly find their operands in memory, not in cache. Ops too small to
+    leave the cache stay in it (the pool is capped at 2,048 operands)."""
     points = []
     for numel in ADD_NUMELS:
-        a, b, c = torch.ones(numel), torch.ones(numel), torch.empty(numel)
-        t = _median_time(lambda: torch.add(a, b, out=c), repeats, inner=max(1, 2**20 // numel))
         moved = 3 * numel * 4
+        count = max(2, min(2048, pool_bytes // moved))
+        pool = [(torch.ones(numel), torch.ones(numel)) for _ in range(count)]
+
+        def sweep():
+            for a, b in pool:
+                torch.add(a, b)  # a fresh output, freed at once: what a step's temporaries cost the allocator
+
+        t = _median_time(sweep, repeats) / count
         points.append((moved, moved / max(t - floor, t * 0.05)))
+        del pool
     return tuple(points)
+
+
+def measure_compute(hardware, repeats: int = 7):
+    """A ``Hardware`` with this process's per-op figures measured now (curves, per-op overhead); the
+    DTensor overhead, links and cores are kept from ``hardware``."""
+    from dataclasses import replace
+
+    running = [runnable()]
+    floor = measure_floor()
+    flops_curve = measure_flops_curve(floor, repeats)
+    running.append(runnable())
+    bandwidth_curve = measure_bandwidth_curve(floor, repeats)
+    running.append(runnable())
+    out = replace(hardware, flops=max(r for _, r in flops_curve), flops_curve=flops_curve,
+                  bandwidth_curve=bandwidth_curve, memory_bandwidth=bandwidth_curve[-1][1], op_overhead=0.0)
+    overhead, _ = measure_op_overhead(out, repeats=2 * repeats + 1)
+    running.append(runnable())
+    known = [r for r in running if r is not None]
+    # this process is one of the runnable ones; the rest is the host's other load
+    external = max(0.0, statistics.median(known) - 1) if known else 0.0
+    return replace(out, op_overhead=overhead, external_load=external)
+
+
+def runnable() -> int | None:
+    """Processes runnable on the host now (Linux ``/proc/stat`` procs_running, this one included)."""
+    try:
+        with open("/proc/stat") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("procs_running"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 class _Block(nn.Module):
@@ -143,4 +192,4 @@ def measure_dtensor_overhead(hardware, repeats: int = 9) -> float | None:
 
 
 __all__ = ["measure_floor", "measure_flops_curve", "measure_bandwidth_curve", "measure_op_overhead",
-           "measure_dtensor_overhead"]
+           "measure_dtensor_overhead", "measure_compute", "runnable"]

@@ -52,6 +52,9 @@ class Hardware:
     # processes than cores each runs at cores/processes of its rate, and communication (memory copies
     # on the same cores) cannot hide behind compute.
     cores: int | None = None
+    # Runnable processes of others on the host while it was calibrated (/proc/stat procs_running): they
+    # take their share of the cores, and the per-op figures were measured with that share.
+    external_load: float = 0.0
     backend: str = "nccl"                   # which collective algorithms price the wire (collectives.wire_bytes)
 
     def link_for(self, *, stride: int, size: int) -> Link:
@@ -71,9 +74,16 @@ class Hardware:
     def processes_per_node(self, world_size: int) -> int:
         return min(world_size, self.devices_per_node)
 
+    def cpu_share(self, processes: int) -> float:
+        """The fraction of a core each of ``processes`` gets on a CPU host shared with its external load."""
+        if not self.cores:
+            return 1.0
+        return min(1.0, self.cores / (processes + self.external_load))
+
     def contention(self, world_size: int) -> float:
-        """How much slower each process computes because processes share cores (1.0 on devices)."""
-        return max(1.0, self.processes_per_node(world_size) / self.cores) if self.cores else 1.0
+        """How much slower each process computes than the (single-process) calibration measured, because
+        the job's processes and the host's other load share its cores (1.0 on devices)."""
+        return self.cpu_share(1) / self.cpu_share(self.processes_per_node(world_size))
 
     def overlaps(self, world_size: int) -> bool:
         """Whether communication can run beside compute: on devices (copy engines, NCCL's own SMs)

@@ -40,6 +40,8 @@ from .flops import op_flops
 PHASES = ("forward", "backward", "optimizer")
 # Ops that read only the rows they return from their (large) first input: pricing them by the
 # whole table would charge a 100 MB embedding per lookup.
+# Ops that return an alias without being marked as views (they never copy).
+_ALIASING = {"_unsafe_view", "lift_fresh", "alias"}
 _INDEXING = {"embedding", "index_select", "gather", "index", "take", "_embedding_bag"}
 
 
@@ -67,7 +69,7 @@ class OpProfile(TorchDispatchMode):
         leaves = tree_leaves((args, kwargs))
         dtensor = any(hasattr(t, "_local_tensor") for t in leaves)
         flops, moved = 0, 0
-        if not func.is_view:  # a view (detach, transpose, reshape of contiguous data) moves nothing
+        if not func.is_view and func._opname not in _ALIASING:  # a view (detach, transpose) moves nothing
             local_args, local_kwargs, local_out = tree_map(lambda v: getattr(v, "_local_tensor", v), (args, kwargs, out))
             flops = op_flops(func, local_args, local_kwargs, local_out)
             written = sum(_nbytes(t) for t in tree_leaves(out))

@@ -181,11 +181,12 @@ def estimate_step(ranks: list[RankResult], spec: MeshSpec, hardware: Hardware, *
             path += exposed[spec.pipe_axis + " bubble"]
         seconds = path
         if hardware.cores:
-            # Processes sharing a CPU host's cores: the step is also at least the CPU time every process
-            # asks for (compute, and loopback copies) spread over the cores; a stage idle in the pipeline
-            # bubble asks for none, so the bubble can hide behind the others' work.
-            busy = (compute + sum(axes.values())) * hardware.processes_per_node(spec.world_size) / hardware.cores
-            if busy > path:
+            # Processes sharing a CPU host's cores (with each other and the host's other load): the step
+            # is also at least the CPU time each process asks for (compute, and loopback copies) at the
+            # share of a core it gets; a stage idle in the pipeline bubble asks for none, so the bubble
+            # can hide behind the others' work.
+            busy = (compute + sum(axes.values())) * hardware.contention(spec.world_size)
+            if hardware.processes_per_node(spec.world_size) + hardware.external_load > hardware.cores and busy > path:
                 exposed["cores shared"] = busy - path
                 seconds = busy
         if worst is None or seconds > worst.seconds:
