@@ -130,8 +130,13 @@ class PSClient:
 
     # -- dense ------------------------------------------------------------------------------
 
-    def pull(self, names: Sequence[str]) -> Future:
-        """Future of ``{name: tensor}`` (the server values, in each parameter's shape)."""
+    def pull(self, names: Sequence[str], *, with_clock: bool = False) -> Future:
+        """Future of ``{name: tensor}`` (the server values, in each parameter's shape).
+
+        ``with_clock=True``: future of ``(values, fresh_clock)``, where the values include every
+        update made at clocks < ``fresh_clock`` (the smallest live clock the answering servers
+        had; 0 when a server could not say). The SSP cache (``dense_cache.py``) reuses them while
+        its clock - staleness <= ``fresh_clock``."""
         names = [names] if isinstance(names, str) else list(names)
         plan = {name: self._dense_parts(name) for name in names}
         by_server: dict[int, list[str]] = {}
@@ -142,11 +147,15 @@ class PSClient:
         messages = [(i, Message(MessageType.PULL, self.worker_id, 0, meta={"clock": clock, "shards": sids, "rows": {}}))
                     for i, sids in by_server.items()]
 
-        def assemble(replies: list[Message]) -> dict[str, torch.Tensor]:
+        def assemble(replies: list[Message]) -> Any:
             self._note_pull(clock)
             got = {sid: t for reply in replies for sid, t in reply.tensors.items()}
-            return {name: torch.cat([got[p.shard_id] for p in parts]).reshape(self.params[name]["shape"])
-                    for name, parts in plan.items()}
+            values = {name: torch.cat([got[p.shard_id] for p in parts]).reshape(self.params[name]["shape"])
+                      for name, parts in plan.items()}
+            if not with_clock:
+                return values
+            fresh = [reply.meta.get("min_clock") for reply in replies]
+            return values, min((f if isinstance(f, int) else 0 for f in fresh), default=0)
 
         return self.io.submit(messages, assemble)
 

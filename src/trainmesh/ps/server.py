@@ -9,7 +9,7 @@ the loop keeps serving everyone else. See docs/parameter_server.md.
 
 Message layout (both ends are this module and ``client.py``):
   pull  meta {"clock", "shards": [dense ids], "rows": {table: ids tensor name}, "floor"}
-        -> pull_reply tensors {shard id: flat part, table: (n, dim) rows}, meta {"versions"}
+        -> pull_reply tensors {shard id: flat part, table: (n, dim) rows}, meta {"versions", "min_clock"}
   push  meta {"shards": [dense ids], "rows": {table: [ids name, grads name]},
               "compression": {shard id: {"spec", "meta", "keys"}}, "lr"?, "floor"}
 ``session`` (every request): the client instance; seqs are per (worker, session).
@@ -234,9 +234,13 @@ class ParameterServer:
             elif decision.ready:
                 if not math.isinf(staleness):
                     self.clocks.record_answered(clock)
+                # The values include every update made at clocks < min_clock (a clock counts only
+                # after its worker's pushes): a client may reuse them while its clock - s <= it.
+                slowest = self.clocks.min_live_clock()
                 try:  # reading or encoding (e.g. a reply over max_message_bytes) fails this pull only
                     tensors, versions = self.state.read(msg)
-                    self._reply(peer, msg, MessageType.PULL_REPLY, tensors, {"versions": versions})
+                    self._reply(peer, msg, MessageType.PULL_REPLY, tensors,
+                                {"versions": versions, "min_clock": None if math.isinf(slowest) else int(slowest)})
                 except Exception as error:  # noqa: BLE001 - answered, not fatal
                     self.counters["rejected"] += 1
                     self._error(peer, msg, f"{type(error).__name__}: {error}", "bad_request")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fnmatch
+import math
 import os
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -47,6 +48,7 @@ from trainmesh.distribution.layout import TensorLayout
 from trainmesh.distribution.mesh import DeviceMesh
 from trainmesh.runtime.cluster_env import split_job_addresses
 
+from .dense_cache import DenseCache
 from .embedding import PSEmbedding
 from .durability import DURABILITY
 from .transport import SECRET_ENV
@@ -155,6 +157,8 @@ class ParameterServerStrategy:
         self._dense: dict[str, nn.Parameter] = {}
         self._tables: dict[str, PSEmbedding] = {}
         self._served: list[str] = []  # dense parameters registered on the servers
+        self.dense_cache: DenseCache | None = None  # set at registration when no served parameter is sync
+        self._optimizers: list[PSOptimizer] = []  # flushed at close(): their pipelined pushes
 
     # --- attributes ---------------------------------------------------------------------------
     @property
@@ -266,7 +270,9 @@ class ParameterServerStrategy:
         table_spec = groups[0][0] if groups else server_optimizer_spec(optimizer, optimizer.param_groups[0],
                                                                       self.num_workers)
         self._register(groups, table_spec)
-        return PSOptimizer(optimizer, self, groups, list(self._tables.values()))
+        proxy = PSOptimizer(optimizer, self, groups, list(self._tables.values()))
+        self._optimizers.append(proxy)
+        return proxy
 
     def _register(self, groups: list[tuple[dict, list[str]]], table_optimizer: dict) -> None:
         """Worker 0 creates every key first (its values win), then the others declare the same
@@ -288,10 +294,18 @@ class ParameterServerStrategy:
             runtime.barrier()
         for table in self._tables.values():
             table.attach(self.client, registered=True)
-        self.pull_dense()
+        modes = [self.mode_of(name) for name in self._served]
+        if modes and all(mode != "sync" for mode, _ in modes):
+            # SSP/async: a bounded-staleness copy, so step() need not wait for a pull every step.
+            staleness = min(math.inf if s is None else s for _, s in modes)
+            self.dense_cache = DenseCache(self.client, self._served, self._dense, staleness)
+            self.dense_cache.load()
+        else:
+            self.dense_cache = None
+            self.pull_dense()
 
     def pull_dense(self) -> None:
-        """Overwrite the local dense parameters with the servers' values."""
+        """Overwrite the local dense parameters with the servers' values (waits for them)."""
         if not self._served:
             return
         values = self.client.pull(self._served).result()
@@ -299,6 +313,14 @@ class ParameterServerStrategy:
             for name in self._served:
                 param = self._dense[name]
                 param.copy_(values[name].reshape(param.shape).to(param.dtype))
+
+    def refresh_dense(self) -> None:
+        """After a step: the servers' values when any served parameter is sync, else values
+        within the SSP bound, pulled only when the cached copy is too old (``dense_cache.py``)."""
+        if self.dense_cache is None:
+            self.pull_dense()
+        else:
+            self.dense_cache.refresh()
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, PSOptimizer]:
         """For a custom loop: ``model, optimizer = strategy.prepare(model, optimizer)``."""
@@ -340,7 +362,19 @@ class ParameterServerStrategy:
         return self.client.stats().result()
 
     def close(self) -> None:
-        """Disconnect; worker 0 stops the servers it started once every worker got here."""
+        """Wait for this worker's pipelined pushes (SSP/async), disconnect; worker 0 stops the
+        servers it started once every worker got here."""
+        self._close(raise_errors=True)
+
+    def _close(self, raise_errors: bool) -> None:
+        try:
+            for optimizer in self._optimizers:
+                optimizer.flush(raise_errors)  # a refused push is raised after the teardown below
+        finally:
+            self._optimizers = []
+            self._disconnect()
+
+    def _disconnect(self) -> None:
         with contextlib.suppress(RuntimeError):
             runtime.barrier()  # a no-op on one process
         client, self._client = self._client, None
@@ -352,7 +386,7 @@ class ParameterServerStrategy:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        self._close(raise_errors=exc[0] is None)  # never mask the error that is leaving the block
 
     def __repr__(self) -> str:
         return (f"<ParameterServerStrategy workers={self.num_workers}, mode={self._modes!r}, "

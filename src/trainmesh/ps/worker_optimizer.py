@@ -5,11 +5,16 @@ servers instead of updating locally.
 hyperparameters) into the servers' optimizer config, so ``torch.optim.SGD(..., momentum=0.9)``
 means SGD with momentum 0.9 on the servers. ``PSOptimizer`` is a real ``torch.optim.Optimizer``
 over the same parameter groups (LR schedulers, the Trainer's ``zero_grad`` and ``param_groups``
-work unchanged); its ``step()`` pushes, clocks and pulls, pipelined.
+work unchanged); its ``step()`` pushes, clocks and pulls, pipelined. When no served parameter is
+sync, it waits for none of them: pushes and clocks stay in flight (at most staleness + 1 steps)
+and the parameters come from the bounded-staleness copy of ``dense_cache.py``.
 """
 
 from __future__ import annotations
 
+import collections
+import math
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import torch
@@ -51,7 +56,8 @@ def _refuse(group: dict, kind: str, **supported: Any) -> None:
 
 
 class PSOptimizer(torch.optim.Optimizer):
-    """Push gradients with the current lr, ``clock()``, pull fresh values (see module docstring)."""
+    """Push gradients with the current lr, ``clock()``, pull fresh values (see module docstring).
+    ``flush()`` waits for the steps still in flight (SSP/async)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, strategy: Any, groups: list[tuple[dict, list[str]]],
                  tables: list):
@@ -63,6 +69,12 @@ class PSOptimizer(torch.optim.Optimizer):
         self._names = [names for _, names in groups]
         self._tables = tables
         self.scale = 1.0 / strategy.num_workers  # the gradient convention
+        # Steps whose pushes and clock are still in flight (SSP/async). staleness + 1 of them keep
+        # memory bounded; more could not be used anyway: a worker whose own clock lags on the
+        # servers by more than s must wait for its own pushes before its copy is fresh enough.
+        self._in_flight: collections.deque[list[Future]] = collections.deque()
+        cache = strategy.dense_cache
+        self.max_in_flight = 2 if cache is None or math.isinf(cache.staleness) else int(cache.staleness) + 1
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -88,10 +100,34 @@ class PSOptimizer(torch.optim.Optimizer):
         # Pipelined: push, clock and pull leave back to back (one round trip, not three). The
         # servers order the clock and the pull after this worker's pushes (``after_pushes``).
         clocked = client.clock(wait_for_pushes=False)
-        self._strategy.pull_dense()
-        for future in [*futures, clocked]:
-            future.result()  # surfaces a refused push
+        if self._strategy.dense_cache is None:  # a sync parameter: wait for everything, every step
+            self._strategy.pull_dense()
+            for future in [*futures, clocked]:
+                future.result()  # surfaces a refused push
+            return loss
+        # SSP/async: leave the step's pushes and clock in flight (their errors surface within
+        # max_in_flight steps) and read the bounded-staleness copy, pulled only when too old.
+        self._in_flight.append([*futures, clocked])
+        self._reap(self.max_in_flight)
+        self._strategy.refresh_dense()
         return loss
+
+    def _reap(self, limit: int) -> None:
+        """Resolve finished steps in order and wait for the oldest while more than ``limit`` are in flight."""
+        while self._in_flight and (len(self._in_flight) > limit or all(f.done() for f in self._in_flight[0])):
+            for future in self._in_flight.popleft():
+                future.result()  # raises a refused push or a timed-out clock
+
+    def flush(self, raise_errors: bool = True) -> None:
+        """Wait for every step still in flight and a prefetch (SSP/async); ``close()`` calls it."""
+        try:
+            self._reap(0)
+            if self._strategy.dense_cache is not None:
+                self._strategy.dense_cache.drain()
+        except Exception:
+            self._in_flight.clear()
+            if raise_errors:
+                raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
