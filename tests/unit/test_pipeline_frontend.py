@@ -75,3 +75,34 @@ def test_stage_copies_keep_global_names_and_together_run_the_whole_model():
     assert torch.allclose(second(hidden), model(ids), atol=1e-6)
     merged = merge_stage_models([first, last])
     assert sorted(n for n, _ in merged.named_parameters()) == sorted(names)
+
+
+def test_a_stage_copy_allocates_only_its_own_parameters():
+    # Building a stage copies its blocks and outer modules, never the rest of the model: with 4
+    # stages per process (interleaved), copies of the whole model would cost 4x its size first.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCopies(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.clone.default:  # how a Parameter deep-copies its data
+                CountCopies.numel += out.numel()
+            return out
+
+    model = gpt(4)
+    container, parts = assign_blocks(model, 4)
+    whole = {id(p) for p in model.parameters()}
+    for index in range(4):
+        CountCopies.numel = 0
+        with CountCopies():
+            stage = build_stage_model(model, container, parts, index)
+        own = dict(stage.named_parameters())
+        assert not any(p.is_meta for p in own.values())  # the placeholders went with the stubs
+        assert not whole & {id(p) for p in own.values()}  # copies, not the user's tensors
+        own_numel = sum(p.numel() for p in own.values())
+        assert own_numel < sum(p.numel() for p in model.parameters())
+        assert CountCopies.numel <= own_numel + sum(b.numel() for b in model.buffers())
+        for name, param in own.items():
+            assert torch.equal(param, model.get_parameter(name))

@@ -181,8 +181,10 @@ def build_stage_model(model: nn.Module, container: str, stage_blocks: list[list[
     """A copy of ``model`` holding only stage ``stage_index``'s blocks (and, on the first / last stage,
     the modules before / after the blocks). Parameter names stay those of the whole model."""
     before, after = outer_modules(model, container)
-    stage = copy.deepcopy(model) if copy_model else model
     num_stages = len(stage_blocks)
+    stage = _copy_holding_only(model, container, stage_blocks[stage_index],
+                               before if stage_index == 0 else [],
+                               after if stage_index == num_stages - 1 else []) if copy_model else model
     parent = stage.get_submodule(container) if container else stage
     keep = {name: parent.get_submodule(name) for name in stage_blocks[stage_index]}
     _replace(stage, container, KeyedBlocks(keep))
@@ -197,6 +199,19 @@ def build_stage_model(model: nn.Module, container: str, stage_blocks: list[list[
             _replace(stage, path, PassThrough())
     stage._trainmesh_stage = (stage_index, num_stages, container, list(keep))
     return stage
+
+
+def _copy_holding_only(model: nn.Module, container: str, blocks: list[str], before: list[str],
+                       after: list[str]) -> nn.Module:
+    """``copy.deepcopy(model)`` that copies only the parameters this stage keeps (its blocks and the
+    outer modules it holds); every other parameter becomes an empty meta placeholder, soon replaced
+    by a stub. A stage copy then costs its own parameters, not the whole model's, per stage held."""
+    parent = model.get_submodule(container) if container else model
+    kept = [parent.get_submodule(name) for name in blocks] + [model.get_submodule(p) for p in before + after]
+    keep = {id(p) for module in kept for p in module.parameters()}
+    memo = {id(p): nn.Parameter(torch.empty(0, device="meta", dtype=p.dtype), requires_grad=p.requires_grad)
+            for p in model.parameters() if id(p) not in keep}
+    return copy.deepcopy(model, memo)
 
 
 def merge_stage_models(stages: list[nn.Module]) -> nn.Module:
