@@ -104,3 +104,73 @@ def test_alpha_beta_fit_and_calibrated_hardware_round_trip(tmp_path):
     assert resolve_hardware(str(path)) == hw
     with pytest.raises(ValueError, match="Received: hardware='a100'"):
         resolve_hardware("a100")
+
+
+def test_search_ranks_pipe_x_data_x_model_meshes_too():
+    result = search("tiny-llama", world_size=8, device_memory=2**40, micro_batch=1, seq_len=32, precision="fp32",
+                    zero_stages=(3,), checkpointing_choices=(None,), max_model=2, max_pipe=2)
+    meshes = {p.mesh.text(): p for p in result.plans}
+    assert set(meshes) == {"data=8", "data=4,model=2", "pipe=2,data=4", "pipe=2,data=2,model=2"}, result.skipped
+    assert [p.step.seconds for p in result.ranked] == sorted(p.step.seconds for p in result.ranked)
+    three_d = meshes["pipe=2,data=2,model=2"]
+    assert [r.rank for r in three_d.ranks] == [0, 4] and "pipe bubble" in three_d.step.exposed
+    # a stage holds about half the blocks, sharded over data x model = 4: well under a quarter of the model
+    assert max(r.params for r in three_d.ranks) < 0.8 * three_d.num_parameters * 4 / 4
+    assert "pipe=2,data=2,model=2" in result.table()
+
+
+def test_each_op_is_priced_by_its_flops_or_bytes_plus_overhead():
+    from trainmesh.planner.hardware import Hardware, Link
+    from trainmesh.planner.op_costs import OpProfile, price
+
+    a, b = torch.ones(8, 16), torch.ones(16, 4)
+    with OpProfile() as prof:
+        y = (a @ b).relu()
+        prof.phase = "backward"
+        y.t()  # a view: overhead only
+    assert prof.ops("forward") == 2 and prof.ops("backward") == 1 and prof.flops() == 2 * 8 * 16 * 4
+    link = Link("l", 0.0, 1e9)
+    hw = Hardware(name="t", source="test", flops=1e9, devices_per_node=8, intra=link, inter=link,
+                  memory_bandwidth=1e9, op_overhead=1e-6)
+    seconds = price(prof, hw)
+    mm = max(1024 / 1e9, (8 * 16 + 16 * 4 + 8 * 4) * 4 / 1e9)  # compute-bound: 1.024 us
+    relu = 2 * 8 * 4 * 4 / 1e9                                     # reads and writes 128 bytes
+    assert seconds["forward"] == pytest.approx(mm + relu + 2e-6, rel=1e-9)
+    assert seconds["backward"] == pytest.approx(1e-6, rel=1e-9)
+    assert OpProfile.from_rows(prof.rows()).counts == prof.counts
+
+
+def test_step_time_counts_every_op_and_the_cores_processes_share():
+    from dataclasses import replace
+
+    from trainmesh.planner.hardware import HARDWARE
+    from trainmesh.planner.parallel import estimate_step
+
+    plan = plan_parallel("tiny-llama", world_size=4, mesh="data=4", zero_stage=0, micro_batch=1, seq_len=32,
+                         precision="fp32")
+    rank = plan.ranks[0]
+    assert rank.ops.ops("optimizer") > 0 and rank.ops.bytes("forward") > 0
+    h100 = HARDWARE["h100"]
+    slower = replace(h100, op_overhead=1e-3)
+    a = estimate_step(plan.ranks, plan.mesh, h100, tokens_per_rank=None, shape={})
+    b = estimate_step(plan.ranks, plan.mesh, slower, tokens_per_rank=None, shape={})
+    assert b.compute - a.compute == pytest.approx(1e-3 * rank.ops.ops(), rel=1e-6)
+    assert set(a.phases) == {"forward", "backward", "optimizer"} and a.phases["optimizer"] > 0
+    # 4 processes on 2 free cores: each gets half a core; with 2 other runnable processes, a third
+    cpu = replace(slower, cores=2, devices_per_node=1 << 30)
+    assert cpu.contention(4) == 2.0 and not cpu.overlaps(4) and cpu.overlaps(1) and h100.contention(64) == 1.0
+    assert replace(cpu, external_load=2.0).contention(4) == pytest.approx((2 / 3) / (2 / 6))
+    shared = estimate_step(plan.ranks, plan.mesh, cpu, tokens_per_rank=None, shape={})
+    assert shared.seconds == pytest.approx(2 * (shared.compute + sum(shared.axes.values())), rel=1e-6)
+
+
+def test_calibration_measures_per_op_figures_and_caches_them(tmp_path, monkeypatch):
+    from trainmesh.planner.calibrate import calibrate, cached_calibration
+
+    monkeypatch.setenv("TRAINMESH_CACHE_DIR", str(tmp_path))
+    hw = calibrate(link=False)
+    assert hw.backend == "gloo" and hw.cores >= 1 and hw.op_overhead > 0 and hw.dtensor_op_overhead > 0
+    rates = [r for _, r in hw.flops_curve]
+    assert len(rates) == 7 and all(r > 0 for r in rates) and all(r > 0 for _, r in hw.bandwidth_curve)
+    assert cached_calibration() == hw
+    assert "per op" in hw.describe()

@@ -18,10 +18,11 @@ size) + overhead``. The rates come from curves (``calibrate.py`` measures them o
 ``hardware.py`` holds published ones), so a small op is priced at what a small op gets.
 
 >>> import torch
+>>> a, b = torch.ones(8, 16), torch.ones(16, 4)
 >>> with OpProfile() as prof:
-...     y = (torch.ones(8, 16) @ torch.ones(16, 4)).relu()
->>> prof.ops("forward"), prof.flops()
-(2, 1024)
+...     y = (a @ b).relu()
+>>> prof.ops("forward"), prof.flops(), prof.bytes()
+(2, 1024, 1152)
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """``search``: candidate meshes x ZeRO stages x checkpointing, each dry-run, ranked by step time.
 
-Candidates: a model axis of 1, 2, 4 or 8 (at most a node, where tensor parallelism's per-layer
-all-reduces can stay on NVLink) that divides the world size; the rest is the batch axis. ZeRO
-stages 0-3 (1 only without a model axis: ModelParallel offers 2-3), checkpointing none or full.
-A mesh whose model axis the model cannot split (no layer divides) is skipped with a note.
+Candidates: pipe x data x model meshes with a pipe axis of 1, 2, 4 or 8 (layers split in stages)
+and a model axis of 1, 2, 4 or 8 (at most a node, where tensor parallelism's per-layer all-reduces
+can stay on NVLink) that divide the world size; the rest is the batch axis. ZeRO stages 0-3 (1
+only without a model or pipe axis: ModelParallel and pipelines offer 2-3), checkpointing none or
+full. A mesh the model cannot be split on (no layer divides the model axis, fewer blocks than
+stages) is skipped with a note.
 Each candidate is a full dry run; the ones that fit ``device_memory`` are ranked fastest first
 (estimated step time), ties to less communication.
 """
@@ -62,26 +64,38 @@ class SearchResult:
 
 
 def candidates(world_size: int, max_model: int = 8, zero_stages=(0, 1, 2, 3),
-               checkpointing_choices=(None, "full")) -> list[tuple[str, int, str | None]]:
+               checkpointing_choices=(None, "full"), max_pipe: int = 8) -> list[tuple[str, int, str | None]]:
+    """``(mesh, zero stage, checkpointing)`` for every pipe x data x model split of ``world_size`` with a
+    pipe axis of 1, 2, 4 or 8 (at most ``max_pipe``) and a model axis of 1, 2, 4 or 8 (at most
+    ``max_model``); ZeRO-1 only without a model or pipe axis (ModelParallel and pipelines shard with
+    FSDP2 at stages 2-3).
+
+    >>> sorted({mesh for mesh, _, _ in candidates(8, max_model=2, max_pipe=2)})
+    ['data=4,model=2', 'data=8', 'pipe=2,data=2,model=2', 'pipe=2,data=4']
+    """
     out = []
-    for model in (1, 2, 4, 8):
-        if model > max_model or world_size % model:
-            continue
-        mesh = f"data={world_size // model}" + (f",model={model}" if model > 1 else "")
-        for zero in zero_stages:
-            if zero == 1 and model > 1:
-                continue  # ModelParallel shards optimizer state with FSDP2 (stages 2-3)
-            for checkpointing in checkpointing_choices:
-                out.append((mesh, zero, checkpointing))
+    for pipe in (1, 2, 4, 8):
+        for model in (1, 2, 4, 8):
+            if pipe > max_pipe or model > max_model or world_size % (pipe * model):
+                continue
+            mesh = (f"pipe={pipe}," if pipe > 1 else "") + f"data={world_size // (pipe * model)}" \
+                + (f",model={model}" if model > 1 else "")
+            for zero in zero_stages:
+                if zero == 1 and (model > 1 or pipe > 1):
+                    continue
+                for checkpointing in checkpointing_choices:
+                    out.append((mesh, zero, checkpointing))
     return out
 
 
 def search(model: str | nn.Module | Callable[[], nn.Module], *, world_size: int, device_memory: int,
            progress: Callable[[str], None] | None = None, zero_stages=(0, 1, 2, 3),
-           checkpointing_choices=(None, "full"), max_model: int = 8, **kwargs) -> SearchResult:
+           checkpointing_choices=(None, "full"), max_model: int = 8, max_pipe: int = 8, **kwargs) -> SearchResult:
+    """Dry-run and price every candidate (``candidates``); a pipe mesh gets ``microbatches`` (default
+    2 x its pipe axis) and ``schedule`` from ``kwargs`` like ``plan_parallel``."""
     meta = build_meta_model(model if isinstance(model, nn.Module) else model_factory(model))
     result = SearchResult([], device_memory)
-    for mesh, zero, checkpointing in candidates(world_size, max_model, zero_stages, checkpointing_choices):
+    for mesh, zero, checkpointing in candidates(world_size, max_model, zero_stages, checkpointing_choices, max_pipe):
         try:
             plan = plan_parallel(meta, world_size=world_size, mesh=mesh, zero_stage=zero,
                                  activation_checkpointing=checkpointing, device_memory=device_memory, **kwargs)
