@@ -112,7 +112,50 @@ def _worker(root, rounds, layers, width):
                 os.remove(path)
             dist.barrier()
     params = sum(p.numel() for p in model.parameters())
-    return {"results": results, "params": params}
+    return {"results": results, "params": params, "same_work": _restores_equal(model, opt, managers, root, layers,
+                                                                               width, full)}
+
+
+def _restores_equal(model, opt, managers, root, layers, width, full) -> dict:
+    """Did every saver write the same state? Each checkpoint is read back into a fresh model and
+    optimizer (other values) and compared exactly with the state the savers were given."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    import trainmesh as tm
+
+    want = {"model": get_model_state_dict(model, options=full), "optimizer": get_optimizer_state_dict(model, opt, options=full)}
+
+    def fresh():
+        torch.manual_seed(1)
+        other = tm.DataParallel().distribute_model(
+            torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]))
+        other_opt = torch.optim.Adam(other.parameters(), lr=1e-4)
+        other(torch.randn(4, width)).sum().backward()
+        other_opt.step()
+        return other, other_opt
+
+    def equal(a, b) -> bool:
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+        return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+    verdict = {}
+    for use_async, manager in managers.items():
+        other, other_opt = fresh()
+        manager.load(None, {"model": other, "optimizer": other_opt, "trainer": {}})
+        got = {"model": get_model_state_dict(other, options=full),
+               "optimizer": get_optimizer_state_dict(other, other_opt, options=full)}
+        verdict["async" if use_async else "sync"] = equal(want, got)
+    path = os.path.join(root, "torch_check.pt")
+    if tm.rank() == 0:
+        torch.save(want, path)
+        verdict["torch.save"] = equal(want, torch.load(path, weights_only=False))
+        os.remove(path)
+    dist.barrier()
+    return verdict
 
 
 def _summary(values):
@@ -159,7 +202,12 @@ def main(argv=None):
               f"{s['median']:>9.3f} [{s['min']:.3f}-{s['max']:.3f}]{'':>2}{row['bytes'] / 1e6:>10.0f}{row['MB_per_s']:>9.0f}")
     print(f"async blocking / sync save = {ratio:.3f} (target <= 0.10: {'met' if ratio <= 0.10 else 'NOT met'}); "
           f"sync / torch.save = {sync_med / rows['torch.save']['save_s']['median']:.2f}")
-    report = {"params": out["params"], "nproc": args.nproc, "rounds": args.rounds, "savers": rows,
+    same = out["same_work"]
+    valid = bool(same) and all(same.values())
+    print(f"same state written by every saver (read back, compared exactly): {same}")
+    if not valid:
+        print("INVALID: the savers did not write the same state", file=sys.stderr)
+    report = {"valid": valid, "same_work": same, "params": out["params"], "nproc": args.nproc, "rounds": args.rounds, "savers": rows,
               "async_blocking_over_sync": ratio, "raw": res, "torch": torch.__version__, "quick": args.quick,
               "figures": {"async_ckpt_block_vs_sync": ratio}, "loadavg": os.getloadavg()}
     if args.json:
@@ -169,4 +217,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    sys.exit(0 if main()["valid"] else 1)

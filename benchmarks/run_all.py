@@ -151,7 +151,7 @@ def run_one(entry: dict, quick: bool, timeout: float) -> dict:
         if os.path.exists(out):
             with open(out) as fh:
                 detail = json.load(fh)
-    invalid = "INVALID" in stdout
+    invalid = "INVALID" in stdout or "INVALID" in (stderr or "")  # some print it to stderr
     status = "ok" if rc == 0 and detail is not None else "invalid" if invalid else "failed"
     figures = (detail or {}).get("figures") or {}
     print(f"[{entry['name']}] {status} in {seconds:.0f} s: {json.dumps(figures)}", flush=True)
