@@ -43,7 +43,7 @@ class DecodeAugment(torch.utils.data.Dataset):
         if rng.random() < 0.5:
             crop = crop[:, :, ::-1]
         crop = (crop / 255.0 - 0.5) / 0.25
-        return torch.from_numpy(np.ascontiguousarray(crop)), i % 10
+        return torch.from_numpy(np.ascontiguousarray(crop)), i  # the index as label: the same-work check reads it
 
 
 def train_step(batch, weight, step_ms: float):
@@ -54,7 +54,7 @@ def train_step(batch, weight, step_ms: float):
         x = torch.tanh(x @ weight)
 
 
-def run_round(loader_iter, steps, weight, step_ms, batch):
+def run_round(loader_iter, steps, weight, step_ms, batch, delivered: list):
     wait = 0.0
     started = time.perf_counter()
     for _ in range(steps):
@@ -62,8 +62,26 @@ def run_round(loader_iter, steps, weight, step_ms, batch):
         b = next(loader_iter)
         wait += time.perf_counter() - t0
         train_step(b, weight, step_ms)
+        delivered.append((tuple(b[0].shape), b[1], b[0][0].clone()))  # what same_work() checks, not the batch
     wall = time.perf_counter() - started
     return steps * batch / wall, wait / wall
+
+
+def same_work(delivered: list, data, batch: int, expected_batches: int) -> str | None:
+    """Why a loader's output is not the work asked for (None when it is): every batch full, every
+    sample distinct within the epoch, and samples equal to the dataset's (checked on one per batch)."""
+    if len(delivered) != expected_batches:
+        return f"{len(delivered)} batches, not {expected_batches}"
+    seen = set()
+    for shape, labels, first in delivered:
+        if shape != (batch, 3, 64, 64) or len(labels) != batch:
+            return f"a batch of shape {shape}"
+        seen.update(int(i) for i in labels)
+        if not torch.equal(first, data[int(labels[0])][0]):
+            return f"sample {int(labels[0])} differs from the dataset's"
+    if len(seen) != batch * expected_batches:
+        return f"{batch * expected_batches - len(seen)} samples repeated within one epoch"
+    return None
 
 
 def main(argv=None) -> int:
@@ -92,16 +110,19 @@ def main(argv=None) -> int:
             train_step(next(it), weight, args.step_ms)
     results = {name: {"samples_per_s": [], "wait_fraction": []} for name in iters}
     ratios = []
+    delivered = {name: [] for name in iters}
     for r in range(args.rounds):
         order = ["trainmesh", "torch"] if r % 2 == 0 else ["torch", "trainmesh"]
         this = {}
         for name in order:
-            sps, wait = run_round(iters[name], args.steps, weight, args.step_ms, args.batch)
+            sps, wait = run_round(iters[name], args.steps, weight, args.step_ms, args.batch, delivered[name])
             results[name]["samples_per_s"].append(sps)
             results[name]["wait_fraction"].append(wait)
             this[name] = sps
         ratios.append(this["trainmesh"] / this["torch"])
     ours.close()
+    problems = {name: same_work(got, data, args.batch, args.rounds * args.steps) for name, got in delivered.items()}
+    valid = not any(problems.values())
     print(f"{'loader':<11} {'samples/s (median)':>19} {'IQR':>15} {'data wait (median)':>19}")
     summary = {}
     for name, res in results.items():
@@ -113,15 +134,19 @@ def main(argv=None) -> int:
     met = ratio >= 1.0
     print(f"throughput ratio trainmesh / torch: median {ratio:.3f} (per-round min {min(ratios):.3f}, "
           f"max {max(ratios):.3f}); target >= 1.00: {'met' if met else 'NOT met'}")
+    print(f"same work: {args.rounds * args.steps} full batches of distinct samples equal to the dataset's, per loader: "
+          f"{'yes' if valid else problems}")
+    if not valid:
+        print(f"INVALID: the loaders did not deliver the same work: {problems}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"config": vars(args), "rounds": results, "ratios": ratios, "summary": summary,
+            json.dump({"valid": valid, "problems": problems, "config": vars(args), "rounds": results, "ratios": ratios, "summary": summary,
                        "ratio": ratio, "target": 1.0, "met": met, "torch": torch.__version__,
                        "loadavg": os.getloadavg(),
                        # trainmesh's loader: time blocked on the next batch / wall time, at a 30 ms step and
                        # 2 workers (the demo's loader settings on this 2-core machine)
                        "figures": {"data_wait_fraction": summary["trainmesh"]["median_wait_fraction"]}}, fh, indent=1)
-    return 0
+    return 0 if valid else 1
 
 
 if __name__ == "__main__":
