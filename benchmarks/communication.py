@@ -27,10 +27,17 @@ around every timed block, after a barrier; the sum over both hosts is the inter-
 the median over timed steps of rank 0's time; a variant's figure is the median over rounds of
 its ratio to the baseline's median in the same round, with a 95% bootstrap interval.
 
-SSP figure: 2 parameter-server workers (loopback, one server), linear regression to 0.5% of the
-initial loss, sync vs ssp:4, with a straggler simulated by holding a worker back (sleep; this
-kernel has no netem, so no link delay): ``persistent`` (worker 1 always 2x slower: the figure)
-and ``transient`` (each worker held back 6x on a random quarter of its steps: printed, in "extra").
+SSP figure (benchmarks/ssp_straggler.py, on its own 3-host cluster): one parameter-server host and
+2 worker hosts, the straggler host's link shaped to --rate (tbf, both directions), a 2 MiB linear
+model, sync vs ssp:3 at the same lr and step budget, interleaved; time until both workers compute
+with parameters at 0.1 x the initial loss; median ratio over rounds with a 95% interval.
+Extras (loopback, one server, linear regression to 0.5% of the initial loss, sync vs ssp:4, a
+worker held back by sleeping): ``persistent`` (worker 1 always computes 2x longer) and
+``transient`` (each worker held back 6x on a random quarter of its steps). Under a persistent
+compute straggler SSP cannot win in steady state: the bound holds the fast worker at the
+straggler's clock + s and each worker pushes gradient / N, so progress per second is the
+straggler's in both modes. It pays where the straggler's *communication* is slow (the figure)
+or its delays are transient.
 """
 
 from __future__ import annotations
@@ -249,8 +256,9 @@ def extra_figures(summaries: dict, ssp: dict | None) -> dict:
                     "hier_step_vs_flat_100mbit_2x2": t["hier"]["step_vs_flat"][0],
                     "int8_step_vs_fp32_100mbit_2x2": t["int8"]["step_vs_hier"][0],
                     "powersgd_step_vs_fp32_100mbit_2x2": t["powersgd"]["step_vs_hier"][0]})
-    if ssp is not None:
-        out["ssp_time_to_loss_vs_sync_transient_straggler"] = ssp["transient"]
+    for schedule in ("transient", "persistent"):
+        if ssp is not None and schedule in ssp:
+            out[f"ssp_time_to_loss_vs_sync_{schedule}_straggler"] = ssp[schedule]
     return out
 
 
@@ -316,18 +324,29 @@ def _ps_worker(rounds: int) -> dict:
     return out
 
 
-def ssp_part(rounds: int) -> dict:
+def loopback_ssp_part(rounds: int) -> dict:
     from trainmesh.testing import run_distributed
 
     runs = run_distributed(_ps_worker, 2, args=(rounds,), timeout=900, collective_timeout=300)[0]
     out = {"runs": runs}
-    print(f"\nparameter server, 2 workers, time to {TARGET_FRACTION} x initial loss (median of {rounds}):")
+    print(f"\nparameter server on loopback, 2 workers, a held-back worker (sleep), time to {TARGET_FRACTION} x "
+          f"initial loss (median of {rounds}):")
     for schedule in ("persistent", "transient"):
         sec = {m: statistics.median([r["seconds"] or float("inf") for r in runs[f"{schedule}/{m}"]]) for m in SSP_MODES}
         out[schedule] = sec[SSP_MODES[1]] / sec["sync"]
         print(f"  {schedule:<10} sync {sec['sync']:.2f}s  {SSP_MODES[1]} {sec[SSP_MODES[1]]:.2f}s  "
               f"ratio {out[schedule]:.2f}")
-    out["ratio"] = out["persistent"]
+    return out
+
+
+def ssp_part(quick: bool, rate: str) -> dict:
+    """The figure: a straggler host (ssp_straggler.py); extras: held-back workers on loopback
+    (left out with --quick, which keeps to about a minute)."""
+    from ssp_straggler import ssp_host_part  # this folder's (benchmarks run as scripts)
+
+    out = ssp_host_part(1 if quick else 3, 45 if quick else 60, rate)
+    if not quick:
+        out.update(loopback_ssp_part(3))
     return out
 
 
@@ -339,16 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rate", default="100mbit")
     parser.add_argument("--skip-ssp", action="store_true", help="leave out the parameter-server SSP part")
-    parser.add_argument("--ssp-only", action="store_true", help="only the SSP part (no cluster needed)")
+    parser.add_argument("--ssp-only", action="store_true", help="only the parameter-server SSP part")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     if args.job:
         job(json.loads(args.job))
-        return 0
-    if args.ssp_only:
-        ssp = ssp_part(1 if args.quick else 3)
-        print(f"ssp_time_to_loss_vs_sync_straggler_host = {ssp['ratio']:.3f}")
         return 0
     from trainmesh.testing.cluster import Cluster, unavailable_reason
 
@@ -356,6 +371,20 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"needs the namespace cluster: {reason}")
         return 2
+    if args.ssp_only:
+        ssp = ssp_part(args.quick, args.rate)
+        figs = {"ssp_time_to_loss_vs_sync_straggler_host": ssp["ratio"]}
+        extra = {f"ssp_time_to_loss_vs_sync_{k}_straggler": ssp[k] for k in ("transient", "persistent") if k in ssp}
+        for name, value in {**figs, **extra}.items():
+            print(f"  {name} = {value:.3f}")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"figures": figs, "extra": extra, "ssp": ssp, "valid": ssp["valid"],
+                           "load_avg": os.getloadavg()}, fh, indent=1, default=str)
+        if not ssp["valid"]:
+            print("INVALID")
+            return 1
+        return 0
     cfg = {"rounds": args.rounds or (2 if args.quick else 5), "steps": args.steps or (2 if args.quick else 3),
            "warmup": args.warmup, "variants": list(VARIANTS), "timeout": 900}
     summaries = {}
@@ -370,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     ssp = None
     if not args.skip_ssp:
         try:
-            ssp = ssp_part(1 if args.quick else 3)
+            ssp = ssp_part(args.quick, args.rate)
         except Exception as error:  # noqa: BLE001 - the cluster figures above still stand; say so loudly
             print(f"SSP part failed, its figure is missing: {error!r:.500}")
     figs = figures(summaries["2x4_100mbit"], summaries["2x4_unshaped"], ssp)
@@ -381,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     print("extra (other baselines and layouts):")
     for name, value in extra.items():
         print(f"  {name} = {value:.3f}")
-    valid = all(s["valid"] for s in summaries.values())
+    valid = all(s["valid"] for s in summaries.values()) and (ssp is None or ssp["valid"])
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"figures": figs, "extra": extra, "runs": summaries, "ssp": ssp, "config": cfg, "valid": valid,
