@@ -15,8 +15,9 @@ What ``op_costs.price`` needs, each from its own probe, none from a model the pl
 * ``dtensor_op_overhead``: the same model tensor-parallel over 2 ranks of torch's fake process
   group (trainmesh's own ``parallelize``; collectives return at once), the extra time per op
   that ran on DTensors: sharding propagation;
-* ``external_load``: processes of others runnable while it measured (``/proc/stat``): the share of
-  the cores they take is in the figures above, and in what the job's processes will get.
+* ``external_load``: others' processes competing for the cores while it measured (from the share of
+  a core the probe got, and the host's busy time in ``/proc/stat``): their share is in the figures
+  above, and in what the job's processes will get (``Hardware.contention``).
 
 All on the thread count the process has now (``torch.get_num_threads()``), which is what each
 training process will have. Each probe takes the median of repeats: the machine may be loaded.
@@ -24,6 +25,7 @@ training process will have. Each probe takes the median of repeats: the machine 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -91,29 +93,42 @@ def measure_compute(hardware, repeats: int = 7):
     DTensor overhead, links and cores are kept from ``hardware``."""
     from dataclasses import replace
 
-    running = [runnable()]
+    host = _host_busy()
+    wall, cpu = time.perf_counter(), time.process_time()
     floor = measure_floor()
     flops_curve = measure_flops_curve(floor, repeats)
-    running.append(runnable())
     bandwidth_curve = measure_bandwidth_curve(floor, repeats)
-    running.append(runnable())
     out = replace(hardware, flops=max(r for _, r in flops_curve), flops_curve=flops_curve,
                   bandwidth_curve=bandwidth_curve, memory_bandwidth=bandwidth_curve[-1][1], op_overhead=0.0)
     overhead, _ = measure_op_overhead(out, repeats=2 * repeats + 1)
-    running.append(runnable())
-    known = [r for r in running if r is not None]
-    # this process is one of the runnable ones; the rest is the host's other load
-    external = max(0.0, statistics.median(known) - 1) if known else 0.0
-    return replace(out, op_overhead=overhead, external_load=external)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return replace(out, op_overhead=overhead, external_load=_external_load(hardware.cores, wall, cpu, host))
 
 
-def runnable() -> int | None:
-    """Processes runnable on the host now (Linux ``/proc/stat`` procs_running, this one included)."""
+def _host_busy() -> float | None:
+    """Seconds of CPU time the whole host has spent busy (Linux ``/proc/stat``), or None."""
     try:
         with open("/proc/stat") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("procs_running"))
-    except (OSError, StopIteration, ValueError):
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
         return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _external_load(cores: int | None, wall: float, cpu: float, host_before: float | None) -> float:
+    """Others' runnable processes while this one probed, from what it got and what the host did: if
+    it got less than a core (``share = cpu / wall``), ``cores / share - 1`` processes shared with it
+    (fair scheduling); if it got a whole core, the cores others kept busy beside it."""
+    if not cores or wall <= 0:
+        return 0.0
+    share = min(1.0, cpu / wall)
+    if share < 0.95:
+        return cores / max(share, 1e-3) - 1
+    after = _host_busy()
+    if host_before is None or after is None:
+        return 0.0
+    return min(max(0.0, (after - host_before - cpu) / wall), cores - 1.0)
 
 
 class _Block(nn.Module):
@@ -192,4 +207,4 @@ def measure_dtensor_overhead(hardware, repeats: int = 9) -> float | None:
 
 
 __all__ = ["measure_floor", "measure_flops_curve", "measure_bandwidth_curve", "measure_op_overhead",
-           "measure_dtensor_overhead", "measure_compute", "runnable"]
+           "measure_dtensor_overhead", "measure_compute"]

@@ -52,8 +52,8 @@ class Hardware:
     # processes than cores each runs at cores/processes of its rate, and communication (memory copies
     # on the same cores) cannot hide behind compute.
     cores: int | None = None
-    # Runnable processes of others on the host while it was calibrated (/proc/stat procs_running): they
-    # take their share of the cores, and the per-op figures were measured with that share.
+    # Others' processes competing for the host's cores while it was calibrated (calibrate_ops): they take
+    # their share of the cores, and the per-op figures were measured with that share.
     external_load: float = 0.0
     backend: str = "nccl"                   # which collective algorithms price the wire (collectives.wire_bytes)
 
@@ -111,6 +111,14 @@ def resolve_hardware(value: str | Hardware | None) -> Hardware:
         return value
     if value is None:
         return HARDWARE["h100"]
+    if value == "calibrated":
+        from .calibrate import cached_calibration
+
+        cached = cached_calibration()
+        if cached is None:
+            raise ValueError("hardware='calibrated' reads the figures `trainmesh plan --calibrate` saved for this "
+                             "machine, torch and thread count; none are saved yet. Received: hardware='calibrated'")
+        return cached
     if value in HARDWARE:
         return HARDWARE[value]
     if isinstance(value, str) and value.endswith(".json"):
@@ -118,7 +126,7 @@ def resolve_hardware(value: str | Hardware | None) -> Hardware:
             return Hardware.load(value)
         except (OSError, ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"Cannot read hardware figures from {value!r}: {exc}") from exc
-    raise ValueError(f"hardware is one of {sorted(HARDWARE)} or a JSON file written by --calibrate. "
+    raise ValueError(f"hardware is one of {sorted(HARDWARE)}, 'calibrated' or a JSON file written by --calibrate. "
                      f"Received: hardware={value!r}")
 
 
