@@ -50,6 +50,7 @@ class LossAccumulator:
         self._global_samples = 0.0
         self._step_sum: torch.Tensor | float = 0.0  # the step in progress, this process
         self._step_samples = 0
+        self.grad_norm: float | None = None  # of the last checked step, when its gradients rode along
 
     def add(self, loss: torch.Tensor, samples: int) -> None:
         value = loss.detach()
@@ -61,11 +62,16 @@ class LossAccumulator:
     def pending(self) -> bool:
         return bool(self._local_samples or self._global_samples or self._step_samples)
 
-    def end_step(self, *, check: bool, stop_local: bool) -> tuple[bool, bool]:
+    def end_step(self, *, check: bool, stop_local: bool, grad_square: torch.Tensor | None = None) -> tuple[bool, bool]:
         """Fold the step in. Returns ``(non-finite on some process, stop requested somewhere)``,
-        both identical on every process when ``check`` (unchecked: ``(False, False)``)."""
+        both identical on every process when ``check`` (unchecked: ``(False, False)``).
+
+        ``grad_square`` (this process's share of the squared gradient norm, checked mode only, given
+        by every process or by none) rides in the same all-reduce; ``grad_norm`` is then the global
+        norm (None otherwise): gradient clipping needs no all-reduce of its own."""
         step_sum, step_samples = self._step_sum, self._step_samples
         self._step_sum, self._step_samples = 0.0, 0
+        self.grad_norm = None
         if not check:
             self._local_sum = self._local_sum + step_sum
             self._local_samples += step_samples
@@ -77,8 +83,11 @@ class LossAccumulator:
             step_value if finite else _f64(0.0), _f64(step_samples if finite else 0),
             _f64(1.0 if stop_local else 0.0), _f64(0.0 if finite else 1.0),
             *(_f64(rider.local_value()) for rider in _RIDERS),
+            *([grad_square.detach().double().cpu().reshape(())] if grad_square is not None else []),
         ])
         reduced = all_reduce_small(vector).tolist()
+        if grad_square is not None:
+            self.grad_norm = math.sqrt(max(reduced.pop(), 0.0))
         for rider, total in zip(_RIDERS, reduced[6:]):
             rider.receive(total)
         self._local_sum, self._local_samples = 0.0, 0

@@ -86,8 +86,10 @@ def _replication(grad: torch.Tensor, world: int | None = None) -> int:
     return world
 
 
-def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
-    """L2 norm of all gradients across every process and shard (one float64 all-reduce)."""
+def local_grad_square_sum(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    """This process's share of the squared global gradient norm (a float64 CPU scalar): summing it over
+    every process gives the square of ``global_grad_norm``. It can ride on another all-reduce (the
+    Trainer's per-step loss check) instead of taking one of its own."""
     total = None  # summed where the gradients live: one device-to-host copy per step, not one per parameter
     for param in params:
         if param.grad is None:
@@ -96,8 +98,12 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
         local = grad.to_local() if hasattr(grad, "to_local") else grad
         square = local.detach().double().pow(2).sum() / _replication(grad, getattr(param, "_trainmesh_replica_world", None))
         total = square if total is None else total + square.to(total.device)
-    total = torch.zeros(1, dtype=torch.float64) if total is None else total.reshape(1).cpu()
-    return float(all_reduce_small(total).sqrt().item())
+    return torch.zeros((), dtype=torch.float64) if total is None else total.reshape(()).cpu()
+
+
+def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
+    """L2 norm of all gradients across every process and shard (one float64 all-reduce)."""
+    return float(all_reduce_small(local_grad_square_sum(params).reshape(1)).sqrt().item())
 
 
 def clip_gradients_(params: Iterable[torch.nn.Parameter], max_norm: float, norm: float) -> None:

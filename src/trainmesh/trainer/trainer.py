@@ -42,7 +42,8 @@ from .progress import ProgressBar
 from .schedules import scale_lr
 from .sharded_checkpoint import ShardedCheckpoint
 from .loss_tracking import LossAccumulator
-from .step import clip_gradients_, forward_backward, global_grad_norm, set_optimizer_implementation
+from .step import (clip_gradients_, forward_backward, global_grad_norm, local_grad_square_sum,
+                   set_optimizer_implementation)
 from .throughput import ThroughputMeter, meta_copy
 
 
@@ -254,9 +255,13 @@ class Trainer:
                          on_outputs=self._update_metrics if self.metrics else None)
         self._beacon.phase = "loss all-reduce (non-finite check, stop request)"
         guard = self.config.nonfinite_loss
-        nonfinite, stop = losses.end_step(check=guard is not None, stop_local=self._stop_local)
-        self.stop_requested = self.stop_requested or stop
         scaler = self.precision.scaler
+        # Without a loss scaler the gradients are final here: their norm rides on the loss check's
+        # all-reduce (one collective per step instead of two). A scaler unscales them first, below.
+        ride = guard is not None and scaler is None and self.config.max_grad_norm is not None
+        nonfinite, stop = losses.end_step(check=guard is not None, stop_local=self._stop_local,
+                                          grad_square=local_grad_square_sum(self.params) if ride else None)
+        self.stop_requested = self.stop_requested or stop
         if nonfinite and scaler is None:
             return self._nonfinite_step(guard)
         # Under fp16 a non-finite loss is an overflow like any other: the scaler skips and backs off.
@@ -264,7 +269,7 @@ class Trainer:
         grad_norm = None
         self._beacon.phase = "gradient clipping and optimizer step"
         if self.config.max_grad_norm is not None and not found_inf:
-            grad_norm = global_grad_norm(self.params)
+            grad_norm = losses.grad_norm if ride else global_grad_norm(self.params)
             clip_gradients_(self.params, self.config.max_grad_norm, grad_norm)
         if not found_inf:
             self.optimizer.step()
