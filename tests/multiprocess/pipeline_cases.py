@@ -7,6 +7,8 @@ what the stages hold and compare it with one process).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 VOCAB, SEQ, GLOBAL_BATCH, STEPS = 32, 8, 8, 3
@@ -87,13 +89,40 @@ def train_pipelined(family: str, mesh_shape, axes, schedule: str, *, microbatche
     trainer = tm.Trainer(model, make_optimizer, lm_loss, distribution=distribution, zero_stage=zero_stage,
                          activation_checkpointing=checkpointing, max_grad_norm=max_grad_norm, progress=False,
                          log_every_n_steps=1, precision=precision, metrics=["accuracy"] if evaluate else None)
-    history = trainer.fit(data(steps), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
-    out = {"params": local_full_params(trainer.model), "loss": history.history["loss"][-1]}
+    with count_reduce_scatters() as reduce_scatters:
+        history = trainer.fit(data(steps), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
+    out = {"params": local_full_params(trainer.model), "loss": history.history["loss"][-1],
+           "reduce_scatters": reduce_scatters[0], "fsdp_groups": fsdp_groups(trainer.model), "steps": steps}
     if evaluate:
         logs = trainer.evaluate(data(1), batch_size=GLOBAL_BATCH)
         out["eval_loss"], out["eval_accuracy"] = logs["loss"], logs["accuracy"]
         out["predict"] = trainer.predict(data(1), batch_size=GLOBAL_BATCH)
     return out
+
+
+@contextlib.contextmanager
+def count_reduce_scatters():
+    """How many reduce-scatters FSDP2 issues inside the block (it calls ``reduce_scatter_single``)."""
+    import torch.distributed as dist
+
+    count, original = [0], dist.reduce_scatter_single
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    dist.reduce_scatter_single = counted
+    try:
+        yield count
+    finally:
+        dist.reduce_scatter_single = original
+
+
+def fsdp_groups(model: torch.nn.Module) -> int:
+    """FSDP2 units holding parameters on this process: each reduce-scatters its gradients."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return sum(1 for m in model.modules() if isinstance(m, FSDPModule))
 
 
 def merge(results: list[dict]) -> dict:

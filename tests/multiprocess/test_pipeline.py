@@ -38,6 +38,10 @@ def _check(configs, results_per_rank, references):
         mean_loss = sum(references[key]["losses"]) / len(references[key]["losses"])
         for rank_results in results_per_rank:  # the loss exists on the last stage; every rank reports it
             assert abs(rank_results[index]["loss"] - mean_loss) <= max(tol, 1e-5), config
+            if config.get("zero_stage", 0) >= 2:  # once per FSDP unit and step, not once per microbatch
+                run = rank_results[index]
+                assert run["fsdp_groups"] > 0 and run["reduce_scatters"] == run["steps"] * run["fsdp_groups"], \
+                    f"{config}: {run['reduce_scatters']} reduce-scatters in {run['steps']} steps of {run['fsdp_groups']} units"
     return worst
 
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .pipeline_split import KeyedBlocks, assign_blocks, build_stage_model, merge_stage_models, split_at
+from .pipeline_stage import StageModule, make_pipeline_stage  # noqa: F401 - StageModule is imported from here too
 
 
 def stage_indices(pipe_rank: int, pipe_size: int, stages_per_rank: int, schedule: str) -> list[int]:
@@ -38,74 +39,6 @@ def stage_owner(stage: int, pipe_size: int, schedule: str) -> int:
     if schedule == "zbv":
         return stage if stage < pipe_size else 2 * pipe_size - 1 - stage
     return stage % pipe_size
-
-
-class StageModule(nn.Module):
-    """What torch's ``PipelineStage`` runs: the stage copy's own forward, with the received
-    activation put in place of its first block's input, and a tensor out (not a model output)."""
-
-    def __init__(self, stage_model: nn.Module, is_first: bool, forward_context: Callable):
-        super().__init__()
-        self.stage_model = stage_model
-        self.is_first = is_first
-        self.forward_context = forward_context
-        self._incoming: list[torch.Tensor] = []
-
-    def install_entry_hook(self) -> None:
-        """Last of all (after checkpointing and FSDP wrap the blocks), and ahead of their hooks, so the
-        substitution happens outside any recomputed region and before FSDP sees the arguments."""
-        if self.is_first:
-            return
-        blocks = _blocks_of(self.stage_model)
-        first = next(iter(blocks))
-
-        def substitute(module, args, kwargs):
-            if not self._incoming:
-                return None
-            x = self._incoming.pop()
-            if args:
-                return (x, *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": x}
-
-        first.register_forward_pre_hook(substitute, with_kwargs=True, prepend=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.stage_model, KeyedBlocks):  # an nn.Sequential model: a plain chain
-            with self.forward_context():
-                for block in self.stage_model:
-                    x = block(x)
-            return x
-        if self.is_first:
-            ids = x
-        else:
-            ids = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
-            self._incoming.append(x)
-        try:
-            with self.forward_context():
-                out = self.stage_model(ids)
-        finally:
-            self._incoming.clear()
-        return _first_tensor(out)
-
-
-def _blocks_of(stage_model: nn.Module) -> KeyedBlocks:
-    if isinstance(stage_model, KeyedBlocks):
-        return stage_model
-    container = stage_model._trainmesh_stage[2]
-    return stage_model.get_submodule(container)
-
-
-def _first_tensor(out: Any) -> torch.Tensor:
-    if torch.is_tensor(out):
-        return out
-    if hasattr(out, "logits"):  # a transformers ModelOutput
-        return out.logits
-    if isinstance(out, (tuple, list)):
-        return out[0]
-    if hasattr(out, "last_hidden_state"):
-        return out.last_hidden_state
-    raise TypeError(f"A pipeline stage must return a tensor (or a model output holding logits). "
-                    f"Received: {type(out).__name__}")
 
 
 def plan_split(model: nn.Module, pipeline, pipe_size: int) -> tuple[str | None, list[list[str]]]:
@@ -141,8 +74,6 @@ class PipelineRunner:
 
     def __init__(self, stage_models: list[nn.Module], indices: list[int], pipeline, *, pipe_group, data_group,
                  data_size: int, reduce_data_grads: bool, tied_groups: dict[str, Any], device: torch.device):
-        from torch.distributed.pipelining import PipelineStage
-
         self.pipeline = pipeline
         self.indices = indices
         self.num_stages = pipeline.num_stages(dist.get_world_size(pipe_group))
@@ -156,7 +87,7 @@ class PipelineRunner:
         self.root: nn.Module = stage_models[0]  # the module the Trainer holds (train/eval is set on it)
         self._context: list[Callable] = [_null_context]
         self.modules = [StageModule(m, i == 0, lambda: self._context[0]()) for m, i in zip(stage_models, indices)]
-        self.stages = [PipelineStage(module, index, self.num_stages, device, group=pipe_group)
+        self.stages = [make_pipeline_stage(module, index, self.num_stages, device, pipe_group)
                        for module, index in zip(self.modules, indices)]
         self._loss_fn: list[Callable | None] = [None]
         self.schedule = self._build_schedule()
