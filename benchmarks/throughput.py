@@ -176,6 +176,7 @@ def summarize(results: list[dict], cfg: dict, peak: float) -> dict:
         report["pairs"][pair] = {
             "eager_ms": 1e3 * med["eager"], "compiled_ms": 1e3 * med["compiled"],
             "ratio": med["compiled"] / med["eager"], "ratio_ci95_of_step_ratios": _ci95(ratios),
+            "eager_ms_ci95": tuple(1e3 * v for v in _ci95(steps["eager"])),
             "first_step_s": {side: max(p["first_step_s"][side] for p in per) for side in ("eager", "compiled")},
             "final_losses": final, "same_work": same, "steps": len(steps["eager"]),
         }
@@ -189,6 +190,9 @@ def summarize(results: list[dict], cfg: dict, peak: float) -> dict:
         report["demo_model_flops_per_s"] = flops * samples / seconds if flops else None
         if flops and peak:
             figures["demo_mfu_vs_bf16_peak"] = report["demo_model_flops_per_s"] / peak
+            # from the 95% interval of the median eager step (the probe's peak is one number)
+            slow, fast = (flops * samples / (ms / 1e3) / peak for ms in reversed(demo["eager_ms_ci95"]))
+            report["demo_mfu_ci95"] = (slow, fast)
     if "llama/zero3" in report["pairs"]:
         figures["compiled_vs_eager_step_llama_zero3"] = report["pairs"]["llama/zero3"]["ratio"]
     if results[0]["parity"]:
@@ -222,8 +226,13 @@ def main(argv: list[str] | None = None) -> int:
         low, high = p["ratio_ci95_of_step_ratios"]
         print(f"{pair:<14}{p['eager_ms']:>10.1f}{p['compiled_ms']:>13.1f}{p['ratio']:>8.3f}"
               f"{f'{low:.3f}-{high:.3f}':>16}{p['first_step_s']['compiled']:>11.1f}{str(p['same_work']):>11}")
+    intervals = {"compiled_vs_eager_step_gpt": report["pairs"].get("gpt/zero0", {}).get("ratio_ci95_of_step_ratios"),
+                 "compiled_vs_eager_step_llama_zero3":
+                     report["pairs"].get("llama/zero3", {}).get("ratio_ci95_of_step_ratios"),
+                 "demo_mfu_vs_bf16_peak": report.get("demo_mfu_ci95")}
     for name, value in report["figures"].items():
-        print(f"{name} = {value:.4g}")
+        ci = intervals.get(name)
+        print(f"{name} = {value:.4g}" + (f"  (95% CI {ci[0]:.3g}-{ci[1]:.3g})" if ci else ""))
     if not report["valid"]:
         print("INVALID: compiled and eager did not do the same work (steps, compilation or losses differ)")
     if args.json:

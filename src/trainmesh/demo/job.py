@@ -165,8 +165,9 @@ def train(out: Path, settings: DemoSettings) -> dict[str, Any]:
         distribution=tm.DataParallel(),
         precision="bf16-mixed",
         # torch's fused AdamW kernel: ~4x faster per optimizer step than the CPU default (for-loop).
-        # compile stays off: on 2 cores its 15-60 s of compilation costs more than it saves in a
-        # 2-minute run (benchmarks/throughput.py: compiled / eager step 0.8-1.1 for this model).
+        # compile stays off: compiling the blocks makes this model's step ~0.86x eager
+        # (benchmarks/throughput.py), ~7 s off this run's ~50 s of steps, while compiling costs
+        # 9-40 s on 2 cores with a warm inductor cache and more on a first run: slower end to end.
         optimizer_implementation="fused",
         grad_accum_steps=settings.grad_accum_steps,
         max_grad_norm=1.0,
