@@ -79,3 +79,14 @@ def test_shard_units_default_class_and_size():
     assert select_shard_units(plain, None)[0] == [plain[0]]  # by size: 1/8 of the model
     assert select_shard_units(plain, 10**9)[0] == []  # the root alone
 
+
+
+@pytest.mark.usefixtures("no_process_group_left_behind")
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_a_meta_device_model_is_refused_naming_a_tensor_before_any_collective(zero_stage):
+    import trainmesh as tm
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"meta device \(first: '0.weight'\)"):
+        tm.DataParallel(zero_stage=zero_stage).distribute_model(model)

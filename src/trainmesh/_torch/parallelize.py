@@ -52,6 +52,7 @@ def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None
     if not isinstance(model, nn.Module):
         raise TypeError(f"distribute_model expects a torch.nn.Module. Received: {type(model).__name__}")
     options = resolve_memory_options(distribution, zero_stage=zero_stage, cpu_offload=cpu_offload)  # validates
+    _refuse_meta_tensors(model)
     from trainmesh.distribution.data_parallel import DataParallel
     from trainmesh.distribution.model_parallel import ModelParallel
 
@@ -80,6 +81,19 @@ def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None
             compile=compile, compile_backend=compile_backend))
     return _apply_layers(model, distribution, options, activation_checkpointing, mixed_precision, ddp_options,
                          compile=compile, compile_backend=compile_backend)
+
+
+def _refuse_meta_tensors(model: nn.Module) -> None:
+    """A model on the meta device has no values to start the processes from. Every layout here
+    starts every copy from the first process's weights (DDP's rule); initialising sharded meta
+    parameters in place would need DTensor's random-number tracker, which on CPU meshes gives
+    every shard the same draws. Say so before any collective, instead of torch's copy error."""
+    meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if meta:
+        raise ValueError(f"distribute_model needs real weights; {len(meta)} parameters/buffers of this model are on "
+                         f"the meta device (first: {meta[0]!r}). Build the model on the CPU (ZeRO-3 and the pipeline "
+                         f"keep only this process's share once it is distributed), or materialise it first "
+                         f"(model.to_empty(device='cpu') and your initialiser). Received: {type(model).__name__}")
 
 
 def _apply_layers(model: nn.Module, distribution, options: MemoryOptions, activation_checkpointing: Any,
