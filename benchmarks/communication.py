@@ -346,7 +346,8 @@ def ssp_part(quick: bool, rate: str) -> dict:
 
     out = ssp_host_part(1 if quick else 3, 45 if quick else 60, rate)
     if not quick:
-        out.update(loopback_ssp_part(3))
+        loopback = out["loopback"] = loopback_ssp_part(3)
+        out.update(persistent=loopback["persistent"], transient=loopback["transient"])
     return out
 
 
