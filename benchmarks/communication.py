@@ -36,7 +36,8 @@ worker held back by sleeping): ``persistent`` (worker 1 always computes 2x longe
 ``transient`` (each worker held back 6x on a random quarter of its steps). Under a persistent
 compute straggler SSP cannot win in steady state: the bound holds the fast worker at the
 straggler's clock + s and each worker pushes gradient / N, so progress per second is the
-straggler's in both modes. It pays where the straggler's *communication* is slow (the figure)
+straggler's in both modes (what it still gains there is the push/pull round trip that sync
+waits for and SSP overlaps). It pays where the straggler's *communication* is slow (the figure)
 or its delays are transient.
 """
 
