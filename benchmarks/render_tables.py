@@ -96,6 +96,11 @@ def ci95(results: dict, name: str):
     detail = (runs.get("ddp_overhead") or {}).get("detail") or {}
     if name == "dataparallel_vs_ddp" and detail.get("ratio_round_median_ci95"):
         return detail["ratio_round_median_ci95"]
+    if name.startswith("zero") and name.endswith("_step_vs_deepspeed"):
+        detail = (runs.get("zero_memory") or {}).get("detail") or {}
+        for c in detail.get("comparisons", []):
+            if f"zero{c['stage']}_step_vs_deepspeed" == name:
+                return c.get("step_ratio_round_ci95")
     peers = {"trainer_vs_hand_written_1proc": ("single", "hand-written"),
              "trainer_vs_accelerate_2proc": ("multi", "accelerate"), "trainer_vs_fabric_2proc": ("multi", "fabric")}
     if name in peers:

@@ -62,6 +62,8 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from stats import ci95  # this folder's (benchmarks run as scripts)
+
 FULL_MODEL = {"vocab": 8192, "d_model": 640, "n_layer": 8, "n_head": 10, "seq": 128}
 QUICK_MODEL = {"vocab": 4096, "d_model": 256, "n_layer": 4, "n_head": 4, "seq": 64}
 MODEL_STATE_TOLERANCE = 0.10
@@ -505,10 +507,12 @@ def summarize(runs: dict[str, list[list[dict]]], cfg: dict) -> dict:
         forms = formulas(num_params, n, stage)
         key, why = matching_formula(system, stage)
         # per step: the slowest rank (barrier-to-barrier, so all ranks agree closely); timed steps only
-        timed = []
+        timed, round_medians = [], []
         for ranks_r in rounds:
             per_step = [max(s) for s in zip(*(r["step_times_s"] for r in ranks_r))]
             timed.extend(per_step[cfg["mem_steps"] + cfg["warmup"]:])
+            if per_step[cfg["mem_steps"] + cfg["warmup"]:]:
+                round_medians.append(statistics.median(per_step[cfg["mem_steps"] + cfg["warmup"]:]))
         hwm_delta = [(r["vm_hwm_kb"] - r["rss_after_setup_kb"]) * 1024 for ranks_r in rounds for r in ranks_r]
         variants[variant] = {
             "system": system, "stage": stage, "num_params": num_params,
@@ -523,7 +527,7 @@ def summarize(runs: dict[str, list[list[dict]]], cfg: dict) -> dict:
             "model_state_vs_matching": max(ms_bytes) / forms[key],
             "model_state_vs_paper": max(ms_bytes) / forms["paper_2_2_12"],
             "step_time_median_s": statistics.median(timed) if timed else math.nan,
-            "step_times_s": timed,
+            "step_times_s": timed, "step_time_round_medians_s": round_medians,
             "first_loss": ranks[0]["losses"][0] if ranks[0]["losses"] else math.nan,
             "last_loss": ranks[0]["losses"][-1] if ranks[0]["losses"] else math.nan,
             "wrapped": ranks[0]["wrapped"], "optimizer": ranks[0]["optimizer"],
@@ -534,11 +538,15 @@ def summarize(runs: dict[str, list[list[dict]]], cfg: dict) -> dict:
         if a and b:
             peak = a["peak_live_bytes_max_rank"] / b["peak_live_bytes_max_rank"]
             step = a["step_time_median_s"] / b["step_time_median_s"]
+            # Rounds are interleaved (the two systems back to back, order alternating): the spread of
+            # the per-round ratios is the comparison's noise. Peak memory repeats exactly per round.
+            per_round = [x / y for x, y in zip(a["step_time_round_medians_s"], b["step_time_round_medians_s"])]
             same = abs(a["first_loss"] - b["first_loss"]) <= LOSS_TOLERANCE * abs(b["first_loss"])
             comparisons.append({"stage": stage, "peak_ratio": peak, "peak_met": peak <= 1.0, "same_work": same,
                                 "first_loss_trainmesh": a["first_loss"], "first_loss_deepspeed": b["first_loss"],
                                 "rss_delta_ratio": a["rss_hwm_delta_bytes_max_rank"] / b["rss_hwm_delta_bytes_max_rank"],
-                                "step_ratio": step, "step_met": step <= 1.0})
+                                "step_ratio": step, "step_met": step <= 1.0, "step_ratio_per_round": per_round,
+                                "step_ratio_round_ci95": ci95(per_round) if len(per_round) > 1 else None})
     state_checks = [{"variant": v, "ratio": s["model_state_vs_matching"], "formula": s["matching_formula"],
                      "met": abs(s["model_state_vs_matching"] - 1) <= MODEL_STATE_TOLERANCE}
                     for v, s in variants.items() if s["system"] == "trainmesh"]
@@ -599,7 +607,12 @@ def print_report(report: dict) -> None:
                   f"{c['first_loss_deepspeed']:.4f}, tolerance {LOSS_TOLERANCE:.0%}): the sides did different work")
         print(f"stage {c['stage']}: peak live trainmesh/deepspeed = {c['peak_ratio']:.3f} (<= 1: "
               f"{'met' if c['peak_met'] else 'NOT MET'}; RSS delta ratio {c['rss_delta_ratio']:.3f}), step time "
-              f"= {c['step_ratio']:.3f} (<= 1: {'met' if c['step_met'] else 'NOT MET'}){quick}")
+              f"= {c['step_ratio']:.3f}{_interval(c.get('step_ratio_round_ci95'))} (<= 1: "
+              f"{'met' if c['step_met'] else 'NOT MET'}){quick}")
+
+
+def _interval(bounds) -> str:
+    return f" [95% of rounds {bounds[0]:.3f}-{bounds[1]:.3f}]" if bounds else ""
 
 
 # --------------------------------------------------------------------------- the driver
