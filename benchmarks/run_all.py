@@ -30,12 +30,13 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-# name, script, modules it needs beyond trainmesh's runtime deps, needs root, extra args (quick, full).
+# name, script, modules it needs beyond trainmesh's runtime deps, needs root, extra args of a full run.
 # The scripts of other work streams are listed here too; a missing one is skipped with the reason.
 REGISTRY = [
     {"name": "ddp_overhead", "script": "ddp_overhead.py", "needs": []},
     {"name": "trainer_overhead", "script": "trainer_overhead.py", "needs": ["accelerate", "lightning_fabric"]},
-    {"name": "zero_memory", "script": "zero_memory.py", "needs": ["deepspeed"]},
+    # 3 interleaved rounds in a full run: the step-time ratio gets a 95% range over rounds
+    {"name": "zero_memory", "script": "zero_memory.py", "needs": ["deepspeed"], "full_args": ["--rounds", "3"]},
     {"name": "checkpoint", "script": "checkpoint.py", "needs": []},
     {"name": "dataloader", "script": "dataloader.py", "needs": []},
     {"name": "ps", "script": "ps.py", "needs": ["zmq"]},
@@ -135,7 +136,7 @@ def run_one(entry: dict, quick: bool, timeout: float) -> dict:
         return {"status": "skipped", "reason": reason, "figures": {}}
     with tempfile.TemporaryDirectory(prefix="trainmesh-bench-") as tmp:
         out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, os.path.join(HERE, entry["script"]), "--json", out] + (["--quick"] if quick else [])
+        cmd = [sys.executable, os.path.join(HERE, entry["script"]), "--json", out] + (["--quick"] if quick else entry.get("full_args", []))
         env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
         load_before, started = os.getloadavg(), time.perf_counter()
         shown = " ".join([f"benchmarks/{entry['script']}", "--json", "PATH"] + cmd[4:])
