@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_leaves
 from .flops import LocalFlops
 from .op_costs import OpProfile
 from .collectives import CollectiveCounter, CollectiveLog, group_axes
-from .dry_run_pipeline import pipeline_traffic, stage_backwards, stage_forwards
+from .dry_run_pipeline import fsdp_stage, pipeline_traffic, run_fsdp_schedule, stage_backwards, stage_forwards
 from .mesh_spec import MeshSpec
 
 _MIXED = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
@@ -280,8 +280,11 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
         activation_bytes = sum(saved.values())
         recompute.backward = True
         ops.phase = "backward"
+        fsdp = fsdp_stage(runner) if runner is not None and microbatches > 1 else None
         if runner is None:
             _loss(outputs[0]).backward()
+        elif fsdp is not None:  # every microbatch, in the schedule's order, as torch's stage drives FSDP
+            run_fsdp_schedule(runner, fsdp, outputs, args, kwargs, boundary, microbatches, schedule, autocast)
         else:
             stage_backwards(runner, outputs)
     recompute.close()
@@ -290,9 +293,11 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
     notes: list[str] = []
     if runner is not None:
         boundary, per_step = pipeline_traffic(runner, outputs, inputs, distribution, spec, axis_of, mode)
-        counter.log = counter.log.scaled(microbatches).merged(per_step)
-        flops.total *= microbatches
-        ops = ops.scaled(microbatches)
+        if fsdp is None:  # one microbatch was run: the others repeat it
+            counter.log = counter.log.scaled(microbatches)
+            flops.total *= microbatches
+            ops = ops.scaled(microbatches)
+        counter.log = counter.log.merged(per_step)
         in_flight = microbatches if schedule == "gpipe" else min(microbatches, runner.pipe_size - runner.pipe_rank)
         activation_bytes *= in_flight
         notes.append(f"pipeline ({schedule}, {microbatches} microbatches): one microbatch measured per stage; compute "

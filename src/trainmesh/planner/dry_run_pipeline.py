@@ -75,3 +75,57 @@ def pipeline_traffic(runner, outputs, inputs, distribution, spec: MeshSpec, axis
         if runner.reduce_data_grads and runner.data_size > 1:
             _average_grads(runner.parameters(), runner.data_group, runner.data_size)
     return boundary, log
+
+
+def fsdp_stage(runner):
+    """The FSDP-wrapped stage model of a runner holding one stage, or None. torch's schedule drives such
+    a stage itself (``PipelineStage.backward_maybe_with_nosync`` / ``perform_reduce_grad``): gradients
+    are reduce-scattered once per step, and parameters stay gathered between microbatches' backwards,
+    so its traffic is not one microbatch's times the microbatches."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if len(runner.modules) != 1:
+        return None
+    inner = getattr(runner.modules[0], "stage_model", None)
+    return inner if isinstance(inner, FSDPModule) else None
+
+
+def schedule_order(stage_index: int, num_stages: int, microbatches: int, schedule: str) -> list[tuple[str, int]]:
+    """The forward/backward order torch's GPipe or 1F1B runs on one stage (warm-up forwards, then one
+    backward and one forward in turn, then the remaining backwards)."""
+    if schedule == "gpipe":
+        return [("F", i) for i in range(microbatches)] + [("B", i) for i in range(microbatches)]
+    warm = min(microbatches, num_stages - stage_index)
+    order, forward = [("F", i) for i in range(warm)], warm
+    for backward in range(microbatches):
+        order.append(("B", backward))
+        if forward < microbatches:
+            order.append(("F", forward))
+            forward += 1
+    return order
+
+
+def run_fsdp_schedule(runner, stage, first_output, args: tuple, kwargs: dict, boundary, microbatches: int,
+                      schedule: str, autocast) -> None:
+    """Run the rest of a step's microbatches on an FSDP stage in the schedule's order, with the FSDP
+    settings torch's stage applies (the first microbatch's forward has run: ``first_output``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    outputs = {0: first_output}
+    for kind, k in schedule_order(runner.indices[0], runner.num_stages, microbatches, schedule)[1:]:
+        if kind == "F":
+            with autocast:
+                outputs[k] = stage_forwards(runner, args, kwargs, boundary)[0]
+            continue
+        stage.set_is_last_backward(False)
+        stage.set_reshard_after_backward(False)
+        stage.set_requires_gradient_sync(False)
+        stage_backwards(runner, outputs.pop(k))
+    stage.set_is_last_backward(True)
+    stage.set_reshard_after_backward(True)
+    stage.set_requires_gradient_sync(True)
+    state = fully_shard.state(stage)
+    for each in state._state_ctx.all_states:
+        for group in each._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()

@@ -6,10 +6,17 @@ adds up and prices what was measured:
 
 * peak memory = params + optimizer + buffers + max(grads, activations), the Trainer's order
   (gradients freed after each step; with accumulation or a pipeline both are alive together);
-* step time on ``hardware``: compute = measured FLOPs / the device's FLOP rate; each axis's
-  collectives priced by the alpha-beta model (``hardware.axis_seconds``); model-axis (tensor
-  parallel) traffic is on the critical path, batch-axis traffic (DDP buckets, FSDP2 gathers and
-  reduce-scatters) overlaps compute and only its excess shows;
+* step time on ``hardware``: compute is every op the dry run dispatched, priced one by one
+  (``op_costs.price``: matmuls by FLOPs at the rate a matmul of that size gets, memory-bound ops
+  such as norms, activations and the optimizer's updates by the bytes they move, plus a per-op
+  dispatch overhead and DTensor's sharding-propagation overhead), split into forward, backward
+  and optimizer; each axis's collectives priced by the alpha-beta model with the backend's
+  algorithms (``hardware.axis_seconds``). Model- and pipe-axis traffic is on the critical path;
+  batch-axis traffic (DDP buckets, FSDP2 gathers and reduce-scatters) overlaps forward and
+  backward where the hardware can overlap (devices; a CPU host with a core to spare), and only
+  its excess shows; a pipeline adds the (p-1)/m bubble. On a CPU host whose cores the processes
+  share (with each other and with other load), the step is at least the CPU time each process
+  asks for at the share of a core it gets (``Hardware.contention``);
 * MFU = model FLOPs (6N + 12·L·H·T per token, the convention torchtitan and Megatron-LM report)
   per step over world size x step time x peak.
 
