@@ -122,13 +122,15 @@ def _loss(output) -> torch.Tensor:
     return first.float().mean()
 
 
-def _unsharded_buffers(model: nn.Module, zero_stage: int) -> tuple[int, list[str]]:
+def _unsharded_buffers(model: nn.Module, zero_stage: int, accumulating: bool = False) -> tuple[int, list[str]]:
     """Working copies during a step, read from the wrapped model itself.
 
     FSDP2: the unsharded size of each parameter group (all of them at stage 2, which keeps units
     gathered from forward to backward; the root and the two largest at stage 3: the one
     computing and the one prefetched), plus the largest group's unsharded gradient before its
-    reduce-scatter. DDP: its gradient buckets.
+    reduce-scatter. DDP: its gradient buckets. ``accumulating``: a pipeline stage under torch's
+    schedule keeps every group gathered between microbatches and accumulates every group's unsharded
+    gradient until the step's one reduce-scatter.
     """
     notes: list[str] = []
     groups = []
@@ -145,6 +147,8 @@ def _unsharded_buffers(model: nn.Module, zero_stage: int) -> tuple[int, list[str
             grad = sum(n * p.orig_dtype.itemsize for n, p in zip(numels, group.fsdp_params))
             groups.append((module is model, size, grad))
     if groups:
+        if accumulating:
+            return sum(size + grad for _, size, grad in groups), notes
         if zero_stage == 2:
             gathered = sum(size for _, size, _ in groups)
         else:
@@ -316,7 +320,7 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
                                      if isinstance(v, torch.Tensor))
     if keep is not None:
         keep.update(model=model, optimizer=opt)
-    buffers, buffer_notes = _unsharded_buffers(model, zero_stage)
+    buffers, buffer_notes = _unsharded_buffers(model, zero_stage, accumulating=runner is not None and fsdp is not None)
     notes += buffer_notes
     return RankResult(rank=rank, coords=spec.coords(rank), params=param_bytes, grads=grad_bytes,
                       optimizer=optimizer_bytes, activations=activation_bytes, buffers=buffers, flops=flops.total,
