@@ -134,9 +134,9 @@ class PSClient:
         """Future of ``{name: tensor}`` (the server values, in each parameter's shape).
 
         ``with_clock=True``: future of ``(values, fresh_clock)``, where the values include every
-        update made at clocks < ``fresh_clock`` (the smallest live clock the answering servers
-        had; 0 when a server could not say). The SSP cache (``dense_cache.py``) reuses them while
-        its clock - staleness <= ``fresh_clock``."""
+        update made at clocks < ``fresh_clock`` by every live worker (the smallest live clock the
+        answering servers had; infinity where none was live, as the servers' gate reads it). The
+        SSP cache (``dense_cache.py``) reuses them while its clock - staleness <= ``fresh_clock``."""
         names = [names] if isinstance(names, str) else list(names)
         plan = {name: self._dense_parts(name) for name in names}
         by_server: dict[int, list[str]] = {}
@@ -155,7 +155,7 @@ class PSClient:
             if not with_clock:
                 return values
             fresh = [reply.meta.get("min_clock") for reply in replies]
-            return values, min((f if isinstance(f, int) else 0 for f in fresh), default=0)
+            return values, min((f if isinstance(f, int) else math.inf for f in fresh), default=math.inf)
 
         return self.io.submit(messages, assemble)
 

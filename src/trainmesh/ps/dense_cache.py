@@ -69,7 +69,7 @@ class DenseCache:
         elif self._prefetch is None:
             self._prefetch = self.client.pull(self.names, with_clock=True)
         assert self.fresh_enough(clock), (clock, self.fresh_clock, self.staleness)
-        if not math.isinf(self.staleness):
+        if not math.isinf(self.staleness) and not math.isinf(self.fresh_clock):
             self.max_lead = max(self.max_lead, int(clock - self.fresh_clock))
 
     def drain(self) -> None:
@@ -81,10 +81,10 @@ class DenseCache:
         future, self._prefetch = self._prefetch, None
         self._adopt(future.result())
 
-    def _adopt(self, answer: tuple[dict[str, torch.Tensor], int]) -> None:
+    def _adopt(self, answer: tuple[dict[str, torch.Tensor], float]) -> None:
+        # The newest copy wins even if its fresh clock is lower (a worker counted dead came back):
+        # the bound is checked against the copy in use, and a too-old one is replaced by a gated pull.
         values, fresh_clock = answer
-        if fresh_clock < self.fresh_clock:
-            return  # a worker counted dead came back: keep the copy whose bound is known
         with torch.no_grad():
             for name in self.names:
                 param = self.params[name]
