@@ -304,8 +304,11 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
         counter.log = counter.log.merged(per_step)
         in_flight = microbatches if schedule == "gpipe" else min(microbatches, runner.pipe_size - runner.pipe_rank)
         activation_bytes *= in_flight
-        notes.append(f"pipeline ({schedule}, {microbatches} microbatches): one microbatch measured per stage; compute "
-                     f"and stage traffic x {microbatches}; activations x the microbatches a stage holds in flight "
+        measured = (f"all {microbatches} microbatches run per stage in the schedule's order (FSDP as torch's stage "
+                    "drives it)") if fsdp is not None else (f"one microbatch measured per stage; compute and stage "
+                                                           f"traffic x {microbatches}")
+        notes.append(f"pipeline ({schedule}, {microbatches} microbatches): {measured}; activations x the microbatches a "
+                     f"stage holds in flight "
                      f"(1F1B: pipe size - stage; GPipe: all); send/recv counted from the measured boundary shapes")
     activation_bytes += recompute.peak
     if is_ddp and fake:
