@@ -7,6 +7,7 @@ mine" is a ``bind()``. The same choice across real namespaces is in tests/multih
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 from pathlib import Path
@@ -135,3 +136,13 @@ def test_node_rank_checked_against_the_largest_node_count(script, capsys):
     with pytest.raises(SystemExit):
         run.handle(args, parser)
     assert "--node-rank must be < --nnodes" in capsys.readouterr().err
+
+
+def test_an_empty_omp_num_threads_counts_as_unset():
+    # libgomp rejects "" and every worker then runs a thread per core: 10x slower steps on 4 workers.
+    from trainmesh.launcher import run
+
+    cores = max(1, (os.cpu_count() or 1) // 2)
+    assert run.worker_env(2, environ={"OMP_NUM_THREADS": ""})["OMP_NUM_THREADS"] == str(cores)
+    assert run.worker_env(2, environ={})["OMP_NUM_THREADS"] == str(cores)
+    assert "OMP_NUM_THREADS" not in run.worker_env(2, environ={"OMP_NUM_THREADS": "3"})

@@ -255,9 +255,10 @@ def worker_env(nproc_per_node: int, environ: Mapping[str, str] | None = None,
         # publishes it for the new round, so a replacement node (a host that died and came back)
         # waits for it forever (torch 2.14). Unshared, every round publishes a fresh one.
         extra["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    if "OMP_NUM_THREADS" not in environ:
+    if not environ.get("OMP_NUM_THREADS", "").strip():
         # Share the cores instead of letting every worker start one thread per core; torchrun's
-        # own default of 1 (with a warning) wastes cores when there are more than workers.
+        # own default of 1 (with a warning) wastes cores when there are more than workers. An empty
+        # value counts as unset: libgomp rejects it and every worker then takes every core.
         extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
     return extra
 
@@ -266,12 +267,16 @@ def worker_env(nproc_per_node: int, environ: Mapping[str, str] | None = None,
 def _environ_added(extra: Mapping[str, str]) -> Iterator[None]:
     """Add ``extra`` to ``os.environ`` (which workers inherit) and remove it afterwards,
     so calling :func:`trainmesh.launcher.main` from Python leaves the caller's environment alone."""
+    before = {name: os.environ.get(name) for name in extra}
     os.environ.update(extra)
     try:
         yield
     finally:
-        for name in extra:
-            os.environ.pop(name, None)
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
