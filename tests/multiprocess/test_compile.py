@@ -20,6 +20,8 @@ import torch
 from trainmesh._torch.compile import compile_unavailable_reason
 from trainmesh.testing import run_distributed
 
+from residual_net import Net as ResidualNet, data as residual_data
+
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 N, BATCH, EPOCHS, TOL = 64, 16, 2, 1e-5
@@ -39,34 +41,11 @@ CASES = {
 
 
 def data():
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(N, 8, generator=g), torch.randn(N, 4, generator=g)
+    return residual_data(N)
 
 
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(16)
-        self.up = torch.nn.Linear(16, 32)
-        self.down = torch.nn.Linear(32, 16)
-
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = torch.nn.Linear(8, 16)
-        self.blocks = torch.nn.ModuleList([Block(), Block()])
-        self.head = torch.nn.Linear(16, 4)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+def Net():  # noqa: N802 - the tests build it like a class
+    return ResidualNet(hidden=32)
 
 
 def distribution(kind, stage):

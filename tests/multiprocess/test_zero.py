@@ -19,42 +19,11 @@ import torch
 
 from trainmesh.testing import run_distributed
 
+from residual_net import Net, data
+
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 N, BATCH, EPOCHS = 64, 16, 2
-
-
-def data(n=N):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
-
-
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(16)
-        self.up = torch.nn.Linear(16, 64)
-        self.down = torch.nn.Linear(64, 16)
-
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
-
-
-class Net(torch.nn.Module):
-    """Transformer-ish: blocks in a ModuleList (the default FSDP units), an input and a head."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = torch.nn.Linear(8, 16)
-        self.blocks = torch.nn.ModuleList([Block(), Block()])
-        self.head = torch.nn.Linear(16, 4)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def _local(t):
