@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 import torch
 
+from trainmesh import runtime
+
 SUPPORTED = ("SGD", "Adam", "Adagrad")
 
 
@@ -75,6 +77,8 @@ class PSOptimizer(torch.optim.Optimizer):
         self._in_flight: collections.deque[list[Future]] = collections.deque()
         cache = strategy.dense_cache
         self.max_in_flight = 2 if cache is None or math.isinf(cache.staleness) else int(cache.staleness) + 1
+        sync_tables = any((getattr(t, "mode", None) or strategy.mode_of(t.name)[0]) == "sync" for t in tables)
+        self._round_fence = strategy.num_workers > 1 and (cache is None or sync_tables)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -83,6 +87,13 @@ class PSOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         client = self._strategy.client
+        if self._round_fence:
+            # Sync means every worker reads a round's values before anybody's next update lands.
+            # The servers apply a push on arrival and gate pulls on the slowest clock, so without
+            # this a peer's next push could reach a pull answered late (a dense pull whose sender
+            # was descheduled, or an embedding row pull in the next forward). One barrier per step:
+            # every read of this step is done before anybody pushes.
+            runtime.barrier()
         futures = []
         for group, names in zip(self.param_groups, self._names):
             grads = {}
