@@ -20,7 +20,7 @@ from .cluster_env import ClusterEnv, detect_cluster_env
 DEFAULT_TIMEOUT_S = 300.0
 
 _lock = threading.Lock()
-_state: dict = {"cluster": None, "timeout": None, "owned": False}
+_state: dict = {"cluster": None, "timeout": None, "owned": False, "exit_hook": False}
 _on_shutdown: list = []
 
 
@@ -103,7 +103,9 @@ def initialize(
                 dist.init_process_group(chosen_backend, init_method=cluster.init_method, rank=cluster.rank,
                                         world_size=cluster.world_size, timeout=td)
         _state.update(cluster=cluster, timeout=td, owned=True)
-        atexit.register(_release_at_exit)
+        if not _state.get("exit_hook"):  # once per process: initialize() may run again after shutdown()
+            atexit.register(_release_at_exit)
+            _state["exit_hook"] = True
         return cluster
 
 
