@@ -33,6 +33,21 @@ def all_reduce_small(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor
     return tensor.cpu()
 
 
+def all_reduce_small_async(values: torch.Tensor, op=dist.ReduceOp.SUM):
+    """Start :func:`all_reduce_small` and return ``wait() -> reduced CPU vector``: the reduction
+    runs on the process group's own threads (or stream) while the caller goes on."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return lambda: values
+    tensor = values.cuda() if dist.get_backend() == "nccl" else values
+    work = dist.all_reduce(tensor, op=op, async_op=True)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return tensor.cpu()
+
+    return wait
+
+
 def gather_batches(local_outputs: list, distribution) -> list[torch.Tensor]:
     """Every batch's full outputs, in order, on every process.
 

@@ -13,6 +13,11 @@ Two modes:
 A DTensor loss counts as its global value times this process's rows; processes that share a
 data index then contribute equally to numerator and denominator, so the ratio stays exact.
 
+The checked all-reduce is launched as soon as the step's loss is known, before the last
+backward (:meth:`LossAccumulator.start_check`), and waited for after it: it then runs beside
+backward instead of after it, where its round trip (and any skew between the processes) would
+add to every step. Only a check that carries the gradients' norm must wait for backward.
+
 Other per-step agreements can ride on the checked mode's all-reduce instead of making their own
 (:func:`add_rider`): the async checkpoint commit asks "is every rank's write done?" this way.
 """
@@ -23,7 +28,7 @@ import math
 
 import torch
 
-from trainmesh._torch.reduce import all_reduce_small
+from trainmesh._torch.reduce import all_reduce_small, all_reduce_small_async
 
 # Riders: objects with ``local_value() -> float`` and ``receive(total: float)``, summed over every
 # process in the per-step all-reduce. Every process must register the same riders in the same
@@ -51,6 +56,7 @@ class LossAccumulator:
         self._step_sum: torch.Tensor | float = 0.0  # the step in progress, this process
         self._step_samples = 0
         self.grad_norm: float | None = None  # of the last checked step, when its gradients rode along
+        self._launched = None  # wait() -> the reduced vector: a check in flight (start_check)
 
     def add(self, loss: torch.Tensor, samples: int) -> None:
         value = loss.detach()
@@ -62,30 +68,48 @@ class LossAccumulator:
     def pending(self) -> bool:
         return bool(self._local_samples or self._global_samples or self._step_samples)
 
+    def start_check(self, *, stop_local: bool) -> None:
+        """Launch this step's check all-reduce now, with every micro-batch's loss added; :meth:`end_step`
+        then only waits for it. Only where reading the loss costs no device sync (the caller knows:
+        the Trainer asks on CPU only, on every process alike): on an accelerator the host would stall
+        the device's queue before backward, so the check stays after backward there."""
+        if self._launched is not None:
+            raise RuntimeError("start_check called twice in one step")
+        self._launched = all_reduce_small_async(self._check_vector(stop_local, None))
+
+    def _check_vector(self, stop_local: bool, grad_square: torch.Tensor | None) -> torch.Tensor:
+        step_value = _to_cpu_double(self._step_sum)
+        finite = bool(torch.isfinite(step_value))
+        return torch.stack([
+            _to_cpu_double(self._local_sum), _f64(self._local_samples),
+            step_value if finite else _f64(0.0), _f64(self._step_samples if finite else 0),
+            _f64(1.0 if stop_local else 0.0), _f64(0.0 if finite else 1.0),
+            *(_f64(rider.local_value()) for rider in _RIDERS),
+            *([grad_square.detach().double().cpu().reshape(())] if grad_square is not None else []),
+        ])
+
     def end_step(self, *, check: bool, stop_local: bool, grad_square: torch.Tensor | None = None) -> tuple[bool, bool]:
         """Fold the step in. Returns ``(non-finite on some process, stop requested somewhere)``,
         both identical on every process when ``check`` (unchecked: ``(False, False)``).
 
         ``grad_square`` (this process's share of the squared gradient norm, checked mode only, given
         by every process or by none) rides in the same all-reduce; ``grad_norm`` is then the global
-        norm (None otherwise): gradient clipping needs no all-reduce of its own."""
-        step_sum, step_samples = self._step_sum, self._step_samples
-        self._step_sum, self._step_samples = 0.0, 0
+        norm (None otherwise): gradient clipping needs no all-reduce of its own. A check launched
+        early (:meth:`start_check`) is waited for here; it cannot carry ``grad_square``."""
+        launched, self._launched = self._launched, None
         self.grad_norm = None
+        if launched is not None and (not check or grad_square is not None):
+            raise RuntimeError("a check launched by start_check must end in a checked end_step without grad_square")
         if not check:
-            self._local_sum = self._local_sum + step_sum
-            self._local_samples += step_samples
+            self._local_sum = self._local_sum + self._step_sum
+            self._local_samples += self._step_samples
+            self._step_sum, self._step_samples = 0.0, 0
             return False, False
-        step_value = _to_cpu_double(step_sum)
-        finite = bool(torch.isfinite(step_value))
-        vector = torch.stack([
-            _to_cpu_double(self._local_sum), _f64(self._local_samples),
-            step_value if finite else _f64(0.0), _f64(step_samples if finite else 0),
-            _f64(1.0 if stop_local else 0.0), _f64(0.0 if finite else 1.0),
-            *(_f64(rider.local_value()) for rider in _RIDERS),
-            *([grad_square.detach().double().cpu().reshape(())] if grad_square is not None else []),
-        ])
-        reduced = all_reduce_small(vector).tolist()
+        if launched is None:
+            reduced = all_reduce_small(self._check_vector(stop_local, grad_square)).tolist()
+        else:
+            reduced = launched().tolist()
+        self._step_sum, self._step_samples = 0.0, 0
         if grad_square is not None:
             self.grad_norm = math.sqrt(max(reduced.pop(), 0.0))
         for rider, total in zip(_RIDERS, reduced[6:]):

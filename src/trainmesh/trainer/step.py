@@ -45,8 +45,13 @@ def batch_rows(value: Any) -> int:
 
 
 def forward_backward(model: torch.nn.Module, micro_batches: list, loss_fn: Callable, precision: Precision,
-                     losses: LossAccumulator, on_outputs: Callable[[Any, Any], None] | None = None) -> None:
-    """Accumulate gradients of ``mean(loss over the step)`` over the micro-batches."""
+                     losses: LossAccumulator, on_outputs: Callable[[Any, Any], None] | None = None,
+                     before_last_backward: Callable[[], None] | None = None) -> None:
+    """Accumulate gradients of ``mean(loss over the step)`` over the micro-batches.
+
+    ``before_last_backward`` runs once every micro-batch's loss is in ``losses`` and before the last
+    backward (the Trainer starts its loss check there, to run beside backward). A pipeline's
+    schedule interleaves the two, so it is not called there."""
     pipeline = getattr(model, "_trainmesh_pipeline", None)
     if pipeline is not None:  # the schedule runs forward and backward over the stages
         return pipeline.forward_backward(micro_batches, loss_fn, precision, losses, on_outputs)
@@ -64,8 +69,10 @@ def forward_backward(model: torch.nn.Module, micro_batches: list, loss_fn: Calla
             scaled = loss.float() / k
             if precision.scaler is not None:
                 scaled = precision.scaler.scale(scaled)
+            losses.add(loss, batch_rows(targets))
+            if final and before_last_backward is not None:
+                before_last_backward()
             scaled.backward()
-        losses.add(loss, batch_rows(targets))
         if on_outputs is not None:
             on_outputs(outputs.detach() if torch.is_tensor(outputs) else outputs, targets)
 

@@ -76,7 +76,8 @@ class Trainer:
             raise TypeError(f"loss_fn must be callable. Received: {loss_fn!r}")
         runtime.initialize()
         self.distribution = _resolve_distribution(distribution)
-        self.precision = build_precision(self.config.precision, runtime.torch_device_type())
+        self._device_type = runtime.torch_device_type()
+        self.precision = build_precision(self.config.precision, self._device_type)
         names_before = {id(p): name for name, p in model.named_parameters()}
         # every name of every parameter -> its first name (a tied head's weight -> the embedding's)
         self._canonical = {name: names_before[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
@@ -250,15 +251,19 @@ class Trainer:
         return logs
 
     def _optimizer_step(self, micro_batches: list, losses: LossAccumulator) -> dict[str, Any]:
-        self._beacon.phase = "forward/backward and gradient reduction"
-        forward_backward(self.model, micro_batches, self.loss_fn, self.precision, losses,
-                         on_outputs=self._update_metrics if self.metrics else None)
-        self._beacon.phase = "loss all-reduce (non-finite check, stop request)"
         guard = self.config.nonfinite_loss
         scaler = self.precision.scaler
-        # Without a loss scaler the gradients are final here: their norm rides on the loss check's
-        # all-reduce (one collective per step instead of two). A scaler unscales them first, below.
+        # Without a loss scaler the gradients are final after backward: their norm rides on the loss
+        # check's all-reduce (one collective per step instead of two). A scaler unscales them first, below.
         ride = guard is not None and scaler is None and self.config.max_grad_norm is not None
+        # Otherwise the check needs only the losses: on CPU it starts before the last backward and runs
+        # beside it (loss_tracking.py); on an accelerator reading the loss early would stall the device.
+        early = guard is not None and not ride and self._device_type == "cpu"
+        self._beacon.phase = "forward/backward and gradient reduction"
+        forward_backward(self.model, micro_batches, self.loss_fn, self.precision, losses,
+                         on_outputs=self._update_metrics if self.metrics else None,
+                         before_last_backward=(lambda: losses.start_check(stop_local=self._stop_local)) if early else None)
+        self._beacon.phase = "loss all-reduce (non-finite check, stop request)"
         nonfinite, stop = losses.end_step(check=guard is not None, stop_local=self._stop_local,
                                           grad_square=local_grad_square_sum(self.params) if ride else None)
         self.stop_requested = self.stop_requested or stop
