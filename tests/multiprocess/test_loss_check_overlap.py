@@ -44,7 +44,8 @@ def test_the_check_starts_after_every_loss_and_before_the_last_backward() -> Non
                      before_last_backward=launch)
     assert [s[0] for s in seen] == [6]  # once, with both micro-batches' 3 rows each
     assert first_grads == {0: 0, 1: 1}  # first backward before the launch, the last one after it
-    expected = sum(float(torch.nn.functional.mse_loss(model(x), y)) for x, y in micro)  # weights unchanged
+    with torch.no_grad():  # weights unchanged: no optimizer step ran
+        expected = sum(float(torch.nn.functional.mse_loss(model(x), y)) for x, y in micro)
     assert losses.end_step(check=True, stop_local=False) == (False, False)
     mean, samples, _ = losses.sync(False)
     assert samples == 6 and math.isclose(mean, expected / 2, rel_tol=1e-6)
