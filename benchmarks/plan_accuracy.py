@@ -176,6 +176,8 @@ def _worker(cases, rounds: int, hardware, priority: bool) -> dict:
     from trainmesh.planner.flops import LocalFlops
     from trainmesh.planner.op_costs import OpProfile
 
+    from trainmesh.planner.calibrate_cores import probe_work, run_window
+
     steps, peaks, flops, ops = [], [], [], []
     for case in cases:
         with LiveBytes() as tracker:
@@ -193,13 +195,30 @@ def _worker(cases, rounds: int, hardware, priority: bool) -> dict:
     times = [[] for _ in cases]
     cpu = [[] for _ in cases]  # CPU seconds the process spent in the step (a diagnostic: wall minus this is waiting)
     wire = [[] for _ in cases]
-    probes = []
+    probes, shares = [], []
+    work = probe_work()
+    n = tm.world_size()
+    window = 0.2
     for r in range(rounds):
-        # The machine is shared and its load moves by the minute: the per-op figures are measured again
-        # every round by one process alone (the others wait in a barrier), beside the steps they price.
+        # The machine is shared and its load moves by the second: the per-op figures are measured again
+        # every round by one process alone (the others wait in a barrier), and so is the rate of the
+        # core-sharing probe (calibrate_cores) alone and with 2 processes at once; right before each
+        # case's step, all n processes run the probe at once. Each step is priced with its own round's
+        # figures (how much slower a process runs among n than alone, beside the step it prices).
+        rates: dict = {"cases": {}}
         if tm.rank() == 0:
             probes.append(measure_compute(hardware, repeats=3).to_dict())
+            units, wall, _ = run_window(work, window)
+            rates[1] = units / wall
+        for p in [2] if n > 2 else []:
+            tm.barrier()
+            if tm.rank() < p:
+                units, wall, _ = run_window(work, window)
+                rates[p] = units / wall
         for i in [(r + k) % len(cases) for k in range(len(cases))]:  # interleaved, in a rotating order
+            tm.barrier()
+            units, wall, _ = run_window(work, window)
+            rates["cases"][i] = units / wall
             tm.barrier()
             written = _socket_bytes()
             start, used = time.perf_counter(), time.process_time()
@@ -207,7 +226,28 @@ def _worker(cases, rounds: int, hardware, priority: bool) -> dict:
             times[i].append(time.perf_counter() - start)
             cpu[i].append(time.process_time() - used)
             wire[i].append(_socket_bytes() - written)
-    return {"times": times, "cpu": cpu, "wire": wire, "peaks": peaks, "flops": flops, "ops": ops, "probes": probes}
+        shares.append(rates)
+    return {"times": times, "cpu": cpu, "wire": wire, "peaks": peaks, "flops": flops, "ops": ops, "probes": probes,
+            "shares": shares}
+
+
+def _round_hardware(hardware, measured: list[dict], k: int, index: int):
+    """Round ``k``'s figures for case ``index``: rank 0's per-op probe, and the core-sharing curve
+    ((1, 1), (2, alone / rate of 2 at once), (n, alone / median rate of n at once before the step))."""
+    from dataclasses import replace
+
+    from trainmesh.planner.hardware import Hardware
+
+    n = len(measured)
+    alone = measured[0]["shares"][k][1]
+    curve = [(1, 1.0)]
+    if n > 2:
+        curve.append((2, alone / statistics.median(measured[r]["shares"][k][2] for r in range(2))))
+    curve.append((n, alone / statistics.median(measured[r]["shares"][k]["cases"][index] for r in range(n))))
+    probe = Hardware.from_dict(measured[0]["probes"][k])
+    return replace(hardware, flops=probe.flops, flops_curve=probe.flops_curve, bandwidth_curve=probe.bandwidth_curve,
+                   memory_bandwidth=probe.memory_bandwidth, op_overhead=probe.op_overhead,
+                   external_load=probe.external_load, contention_curve=tuple(curve))
 
 
 def _median_hardware(hardware, probes: list[dict]):
@@ -297,10 +337,17 @@ def main() -> int:
         for index, (case, results) in enumerate(zip(group, dry)):
             plan = _price(case, results, during)
             before = _price(case, results, hardware).get("step").seconds
+            round_hw = [_round_hardware(hardware, measured, k, index) for k in range(rounds)]
+            planned = [_price(case, results, hw)["step"] for hw in round_hw]
+            plan["step"] = sorted(planned, key=lambda e: e.seconds)[len(planned) // 2]  # the median round's plan
+            slowdowns = [hw.contention(n) for hw in round_hw]
             per_round = [max(measured[r]["times"][index][k] for r in range(n)) for k in range(rounds)]
             median, (low, high) = statistics.median(per_round), ci95(per_round)
             cpu_used = statistics.median(statistics.median(measured[r]["cpu"][index]) for r in range(n))
             step_ratio = plan["step"].seconds / median
+            print(f"  {case[4]:<10} each of {n} processes {statistics.median(slowdowns):.2f}x slower than one alone "
+                  f"(rounds {min(slowdowns):.2f}-{max(slowdowns):.2f}); paired per-round plan/step "
+                  f"{statistics.median(e.seconds / t for e, t in zip(planned, per_round)):.2f}")
             worst["step"].append(step_ratio)
             for rank in range(n):
                 real = measured[rank]

@@ -168,9 +168,41 @@ def test_calibration_measures_per_op_figures_and_caches_them(tmp_path, monkeypat
     from trainmesh.planner.calibrate import calibrate, cached_calibration
 
     monkeypatch.setenv("TRAINMESH_CACHE_DIR", str(tmp_path))
-    hw = calibrate(link=False)
+    hw = calibrate(link=False, contention=False)  # the core-sharing probe has its own test
     assert hw.backend == "gloo" and hw.cores >= 1 and hw.op_overhead > 0 and hw.dtensor_op_overhead > 0
     rates = [r for _, r in hw.flops_curve]
     assert len(rates) == 7 and all(r > 0 for r in rates) and all(r > 0 for _, r in hw.bandwidth_curve)
     assert cached_calibration() == hw
     assert "per op" in hw.describe()
+
+
+def test_measured_core_sharing_prices_the_step_and_is_named_in_the_plan():
+    from dataclasses import replace
+
+    from trainmesh.planner.calibrate_cores import slowdown_at
+    from trainmesh.planner.hardware import HARDWARE
+    from trainmesh.planner.parallel import estimate_step, figures_used
+
+    curve = ((1, 1.0), (2, 1.5), (4, 3.0), (8, 7.0))
+    assert slowdown_at(curve, 1) == 1.0 and slowdown_at(curve, 3) == pytest.approx(2.25)
+    assert slowdown_at(curve, 16) == pytest.approx(14.0) and slowdown_at((), 8) == 1.0
+    plan = plan_parallel("tiny-llama", world_size=4, mesh="data=4", zero_stage=0, micro_batch=1, seq_len=32,
+                         precision="fp32")
+    cpu = replace(HARDWARE["h100"], op_overhead=1e-3, cores=2, devices_per_node=1 << 30, contention_curve=curve)
+    # the measured curve replaces the core count's share (which would say 2.0 for 4 processes on 2 cores)
+    assert cpu.contention(4) == 3.0 and cpu.shares_cores(4) and not replace(cpu, contention_curve=((1, 1.0), (4, 1.0))).shares_cores(4)
+    step = estimate_step(plan.ranks, plan.mesh, cpu, tokens_per_rank=None, shape={})
+    # compute at the 4-process slowdown; the loopback figures already carry 2 processes' share (3.0 / 1.5)
+    assert step.seconds == pytest.approx(3.0 * step.compute + 2.0 * sum(step.axes.values()), rel=1e-6)
+    note = figures_used(cpu, plan.mesh)
+    assert "4 processes per node on 2 cores: each 3.00x slower" in note and "measured" in note
+
+
+@pytest.mark.timeout(240)
+def test_core_sharing_probe_measures_processes_at_once():
+    from trainmesh.planner.calibrate_cores import measure_contention
+
+    curve = measure_contention(processes=(1, 2), window=0.3)
+    assert [p for p, _ in curve] == [1, 2] and all(s > 0 for _, s in curve)
+    with pytest.raises(ValueError, match="processes"):
+        measure_contention(processes=(0,))

@@ -6,7 +6,9 @@
 * Links: all-reduces of 4 KiB .. 8 MiB between two gloo processes on loopback
   (``trainmesh.testing.run_distributed``), median per size, and a least-squares fit of
   ``t = alpha + wire_bytes / beta`` (for two ranks a ring all-reduce sends the buffer once).
-* Cores: the CPUs this process may run on; processes beyond them share (``Hardware.contention``).
+* Cores: the CPUs this process may run on, and how much slower each of 1, 2, 4 and 8 processes run
+  at once than one alone (``calibrate_cores``: the host's other load, the scheduler, shared caches and
+  memory bus; ``Hardware.contention``).
 
 The result is a ``Hardware`` (backend gloo, intra- and inter-node links both the measured one: one
 machine), cached per machine, torch version and thread count (``--hardware calibrated`` reads the
@@ -90,7 +92,7 @@ def _key() -> str:
     return f"{platform.node()}|{platform.machine()}|torch {torch.__version__}|threads={torch.get_num_threads()}"
 
 
-def calibrate(n: int = 1024, *, link: bool = True, save: bool = True) -> "CalibratedHardware":
+def calibrate(n: int = 1024, *, link: bool = True, save: bool = True, contention: bool = True) -> "CalibratedHardware":
     """Measure this machine (about 20 s): per-op cost curves and overheads (``calibrate_ops``) on the
     threads this process has, and the loopback link's alpha/beta between two gloo processes."""
     from .calibrate_ops import measure_compute, measure_dtensor_overhead
@@ -100,10 +102,14 @@ def calibrate(n: int = 1024, *, link: bool = True, save: bool = True) -> "Calibr
     hardware = CalibratedHardware(
         name="calibrated", source=f"calibrated on {platform.node() or 'this machine'} ({cores} cores, "
         f"{torch.get_num_threads()} thread(s) per process, torch {torch.__version__}): matmul and add curves, "
-        "op overheads of a tiny model's step, gloo all-reduce on loopback",
+        "op overheads of a tiny model's step, gloo all-reduce on loopback, 1-8 processes sharing the cores",
         flops=0.0, devices_per_node=1 << 30, intra=loop, inter=loop, cores=cores, backend="gloo")
     hardware = measure_compute(hardware)
     hardware = replace(hardware, dtensor_op_overhead=measure_dtensor_overhead(hardware) or 0.0)
+    if contention:
+        from .calibrate_cores import measure_contention
+
+        hardware = replace(hardware, contention_curve=measure_contention())
     if save:
         _save(hardware)
     return hardware
@@ -139,4 +145,6 @@ class CalibratedHardware(Hardware):
                 f"  bandwidth   {curve(self.bandwidth_curve, 'GB/s')} (by bytes moved)\n"
                 f"  per op      {self.op_overhead * 1e6:.1f} us; on DTensors +{self.dtensor_op_overhead * 1e6:.1f} us\n"
                 f"  cores       {self.cores} (others' runnable processes while measured: {self.external_load:.1f})\n"
-                f"  {self.intra.name:<11} alpha {self.intra.alpha * 1e6:.1f} us, beta {self.intra.beta / 1e9:.2f} GB/s")
+                + (f"  processes   " + ", ".join(f"{p}: {s:.2f}x" for p, s in self.contention_curve)
+                   + " slower each than one alone (run at once)\n" if self.contention_curve else "")
+                + f"  {self.intra.name:<11} alpha {self.intra.alpha * 1e6:.1f} us, beta {self.intra.beta / 1e9:.2f} GB/s")

@@ -55,6 +55,9 @@ class Hardware:
     # Others' processes competing for the host's cores while it was calibrated (calibrate_ops): they take
     # their share of the cores, and the per-op figures were measured with that share.
     external_load: float = 0.0
+    # Measured (calibrate_cores): ((P, slowdown), ...), how much slower each of P processes of one job
+    # runs at once on this host than one alone. When present it replaces the core-count formula.
+    contention_curve: tuple = ()
     backend: str = "nccl"                   # which collective algorithms price the wire (collectives.wire_bytes)
 
     def link_for(self, *, stride: int, size: int) -> Link:
@@ -67,7 +70,7 @@ class Hardware:
     def from_dict(cls, data: dict) -> "Hardware":
         data = dict(data)
         data["intra"], data["inter"] = Link(**data["intra"]), Link(**data["inter"])
-        for key in ("flops_curve", "bandwidth_curve"):
+        for key in ("flops_curve", "bandwidth_curve", "contention_curve"):
             data[key] = tuple(tuple(point) for point in data.get(key, ()))
         return cls(**data)
 
@@ -82,8 +85,21 @@ class Hardware:
 
     def contention(self, world_size: int) -> float:
         """How much slower each process computes than the (single-process) calibration measured, because
-        the job's processes and the host's other load share its cores (1.0 on devices)."""
+        the job's processes and the host's other load share its cores (1.0 on devices): the measured
+        curve where there is one, else the core count's fair share."""
+        if self.contention_curve:
+            from .calibrate_cores import slowdown_at
+
+            return slowdown_at(self.contention_curve, self.processes_per_node(world_size))
         return self.cpu_share(1) / self.cpu_share(self.processes_per_node(world_size))
+
+    def shares_cores(self, world_size: int) -> bool:
+        """Whether the job's processes on a CPU host compete for its cores (then CPU time bounds the step)."""
+        if not self.cores:
+            return False
+        if self.contention_curve:
+            return self.contention(world_size) > 1.0
+        return self.processes_per_node(world_size) + self.external_load > self.cores
 
     def overlaps(self, world_size: int) -> bool:
         """Whether communication can run beside compute: on devices (copy engines, NCCL's own SMs)

@@ -192,8 +192,11 @@ def estimate_step(ranks: list[RankResult], spec: MeshSpec, hardware: Hardware, *
             # is also at least the CPU time each process asks for (compute, and loopback copies) at the
             # share of a core it gets; a stage idle in the pipeline bubble asks for none, so the bubble
             # can hide behind the others' work.
-            busy = (compute + sum(axes.values())) * hardware.contention(spec.world_size)
-            if hardware.processes_per_node(spec.world_size) + hardware.external_load > hardware.cores and busy > path:
+            slowdown = hardware.contention(spec.world_size)
+            # the link figures were measured by 2 processes at once: their share is already in them
+            comm_slowdown = slowdown / max(hardware.contention(2), 1e-9) if hardware.contention_curve else slowdown
+            busy = compute * slowdown + sum(axes.values()) * max(comm_slowdown, 1.0)
+            if hardware.shares_cores(spec.world_size) and busy > path:
                 exposed["cores shared"] = busy - path
                 seconds = busy
         if worst is None or seconds > worst.seconds:
@@ -242,11 +245,33 @@ def plan_parallel(model: str | nn.Module | Callable[[], nn.Module], *, world_siz
                         micro_batch=micro_batch, seq_len=seq_len, num_parameters=shape["num_parameters"],
                         ranks=ranks, step=step, hardware=hw, device_memory=budget, grad_accum_steps=grad_accum_steps)
     plan.notes += sorted({n for r in ranks for n in r.notes})
+    plan.notes.append(figures_used(hw, spec))
     plan.notes.append("ranks dry-run: " + ", ".join(f"{r.rank} ({r.seconds:.1f} s)" for r in ranks)
                       + "; other ranks hold the same or smaller shards")
     if plan.fits is False:
         plan.notes.append(advice(plan))
     return plan
+
+
+def figures_used(hw: Hardware, spec: MeshSpec) -> str:
+    """Which of ``hw``'s figures priced the step, and where they come from (calibrated or published)."""
+    kind = "calibrated" if hw.source.startswith("calibrated") else "published" if hw.source.startswith(
+        "published") else "given"
+    parts = [f"best matmul {hw.flops / 1e9:,.1f} GFLOP/s" + (f" ({len(hw.flops_curve)}-point curve by size)"
+                                                              if hw.flops_curve else "")]
+    if hw.memory_bandwidth:
+        parts.append(f"memory {hw.memory_bandwidth / 1e9:,.1f} GB/s" + (
+            f" ({len(hw.bandwidth_curve)}-point curve)" if hw.bandwidth_curve else ""))
+    if hw.op_overhead or hw.dtensor_op_overhead:
+        parts.append(f"per op {hw.op_overhead * 1e6:.1f} us, per DTensor op +{hw.dtensor_op_overhead * 1e6:.1f} us")
+    links = {hw.link_for(stride=spec.stride(a), size=spec.size(a)) for a in spec.names if spec.size(a) > 1}
+    parts += [f"{link.name} alpha {link.alpha * 1e6:.1f} us, beta {link.beta / 1e9:.2f} GB/s" for link in links]
+    if hw.cores:
+        p = hw.processes_per_node(spec.world_size)
+        how = "measured: that many processes running at once" if hw.contention_curve else "core count's fair share"
+        parts.append(f"{p} processes per node on {hw.cores} cores: each {hw.contention(spec.world_size):.2f}x slower "
+                     f"than one alone ({how})")
+    return f"figures used ({kind}): " + "; ".join(parts)
 
 
 def advice(plan: ParallelPlan) -> str:
@@ -269,4 +294,4 @@ def advice(plan: ParallelPlan) -> str:
             f"about {format_bytes(saved)} less")
 
 
-__all__ = ["plan_parallel", "ParallelPlan", "StepEstimate", "estimate_step"]
+__all__ = ["plan_parallel", "ParallelPlan", "StepEstimate", "estimate_step", "figures_used"]
