@@ -11,7 +11,7 @@ Every variant (a system at a stage) trains the same ~50M-parameter GPT-style tra
 bf16 compute with fp32 master weights and fp32 Adam state on both sides:
 
 * trainmesh: ``tm.Trainer(model, Adam, loss, zero_stage=k, precision="bf16-mixed", progress=False)``
-  (stage 0: DDP; 1: DDP + ZeroRedundancyOptimizer; 2/3: FSDP2 ``fully_shard``).
+  (stage 0: DDP; 1-3: FSDP2 ``fully_shard``; stage 1 differs from 2 only under accumulation).
 * DeepSpeed: ``deepspeed.initialize(model=..., optimizer=Adam, config={"bf16": {"enabled": True},
   "zero_optimization": {"stage": k, ...}})`` with ``DS_ACCELERATOR=cpu`` (bf16 parameters and
   gradients, fp32 master partitions inside its ZeRO optimizer: the ZeRO paper's mixed precision).
@@ -489,9 +489,9 @@ def matching_formula(system: str, stage: int) -> tuple[str, str]:
     """Which formula describes what the system stores, and why."""
     if system == "deepspeed":
         return "paper_2_2_12", "bf16 params + bf16 grads + fp32 master/m/v (the paper's mixed precision)"
-    if stage == 2:
+    if stage in (1, 2):
         return "fp32_all_sharded", ("fp32 params + grads + m/v, all sharded: FSDP2 keeps parameters sharded "
-                                    "between steps at stage 2 too (gathered only from forward to backward)")
+                                    "between steps at stages 1-2 too (gathered only from forward to backward)")
     return "fp32_4_4_8", "fp32 params (the master copy) + fp32 grads + m/v (bf16 only under autocast)"
 
 

@@ -4,8 +4,9 @@
 dispatched op during ``Trainer.fit`` (two optimizer steps, so the optimizer state exists in the
 second). A ``TorchDispatchMode`` registers every storage an op returns (parameters, DDP's
 buckets, gradients, optimizer state, activations, temporaries) and drops it when its last
-reference dies (a weakref finalizer). Storage resizes outside the dispatcher (FSDP's
-``untyped_storage().resize_``) are not seen, so the stages that use FSDP need another count. It excludes allocator caching/fragmentation, Python objects, gloo's own buffers and
+reference dies (a weakref finalizer). Storage resizes outside the dispatcher (FSDP2 frees and
+re-allocates gathered parameters with ``untyped_storage().resize_``) are followed through a patch of
+``UntypedStorage.resize_`` held while the tracker is active. It excludes allocator caching/fragmentation, Python objects, gloo's own buffers and
 the interpreter: it is tensor bytes, the quantity the planner models.
 
 The planner's ``total`` per rank must be within 15% of that peak.
@@ -41,18 +42,40 @@ class LiveTensorBytes(TorchDispatchMode):
     def _forget(self, key: int) -> None:
         self.live -= self.storages.pop(key, 0)
 
+    def _track(self, storage) -> None:
+        key = storage._cdata
+        if key not in self.storages:
+            self.storages[key] = storage.nbytes()
+            self.live += self.storages[key]
+            weakref.finalize(storage, self._forget, key)
+        elif self.storages[key] != storage.nbytes():  # resized in place (FSDP2's gathered parameters)
+            self.live += storage.nbytes() - self.storages[key]
+            self.storages[key] = storage.nbytes()
+        self.peak = max(self.peak, self.live)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
+            t = getattr(t, "_local_tensor", t)  # a DTensor (FSDP2's shards): the storage this rank holds
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                key = storage._cdata
-                if key not in self.storages:
-                    self.storages[key] = storage.nbytes()
-                    self.live += self.storages[key]
-                    weakref.finalize(storage, self._forget, key)
-        self.peak = max(self.peak, self.live)
+                self._track(t.untyped_storage())
         return out
+
+    def __enter__(self):
+        self._resize = resize = torch.UntypedStorage.resize_
+
+        def resize_(storage, size):
+            result = resize(storage, size)
+            if storage.device.type == "cpu":
+                self._track(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
 
 
 def _measure(precision: str, micro_batch: int, seq_len: int, zero_stage: int, accum: int) -> dict:
@@ -87,8 +110,7 @@ CASES = [
     ("bf16-mixed", 16, 128, 0, 1),
     ("fp32", 8, 96, 0, 2),
 ]
-# Stage 1 is DDP + ZeroRedundancyOptimizer: plain storages, so this tracker measures it. Stages 2/3
-# (FSDP2) resize storages outside the dispatcher and are not measured here.
+# Stage 1 is FSDP2 (``_torch/zero.py``): its gathered parameters are resized in place, followed above.
 if _zero_landed():
     CASES.append(("fp32", 8, 96, 1, 1))
 

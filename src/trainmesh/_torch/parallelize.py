@@ -12,8 +12,7 @@
    DDP / FSDP2, whose communicating hooks then stay outside the compiled regions (dynamo skips
    FSDP2's hooks; DDP's fire on gradients) and whose units are the compiled blocks themselves;
 4. data parallelism over the batch axis, last because it wraps or shards whatever the model
-   has become: DDP (stage 0), DDP + sharded optimizer (stage 1; the optimizer part is
-   ``Distribution.prepare_optimizer``), FSDP2 (stages 2-3).
+   has become: DDP (stage 0), FSDP2 (stages 1-3; ``zero.py`` says how the stages differ).
 
 Arguments left ``None`` mean "the distribution's own setting".
 """
@@ -66,7 +65,7 @@ def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None
     if is_tp and options.zero_stage == 1:
         raise ValueError("ModelParallel shards optimizer state with its parameters at stages 2-3 (FSDP2 over the "
                          f"batch axis); stage 1 alone is not offered there. Received: zero_stage=1")
-    if ddp_options and options.zero_stage >= 2:
+    if ddp_options and options.zero_stage >= 1:
         raise ValueError(f"DDP options do not apply to zero_stage {options.zero_stage} (FSDP2). "
                          f"Received: {sorted(ddp_options)}")
     pipeline = getattr(distribution, "pipeline", None)
@@ -123,7 +122,7 @@ def _apply_layers(model: nn.Module, distribution, options: MemoryOptions, activa
     if is_tp and options.zero_stage == 0:
         return model  # TP already reduces gradients over the batch axis (its grad hooks)
     # 4. data parallelism / ZeRO over the batch axis
-    if options.zero_stage >= 2:
+    if options.zero_stage >= 1:
         from .mesh import to_torch_mesh
         from .zero import apply_fsdp
 

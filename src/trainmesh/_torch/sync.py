@@ -29,7 +29,10 @@ def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
     if isinstance(model, DistributedDataParallel):
         return model.no_sync()
     if isinstance(model, FSDPModule):
-        return _fsdp_no_sync(model)
+        # ZeRO 2-3 keep gradients sharded at every micro-step (reduce-scatter each, add into the shard);
+        # ZeRO-1 accumulates unsharded ones locally and reduces once at the boundary (``zero.py``).
+        stage = getattr(model, "_trainmesh_memory", {}).get("zero_stage", 1)
+        return _fsdp_no_sync(model) if stage <= 1 else contextlib.nullcontext()
     if getattr(model, "_trainmesh_distribution", None) is not None:
         return no_grad_sync()
     return contextlib.nullcontext()

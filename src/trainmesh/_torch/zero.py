@@ -1,17 +1,29 @@
-"""ZeRO stages 2 and 3 -> FSDP2 ``fully_shard`` over the batch axis.
+"""ZeRO stages 1, 2 and 3 -> FSDP2 ``fully_shard`` over the batch axis.
 
-Stage 2 shards gradients (reduce-scatter instead of all-reduce) and optimizer state;
-stage 3 also frees each unit's gathered parameters after its forward and gathers them
-again for its backward. Both are FSDP2 with a different resharding policy:
+All three keep fp32 parameter shards between steps (the optimizer's master copy; its state is
+created sharded with them), gather a unit's parameters (in the compute dtype) for its forward,
+and reduce-scatter its gradients bucket by bucket (one bucket per unit) while backward runs, so
+at the optimizer step a process holds only its shard of the gradients. What DeepSpeed's stage-1/2
+optimizer does too: it reduces each bucket into the owner's partition during backward and frees
+the full gradient. The stages differ in two places:
 
-* stage 2: ``reshard_after_forward=False``: a unit's parameters stay gathered from its
-  forward through its backward (no second all-gather). FSDP2 still keeps parameters
-  *sharded between steps* (they are DTensor shards the optimizer updates in place), so
-  stage 2 here shards a superset of what ZeRO-2 promises: the full parameters exist only
-  from a unit's forward to its backward, not for the whole run.
-* stage 3: ``reshard_after_forward=True``: gathered before use, freed after, again in
-  backward; the next unit is prefetched (explicitly, in execution order, where we know it;
-  FSDP2's implicit prefetch otherwise) so communication overlaps compute.
+* accumulation (``sync.no_sync``, the micro-steps before the last): stage 1 skips the
+  reduce-scatter and keeps each unit's *unsharded* gradient, adding micro-step after micro-step
+  locally (no communication until the boundary, full-size gradients meanwhile); stages 2-3
+  reduce-scatter every micro-step and add into the sharded gradient (ZeRO-2's promise: the
+  gradients are partitioned at every moment after their bucket's backward).
+* resharding: stages 1-2 use ``reshard_after_forward=False``: a unit's parameters stay
+  gathered from its forward through its backward (no second all-gather); stage 3 uses
+  ``reshard_after_forward=True``: gathered before use, freed after, again in backward; the
+  next unit is prefetched (explicitly, in execution order, where we know it; FSDP2's implicit
+  prefetch otherwise) so communication overlaps compute.
+
+Stage 1 thus shards a superset of what ZeRO-1 promises (optimizer state): parameters between
+steps and gradients at the step as well. It moves the same bytes per step as DeepSpeed's stage 1
+(one reduce-scatter of the gradients, one all-gather of the parameters: DeepSpeed gathers the
+updated partitions after the step, FSDP2 before the next forward) and holds fewer; replicating
+fp32 parameters and gradients instead (DDP + ``ZeroRedundancyOptimizer``, this module's stage 1
+before) measured 1.74x DeepSpeed's stage-1 peak in ``benchmarks/zero_memory.py``.
 
 The units (which sub-modules are gathered at once) come from ``shard_unit``: see
 ``select_shard_units``. We use torch's engine rather than our own sharding because FSDP2
@@ -124,12 +136,12 @@ def offload_policy(cpu_offload: bool) -> tuple[OffloadPolicy, str]:
 def apply_fsdp(model: nn.Module, dp_mesh, *, zero_stage: int, shard_unit=None,
                compute_dtype: torch.dtype | None = None, reduce_dtype: str | None = None,
                cpu_offload: bool = False) -> nn.Module:
-    """Shard ``model`` over ``dp_mesh`` as ZeRO ``zero_stage`` (2 or 3).
+    """Shard ``model`` over ``dp_mesh`` as ZeRO ``zero_stage`` (1, 2 or 3).
 
     ``dp_mesh`` is the 1-D batch-axis mesh. A tensor-parallel model's parameters may already be
     DTensors on the model axis of the same mesh: FSDP2 then shards them over the batch axis too.
     """
-    assert zero_stage in (2, 3), zero_stage
+    assert zero_stage in (1, 2, 3), zero_stage
     if isinstance(model, FSDPModule):
         raise ValueError("The model is already sharded with fully_shard; pass the plain module.")
     units, ordered = select_shard_units(model, shard_unit)

@@ -31,6 +31,11 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, distribution) -> tor
         return optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"zero_stage=1 needs a torch.optim.Optimizer. Received: {type(optimizer).__name__}")
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if params and all(hasattr(p, "placements") for p in params):
+        # An FSDP2 model (``zero.apply_fsdp``, the stage-1 layout): the parameters are this process's
+        # shards, so the optimizer's state is created sharded with them; nothing to wrap.
+        return optimizer
     if any(optimizer.state.values()):
         raise ValueError("zero_stage=1 shards optimizer state from the first step; pass a fresh optimizer "
                          f"(it has state for {len(optimizer.state)} parameters). Received: optimizer={optimizer!r}")

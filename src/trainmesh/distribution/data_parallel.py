@@ -21,7 +21,7 @@ class DataParallel(Distribution):
     (bucketed all-reduce overlapped with backward).
 
     ``zero_stage`` 1-3 shards optimizer state / + gradients / + parameters over the batch axis
-    (``ZeroRedundancyOptimizer``, FSDP2); ``shard_unit`` picks the FSDP units (a module class,
+    (FSDP2, see ``MemoryOptions``); ``shard_unit`` picks the FSDP units (a module class,
     a tuple of classes, or an int byte threshold; default: each block of the first
     ``nn.ModuleList``); ``cpu_offload`` keeps FSDP2 state in host memory (CUDA only, a no-op
     with a warning on CPU); ``reduce_dtype`` is the gradient-reduction dtype under mixed
@@ -74,15 +74,16 @@ class DataParallel(Distribution):
     def distribute_model(self, model, **ddp_options):
         """Replicate ``model`` (identical on every process at start) under DDP; returns the DDP module
         (or the module itself when the batch axis has a single process: nothing to average).
-        With ``zero_stage`` 2 or 3 the FSDP2-sharded module is returned instead.
+        With ``zero_stage`` 1, 2 or 3 the FSDP2-sharded module is returned instead.
 
         ``ddp_options`` go to ``DistributedDataParallel`` (``find_unused_parameters``,
-        ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``, ...), stages 0-1 only.
+        ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``, ...), stage 0 only.
         """
         return engine("apply_model")(model, self, ddp_options=ddp_options)
 
     def prepare_optimizer(self, optimizer, model):
-        """Stage 1: the same optimizer with its state sharded (``ZeroRedundancyOptimizer``).
+        """Stage 1: the same optimizer with its state sharded (over FSDP2's parameter shards it is
+        the optimizer itself; a ``ZeroRedundancyOptimizer`` over replicated parameters otherwise).
 
         The stage is the one ``model`` was distributed with (a Trainer's ``zero_stage`` may
         override the distribution's)."""

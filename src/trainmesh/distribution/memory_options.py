@@ -8,10 +8,13 @@ torch machinery by ``trainmesh._torch.parallelize``.
 stage  what is sharded over the batch axis     torch engine
 =====  ======================================  ================================================
 0      nothing (replicas, all-reduce)          ``DistributedDataParallel``
-1      optimizer state                         DDP + ``ZeroRedundancyOptimizer``
+1      optimizer state (+ gradients at the     FSDP2 ``fully_shard(reshard_after_forward=False)``,
+       step, + parameters between steps)       unsharded gradients kept over accumulation
 2      + gradients (reduce-scatter)            FSDP2 ``fully_shard(reshard_after_forward=False)``
 3      + parameters (gathered per unit, freed) FSDP2 ``fully_shard(reshard_after_forward=True)``
 =====  ======================================  ================================================
+
+Stage 1 is a superset of ZeRO-1, as DeepSpeed's is (``_torch/zero.py`` says why and what it costs).
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ def _loss(output) -> torch.Tensor:
 def _unsharded_buffers(model: nn.Module, zero_stage: int, accumulating: bool = False) -> tuple[int, list[str]]:
     """Working copies during a step, read from the wrapped model itself.
 
-    FSDP2: the unsharded size of each parameter group (all of them at stage 2, which keeps units
+    FSDP2: the unsharded size of each parameter group (all of them at stages 1-2, which keep units
     gathered from forward to backward; the root and the two largest at stage 3: the one
     computing and the one prefetched), plus the largest group's unsharded gradient before its
     reduce-scatter. DDP: its gradient buckets. ``accumulating``: a pipeline stage under torch's
@@ -149,7 +149,7 @@ def _unsharded_buffers(model: nn.Module, zero_stage: int, accumulating: bool = F
     if groups:
         if accumulating:
             return sum(size + grad for _, size, grad in groups), notes
-        if zero_stage == 2:
+        if zero_stage in (1, 2):  # FSDP2 at both (``_torch/zero.py``), units gathered forward to backward
             gathered = sum(size for _, size, _ in groups)
         else:
             root = sum(size for is_root, size, _ in groups if is_root)
@@ -236,7 +236,7 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
     axis_of = group_axes(torch_mesh)
     regions = _checkpointed_modules(model, activation_checkpointing)
     model = parallelize(model, distribution, zero_stage=zero_stage, activation_checkpointing=activation_checkpointing,
-                        mixed_precision=_MIXED.get(precision) if zero_stage >= 2 else None)
+                        mixed_precision=_MIXED.get(precision) if zero_stage >= 1 else None)
     model.train()
     params = [p for p in model.parameters()]
     param_bytes = _storage_bytes(params) + _storage_bytes(model.buffers())

@@ -39,10 +39,10 @@ from trainmesh.comm.accounting import ByteCounter, describe_step, StepBytes
 from trainmesh.compression import Compressor, get_compressor
 
 _UNSUPPORTED_STAGE = (
-    "compression={spec!r} (PowerSGD) works with zero_stage 0 and 1, where DDP reduces whole "
-    "gradients. ZeRO stage {stage} reduce-scatters FSDP2's flat rows of padded parameter slices, "
-    "and PowerSGD needs each parameter's matrix. Use zero_stage=1 (sharded optimizer state) with "
-    "PowerSGD, or an elementwise compressor (fp16, bf16, int8, topk) at stage {stage}."
+    "compression={spec!r} (PowerSGD) works with zero_stage 0, where DDP reduces whole gradients. "
+    "ZeRO stage {stage} reduce-scatters FSDP2's flat rows of padded parameter slices (every stage from "
+    "zero_stage=1 on shards gradients that way), and PowerSGD needs each parameter's matrix. Use "
+    "zero_stage=0 with PowerSGD, or an elementwise compressor (fp16, bf16, int8, topk) at stage {stage}."
 )
 
 
@@ -62,7 +62,7 @@ def host_groups_for(setting: bool | None, whole_world: bool, stage: int, model: 
     world = runtime.world_size()
     if setting is True and not whole_world:
         raise ValueError("hierarchical_allreduce=True needs DDP over every process (a 1-D DataParallel, "
-                         f"zero_stage 0 or 1). Received: model {type(model).__name__}, zero_stage={stage}")
+                         f"zero_stage 0). Received: model {type(model).__name__}, zero_stage={stage}")
     if world == 1 or not whole_world or setting is False:
         return None, None
     from trainmesh.comm.topology import discover, host_groups
@@ -193,12 +193,12 @@ def install_communication(model: torch.nn.Module, config) -> GradientCommunicati
     compressor = get_compressor(config.compression)
     memory = getattr(model, "_trainmesh_memory", None) or {}
     stage = memory.get("zero_stage", 0)
-    if compressor is not None and stage >= 2 and compressor.name == "powersgd":
+    if compressor is not None and stage >= 1 and compressor.name == "powersgd":
         raise ValueError(_UNSUPPORTED_STAGE.format(spec=config.compression, stage=stage))
     is_ddp = isinstance(model, DistributedDataParallel)
     counter = ByteCounter()
     whole_world = is_ddp and dist.get_world_size(model.process_group) == runtime.world_size()
-    # FSDP2 (stages 2-3) has no DDP to hook: no hierarchy there.
+    # FSDP2 (stages 1-3) has no DDP to hook: no hierarchy there.
     topology, groups = host_groups_for(config.hierarchical_allreduce, whole_world, stage, model)
     plan, bucket_bytes = None, 0
     if mode == "auto" and whole_world and runtime.world_size() > 1:
@@ -213,7 +213,7 @@ def install_communication(model: torch.nn.Module, config) -> GradientCommunicati
         if config.hierarchical_allreduce is None and not plan.hierarchical:
             groups = None
         bucket_bytes = plan.bucket_bytes
-    if compressor is not None and stage >= 2:
+    if compressor is not None and stage >= 1:
         from trainmesh.comm.reduce_scatter import install_compressed_reduce_scatter
 
         # A ModelParallel model's parameters live on a 2-D mesh (batch x model): its own reduction rules.
@@ -227,7 +227,7 @@ def install_communication(model: torch.nn.Module, config) -> GradientCommunicati
         if runtime.world_size() > 1:
             raise ValueError(f"compression={config.compression!r} compresses the gradients DDP reduces; this "
                              f"model ({type(model).__name__}) is not reduced by DDP (tensor parallelism reduces "
-                             "its own gradients). Use DataParallel with zero_stage 0 or 1.")
+                             "its own gradients). Use DataParallel (any zero_stage).")
         compressor = None  # one process: nothing travels
     if getattr(compressor, "rounding", None) == "stochastic" and hasattr(compressor, "generator"):
         compressor.generator.manual_seed(compressor.seed + 7919 * runtime.rank())  # independent noise per rank
