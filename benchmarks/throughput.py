@@ -14,11 +14,9 @@ Figures (``--json``): ``compiled_vs_eager_step_gpt`` (GPT, DataParallel, median 
 compiled / eager), ``compiled_vs_eager_step_llama_zero3``, ``compiled_parity_max_abs_diff``
 (fp32, 4 SGD steps, parameters of compiled vs eager, max over GPT/DP and Llama/ZeRO-3) and
 ``demo_mfu_vs_bf16_peak`` (the demo GPT's model FLOPs per second on its default path under
-DataParallel / this node's bf16 matmul peak measured by the ``trainmesh env --peak`` probe; the
-probe runs after every round of the demo's steps, in all 4 processes at once with one thread each
-as the job runs (``probe_peak``); the figure is the median over rounds of each round's
-ratio, so load from elsewhere on a shared machine lowers both sides alike; MFU against one
-2-thread probe before the run is printed beside it). Exit 1 and INVALID when the two sides of a pair did not do
+DataParallel / this node's bf16 matmul peak measured by the ``trainmesh env --peak`` probe in the
+same run, before the workers start: one thread's rate per second of its own CPU time, times the
+cores, which load from elsewhere on a shared machine cannot lower, so it cannot flatter the MFU). Exit 1 and INVALID when the two sides of a pair did not do
 the same work (different step counts, or losses apart by more than bf16 noise).
 """
 
@@ -99,35 +97,6 @@ def step(trainer, micro_batches) -> float:
     return float(losses._step_sum / losses._step_samples)
 
 
-def probe_peak(seconds: float = 1.0, windows: int = 5, size: int = 1024) -> float:
-    """The node's bf16 matmul ceiling as the job's processes get it: every process multiplies bf16
-    matrices at once, one thread each (as the job runs), in windows that start at a barrier; a
-    window's rate is every process's FLOPs over the slowest one's time, and the best window counts.
-    The processes then hold the same share of the machine against its other programs as during
-    their steps, so load from elsewhere lowers this ceiling as it lowers the steps. (A 2-thread
-    probe in one process gets a smaller share under load and would flatter the MFU; summing each
-    process's own best window would count a core twice when 4 processes share 2.)"""
-    import torch.distributed as dist
-
-    a = torch.randn(size, size).to(torch.bfloat16)
-    b = torch.randn(size, size).to(torch.bfloat16)
-    torch.mm(a, b)  # warm-up (kernel choice, page faults)
-    best = 0.0
-    for _ in range(windows):
-        dist.barrier()
-        start, count = time.perf_counter(), 0
-        while time.perf_counter() - start < seconds / windows:
-            torch.mm(a, b)
-            count += 1
-        elapsed = time.perf_counter() - start
-        flops = torch.tensor([2.0 * size**3 * count], dtype=torch.float64)
-        slowest = torch.tensor([elapsed], dtype=torch.float64)
-        dist.all_reduce(flops)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        best = max(best, float(flops) / float(slowest))
-    return best
-
-
 def worker(cfg: dict) -> dict:
     import torch.distributed as dist
 
@@ -150,7 +119,6 @@ def worker(cfg: dict) -> dict:
             started = time.perf_counter()
             losses[side].append(step(trainer, data[:accum]))
             first[side] = time.perf_counter() - started
-        peaks = []  # the demo pair only: the node's bf16 ceiling, probed in every round beside its steps
         for r in range(cfg["rounds"]):
             order = list(sides) if r % 2 == 0 else list(reversed(sides))
             for side in order:
@@ -161,9 +129,7 @@ def worker(cfg: dict) -> dict:
                     started = time.perf_counter()
                     losses[side].append(step(trainer, data[index * accum:(index + 1) * accum]))
                     times[side].append(time.perf_counter() - started)
-            if pair == "gpt/zero0":
-                peaks.append(probe_peak())
-        out["pairs"][pair] = {"times": times, "losses": losses, "first_step_s": first, "peaks": peaks,
+        out["pairs"][pair] = {"times": times, "losses": losses, "first_step_s": first,
                               "compiled": getattr(sides["compiled"][0].unwrapped_model, "_trainmesh_compile", False)}
         if pair == "gpt/zero0" and rank == 0:
             from trainmesh.trainer.throughput import count_flops_per_sample, meta_copy
@@ -196,17 +162,12 @@ def _ci95(values: list[float]) -> tuple[float, float]:
     return boots[25], boots[974]
 
 
-def steps_of(results: list[dict], pair: str, side: str) -> list[float]:
-    """Each step's time as slow as its slowest process, in step order."""
-    return [max(ts) for ts in zip(*(res["pairs"][pair]["times"][side] for res in results))]
-
-
 def summarize(results: list[dict], cfg: dict, peak: float) -> dict:
     report, valid = {"pairs": {}}, True
     for pair in cfg["pairs"]:
         per = [res["pairs"][pair] for res in results]
         # A step is as slow as its slowest process.
-        steps = {side: steps_of(results, pair, side) for side in ("eager", "compiled")}
+        steps = {side: [max(ts) for ts in zip(*(p["times"][side] for p in per))] for side in ("eager", "compiled")}
         med = {side: statistics.median(v) for side, v in steps.items()}
         ratios = [c / e for c, e in zip(steps["compiled"], steps["eager"])]
         final = {side: [p["losses"][side][-1] for p in per] for side in ("eager", "compiled")}
@@ -228,19 +189,11 @@ def summarize(results: list[dict], cfg: dict, peak: float) -> dict:
         seconds = demo["eager_ms"] / 1e3  # the demo's default path (eager: see benchmarks/README.md)
         samples = math.prod(cfg["shape"]["gpt"]) * WORLD
         report["demo_model_flops_per_s"] = flops * samples / seconds if flops else None
-        peaks = results[0]["pairs"]["gpt/zero0"]["peaks"]
-        if flops and peaks:
-            # Per round: the demo's FLOP rate over its median eager step / the peak probed right after
-            # it. Both see the same neighbours on a shared machine, so their ratio is the code's
-            # efficiency, not the machine's load; the figure is the median over rounds.
-            per_round = len(steps_of(results, "gpt/zero0", "eager")) // len(peaks)
-            eager = steps_of(results, "gpt/zero0", "eager")
-            mfus = [flops * samples / statistics.median(eager[r * per_round:(r + 1) * per_round]) / p
-                    for r, p in enumerate(peaks)]
-            figures["demo_mfu_vs_bf16_peak"] = statistics.median(mfus)
-            report.update(demo_mfu_per_round=mfus, demo_mfu_ci95=_ci95(mfus), bf16_peak_per_round=peaks)
-        if flops and peak:  # against the probe before the workers started (one number, another moment)
-            report["demo_mfu_vs_peak_before_run"] = report["demo_model_flops_per_s"] / peak
+        if flops and peak:
+            figures["demo_mfu_vs_bf16_peak"] = report["demo_model_flops_per_s"] / peak
+            # from the 95% interval of the median eager step (the probe's peak is one number)
+            slow, fast = (flops * samples / (ms / 1e3) / peak for ms in reversed(demo["eager_ms_ci95"]))
+            report["demo_mfu_ci95"] = (slow, fast)
     if "llama/zero3" in report["pairs"]:
         figures["compiled_vs_eager_step_llama_zero3"] = report["pairs"]["llama/zero3"]["ratio"]
     if results[0]["parity"]:
@@ -265,10 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     peak = measure_peak_flops(torch.bfloat16, seconds=3.0, save=False)  # the node, before the workers start
     results = run_distributed(worker, world_size=WORLD, args=(cfg,), timeout=3000, collective_timeout=900)
     report = summarize(results, cfg, peak)
-    round_peaks = report.get("bf16_peak_per_round") or [peak]
-    print(f"{WORLD} processes, 1 thread each; bf16 matmul peak of this node {peak / 1e9:.0f} GFLOP/s before the run, "
-          f"{min(round_peaks) / 1e9:.0f}-{max(round_peaks) / 1e9:.0f} GFLOP/s probed after each demo round by the "
-          f"{WORLD} processes at once, 1 thread each (the MFU figure's denominator, round by round)")
+    print(f"{WORLD} processes, 1 thread each; bf16 matmul peak of this node {peak / 1e9:.0f} GFLOP/s")
     print("both sides: bf16-mixed, fused AdamW (foreach on ZeRO-3 shards), the same batches; rows x micro-batches "
           "per process and step: " + ", ".join(f"{m} {r} x {k}" for m, (r, k) in cfg["shape"].items()))
     header = f"{'pair':<14}{'eager ms':>10}{'compiled ms':>13}{'ratio':>8}{'95% CI':>16}{'compile s':>11}{'same work':>11}"
@@ -281,8 +231,6 @@ def main(argv: list[str] | None = None) -> int:
                  "compiled_vs_eager_step_llama_zero3":
                      report["pairs"].get("llama/zero3", {}).get("ratio_ci95_of_step_ratios"),
                  "demo_mfu_vs_bf16_peak": report.get("demo_mfu_ci95")}
-    if report.get("demo_mfu_vs_peak_before_run") is not None:
-        print(f"(demo MFU against the probe before the run: {report['demo_mfu_vs_peak_before_run']:.3f})")
     for name, value in report["figures"].items():
         ci = intervals.get(name)
         print(f"{name} = {value:.4g}" + (f"  (95% CI {ci[0]:.3g}-{ci[1]:.3g})" if ci else ""))

@@ -111,18 +111,29 @@ def _device_name(device_type: str) -> str:
 
 def _key(device_type: str, dtype: torch.dtype) -> str:
     threads = _cpu_count() if device_type == "cpu" else 1
-    return f"{device_type}|{_device_name(device_type)}|{str(dtype).removeprefix('torch.')}|units={threads}"
+    # "|cpu-time": readings of the CPU-time probe; wall-clock readings of older versions are not reused
+    clock = "|cpu-time" if device_type == "cpu" else ""
+    return f"{device_type}|{_device_name(device_type)}|{str(dtype).removeprefix('torch.')}|units={threads}{clock}"
 
 
 def measure_peak_flops(dtype: torch.dtype = torch.bfloat16, *, device_type: str = "cpu", seconds: float = 2.0,
                        sizes: tuple[int, ...] = (1024, 2048), save: bool = True) -> float:
-    """The best matmul FLOP/s seen in ``seconds`` (on CPU with every core of the node); cached when ``save``."""
+    """The node's matmul ceiling in FLOP/s: the best rate seen in ``seconds``; cached when ``save``.
+
+    On CPU: one thread's rate per second of its own CPU time, times the node's cores. CPU time
+    does not run while the thread is descheduled, so other programs on a shared machine cannot
+    lower the reading (a wall-clock probe read 185-979 GFLOP/s on the same 2 cores under
+    different loads), and one thread times cores is what perfect scaling would give: the ceiling
+    is never understated, so an MFU against it is never flattered. On CUDA: wall time, synchronised.
+    """
     if dtype not in _DTYPES.values():
         raise ValueError(f"dtype must be one of {list(_DTYPES.values())}. Received: dtype={dtype!r}")
     device = torch.device("cuda") if device_type == "cuda" else torch.device("cpu")
     threads = torch.get_num_threads()
-    if device_type == "cpu":
-        torch.set_num_threads(_cpu_count())  # the node's ceiling, shared by all its processes
+    on_cpu = device_type != "cuda"
+    clock = time.thread_time if on_cpu else time.perf_counter
+    if on_cpu:
+        torch.set_num_threads(1)  # thread_time is the calling thread's: every FLOP must be its own
     best = 0.0
     try:
         for size in sizes:
@@ -131,14 +142,17 @@ def measure_peak_flops(dtype: torch.dtype = torch.bfloat16, *, device_type: str 
             torch.mm(a, b)  # warm-up (kernel choice, page faults)
             until = time.perf_counter() + seconds / len(sizes)
             while time.perf_counter() < until:
-                start = time.perf_counter()
+                start = clock()
                 for _ in range(3):
                     torch.mm(a, b)
                 if device_type == "cuda":
                     torch.cuda.synchronize()
-                best = max(best, 3 * 2 * size**3 / (time.perf_counter() - start))
+                elapsed = clock() - start
+                if elapsed > 0:
+                    best = max(best, 3 * 2 * size**3 / elapsed)
     finally:
         torch.set_num_threads(threads)
+    best *= _cpu_count() if on_cpu else 1
     if save:
         path = _cache_file()
         try:
