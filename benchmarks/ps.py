@@ -1,14 +1,18 @@
 """Parameter-server benchmark: transport efficiency, compression, and stragglers.
 
-    python benchmarks/ps.py [--rounds R] [--repeats N] [--json PATH] [--quick] [--parts transport,...]
+    python benchmarks/ps.py [--rounds R] [--repeats N] [--window W] [--json PATH] [--quick] [--parts transport,...]
 
-Part 1 (one client process, 2 local server processes): dense pushes/s and pull latency
+Part 1 (one client process, 2 local server processes): dense push throughput and pull latency
 p50/p99 for 1 MB and 16 MB tensors, and for sparse rows (1024 rows x 64 of a 1M-row table),
-interleaved round by round with raw ZeroMQ loopback bandwidth for the same message size,
-measured two ways: ``trainmesh.ps.transport.loopback_bandwidth`` (client and echo server are
-threads of this process) and a plain pyzmq DEALER -> ROUTER echo in a separate process (the
-shape of a push: payload out, a 3-byte ack back, across processes). Target: dense push
-throughput >= 50% of raw loopback; the verdict uses the faster (stricter) of the two.
+interleaved round by round with raw ZeroMQ for the same message size and count, measured two
+ways: ``trainmesh.ps.transport.loopback_bandwidth`` (client and echo server are threads of this
+process) and a plain pyzmq DEALER -> ROUTER echo in a separate process (the shape of a push:
+payload out, a 3-byte ack back, across processes). Every side sends its messages with up to W in
+flight (pipelined equally; and again one at a time) and waits for one ack per message. The
+ratio divides by the faster (stricter) raw side. Target: 1 MB push throughput >= 50% of raw.
+Same work: every side must see an ack for each of its messages, and the servers' values after the
+run must equal -(pushes applied) x gradient exactly (lr 1, integer gradients); otherwise the
+run prints INVALID and exits 1.
 Part 2: bytes on the wire for one 16 MB push without compression and with fp16, int8, topk:0.01.
 Part 3 (2 gloo worker processes): time until a linear-regression model reaches a target loss
 under ParameterServerStrategy sync / async / ssp:2 and under torch DDP all-reduce (gloo), with
@@ -19,6 +23,7 @@ Targets: async and SSP reach the target sooner than sync and than all-reduce.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -36,6 +41,8 @@ from trainmesh.ps.client import PSClient
 from trainmesh.ps.cluster import LocalCluster
 from trainmesh.ps.transport import loopback_bandwidth
 from trainmesh.testing import run_distributed
+
+from stats import ci95  # this folder's (benchmarks run as scripts)
 
 MB = 1 << 20
 DENSE_SIZES = {"1 MB": MB, "16 MB": 16 * MB}
@@ -65,7 +72,8 @@ while True:
 
 
 class ProcessLoopback:
-    """Raw pyzmq bandwidth to another process: send ``nbytes``, wait for a 3-byte ack."""
+    """Raw pyzmq to another process: send ``nbytes`` (one buffer, copy=False), a 3-byte ack per
+    message, up to ``window`` messages in flight."""
 
     def __init__(self):
         import zmq
@@ -74,15 +82,23 @@ class ProcessLoopback:
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.connect(f"tcp://127.0.0.1:{int(self.process.stdout.readline())}")
 
-    def bandwidth(self, nbytes: int, repeats: int) -> float:
+    def bandwidth(self, nbytes: int, repeats: int, window: int) -> tuple[float, int]:
+        """(bytes/s, messages acknowledged) over ``repeats`` messages after one warm-up message."""
         payload = bytes(nbytes)
         self.socket.send(payload, copy=False)
         self.socket.recv()
+        acked, in_flight = 0, 0
         started = time.perf_counter()
         for _ in range(repeats):
             self.socket.send(payload, copy=False)
+            in_flight += 1
+            if in_flight >= window:
+                self.socket.recv()
+                in_flight, acked = in_flight - 1, acked + 1
+        for _ in range(in_flight):
             self.socket.recv()
-        return nbytes * repeats / (time.perf_counter() - started)
+            acked += 1
+        return nbytes * repeats / (time.perf_counter() - started), acked
 
     def close(self) -> None:
         self.socket.send(b"")
@@ -90,51 +106,105 @@ class ProcessLoopback:
         self.process.wait(10)
 
 
-def transport_part(rounds: int, repeats: int) -> dict:
-    out: dict = {label: {"loopback_bps": [], "process_loopback_bps": [], "push_bps": [], "pull_s": []}
-                 for label in [*DENSE_SIZES, "sparse"]}
+def _pipelined(submit, repeats: int, window: int) -> tuple[float, int]:
+    """(seconds, futures that succeeded) for ``repeats`` calls of ``submit()`` (a future), with
+    up to ``window`` of them in flight; a failed one raises."""
+    in_flight: collections.deque = collections.deque()
+    done = 0
+    started = time.perf_counter()
+    for _ in range(repeats):
+        in_flight.append(submit())
+        if len(in_flight) >= window:
+            in_flight.popleft().result()
+            done += 1
+    while in_flight:
+        in_flight.popleft().result()
+        done += 1
+    return time.perf_counter() - started, done
+
+
+def _int_grad(shape, seed: int) -> torch.Tensor:
+    """Small integers as float32: any number of them sums exactly, so the server state after a run
+    must equal count * grad bit for bit (the same-work check)."""
+    return torch.randint(-4, 5, shape, generator=torch.Generator().manual_seed(seed)).float()
+
+
+def transport_part(rounds: int, repeats: int, window: int) -> dict:
+    labels = [*DENSE_SIZES, "sparse"]
+    out: dict = {label: {"loopback_bps": [], "process_loopback_bps": [], "push_bps": [], "pull_s": [],
+                         "push_bps_w1": [], "loopback_bps_w1": [], "process_loopback_bps_w1": []}
+                 for label in labels}
+    pushes = {label: 0 for label in labels}  # every push acknowledged, warm-ups included
+    problems: list[str] = []
     echo = ProcessLoopback()
     with LocalCluster(2, num_workers=1) as cluster, PSClient(servers=cluster.addresses, worker_id=0,
                                                                num_workers=1) as client:
-        values = {label: torch.zeros(size // 4) for label, size in DENSE_SIZES.items()}
-        client.init([{"name": label, "kind": "dense", "value": v, "optimizer": {"name": "sgd", "lr": 1e-6}}
-                     for label, v in values.items()] +
-                    [{"name": "rows", "kind": "sparse", "shape": [ROWS, ROW_DIM], "init": {"std": 0.01},
-                      "optimizer": {"name": "sgd", "lr": 1e-6}}])
-        ids = torch.randperm(ROWS)[:ROWS_PER_PUSH]
-        row_grads = torch.randn(ROWS_PER_PUSH, ROW_DIM)
+        # lr 1 and integer gradients: the servers' values after the run are exactly -pushes * grad.
+        sgd = {"name": "sgd", "lr": 1.0}
+        grads = {label: _int_grad((size // 4,), i) for i, (label, size) in enumerate(DENSE_SIZES.items())}
+        client.init([{"name": label, "kind": "dense", "value": torch.zeros(size // 4), "optimizer": sgd}
+                     for label, size in DENSE_SIZES.items()] +
+                    [{"name": "rows", "kind": "sparse", "shape": [ROWS, ROW_DIM], "init": {"zeros": True},
+                      "optimizer": sgd}])
+        ids = torch.randperm(ROWS, generator=torch.Generator().manual_seed(7))[:ROWS_PER_PUSH]
+        row_grads = _int_grad((ROWS_PER_PUSH, ROW_DIM), 9)
         for r in range(rounds):
-            for label in [*DENSE_SIZES, "sparse"] if r % 2 == 0 else ["sparse", *reversed(DENSE_SIZES)]:
+            for label in labels if r % 2 == 0 else list(reversed(labels)):
                 nbytes = DENSE_SIZES.get(label, ROWS_PER_PUSH * (ROW_DIM * 4 + 8))
-                out[label]["loopback_bps"].append(loopback_bandwidth(nbytes, repeats=repeats, warmup=1)["bytes_per_s"])
-                out[label]["process_loopback_bps"].append(echo.bandwidth(nbytes, repeats))
                 if label == "sparse":
-                    push = lambda: client.push_rows("rows", ids, row_grads).result()  # noqa: E731
+                    push = lambda: client.push_rows("rows", ids, row_grads)  # noqa: E731
                     pull = lambda: client.pull_rows("rows", ids).result()  # noqa: E731
                 else:
-                    grad = torch.randn_like(values[label])
-                    push = lambda: client.push({label: grad}).result()  # noqa: E731
+                    push = lambda: client.push({label: grads[label]})  # noqa: E731
                     pull = lambda: client.pull([label]).result()  # noqa: E731
-                push()
-                started = time.perf_counter()
-                for _ in range(repeats):
-                    push()
-                out[label]["push_bps"].append(nbytes * repeats / (time.perf_counter() - started))
+                m = out[label]
+                # Both pipelined (window in flight) and one at a time; the sides alternate order.
+                for w, suffix in ((window, ""), (1, "_w1")):
+                    sides = ["thread", "process", "ps"] if (r + w) % 2 == 0 else ["ps", "process", "thread"]
+                    acked = {}
+                    for side in sides:
+                        if side == "thread":
+                            got = loopback_bandwidth(nbytes, repeats=repeats, warmup=1, window=w)
+                            m["loopback_bps" + suffix].append(got["bytes_per_s"])
+                            acked[side] = got["acked"]
+                        elif side == "process":
+                            bps, acked[side] = echo.bandwidth(nbytes, repeats, w)
+                            m["process_loopback_bps" + suffix].append(bps)
+                        else:
+                            push().result()
+                            seconds, acked[side] = _pipelined(push, repeats, w)
+                            pushes[label] += 1 + acked[side]
+                            m["push_bps" + suffix].append(nbytes * acked[side] / seconds)
+                    if set(acked.values()) != {repeats}:
+                        problems.append(f"{label} round {r} window {w}: messages acknowledged {acked}, "
+                                        f"expected {repeats} on every side")
                 for _ in range(repeats):
                     started = time.perf_counter()
                     pull()
-                    out[label]["pull_s"].append(time.perf_counter() - started)
-                out[label]["nbytes"] = nbytes
+                    m["pull_s"].append(time.perf_counter() - started)
+                m["nbytes"] = nbytes
+        # The same-work check on the servers: every acknowledged push was applied exactly once.
+        values = client.pull(list(DENSE_SIZES)).result()
+        for label in DENSE_SIZES:
+            if not torch.equal(values[label], -pushes[label] * grads[label]):
+                problems.append(f"{label}: server value != -{pushes[label]} pushes x gradient "
+                                f"(max error {float((values[label] + pushes[label] * grads[label]).abs().max()):.3g})")
+        if not torch.equal(client.pull_rows("rows", ids).result(), -pushes["sparse"] * row_grads):
+            problems.append(f"sparse: the pushed rows != -{pushes['sparse']} pushes x row gradients")
     echo.close()
     for label, m in out.items():
+        for suffix in ("", "_w1"):
+            raw = [max(lb, plb) for lb, plb in zip(m["loopback_bps" + suffix], m["process_loopback_bps" + suffix])]
+            ratios = [p / b for p, b in zip(m["push_bps" + suffix], raw)]
+            m["push_to_loopback" + suffix] = statistics.median(ratios)
+            m["push_to_loopback_ci95" + suffix] = ci95(ratios)
         m["push_per_s"] = statistics.median(m["push_bps"]) / m["nbytes"]
         m["push_MBps"] = statistics.median(m["push_bps"]) / MB
         m["loopback_MBps"] = statistics.median(m["loopback_bps"]) / MB
         m["process_loopback_MBps"] = statistics.median(m["process_loopback_bps"]) / MB
-        m["push_to_loopback"] = statistics.median(p / max(lb, plb) for p, lb, plb in
-                                                  zip(m["push_bps"], m["loopback_bps"], m["process_loopback_bps"]))
         m["pull_p50_ms"], m["pull_p99_ms"] = 1e3 * pct(m["pull_s"], 0.5), 1e3 * pct(m["pull_s"], 0.99)
-    return out
+    return {"sizes": out, "window": window, "repeats": repeats, "rounds": rounds, "pushes_applied": pushes,
+            "same_work": not problems, "problems": problems}
 
 
 # --- part 2: compression ------------------------------------------------------------------------------
@@ -244,12 +314,26 @@ def straggler_part(rounds: int) -> dict:
 
 # --- reporting --------------------------------------------------------------------------------------------
 def report(transport: dict, compression: dict, straggler: dict) -> dict:
-    print(f"\n{'tensor':<8} {'pushes/s':>9} {'push MB/s':>10} {'zmq MB/s (thread/process)':>26} "
-          f"{'push/zmq':>9} {'pull p50 ms':>12} {'pull p99 ms':>12}")
-    for label, m in transport.items():
-        raw = f"{m['loopback_MBps']:.0f} / {m['process_loopback_MBps']:.0f}"
-        print(f"{label:<8} {m['push_per_s']:>9.1f} {m['push_MBps']:>10.0f} {raw:>26} {m['push_to_loopback']:>9.2f} "
-              f"{m['pull_p50_ms']:>12.2f} {m['pull_p99_ms']:>12.2f}")
+    if transport:
+        w = transport["window"]
+        print(f"\nEach side moves the same messages ({transport['repeats']} per round and size, {transport['rounds']} "
+              f"interleaved rounds, one warm-up message first), each acknowledged by the receiver, "
+              f"with up to {w} in flight (and, second table column, one at a time):\n"
+              f"  PS push: client.push({{name: fp32 tensor}}) to 2 server processes; acked after the server applied "
+              f"it (SGD); tensors leave from their own memory (multipart, copy=False)\n"
+              f"  raw ZeroMQ, thread: DEALER send(bytes, copy=False) to a ROUTER in a thread of this process, 3-byte ack\n"
+              f"  raw ZeroMQ, process: the same to a ROUTER echo in another process (the PS's shape)\n"
+              f"  push/zmq: push throughput / the faster raw side, per round; median [95% range]")
+        print(f"\n{'tensor':<8} {'pushes/s':>9} {'push MB/s':>10} {'zmq MB/s (thread/process)':>26} "
+              f"{f'push/zmq w={w}':>20} {'push/zmq w=1':>20} {'pull p50 ms':>12} {'pull p99 ms':>12}")
+        for label, m in transport["sizes"].items():
+            raw = f"{m['loopback_MBps']:.0f} / {m['process_loopback_MBps']:.0f}"
+            ratio = lambda sfx: (f"{m['push_to_loopback' + sfx]:.2f} [{m['push_to_loopback_ci95' + sfx][0]:.2f}-"  # noqa: E731
+                                 f"{m['push_to_loopback_ci95' + sfx][1]:.2f}]")
+            print(f"{label:<8} {m['push_per_s']:>9.1f} {m['push_MBps']:>10.0f} {raw:>26} {ratio(''):>20} "
+                  f"{ratio('_w1'):>20} {m['pull_p50_ms']:>12.2f} {m['pull_p99_ms']:>12.2f}")
+        print(f"same work: {'yes' if transport['same_work'] else 'NO'} (messages acknowledged on every side; "
+              f"server values == -pushes x gradient exactly, pushes applied {transport['pushes_applied']})")
     print(f"\n{'compression':<12} {'bytes sent':>12} {'vs none':>8} {'rel. error':>11}")
     for spec, m in compression.items():
         print(f"{spec:<12} {m['bytes']:>12,} {m['ratio_to_none']:>8.3f} {m['relative_error']:>11.4f}")
@@ -260,9 +344,9 @@ def report(transport: dict, compression: dict, straggler: dict) -> dict:
         print(f"{variant:<14} {shown:>11} {ratio:>14} {m['steps_worker0']:>15.0f}")
     verdict = {}
     if transport:
-        verdict["dense_push_target_met"] = all(transport[label]["push_to_loopback"] >= PUSH_TARGET
+        verdict["dense_push_target_met"] = all(transport["sizes"][label]["push_to_loopback"] >= PUSH_TARGET
                                                for label in DENSE_SIZES)
-        print(f"\ndense push >= {PUSH_TARGET:.0%} of raw ZeroMQ loopback: "
+        print(f"\ndense push >= {PUSH_TARGET:.0%} of raw ZeroMQ loopback ({transport['window']} in flight): "
               f"{'met' if verdict['dense_push_target_met'] else 'NOT met'}")
     if straggler:
         sec = {v: straggler[v]["seconds"] or float("inf") for v in straggler}
@@ -277,20 +361,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every measurement")
     parser.add_argument("--repeats", type=int, default=20, help="pushes and pulls per round and size")
+    parser.add_argument("--window", type=int, default=4,
+                        help="pushes (and raw ZeroMQ messages) in flight before waiting for the oldest ack")
     parser.add_argument("--straggler-rounds", type=int, default=2)
     parser.add_argument("--json", default=None, metavar="PATH")
     parser.add_argument("--quick", action="store_true", help="smoke test: 1 round, few repeats")
     parser.add_argument("--parts", default="transport,compression,straggler",
                         help="comma-separated parts to run (default: all three)")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.rounds, args.repeats, args.straggler_rounds = 1, 5, 1
+    if args.quick:  # the transport part stays at 3 rounds: its figure needs a median over rounds
+        args.rounds, args.repeats, args.straggler_rounds = 3, 10, 1
+    if args.window < 1 or args.rounds < 1 or args.repeats < 1:
+        parser.error(f"--window, --rounds and --repeats must be >= 1, got {args.window}, {args.rounds}, {args.repeats}")
     torch.set_num_threads(1)
     started = time.perf_counter()
     parts = set(args.parts.split(","))
     if not parts or parts - {"transport", "compression", "straggler"}:
         parser.error(f"--parts must list transport, compression and/or straggler, got {args.parts!r}")
-    transport = transport_part(args.rounds, args.repeats) if "transport" in parts else {}
+    transport = transport_part(args.rounds, args.repeats, args.window) if "transport" in parts else {}
     compression = compression_part() if "compression" in parts else {}
     straggler = straggler_part(args.straggler_rounds) if "straggler" in parts else {}
     verdict = report(transport, compression, straggler)
@@ -301,9 +389,13 @@ def main(argv: list[str] | None = None) -> int:
                        "config": {**vars(args), "compute_s": COMPUTE_S, "lr": LR, "target_fraction": TARGET_FRACTION,
                                   "dim": DIM}, "torch": torch.__version__,
                        "load_average": os.getloadavg(),
-                       # push throughput / raw ZeroMQ loopback for the same 1 MB messages (higher is better)
-                       "figures": ({"ps_push_1mb_vs_raw_zmq": transport["1 MB"]["push_to_loopback"]}
-                                   if "1 MB" in transport else {})}, fh, indent=1)
+                       # push throughput / raw ZeroMQ loopback for the same 1 MB messages, both with
+                       # --window in flight (higher is better)
+                       "figures": ({"ps_push_1mb_vs_raw_zmq": transport["sizes"]["1 MB"]["push_to_loopback"]}
+                                   if transport else {})}, fh, indent=1)
+    if transport and not transport["same_work"]:
+        print(f"INVALID: the PS and raw ZeroMQ sides did not do the same work: {transport['problems']}", file=sys.stderr)
+        return 1
     return 0
 
 

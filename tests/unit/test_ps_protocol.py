@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from trainmesh.ps.protocol import (DTYPES, MAX_HEADER_BYTES, Message, MessageType, ProtocolError, decode,
-                                   encode, payload_nbytes)
+                                   encode, encode_parts, payload_nbytes)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -107,6 +107,53 @@ def test_decode_without_copy_views_the_frame_and_with_copy_does_not():
     assert torch.equal(viewed.tensors["a"], torch.arange(3.0))
     read_only = decode(bytes(encode(msg)), copy=False)  # bytes frames (what ZeroMQ hands over) work too
     assert torch.equal(read_only.tensors["ids"], torch.tensor([7, 8]))
+
+
+def _mixed_message() -> Message:
+    """Large tensors (their own parts), small ones and odd sizes (padding) in one push."""
+    big = torch.arange(40000, dtype=torch.float32)  # 160,000 bytes: over the zero-copy threshold
+    odd = torch.arange(20001, dtype=torch.int8)  # 20,001 bytes: under it, 7 bytes of padding follow
+    return Message("push", "w", 3, tensors={"small": torch.ones(3, dtype=torch.int8), "big": big,
+                                             "odd": odd, "big2": big.flip(0).contiguous(), "last": torch.ones(1)},
+                   meta={"shards": ["big"]})
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_encode_parts_concatenate_to_the_frame_and_send_large_tensors_without_a_copy(secret):
+    msg = _mixed_message()
+    parts = encode_parts(msg, secret, zero_copy_min_bytes=65536)
+    assert b"".join(parts) == encode(msg, secret)
+    # The two large tensors are parts of their own, views of the tensors' memory (no copy).
+    pointers = [torch.frombuffer(p, dtype=torch.uint8).data_ptr() for p in parts if memoryview(p).nbytes == 160000]
+    assert pointers == [msg.tensors["big"].data_ptr(), msg.tensors["big2"].data_ptr()]
+    viewed, copied = decode(parts, secret, copy=False), decode(parts, secret)
+    for name, tensor in msg.tensors.items():
+        assert torch.equal(viewed.tensors[name], tensor) and torch.equal(copied.tensors[name], tensor)
+    assert viewed.tensors["big"].data_ptr() == msg.tensors["big"].data_ptr()  # decoded in place
+    assert copied.tensors["big"].data_ptr() != msg.tensors["big"].data_ptr()
+    assert viewed.meta == msg.meta and viewed.seq == 3
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_a_frame_split_anywhere_decodes_like_the_frame_and_a_changed_part_is_refused(secret):
+    frame = bytes(encode(_mixed_message(), secret))
+    whole = decode(frame, secret)
+    rng = random.Random(5)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(frame)), rng.randint(1, 6)))
+        parts = [frame[a:b] for a, b in zip([0, *cuts], [*cuts, len(frame)])]
+        for copy in (True, False):
+            out = decode(parts, secret, copy=copy)
+            assert all(torch.equal(out.tensors[k], v) for k, v in whole.tensors.items())
+    parts = encode_parts(_mixed_message(), secret)
+    parts[1] = bytes(parts[1][:-4]) + b"\x01\x02\x03\x04"  # one large part altered in transit
+    if secret:
+        with pytest.raises(ProtocolError, match="HMAC"):
+            decode(parts, secret)
+    else:  # without a secret only the framing is checked: the altered bytes decode as data
+        assert not torch.equal(decode(parts).tensors["big"], _mixed_message().tensors["big"])
+    with pytest.raises(ProtocolError):
+        decode([*encode_parts(_mixed_message(), secret), b"x"], secret)  # a stray trailing part
 
 
 def test_non_contiguous_and_grad_tensors_are_encoded_by_value():

@@ -160,7 +160,10 @@ class PSClient:
         return self.io.submit(messages, assemble)
 
     def push(self, grads: Mapping[str, torch.Tensor], *, lr: float | None = None) -> Future:
-        """Send dense gradients; the future is done when every server acknowledged (applied, durable)."""
+        """Send dense gradients; the future is done when every server acknowledged (applied, durable).
+
+        Large float32 gradients are sent without a copy, from their own memory (as
+        ``torch.distributed.isend`` does): do not modify them in place before the future is done."""
         items: list[tuple[int, dict[str, torch.Tensor], dict[str, Any]]] = []  # (server, tensors, compression)
         for name, grad in grads.items():
             spec = self.params.get(name)

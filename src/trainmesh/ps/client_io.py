@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .errors import PSError, PSTimeoutError
-from .protocol import Message, MessageType, ProtocolError, decode, encode
+from .protocol import Message, MessageType, ProtocolError, decode, encode, encode_parts
 
 log = logging.getLogger(__name__)
 _STOP = object()
@@ -62,7 +62,7 @@ class _Pending:
     gather: Gather
     slot: int
     kind: str
-    frame: bytes
+    frame: list  # the encoded request's parts (large tensors are views of the caller's memory)
     first_sent: float
     sent: float
     interval: float
@@ -93,6 +93,9 @@ class ClientIO:
         self._stats = {"resends": 0, "rejected_replies": 0, "requests": 0}
         self._closed = False
         self._failure: BaseException | None = None
+        # True while the thread is (about to be) blocked in its poll with no command queued: only
+        # then does submit() pay a wake-up write (pipelined submits find it awake).
+        self._sleeping = False
         # submit() writes a byte here so a thread blocked in the socket poll wakes at once.
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
@@ -109,7 +112,8 @@ class ClientIO:
                                 + (f": {self._failure}" if self._failure else "")))
         elif messages:
             self._commands.put((gather, messages))
-            self._wake()
+            if self._sleeping:  # (read after the put: a thread going to sleep sees the command)
+                self._wake()
         return gather.future
 
     def _wake(self) -> None:
@@ -162,36 +166,46 @@ class ClientIO:
         import zmq
 
         poller = zmq.Poller()
-        for server in self._servers:
+        self._socket_index = {}
+        for index, server in enumerate(self._servers):
             poller.register(server.transport.socket, zmq.POLLIN)
+            self._socket_index[server.transport.socket] = index
         poller.register(self._wake_read, zmq.POLLIN)
         return poller
 
     def _wait(self, poller, busy: bool):
-        """Sleep until something may be ready; return the first queued command, if any. Without a
-        poller, wait on the command queue and poll the transports every millisecond while busy."""
+        """Sleep until something may be ready; return ``(first queued command or None, indices of
+        servers that may have replies)``. Without a poller, wait on the command queue and poll
+        the transports every millisecond while busy."""
         if poller is None:
             try:
-                return self._commands.get(timeout=0.001 if busy else 0.02)
+                return self._commands.get(timeout=0.001 if busy else 0.02), range(len(self._servers))
             except queue.Empty:
-                return None
-        poller.poll(20)  # wakes at once on a reply or a wake byte; the timeout paces resends
+                return None, range(len(self._servers))
+        self._sleeping = True
+        events = poller.poll(20) if self._commands.empty() else ()  # wakes at once on a reply or a wake byte
+        self._sleeping = False
+        ready = []
+        for source, _ in events:
+            if source == self._wake_read:
+                try:
+                    while os.read(self._wake_read, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            else:
+                ready.append(self._socket_index[source])
         try:
-            while os.read(self._wake_read, 4096):
-                pass
-        except BlockingIOError:
-            pass
-        try:
-            return self._commands.get_nowait()
+            return self._commands.get_nowait(), ready
         except queue.Empty:
-            return None
+            return None, ready
 
     def _loop(self) -> None:
-        last_heartbeat = 0.0
+        last_heartbeat = next_resend_check = 0.0
         poller = self._socket_poller()
         while True:
-            busy = any(s.pending for s in self._servers)
-            command = self._wait(poller, busy)
+            busy = poller is None and any(s.pending for s in self._servers)
+            command, ready = self._wait(poller, busy)
             while command is not None:
                 if command is _STOP:
                     return
@@ -200,11 +214,14 @@ class ClientIO:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     command = None
-            for index, server in enumerate(self._servers):
-                while (frame := server.transport.recv(0)) is not None:
+            for index in ready:  # only the sockets the poll saw readable
+                transport = self._servers[index].transport
+                while (frame := transport.recv(0)) is not None:
                     self._on_frame(index, frame)
             now = time.monotonic()
-            self._resend_due(now)
+            if now >= next_resend_check:  # resends are due after retry_after_s: a scan every 5 ms is enough
+                next_resend_check = now + 0.005
+                self._resend_due(now)
             if self.heartbeat_s is not None and now - last_heartbeat >= self.heartbeat_s:
                 last_heartbeat = now
                 self._heartbeat()
@@ -224,7 +241,9 @@ class ClientIO:
                 if after:
                     msg.meta["after_pushes"] = after
             try:
-                frame = encode(msg, self.secret)
+                # Large tensors are not copied: ZeroMQ sends them from the caller's memory (a
+                # multipart message; see protocol.encode_parts and PSClient.push).
+                frame = encode_parts(msg, self.secret)
             except (TypeError, ValueError) as error:
                 gather.fail(error)
                 return

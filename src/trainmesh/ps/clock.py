@@ -51,8 +51,11 @@ class ClockTable:
             self._first_contact = self._now()
             for state in self.workers.values():  # the not-yet-started count from now
                 state.last_seen = self._first_contact
-        state = self.workers.setdefault(str(worker), WorkerState(0, self._now()))
-        state.last_seen = self._now()
+        now = self._now()
+        state = self.workers.get(worker)
+        if state is None:
+            state = self.workers.setdefault(str(worker), WorkerState(0, now))
+        state.last_seen = now
         if clock is not None and clock > state.clock:
             state.clock = int(clock)
 

@@ -37,9 +37,9 @@ class DurableStore:
         self.snapshots_written = 0
         self.retry_at = 0.0  # after a failed snapshot, not before this time
 
-    def log(self, frame: bytes) -> None:
-        if self.wal is not None:
-            self.wal.append(frame)
+    def log(self, frame) -> None:
+        if self.wal is not None:  # a message received as several parts is logged as one record
+            self.wal.append(b"".join(frame) if isinstance(frame, (list, tuple)) else frame)
 
     def count_update(self) -> None:
         self.updates_since_snapshot += 1

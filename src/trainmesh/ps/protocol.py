@@ -130,9 +130,8 @@ def _tensor_bytes(name: str, tensor: Any) -> tuple[str, torch.Size, memoryview]:
     return dtype_name, tensor.shape, memoryview(flat.view(torch.uint8).numpy())
 
 
-def encode(msg: Message, secret: bytes | str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> bytearray:
-    """Serialize `msg` into one new frame; with `secret`, append an HMAC-SHA256 over the frame."""
-    key = _check_secret(secret)
+def _layout(msg: Message, key: bytes | None, max_bytes: int) -> tuple[bytes, list[tuple[int, memoryview]], int]:
+    """(prefix + header, [(payload offset, tensor bytes)], payload length) of ``msg``, checked."""
     if not isinstance(msg, Message):
         raise TypeError(f"encode expects a Message, got {type(msg).__name__}")
     if not isinstance(msg.sender, str):
@@ -168,42 +167,112 @@ def encode(msg: Message, secret: bytes | str | None = None, max_bytes: int = DEF
     if len(header) > MAX_HEADER_BYTES:
         raise ValueError(f"message header is {len(header)} bytes, over the {MAX_HEADER_BYTES} limit "
                          f"(too many tensors or too large a meta)")
-    payload_start = _PREFIX.size + len(header)
-    body_end = payload_start + offset
-    total = body_end + (HMAC_SIZE if key else 0)
+    total = _PREFIX.size + len(header) + offset + (HMAC_SIZE if key else 0)
     if total > max_bytes:
         raise ValueError(f"encoded message would be {total} bytes, over max_bytes={max_bytes}")
+    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, FLAG_HMAC if key else 0, len(header)) + header
+    return head, segments, offset
 
+
+def encode(msg: Message, secret: bytes | str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> bytearray:
+    """Serialize `msg` into one new frame; with `secret`, append an HMAC-SHA256 over the frame."""
+    key = _check_secret(secret)
+    head, segments, payload_len = _layout(msg, key, max_bytes)
+    body_end = len(head) + payload_len
     # One preallocated frame; each tensor's bytes are copied into it once (the padding stays zero).
-    frame = bytearray(total)
-    _PREFIX.pack_into(frame, 0, MAGIC, FORMAT_VERSION, FLAG_HMAC if key else 0, len(header))
-    frame[_PREFIX.size:payload_start] = header
+    frame = bytearray(body_end + (HMAC_SIZE if key else 0))
     view = memoryview(frame)
+    view[:len(head)] = head
     for start, raw in segments:
-        view[payload_start + start:payload_start + start + raw.nbytes] = raw
+        view[len(head) + start:len(head) + start + raw.nbytes] = raw
     if key:
         view[body_end:] = hmac.new(key, view[:body_end], hashlib.sha256).digest()
     view.release()
     return frame
 
 
-def decode(data: bytes | bytearray | memoryview, secret: bytes | str | None = None,
+def encode_parts(msg: Message, secret: bytes | str | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
+                 zero_copy_min_bytes: int = 65536) -> list:
+    """`msg` as a list of buffers whose concatenation is exactly ``encode(msg, secret)``.
+
+    Each tensor of at least ``zero_copy_min_bytes`` is its own part, a view of the tensor's
+    memory (no copy: ZeroMQ sends it from there as one frame of a multipart message); smaller
+    pieces (header, small tensors, padding, HMAC) are copied into shared small parts. The
+    caller must not modify such a tensor while the parts are in use."""
+    key = _check_secret(secret)
+    head, segments, payload_len = _layout(msg, key, max_bytes)
+    parts: list = []
+    small = bytearray(head)
+    position = 0  # payload bytes placed so far
+    for start, raw in segments:
+        small += bytes(start - position)  # the previous segment's zero padding
+        if raw.nbytes >= zero_copy_min_bytes:
+            parts.append(small)
+            parts.append(raw)
+            small = bytearray()
+        else:
+            small += raw
+        position = start + raw.nbytes
+    small += bytes(payload_len - position)
+    if key:
+        mac = hmac.new(key, digestmod=hashlib.sha256)
+        for part in (*parts, small):
+            mac.update(part)
+        small += mac.digest()
+    if small:
+        parts.append(small)
+    return parts
+
+
+class _Parts:
+    """A message given as several buffers (ZeroMQ frames) read as their concatenation."""
+
+    def __init__(self, parts: list | tuple):
+        self.views = []
+        for part in parts:
+            try:
+                self.views.append(memoryview(part).cast("B"))
+            except TypeError:
+                raise TypeError(f"decode expects bytes, got {type(part).__name__} (or a list of bytes parts)") from None
+        self.starts, position = [], 0
+        for view in self.views:
+            self.starts.append(position)
+            position += view.nbytes
+        self.nbytes = position
+
+    def read(self, start: int, stop: int) -> tuple[memoryview, bool]:
+        """Bytes [start, stop) and whether they are a view of one part (else a copy)."""
+        for begin, view in zip(self.starts, self.views):
+            if begin <= start and stop <= begin + view.nbytes:
+                return view[start - begin:stop - begin], True
+        out, position = bytearray(), start
+        for begin, view in zip(self.starts, self.views):
+            end = begin + view.nbytes
+            if end > position and begin < stop:
+                out += view[max(position, begin) - begin:min(stop, end) - begin]
+        return memoryview(out), False
+
+    def feed(self, mac, stop: int) -> None:
+        for begin, view in zip(self.starts, self.views):
+            if begin < stop:
+                mac.update(view[:min(view.nbytes, stop - begin)])
+
+
+def decode(data, secret: bytes | str | None = None,
            max_bytes: int = DEFAULT_MAX_BYTES, *, copy: bool = True) -> Message:
-    """Parse and validate one frame. Raises ProtocolError for anything malformed or forged.
+    """Parse and validate one frame (bytes-like), or a message sent as several parts (a list of
+    bytes-like, see ``encode_parts``). Raises ProtocolError for anything malformed or forged.
 
     The tensors are views of one copy of the payload. ``copy=False`` makes them views of
     ``data`` itself (no copy): only for a reader that never writes to them and drops them
     with the frame (the server's push path); ``data`` may be read-only."""
     key = _check_secret(secret)
-    try:
-        view = memoryview(data).cast("B")
-    except TypeError:
-        raise TypeError(f"decode expects bytes, got {type(data).__name__}") from None
-    if view.nbytes > max_bytes:
-        raise ProtocolError(f"message of {view.nbytes} bytes exceeds max_bytes={max_bytes}")
-    if view.nbytes < _PREFIX.size:
-        raise ProtocolError(f"message of {view.nbytes} bytes is shorter than the {_PREFIX.size}-byte prefix")
-    magic, version, flags, header_len = _PREFIX.unpack_from(view, 0)
+    parts = _Parts(data if isinstance(data, (list, tuple)) else [data])
+    if parts.nbytes > max_bytes:
+        raise ProtocolError(f"message of {parts.nbytes} bytes exceeds max_bytes={max_bytes}")
+    if parts.nbytes < _PREFIX.size:
+        raise ProtocolError(f"message of {parts.nbytes} bytes is shorter than the {_PREFIX.size}-byte prefix")
+    magic, version, flags, header_len = _PREFIX.unpack_from(parts.read(0, _PREFIX.size)[0], 0)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
@@ -218,19 +287,19 @@ def decode(data: bytes | bytearray | memoryview, secret: bytes | str | None = No
     if header_len > MAX_HEADER_BYTES:
         raise ProtocolError(f"header length {header_len} exceeds {MAX_HEADER_BYTES}")
 
-    body_end = view.nbytes - (HMAC_SIZE if key else 0)
+    body_end = parts.nbytes - (HMAC_SIZE if key else 0)
     payload_start = _PREFIX.size + header_len
     if payload_start > body_end:
-        raise ProtocolError(f"header length {header_len} runs past the end of a {view.nbytes}-byte message")
+        raise ProtocolError(f"header length {header_len} runs past the end of a {parts.nbytes}-byte message")
     if key:
         # Authenticate before parsing anything else: forged frames never reach the JSON parser.
-        expected = hmac.new(key, view[:body_end], hashlib.sha256).digest()
-        if not hmac.compare_digest(expected, view[body_end:]):
+        mac = hmac.new(key, digestmod=hashlib.sha256)
+        parts.feed(mac, body_end)
+        if not hmac.compare_digest(mac.digest(), parts.read(body_end, parts.nbytes)[0]):
             raise ProtocolError("HMAC mismatch: message was altered or signed with another secret")
 
-    header = _parse_header(view[_PREFIX.size:payload_start])
-    payload = view[payload_start:body_end]
-    tensors = _decode_tensors(header["tensors"], payload, copy)
+    header = _parse_header(parts.read(_PREFIX.size, payload_start)[0])
+    tensors = _decode_tensors(header["tensors"], parts, payload_start, body_end, copy)
     return Message(type=MessageType(header["type"]), sender=header["sender"], seq=header["seq"],
                    version=header["version"], tensors=tensors, meta=header["meta"])
 
@@ -306,39 +375,53 @@ def _check_spec(spec: Any, expected_offset: int, payload_len: int) -> tuple[str,
     return name, dtype, shape, nbytes
 
 
-def _decode_tensors(specs: list[Any], payload: memoryview, copy: bool) -> dict[str, torch.Tensor]:
+def _decode_tensors(specs: list[Any], parts: _Parts, payload_start: int, body_end: int,
+                    copy: bool) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     placed: list[tuple[str, torch.dtype, list[int], int, int]] = []
-    offset = 0
+    offset, payload_len = 0, body_end - payload_start
     for spec in specs:
-        name, dtype, shape, nbytes = _check_spec(spec, offset, payload.nbytes)
+        name, dtype, shape, nbytes = _check_spec(spec, offset, payload_len)
         if name in tensors:
             raise ProtocolError(f"duplicate tensor name {name!r}")
         end = offset + nbytes
-        if any(payload[end:_align(end)]):
+        if _align(end) > end and any(parts.read(payload_start + end, payload_start + _align(end))[0]):
             raise ProtocolError(f"tensor {name!r}: non-zero padding bytes")
         tensors[name] = None  # placeholder: names are checked for duplicates as we go
         placed.append((name, dtype, shape, offset, nbytes))
         offset = _align(end)
-    if offset != payload.nbytes:
-        raise ProtocolError(f"payload is {payload.nbytes} bytes but its tensors (padded to 8 bytes) "
+    if offset != payload_len:
+        raise ProtocolError(f"payload is {payload_len} bytes but its tensors (padded to 8 bytes) "
                             f"take {offset}")
-    if not payload.nbytes:
+    if not payload_len:
         return {name: torch.empty(shape, dtype=dtype) for name, dtype, shape, _, _ in placed}
-    # Every tensor is a view of one byte tensor over the payload (offsets are 8-byte aligned) and
-    # keeps it alive: by default one copy into a fresh (aligned, writable) buffer; with
-    # copy=False the frame itself, unless its memory is not 8-byte aligned.
-    base = None
-    if not copy:
-        with warnings.catch_warnings():
-            # Viewing a read-only frame is the point here (its readers never write to it); torch
-            # warns about that once per process.
-            warnings.simplefilter("ignore", UserWarning)
-            base = torch.frombuffer(payload, dtype=torch.uint8)
-        if base.data_ptr() % _ALIGN:
-            base = None
-    if base is None:
-        base = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    if copy or len(parts.views) == 1:
+        # Every tensor is a view of one byte tensor over the payload (offsets are 8-byte aligned)
+        # and keeps it alive: by default one copy into a fresh (aligned, writable) buffer; with
+        # copy=False the frame itself, unless its memory is not 8-byte aligned.
+        payload, _ = parts.read(payload_start, body_end)
+        base = None if copy else _view(payload)
+        if base is None:
+            base = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        for name, dtype, shape, offset, nbytes in placed:
+            tensors[name] = base[offset:offset + nbytes].view(dtype).view(shape)
+        return tensors
+    # Several parts, no copy: a tensor that is one part (how encode_parts sends a large one) is a
+    # view of it; anything else (small tensors sharing a part, an odd split) is copied alone.
     for name, dtype, shape, offset, nbytes in placed:
-        tensors[name] = base[offset:offset + nbytes].view(dtype).view(shape)
+        raw, whole = parts.read(payload_start + offset, payload_start + offset + nbytes)
+        base = _view(raw) if whole and nbytes else None
+        if base is None:
+            base = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        tensors[name] = base.view(dtype).view(shape)
     return tensors
+
+
+def _view(raw: memoryview) -> torch.Tensor | None:
+    """A uint8 tensor over ``raw`` without a copy, or None when its memory is not 8-byte aligned."""
+    with warnings.catch_warnings():
+        # Viewing a read-only frame is the point here (its readers never write to it); torch
+        # warns about that once per process.
+        warnings.simplefilter("ignore", UserWarning)
+        base = torch.frombuffer(raw, dtype=torch.uint8)
+    return None if base.data_ptr() % _ALIGN else base

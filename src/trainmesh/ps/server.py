@@ -29,6 +29,7 @@ from .clock import ClockTable
 from .durability import DURABILITY
 from .protocol import DEFAULT_MAX_BYTES, Message, MessageType, ProtocolError, decode, encode
 from .server_state import ServerState
+from .transport import frame_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +94,9 @@ class ParameterServer:
     def stop(self) -> None:
         self._running = False
 
-    def handle(self, peer, frame: bytes) -> None:
-        """Serve one received frame from ``peer`` (whatever it contains)."""
-        self.counters["bytes_in"] += len(frame)
+    def handle(self, peer, frame) -> None:
+        """Serve one received frame (or a message's list of parts) from ``peer`` (whatever it contains)."""
+        self.counters["bytes_in"] += frame_nbytes(frame)
         try:
             # No copy: push gradients and pull ids are only read, while this frame is alive.
             msg = decode(frame, self.secret, self.max_message_bytes, copy=False)

@@ -23,6 +23,16 @@ SECRET_ENV = "TRAINMESH_PS_SECRET"  # where servers and workers read the shared 
 ZERO_COPY_MIN_BYTES = 65536
 
 
+def frame_nbytes(data) -> int:
+    """Bytes of a frame, or of a message given as a list of parts (see ``protocol.encode_parts``)."""
+    return sum(memoryview(p).nbytes for p in data) if isinstance(data, (list, tuple)) else memoryview(data).nbytes
+
+
+def joined(data) -> bytes:
+    """One immutable frame from a frame or a list of parts (their concatenation)."""
+    return b"".join(data) if isinstance(data, (list, tuple)) else bytes(data)
+
+
 class _Transport:
     """Byte/message counters and idempotent close, shared by every transport."""
 
@@ -58,9 +68,10 @@ class ClientTransport(_Transport, abc.ABC):
     """One client's connection to one server."""
 
     @abc.abstractmethod
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes | list) -> None:
         """Best effort, never blocks for long: a frame can be lost (server down or restarting),
-        so callers resend requests that were not acknowledged."""
+        so callers resend requests that were not acknowledged. ``data`` may be a list of parts
+        (one message, their concatenation; ZeroMQ sends large parts without copying them)."""
 
     @abc.abstractmethod
     def recv(self, timeout_s: float | None) -> bytes | None:
@@ -77,10 +88,11 @@ class ServerTransport(_Transport, abc.ABC):
 
     @abc.abstractmethod
     def recv(self, timeout_s: float | None) -> tuple[bytes, bytes] | None:
-        """Next `(peer, frame)`, or None after `timeout_s` (None: wait forever)."""
+        """Next `(peer, frame)`, or None after `timeout_s` (None: wait forever). A message sent as
+        several parts arrives as their list (``protocol.decode`` reads either)."""
 
     @abc.abstractmethod
-    def send(self, peer: bytes, data: bytes) -> None:
+    def send(self, peer: bytes, data: bytes | list) -> None:
         """Reply to `peer`; silently dropped if that peer is gone (it will resend)."""
 
 
@@ -186,23 +198,27 @@ class ZmqServerTransport(ServerTransport):
     def recv(self, timeout_s: float | None) -> tuple[bytes, bytes | memoryview] | None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            if not self._socket.poll(_poll_ms(_remaining(deadline)), self._zmq.POLLIN):
-                return None
-            frames = self._socket.recv_multipart(copy=False)
-            if len(frames) == 2:
+            try:  # a busy server finds the next request queued: no poll (one syscall fewer)
+                frames = self._socket.recv_multipart(self._zmq.NOBLOCK, copy=False)
+            except self._zmq.Again:
+                if not self._socket.poll(_poll_ms(_remaining(deadline)), self._zmq.POLLIN):
+                    return None
+                frames = self._socket.recv_multipart(copy=False)
+            if len(frames) >= 2:
                 # A large frame is handed over as a read-only view of ZeroMQ's buffer (no copy);
-                # the server decodes it without copying either.
-                peer, frame = frames[0].bytes, frames[1]
-                data = frame.buffer if len(frame) >= ZERO_COPY_MIN_BYTES else frame.bytes
-                self._count_recv(len(data))
-                return peer, data
-            # Otherwise not a DEALER client of ours (one frame after the identity): skip it.
+                # the server decodes it without copying either. Several parts come as a list.
+                data = [f.buffer if len(f) >= ZERO_COPY_MIN_BYTES else f.bytes for f in frames[1:]]
+                self._count_recv(sum(len(f) for f in frames[1:]))
+                return frames[0].bytes, data[0] if len(data) == 1 else data
+            # Otherwise not a DEALER client of ours (nothing after the identity): skip it.
 
-    def send(self, peer: bytes, data: bytes) -> None:
+    def send(self, peer: bytes, data: bytes | list) -> None:
         self._check_open()
-        # copy=False hands large buffers to ZeroMQ without a memcpy (bytes are immutable).
-        self._socket.send_multipart([peer, data], copy=len(data) < ZERO_COPY_MIN_BYTES)
-        self._count_send(len(data))
+        # copy=False hands large buffers to ZeroMQ without a memcpy (pyzmq still copies parts
+        # under its copy_threshold, 64 KiB by default, where that is cheaper).
+        parts = list(data) if isinstance(data, (list, tuple)) else [data]
+        self._socket.send_multipart([peer, *parts], copy=False)
+        self._count_send(frame_nbytes(parts))
 
     def _release(self) -> None:
         self._socket.close(linger=0)
@@ -222,16 +238,19 @@ class ZmqClientTransport(ClientTransport):
         self._socket.connect(self.address)
         self.dropped_queue_full = 0
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes | list) -> None:
         self._check_open()
+        parts = list(data) if isinstance(data, (list, tuple)) else [data]
         try:
-            # NOBLOCK: with the server gone for long, the queue fills (SNDHWM frames); blocking
-            # there would hang the caller, so the frame is dropped and counted instead.
-            self._socket.send(data, flags=self._zmq.NOBLOCK, copy=len(data) < ZERO_COPY_MIN_BYTES)
+            # NOBLOCK: with the server gone for long, the queue fills (SNDHWM messages); blocking
+            # there would hang the caller, so the message is dropped and counted instead (a
+            # multipart message is queued whole or not at all). copy=False: large parts leave
+            # from the caller's memory (pyzmq copies those under its 64 KiB copy_threshold).
+            self._socket.send_multipart(parts, flags=self._zmq.NOBLOCK, copy=False)
         except self._zmq.Again:
             self.dropped_queue_full += 1
             return
-        self._count_send(len(data))
+        self._count_send(frame_nbytes(parts))
 
     @property
     def socket(self):
@@ -239,10 +258,14 @@ class ZmqClientTransport(ClientTransport):
         return self._socket
 
     def recv(self, timeout_s: float | None) -> bytes | None:
-        if not self._socket.poll(_poll_ms(timeout_s), self._zmq.POLLIN):
-            return None
-        data = self._socket.recv()
-        self._count_recv(len(data))
+        try:  # replies already queued need no poll
+            frames = self._socket.recv_multipart(self._zmq.NOBLOCK)
+        except self._zmq.Again:
+            if timeout_s == 0 or not self._socket.poll(_poll_ms(timeout_s), self._zmq.POLLIN):
+                return None
+            frames = self._socket.recv_multipart()
+        data = frames[0] if len(frames) == 1 else frames
+        self._count_recv(frame_nbytes(frames))
         return data
 
     def _release(self) -> None:
@@ -304,9 +327,9 @@ class InProcessServerTransport(ServerTransport):
             self._count_recv(len(item[1]))
         return item
 
-    def send(self, peer: bytes, data: bytes) -> None:
+    def send(self, peer: bytes, data: bytes | list) -> None:
         self._check_open()
-        data = bytes(data)  # snapshot: the receiver must not see later changes to a mutable buffer
+        data = joined(data)  # snapshot: the receiver must not see later changes to a mutable buffer
         with self._hub._lock:
             box = self._hub._outboxes.get((self.address, peer))
         if box is not None:
@@ -325,9 +348,9 @@ class InProcessClientTransport(ClientTransport):
         super().__init__()
         self._hub, self.address, self.identity, self._replies = hub, name, identity, replies
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes | list) -> None:
         self._check_open()
-        data = bytes(data)
+        data = joined(data)
         self._hub._inbox(self.address).put((self.identity, data))
         self._count_send(len(data))
 
@@ -398,11 +421,13 @@ class FaultInjectingTransport(ClientTransport):
         self.inner.close()
 
 
-def loopback_bandwidth(nbytes: int, repeats: int = 10, warmup: int = 2) -> dict[str, float]:
-    """Raw ZeroMQ loopback throughput: send `nbytes`, wait for a 3-byte ack, `repeats` times
-    (after `warmup` rounds). The PS benchmark compares dense push throughput with this ceiling."""
-    if nbytes < 1 or repeats < 1 or warmup < 0:
-        raise ValueError(f"need nbytes >= 1, repeats >= 1, warmup >= 0; got {nbytes}, {repeats}, {warmup}")
+def loopback_bandwidth(nbytes: int, repeats: int = 10, warmup: int = 2, window: int = 1) -> dict[str, float]:
+    """Raw ZeroMQ loopback throughput: send `nbytes` (from one buffer, without a copy), a 3-byte
+    ack back for each message, `repeats` times (after `warmup` rounds), with up to `window`
+    messages in flight. The PS benchmark compares dense push throughput with this ceiling."""
+    if nbytes < 1 or repeats < 1 or warmup < 0 or window < 1:
+        raise ValueError(f"need nbytes >= 1, repeats >= 1, warmup >= 0, window >= 1; "
+                         f"got {nbytes}, {repeats}, {warmup}, {window}")
     ready: queue.Queue = queue.Queue()
 
     def echo_ack() -> None:
@@ -419,16 +444,30 @@ def loopback_bandwidth(nbytes: int, repeats: int = 10, warmup: int = 2) -> dict[
     thread = threading.Thread(target=echo_ack, name="loopback-bandwidth-server", daemon=True)
     thread.start()
     client, payload = ZmqClientTransport(ready.get(timeout=30.0), b"bandwidth-client"), bytes(nbytes)
+    acked = 0
+
+    def wait_ack() -> None:
+        nonlocal acked
+        if client.recv(timeout_s=30.0) is None:
+            raise TimeoutError("loopback bandwidth server did not answer within 30 s")
+        acked += 1
+
     try:
-        for i in range(warmup + repeats):
-            if i == warmup:
-                start = time.perf_counter()
+        for _ in range(warmup):
             client.send(payload)
-            if client.recv(timeout_s=30.0) is None:
-                raise TimeoutError("loopback bandwidth server did not answer within 30 s")
+            wait_ack()
+        start, in_flight = time.perf_counter(), 0
+        for _ in range(repeats):
+            client.send(payload)
+            in_flight += 1
+            if in_flight >= window:
+                wait_ack()
+                in_flight -= 1
+        for _ in range(in_flight):
+            wait_ack()
         seconds = time.perf_counter() - start
     finally:
         client.close()
         thread.join(timeout=30.0)
-    return {"nbytes": nbytes, "repeats": repeats, "seconds": seconds,
+    return {"nbytes": nbytes, "repeats": repeats, "window": window, "seconds": seconds, "acked": acked - warmup,
             "seconds_per_message": seconds / repeats, "bytes_per_s": nbytes * repeats / seconds}
