@@ -202,9 +202,7 @@ def _release_at_exit() -> None:
 
     def release() -> None:
         try:
-            for callback in _on_shutdown:
-                callback()
-            dist.destroy_process_group()
+            _release_group(wait_for_peers=False)
         except Exception:  # noqa: BLE001 - leaving anyway; nothing left to report it to
             pass
 
@@ -222,13 +220,19 @@ def shutdown() -> None:
     could abort in gloo's teardown ("terminate called without an active exception").
     """
     with _lock:
-        for callback in _on_shutdown:
-            callback()
-        if is_initialized() and _state["owned"]:
-            if dist.get_world_size() > 1:
-                try:
-                    barrier()
-                except RuntimeError:
-                    pass  # a peer is gone already; leaving is all that is left to do
-            dist.destroy_process_group()
+        _release_group(wait_for_peers=True)
         _state.update(cluster=None, timeout=None, owned=False)
+
+
+def _release_group(*, wait_for_peers: bool) -> None:
+    """Run the on-shutdown callbacks, then destroy the group if trainmesh started it; first wait
+    for every peer when asked (``shutdown``; not at exit, where a peer may be gone)."""
+    for callback in _on_shutdown:
+        callback()
+    if is_initialized() and _state["owned"]:
+        if wait_for_peers and dist.get_world_size() > 1:
+            try:
+                barrier()
+            except RuntimeError:
+                pass  # a peer is gone already; leaving is all that is left to do
+        dist.destroy_process_group()
