@@ -13,7 +13,10 @@ from transformers built from a config (no download).
 * measured on real processes, same model, batch and settings, independently of the plan:
   - step time: wall clock of real training steps (forward, backward, optimizer step; a pipeline runs
     torch's schedule through trainmesh's runner), the slowest rank per step; the cases of one world
-    size are set up together and their steps interleaved, round after round;
+    size are set up together and their steps interleaved, round after round. Each round, rank 0
+    measures the per-op figures and the core-sharing probe alone, and all processes run the probe
+    at once right before and right after each step (``planner.calibrate_cores``): the plan of that
+    round prices its step with them;
   - communication: the bytes each process wrote to its sockets during a step (``wchar`` of
     ``/proc/self/io``: gloo's TCP pairs write with ``write``/``writev``; the process prints nothing
     while timed), against the plan's bytes on the wire (``collectives.wire_bytes`` with gloo's
@@ -25,7 +28,9 @@ from transformers built from a config (no download).
 Checks that both sides did the same work (INVALID otherwise): the FLOPs of a real step (counted on it)
 equal the plan's (within 2% for a pipeline, whose loss is computed a little differently).
 
-Figures (``--json``): ``plan_step_time_vs_measured_worst`` (planned / median measured step),
+Figures (``--json``): ``plan_step_time_vs_measured_worst`` (per case, the median over rounds of the
+round's planned step, priced with the figures measured in that round, over the round's measured step;
+the median plan over the median step and the plan priced before the run are printed beside it),
 ``plan_comm_bytes_vs_counted_worst`` (planned wire bytes / socket bytes), ``plan_memory_vs_measured_worst``:
 each the ratio farthest from 1 over cases (and ranks).
 
@@ -218,7 +223,7 @@ def _worker(cases, rounds: int, hardware, priority: bool) -> dict:
         for i in [(r + k) % len(cases) for k in range(len(cases))]:  # interleaved, in a rotating order
             tm.barrier()
             units, wall, _ = run_window(work, window)
-            rates["cases"][i] = units / wall
+            before = wall / units
             tm.barrier()
             written = _socket_bytes()
             start, used = time.perf_counter(), time.process_time()
@@ -226,6 +231,8 @@ def _worker(cases, rounds: int, hardware, priority: bool) -> dict:
             times[i].append(time.perf_counter() - start)
             cpu[i].append(time.process_time() - used)
             wire[i].append(_socket_bytes() - written)
+            units, wall, _ = run_window(work, window)  # and right after it: the load during the step is between
+            rates["cases"][i] = 2 / (before + wall / units)
         shares.append(rates)
     return {"times": times, "cpu": cpu, "wire": wire, "peaks": peaks, "flops": flops, "ops": ops, "probes": probes,
             "shares": shares}
@@ -344,10 +351,14 @@ def main() -> int:
             per_round = [max(measured[r]["times"][index][k] for r in range(n)) for k in range(rounds)]
             median, (low, high) = statistics.median(per_round), ci95(per_round)
             cpu_used = statistics.median(statistics.median(measured[r]["cpu"][index]) for r in range(n))
-            step_ratio = plan["step"].seconds / median
+            # Each round's step against the plan priced with that round's figures (measured beside it):
+            # the load moves both together, so the per-round ratio is the plan's error, not the load's.
+            paired = [e.seconds / t for e, t in zip(planned, per_round)]
+            step_ratio = statistics.median(paired)
+            unpaired = plan["step"].seconds / median
             print(f"  {case[4]:<10} each of {n} processes {statistics.median(slowdowns):.2f}x slower than one alone "
-                  f"(rounds {min(slowdowns):.2f}-{max(slowdowns):.2f}); paired per-round plan/step "
-                  f"{statistics.median(e.seconds / t for e, t in zip(planned, per_round)):.2f}")
+                  f"(rounds {min(slowdowns):.2f}-{max(slowdowns):.2f}); plan/step per round {step_ratio:.2f} "
+                  f"(95% {ci95(paired)[0]:.2f}-{ci95(paired)[1]:.2f}); median plan / median step {unpaired:.2f}")
             worst["step"].append(step_ratio)
             for rank in range(n):
                 real = measured[rank]
@@ -365,9 +376,10 @@ def main() -> int:
                              "plan_wire": plan["wire"][rank], "socket_bytes": socket, "comm_ratio": comm,
                              "plan_ops": plan["ops"][rank], "ops": real["ops"][index],
                              "plan_step": plan["step"].seconds, "step": median, "step_ci95": [low, high], "step_cpu": cpu_used,
-                             "step_ratio": step_ratio, "plan_step_before": before,
-                             "step_ratio_before": before / median, "step_ratio_ci95": [plan["step"].seconds / high,
-                                                                           plan["step"].seconds / low],
+                             "step_ratio": step_ratio, "step_ratio_unpaired": unpaired,
+                             "step_ratio_rounds": paired, "step_slowdown_rounds": slowdowns,
+                             "plan_step_before": before,
+                             "step_ratio_before": before / median, "step_ratio_ci95": list(ci95(paired)),
                              "plan_parts": {**{k: v for k, v in plan["step"].phases.items()},
                                             **{f"{a} exposed": v for a, v in plan["step"].exposed.items()}}})
     print(f"\n{'case':<10}{'n':>2} {'mesh':<22}{'rank':>4} {'plan MiB':>9} {'meas MiB':>9} {'ratio':>6}  "
@@ -376,16 +388,18 @@ def main() -> int:
         print(f"{r['case']:<10}{r['n']:>2} {r['mesh']:<22}{r['rank']:>4} {r['plan_peak'] / 2**20:>9.1f} "
               f"{r['peak'] / 2**20:>9.1f} {r['memory_ratio']:>6.3f}  {r['plan_wire'] / 1e6:>8.2f} "
               f"{r['socket_bytes'] / 1e6:>8.2f} {r['comm_ratio']:>6.3f}  {r['plan_ops']:>8} {r['ops']:>6}")
-    print(f"\nstep time ({rounds} interleaved rounds; measured = slowest rank per step, median and 95% interval)")
+    print(f"\nstep time ({rounds} interleaved rounds; measured = slowest rank per step, median and 95% interval; "
+          "ratio = median over rounds of the round's plan / the round's step; unpair = median plan / median step; "
+          "before = the plan on the figures calibrated before the run / median step)")
     print(f"{'case':<10}{'n':>2} {'mesh':<22}{'plan ms':>8} {'meas ms':>8} {'95% interval':>16} {'ratio':>6} "
-          f"{'ratio 95%':>12} {'before':>7} {'cpu ms':>7}  planned parts (ms)")
+          f"{'ratio 95%':>12} {'unpair':>7} {'before':>7} {'cpu ms':>7}  planned parts (ms)")
     for r in rows:
         if r["rank"]:
             continue
         parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in r["plan_parts"].items() if v > 5e-4)
         print(f"{r['case']:<10}{r['n']:>2} {r['mesh']:<22}{r['plan_step'] * 1e3:>8.1f} {r['step'] * 1e3:>8.1f} "
               f"{r['step_ci95'][0] * 1e3:>7.1f}-{r['step_ci95'][1] * 1e3:<8.1f} {r['step_ratio']:>6.2f} "
-              f"{r['step_ratio_ci95'][0]:>5.2f}-{r['step_ratio_ci95'][1]:<6.2f} {r['step_ratio_before']:>7.2f} {r['step_cpu'] * 1e3:>7.0f}  {parts}")
+              f"{r['step_ratio_ci95'][0]:>5.2f}-{r['step_ratio_ci95'][1]:<6.2f} {r['step_ratio_unpaired']:>7.2f} {r['step_ratio_before']:>7.2f} {r['step_cpu'] * 1e3:>7.0f}  {parts}")
     figures = {"plan_memory_vs_measured_worst": round(_farthest(worst["memory"]), 4),
                "plan_comm_bytes_vs_counted_worst": round(_farthest(worst["comm"]), 4),
                "plan_step_time_vs_measured_worst": round(_farthest(worst["step"]), 4)}
