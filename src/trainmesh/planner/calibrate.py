@@ -93,8 +93,9 @@ def _key() -> str:
 
 
 def calibrate(n: int = 1024, *, link: bool = True, save: bool = True, contention: bool = True) -> "CalibratedHardware":
-    """Measure this machine (about 20 s): per-op cost curves and overheads (``calibrate_ops``) on the
-    threads this process has, and the loopback link's alpha/beta between two gloo processes."""
+    """Measure this machine (about a minute): per-op cost curves and overheads (``calibrate_ops``) on the
+    threads this process has, the loopback link's alpha/beta between two gloo processes, and how much
+    slower each of 1-8 processes runs at once (``calibrate_cores``; ``contention=False`` skips it)."""
     from .calibrate_ops import measure_compute, measure_dtensor_overhead
 
     loop = calibrate_link() if link else Link("loopback", 0.0, float("inf"))

@@ -15,8 +15,9 @@ adds up and prices what was measured:
   batch-axis traffic (DDP buckets, FSDP2 gathers and reduce-scatters) overlaps forward and
   backward where the hardware can overlap (devices; a CPU host with a core to spare), and only
   its excess shows; a pipeline adds the (p-1)/m bubble. On a CPU host whose cores the processes
-  share (with each other and with other load), the step is at least the CPU time each process
-  asks for at the share of a core it gets (``Hardware.contention``);
+  share (with each other and with other load), the step is at least the work each process asks
+  for times how much slower each of the node's processes runs when all run at once than one alone
+  (``Hardware.contention``: measured by ``calibrate_cores`` where calibrated; the output names it);
 * MFU = model FLOPs (6N + 12·L·H·T per token, the convention torchtitan and Megatron-LM report)
   per step over world size x step time x peak.
 
