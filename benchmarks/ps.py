@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated parts to run (default: all three)")
     args = parser.parse_args(argv)
     if args.quick:  # the transport part stays at 3 rounds: its figure needs a median over rounds
-        args.rounds, args.repeats, args.straggler_rounds = 3, 10, 1
+        args.rounds, args.repeats, args.straggler_rounds = 3, 8, 1
     if args.window < 1 or args.rounds < 1 or args.repeats < 1:
         parser.error(f"--window, --rounds and --repeats must be >= 1, got {args.window}, {args.rounds}, {args.repeats}")
     torch.set_num_threads(1)
