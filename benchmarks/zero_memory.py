@@ -8,7 +8,8 @@
 Every variant (a system at a stage) trains the same ~50M-parameter GPT-style transformer
 (8 blocks, d_model 640, vocab 8192, seq 128) from the same seed on the same token batches, on N
 (default 4) gloo CPU processes started with ``python -m torch.distributed.run --standalone``,
-bf16 compute with fp32 master weights and fp32 Adam state on both sides:
+bf16 compute with fp32 master weights and fp32 Adam state on both sides, gradients reduced in bf16 on
+both sides at stages 1-3 (DeepSpeed's default communication dtype under bf16; trainmesh's reduce_dtype):
 
 * trainmesh: ``tm.Trainer(model, Adam, loss, zero_stage=k, precision="bf16-mixed", progress=False)``
   (stage 0: DDP; 1-3: FSDP2 ``fully_shard``; stage 1 differs from 2 only under accumulation).
@@ -109,6 +110,14 @@ DS_CHANGES = {
         "set to trainmesh's largest FSDP unit: the 5e8-element defaults would allocate a 1 GB bf16 bucket "
         "per rank, 10x this model, and charge DeepSpeed's peak for an oversized buffer",
     "zero_allow_untested_optimizer": "the same torch.optim.Adam object trainmesh gets (not DeepSpeed's FusedAdam)",
+}
+# trainmesh's settings that are not its defaults, and why (printed with the results).
+TM_REDUCE_DTYPE = "bf16"
+TM_SETTINGS = {
+    "reduce_dtype='bf16' (stages 1-3)":
+        "DeepSpeed reduces gradients in communication_data_type, which defaults to bf16 under its bf16 config "
+        "(engine.communication_data_type); trainmesh's default under bf16-mixed is fp32 (twice the bytes). Both "
+        "sides reduce in bf16 here",
 }
 # First-step losses of the two systems at one stage (same model, seed, batches, bf16 compute) must agree
 # this closely, else the two sides did different work and the comparison is INVALID.
@@ -350,6 +359,7 @@ def worker(cfg: dict, variant: str, out_path: str) -> None:
     mem_steps, warmup, steps = cfg["mem_steps"], cfg["warmup"], cfg["steps"]
     total_steps = mem_steps + warmup + steps
     step_times: list[float] = []
+    cpu_times: list[float] = []  # this process's CPU seconds per step (all its threads): work, not waiting
     losses: list[float] = []
     phase = {"step": 0}
 
@@ -372,15 +382,20 @@ def worker(cfg: dict, variant: str, out_path: str) -> None:
 
             def on_train_batch_begin(self, step, logs=None):
                 self.t0 = _barrier_time()
+                self.c0 = time.process_time()
 
             def on_train_batch_end(self, step, logs=None):
+                cpu_times.append(time.process_time() - self.c0)
                 step_times.append(_barrier_time() - self.t0)
                 losses.append(float((logs or {}).get("loss", math.nan)))
                 phase["step"] += 1
                 if phase["step"] == mem_steps:
                     end_memory_phase()
 
-        trainer = tm.Trainer(model, make_optimizer(model), loss_fn, zero_stage=stage,
+        # Gradients reduced in bf16 at stages 1-3, as DeepSpeed's default communication_data_type does
+        # under its bf16 config (see TM_SETTINGS); stage 0 (DDP) reduces autocast's fp32 gradients.
+        distribution = tm.DataParallel(reduce_dtype=TM_REDUCE_DTYPE) if stage else None
+        trainer = tm.Trainer(model, make_optimizer(model), loss_fn, zero_stage=stage, distribution=distribution,
                              precision="bf16-mixed", progress=False, callbacks=[Clock()])
         optimizer, wrapped = trainer.optimizer, trainer.model
 
@@ -439,12 +454,14 @@ def worker(cfg: dict, variant: str, out_path: str) -> None:
         local = cfg["batch"] // world
         for k in range(total_steps):
             t0 = _barrier_time()
+            c0 = time.process_time()
             start = k * cfg["batch"] + rank * local
             loss = loss_fn(engine(x[start : start + local]), y[start : start + local])
             engine.backward(loss)
             engine.step()  # includes zero_grad
             mean = loss.detach().float().clone()
             torch_dist.all_reduce(mean)  # the same per-step loss all-reduce the Trainer does (log_every_n_steps=1)
+            cpu_times.append(time.process_time() - c0)
             step_times.append(_barrier_time() - t0)
             losses.append(mean.item() / world)
             phase["step"] += 1
@@ -459,7 +476,7 @@ def worker(cfg: dict, variant: str, out_path: str) -> None:
         "rss_after_setup_kb": info.get("rss_after_setup_kb"), "vm_hwm_kb": info.get("vm_hwm_kb"),
         "hwm_reset": info.get("hwm_reset"),
         "model_state": state, "model_state_bytes": sum(v for k, v in state.items() if k != "other"),
-        "step_times_s": step_times, "losses": losses,
+        "step_times_s": step_times, "step_cpu_s": cpu_times, "losses": losses,
         "wrapped": info.get("wrapped"), "optimizer": info.get("optimizer"), "ds_config": info.get("ds_config"),
         "deepspeed_version": info.get("deepspeed_version"),
         "ds_overlap_comm_effective": info.get("ds_overlap_comm_effective"),
@@ -514,6 +531,9 @@ def summarize(runs: dict[str, list[list[dict]]], cfg: dict) -> dict:
             if per_step[cfg["mem_steps"] + cfg["warmup"]:]:
                 round_medians.append(statistics.median(per_step[cfg["mem_steps"] + cfg["warmup"]:]))
         hwm_delta = [(r["vm_hwm_kb"] - r["rss_after_setup_kb"]) * 1024 for ranks_r in rounds for r in ranks_r]
+        # CPU seconds per timed step, summed over the ranks (the work done, whatever the machine's load)
+        skip = cfg["mem_steps"] + cfg["warmup"]
+        cpu = [sum(s) for ranks_r in rounds for s in list(zip(*(r.get("step_cpu_s", []) for r in ranks_r)))[skip:]]
         variants[variant] = {
             "system": system, "stage": stage, "num_params": num_params,
             "peak_live_bytes_max_rank": max(r["peak_live_bytes"] for rr in rounds for r in rr),
@@ -528,6 +548,7 @@ def summarize(runs: dict[str, list[list[dict]]], cfg: dict) -> dict:
             "model_state_vs_paper": max(ms_bytes) / forms["paper_2_2_12"],
             "step_time_median_s": statistics.median(timed) if timed else math.nan,
             "step_times_s": timed, "step_time_round_medians_s": round_medians,
+            "step_cpu_s_all_ranks_median": statistics.median(cpu) if cpu else math.nan,
             "first_loss": ranks[0]["losses"][0] if ranks[0]["losses"] else math.nan,
             "last_loss": ranks[0]["losses"][-1] if ranks[0]["losses"] else math.nan,
             "wrapped": ranks[0]["wrapped"], "optimizer": ranks[0]["optimizer"],
@@ -545,7 +566,8 @@ def summarize(runs: dict[str, list[list[dict]]], cfg: dict) -> dict:
             comparisons.append({"stage": stage, "peak_ratio": peak, "peak_met": peak <= 1.0, "same_work": same,
                                 "first_loss_trainmesh": a["first_loss"], "first_loss_deepspeed": b["first_loss"],
                                 "rss_delta_ratio": a["rss_hwm_delta_bytes_max_rank"] / b["rss_hwm_delta_bytes_max_rank"],
-                                "step_ratio": step, "step_met": step <= 1.0, "step_ratio_per_round": per_round,
+                                "step_ratio": step, "step_met": step <= 1.0,
+                                "cpu_ratio": a["step_cpu_s_all_ranks_median"] / b["step_cpu_s_all_ranks_median"], "step_ratio_per_round": per_round,
                                 "step_ratio_round_ci95": ci95(per_round) if len(per_round) > 1 else None})
     state_checks = [{"variant": v, "ratio": s["model_state_vs_matching"], "formula": s["matching_formula"],
                      "met": abs(s["model_state_vs_matching"] - 1) <= MODEL_STATE_TOLERANCE}
@@ -559,7 +581,7 @@ def summarize(runs: dict[str, list[list[dict]]], cfg: dict) -> dict:
         if stage in (1, 2, 3):
             figures[f"zero{stage}_model_state_vs_formula"] = c["ratio"]
     return {"variants": variants, "comparisons": comparisons, "model_state_checks": state_checks, "figures": figures,
-            "deepspeed_changes": DS_CHANGES, "valid": all(c["same_work"] for c in comparisons),
+            "deepspeed_changes": DS_CHANGES, "trainmesh_settings": TM_SETTINGS, "valid": all(c["same_work"] for c in comparisons),
             "targets": {"model_state_within": MODEL_STATE_TOLERANCE, "peak_ratio_max": 1.0, "step_ratio_max": 1.0},
             "config": cfg, "torch_version": torch.__version__}
 
@@ -595,6 +617,9 @@ def print_report(report: dict) -> None:
         print(f"model state {c['variant']}: {c['ratio']:.3f} x formula {c['formula']}, target within "
               f"{MODEL_STATE_TOLERANCE:.0%}: {'met' if c['met'] else 'NOT MET'}")
     if report["comparisons"]:
+        print("trainmesh runs with its defaults except (change: reason):")
+        for key, why in report["trainmesh_settings"].items():
+            print(f"  {key}: {why}")
         print("DeepSpeed runs with its defaults except (change: reason):")
         for key, why in report["deepspeed_changes"].items():
             print(f"  {key}: {why}")
@@ -608,7 +633,7 @@ def print_report(report: dict) -> None:
         print(f"stage {c['stage']}: peak live trainmesh/deepspeed = {c['peak_ratio']:.3f} (<= 1: "
               f"{'met' if c['peak_met'] else 'NOT MET'}; RSS delta ratio {c['rss_delta_ratio']:.3f}), step time "
               f"= {c['step_ratio']:.3f}{_interval(c.get('step_ratio_round_ci95'))} (<= 1: "
-              f"{'met' if c['step_met'] else 'NOT MET'}){quick}")
+              f"{'met' if c['step_met'] else 'NOT MET'}; CPU seconds per step, all ranks: {c['cpu_ratio']:.3f}){quick}")
 
 
 def _interval(bounds) -> str:

@@ -32,10 +32,10 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, distribution) -> tor
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"zero_stage=1 needs a torch.optim.Optimizer. Received: {type(optimizer).__name__}")
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if params and all(hasattr(p, "placements") for p in params):
-        # An FSDP2 model (``zero.apply_fsdp``, the stage-1 layout): the parameters are this process's
-        # shards, so the optimizer's state is created sharded with them; nothing to wrap.
-        return optimizer
+    if any(hasattr(p, "placements") for p in params):
+        # An FSDP2 model (``zero.apply_fsdp``, stages 1-3): the parameters are this process's shards,
+        # so the optimizer's state is created sharded with them; nothing to wrap.
+        return use_multi_tensor_kernels(optimizer)
     if any(optimizer.state.values()):
         raise ValueError("zero_stage=1 shards optimizer state from the first step; pass a fresh optimizer "
                          f"(it has state for {len(optimizer.state)} parameters). Received: optimizer={optimizer!r}")
@@ -46,6 +46,23 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, distribution) -> tor
     groups = [{k: v for k, v in g.items() if k in accepted or k == "params"} for g in optimizer.param_groups]
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group, **defaults)
+
+
+def use_multi_tensor_kernels(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Step sharded (DTensor) parameters of Adam / AdamW with torch's fused kernel where the user left
+    the implementation unset (``foreach`` and ``fused`` None). Torch's own default on CPU is the
+    for-loop, which dispatches every elementwise op of every parameter through DTensor: ~10
+    dispatches per parameter per step, 4.5x the fused step on the benchmark's GPT (DeepSpeed steps
+    one flat partition per group instead). The update is the same arithmetic; an explicit choice is
+    kept. Only Adam / AdamW: DTensor has sharding rules for their fused ops and no other's
+    (``_fused_sgd_`` raises NotImplementedError on DTensor in torch 2.14)."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return optimizer
+    for group in optimizer.param_groups:
+        unset = group.get("foreach") is None and group.get("fused") is None
+        if unset and not group.get("differentiable") and all(p.device.type in ("cpu", "cuda") for p in group["params"]):
+            group["fused"] = True
+    return optimizer
 
 
 def is_zero_optimizer(optimizer: Any) -> bool:

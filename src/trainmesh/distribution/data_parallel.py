@@ -82,12 +82,13 @@ class DataParallel(Distribution):
         return engine("apply_model")(model, self, ddp_options=ddp_options)
 
     def prepare_optimizer(self, optimizer, model):
-        """Stage 1: the same optimizer with its state sharded (over FSDP2's parameter shards it is
-        the optimizer itself; a ``ZeroRedundancyOptimizer`` over replicated parameters otherwise).
+        """Stages 1-3: the same optimizer with its state sharded (over FSDP2's parameter shards it is
+        the optimizer itself, stepped with torch's fused or foreach kernels unless the user chose;
+        a ``ZeroRedundancyOptimizer`` over replicated parameters otherwise).
 
         The stage is the one ``model`` was distributed with (a Trainer's ``zero_stage`` may
         override the distribution's)."""
         stage = getattr(model, "_trainmesh_memory", {}).get("zero_stage", self._memory.zero_stage)
-        if stage != 1:
+        if stage == 0:
             return optimizer
         return engine("prepare_optimizer")(optimizer, self)
