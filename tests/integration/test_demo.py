@@ -42,8 +42,9 @@ def clean_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     cwd = tmp_path_factory.mktemp("demo")
+    env = {**clean_env(), "TRAINMESH_CACHE_DIR": str(cwd / "cache")}  # no cached peak: the demo probes it
     proc = subprocess.run([sys.executable, "-m", "trainmesh", "demo", "--quick", "-n", "2", "--out", "out"],
-                          cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=150)
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=150)
     return proc, cwd / "out"
 
 
@@ -59,6 +60,12 @@ def test_quick_demo_succeeds_and_reports(quick_run) -> None:
     assert sample in stdout
     assert "[demo] finished in" in stdout
     assert "Traceback" not in proc.stderr
+    # MFU out of the box: the peak was probed (and cached) before the workers started, and shown.
+    assert "[demo] bf16 matmul peak of this node:" in stdout and " - mfu: " in stdout
+    cached = json.loads((out.parent / "cache" / "peak_flops.json").read_text())
+    assert len(cached) == 1 and next(iter(cached.values())) > 1e6
+    steps = [json.loads(line) for line in (out / "logs" / "steps.jsonl").read_text().splitlines() if line]
+    assert all(0 < s["mfu"] < 1 for s in steps)
 
 
 def test_quick_demo_writes_its_outputs(quick_run) -> None:

@@ -66,7 +66,23 @@ def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if out.exists() and not out.is_dir():
         parser.error(f"--out must be a directory. Received: {str(out)!r} is a file")
     started = time.perf_counter()
+    _ensure_peak_probe()
     status = run.handle(*run_args(args))
     if status == 0:
         print(f"[demo] finished in {time.perf_counter() - started:.0f}s (launch included)", flush=True)
     return status
+
+
+def _ensure_peak_probe() -> None:
+    """The demo shows MFU: without a cached bf16 peak for this CPU (``trainmesh env --peak``), probe
+    it once now, before any worker starts (2 s, cached for later runs and jobs). On a GPU machine
+    the workers' device is not this process's business: they show MFU if a peak is cached."""
+    import torch
+
+    from trainmesh.trainer.throughput import cached_peak_flops, measure_peak_flops
+
+    if torch.cuda.is_available() or cached_peak_flops(torch.bfloat16, "cpu") is not None:
+        return
+    peak = measure_peak_flops(torch.bfloat16, seconds=2.0)
+    print(f"[demo] bf16 matmul peak of this node: {peak / 1e9:.0f} GFLOP/s (trainmesh env --peak; cached for MFU)",
+          flush=True)
