@@ -78,15 +78,17 @@ class LossAccumulator:
         self._launched = all_reduce_small_async(self._check_vector(stop_local, None))
 
     def _check_vector(self, stop_local: bool, grad_square: torch.Tensor | None) -> torch.Tensor:
-        step_value = _to_cpu_double(self._step_sum)
-        finite = bool(torch.isfinite(step_value))
-        return torch.stack([
-            _to_cpu_double(self._local_sum), _f64(self._local_samples),
-            step_value if finite else _f64(0.0), _f64(self._step_samples if finite else 0),
-            _f64(1.0 if stop_local else 0.0), _f64(0.0 if finite else 1.0),
-            *(_f64(rider.local_value()) for rider in _RIDERS),
-            *([grad_square.detach().double().cpu().reshape(())] if grad_square is not None else []),
-        ])
+        # One float64 tensor from Python floats (each value crosses to the host once anyway): cheaper
+        # per step than stacking a scalar tensor per entry.
+        step_value = float(_to_cpu_double(self._step_sum))
+        finite = math.isfinite(step_value)
+        return torch.tensor([
+            float(_to_cpu_double(self._local_sum)), float(self._local_samples),
+            step_value if finite else 0.0, float(self._step_samples if finite else 0),
+            1.0 if stop_local else 0.0, 0.0 if finite else 1.0,
+            *(float(rider.local_value()) for rider in _RIDERS),
+            *([float(grad_square.detach().double().cpu())] if grad_square is not None else []),
+        ], dtype=torch.float64)
 
     def end_step(self, *, check: bool, stop_local: bool, grad_square: torch.Tensor | None = None) -> tuple[bool, bool]:
         """Fold the step in. Returns ``(non-finite on some process, stop requested somewhere)``,
