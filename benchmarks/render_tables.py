@@ -81,49 +81,6 @@ REASONS = {
                                "gathered parameters are a fixed CPU cost per step (11-23% more CPU than DeepSpeed); "
                                "the full model absorbs it",
     "zero2_step_vs_deepspeed": "as zero1_step: per-unit FSDP2 hook cost at the quick model's size",
-    "gpipe_bubble_vs_theory": ("0.80 - 1.25", lambda v: 0.8 <= v <= 1.25),
-    "interleaved_bubble_vs_1f1b": ("< 1", lambda v: v < 1),
-    "1f1b_peak_activations_vs_gpipe": ("<= 0.75", lambda v: v <= 0.75),
-    # issue 12's (tensor_parallel.py)
-    "tp_step_vs_hand_written": ("<= 1.03", lambda v: v <= 1.03),
-    "tp_collectives_per_block": ("<= 4", lambda v: v <= 4),
-    # issue 15's (multihost.py); dp_2hosts_step_vs_1host is reported for context, no target
-    "dp_2hosts_parity_max_abs_diff": ("<= 1e-06", lambda v: v <= 1e-6),
-    "host_kill_resume_identical": ("1", lambda v: v == 1),
-    "host_kill_lost_steps": ("<= 3", lambda v: v <= 3),
-    # issue 16's (communication.py)
-    "hier_inter_host_bytes_vs_flat": ("<= 0.70", lambda v: v <= 0.7),
-    "hier_step_vs_flat_100mbit": ("<= 0.80", lambda v: v <= 0.8),
-    "int8_wire_bytes_reduction_2x4": (">= 3.5", lambda v: v >= 3.5),
-    "topk1_wire_bytes_reduction_2x4": (">= 10", lambda v: v >= 10),
-    "int8_step_vs_fp32_100mbit": ("<= 0.50", lambda v: v <= 0.5),
-    "powersgd_step_vs_fp32_100mbit": ("<= 0.30", lambda v: v <= 0.3),
-    "auto_step_vs_best_fixed_100mbit": ("<= 1.10", lambda v: v <= 1.1),
-    "auto_step_vs_best_fixed_unshaped": ("<= 1.10", lambda v: v <= 1.1),
-    "ssp_time_to_loss_vs_sync_straggler_host": ("<= 0.80", lambda v: v <= 0.8),
-    "powersgd_final_loss_vs_fp32": ("<= 1.02", lambda v: v <= 1.02),
-    "int8_final_loss_vs_fp32": ("<= 1.02", lambda v: v <= 1.02),  # also compression.py's (issue 13)
-    "topk1_final_loss_vs_fp32": ("<= 1.02", lambda v: v <= 1.02),  # issue 16's "within 2% of fp32"
-    # issue 17's (plan_accuracy.py)
-    "plan_memory_vs_measured_worst": ("0.85 - 1.15", lambda v: 0.85 <= v <= 1.15),
-    "plan_comm_bytes_vs_counted_worst": ("0.99 - 1.01", lambda v: 0.99 <= v <= 1.01),
-    "plan_step_time_vs_measured_worst": ("0.75 - 1.33", lambda v: 0.75 <= v <= 1.33),
-    # issue 18's (throughput.py)
-    "compiled_vs_eager_step_gpt": ("<= 0.90", lambda v: v <= 0.9),
-    "compiled_vs_eager_step_llama_zero3": ("<= 1.00", lambda v: v <= 1.0),
-    "compiled_parity_max_abs_diff": ("<= 1e-05", lambda v: v <= 1e-5),
-    "demo_mfu_vs_bf16_peak": (">= 0.30", lambda v: v >= 0.3),
-}
-# The issue's fixed names, in the order the table lists them (others follow alphabetically).
-ORDER = list(TARGETS) + ["int8_payload_reduction", "topk1_payload_reduction", "int8_wire_bytes_reduction",
-                         "topk1_wire_bytes_reduction"]
-# Why a target is missed, where a measurement shows the cause (shown only on a miss).
-REASONS = {
-    "zero1_peak_vs_deepspeed": "trainmesh's stage 1 is the paper's ZeRO-1: fp32 parameters and gradients whole "
-                               "(4P + 4P, no extra copy: model state = formula) and Adam state sharded (8P/N). "
-                               "DeepSpeed's stage 1 shares stage 2's code and partitions gradients too: its "
-                               "stage-1 and stage-2 runs measure the same bytes (model state and peak equal); "
-                               "trainmesh's stage 2 is the like-for-like peer there",
     "gpipe_bubble_vs_theory": "on CPU each microbatch's send/recv and the schedule's Python cost a fixed time "
                               "that theory's (p-1)/(m+p-1) does not count; tiny microbatches make it dominate",
     "interleaved_bubble_vs_1f1b": "interleaving halves the theoretical bubble but doubles the messages, whose fixed "
