@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from stats import ci95  # this folder's (benchmarks run as scripts)
+from trainmesh.testing.stats import ci95
 
 ROOT = Path(__file__).resolve().parent.parent
 DP_JOB = ROOT / "tests" / "multihost" / "dp_job.py"

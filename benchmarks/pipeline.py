@@ -35,7 +35,7 @@ import torch
 
 from trainmesh.testing import run_distributed
 
-from stats import ci95  # this folder's (benchmarks run as scripts)
+from trainmesh.testing.stats import ci95
 
 VOCAB, SEQ, BATCH, STEPS = 64, 32, 8, 3
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")

@@ -51,8 +51,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from stats import ci95  # noqa: E402
+from trainmesh.testing.stats import ci95
 
 MODEL = dict(model_type="llama", hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=8, vocab_size=4096, max_position_embeddings=256)

@@ -42,7 +42,7 @@ from trainmesh.ps.cluster import LocalCluster
 from trainmesh.ps.transport import loopback_bandwidth
 from trainmesh.testing import run_distributed
 
-from stats import ci95  # this folder's (benchmarks run as scripts)
+from trainmesh.testing.stats import ci95
 
 MB = 1 << 20
 DENSE_SIZES = {"1 MB": MB, "16 MB": 16 * MB}

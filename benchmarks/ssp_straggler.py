@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from stats import ci95  # this folder's (benchmarks run as scripts)
+from trainmesh.testing.stats import ci95
 
 HERE = Path(__file__).resolve()
 IN_DIM, OUT_DIM, BATCH, EVAL, LR, TARGET_FRACTION = 256, 2048, 64, 128, 0.02, 0.1

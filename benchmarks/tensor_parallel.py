@@ -32,7 +32,7 @@ import torch
 
 from trainmesh.testing import run_distributed
 
-from stats import ci95  # this folder's (benchmarks run as scripts)
+from trainmesh.testing.stats import ci95
 
 VOCAB, SEQ, HIDDEN, FFN, HEADS = 256, 128, 256, 688, 8
 

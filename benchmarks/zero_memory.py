@@ -63,7 +63,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from stats import ci95  # this folder's (benchmarks run as scripts)
+from trainmesh.testing.stats import ci95
 
 FULL_MODEL = {"vocab": 8192, "d_model": 640, "n_layer": 8, "n_head": 10, "seq": 128}
 QUICK_MODEL = {"vocab": 4096, "d_model": 256, "n_layer": 4, "n_head": 4, "seq": 64}

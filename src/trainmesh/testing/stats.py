@@ -1,4 +1,4 @@
-"""Small statistics the benchmarks share (run as scripts, they import this from their own folder)."""
+"""Small statistics the benchmarks share (a library module, so the benchmark scripts import it by name)."""
 
 from __future__ import annotations
 
