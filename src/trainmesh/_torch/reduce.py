@@ -22,20 +22,16 @@ def global_mean(value) -> float:
 
 def all_reduce_small(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Reduce a small CPU vector (losses, flags, norms) over every process; returned on the CPU.
-
-    The one place that knows a pure-NCCL group needs it on the GPU (a mixed "cpu:gloo,cuda:nccl"
-    group takes it as it is). A no-op on one process.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    tensor = values.cuda() if dist.get_backend() == "nccl" else values
-    dist.all_reduce(tensor, op=op)
-    return tensor.cpu()
+    A no-op on one process. (:func:`all_reduce_small_async`, waited for at once.)"""
+    return all_reduce_small_async(values, op)()
 
 
 def all_reduce_small_async(values: torch.Tensor, op=dist.ReduceOp.SUM):
-    """Start :func:`all_reduce_small` and return ``wait() -> reduced CPU vector``: the reduction
-    runs on the process group's own threads (or stream) while the caller goes on."""
+    """Start reducing a small CPU vector over every process and return ``wait() -> reduced CPU
+    vector``: the reduction runs on the process group's own threads (or stream) while the caller
+    goes on. The one place that knows a pure-NCCL group needs it on the GPU (a mixed
+    "cpu:gloo,cuda:nccl" group takes it as it is). A no-op on one process.
+    """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return lambda: values
     tensor = values.cuda() if dist.get_backend() == "nccl" else values
