@@ -183,7 +183,9 @@ class ClientIO:
             except queue.Empty:
                 return None, range(len(self._servers))
         self._sleeping = True
-        events = poller.poll(20) if self._commands.empty() else ()  # wakes at once on a reply or a wake byte
+        # Wakes at once on a reply or a wake byte; with a command queued it only looks (timeout 0), so
+        # replies are still read while submits keep coming.
+        events = poller.poll(20 if self._commands.empty() else 0)
         self._sleeping = False
         ready = []
         for source, _ in events:
