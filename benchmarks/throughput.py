@@ -16,8 +16,9 @@ compiled / eager), ``compiled_vs_eager_step_llama_zero3``, ``compiled_parity_max
 ``demo_mfu_vs_bf16_peak`` (the demo GPT's model FLOPs per second on its default path under
 DataParallel / this node's bf16 matmul peak measured by the ``trainmesh env --peak`` probe in the
 same run, before the workers start: one thread's rate per second of its own CPU time, times the
-cores, which load from elsewhere on a shared machine cannot lower, so it cannot flatter the MFU). Exit 1 and INVALID when the two sides of a pair did not do
-the same work (different step counts, or losses apart by more than bf16 noise).
+cores, which load from elsewhere on a shared machine cannot lower, so it cannot flatter the MFU).
+Exit 1 and INVALID when the two sides of a pair did not do the same work (different step counts,
+or losses apart by more than bf16 noise).
 """
 
 from __future__ import annotations
