@@ -35,7 +35,7 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, distribution) -> tor
     if any(hasattr(p, "placements") for p in params):
         # An FSDP2 model (``zero.apply_fsdp``, stages 1-3): the parameters are this process's shards,
         # so the optimizer's state is created sharded with them; nothing to wrap.
-        return use_multi_tensor_kernels(optimizer)
+        return use_fused_adam_kernel(optimizer)
     if any(optimizer.state.values()):
         raise ValueError("zero_stage=1 shards optimizer state from the first step; pass a fresh optimizer "
                          f"(it has state for {len(optimizer.state)} parameters). Received: optimizer={optimizer!r}")
@@ -48,7 +48,7 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, distribution) -> tor
     return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group, **defaults)
 
 
-def use_multi_tensor_kernels(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def use_fused_adam_kernel(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Step sharded (DTensor) parameters of Adam / AdamW with torch's fused kernel where the user left
     the implementation unset (``foreach`` and ``fused`` None). Torch's own default on CPU is the
     for-loop, which dispatches every elementwise op of every parameter through DTensor: ~10
