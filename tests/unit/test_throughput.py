@@ -60,6 +60,31 @@ def test_peak_probe_is_cached_per_dtype(tmp_path, monkeypatch):
         measure_peak_flops(torch.int8)
 
 
+def test_peak_probe_keeps_to_its_time_on_any_dtype():
+    """bf16 on a CPU without a native bf16 matmul runs ~45x slower than fp32: a probe that always
+    reached 2048-wide matmuls took minutes there. The sizes it tries must stop at the budget."""
+    import time
+
+    for dtype in (torch.float32, torch.bfloat16):
+        started = time.perf_counter()
+        peak = measure_peak_flops(dtype, seconds=1.0, save=False)
+        elapsed = time.perf_counter() - started
+        assert peak > 1e6
+        assert elapsed < 6.0, (dtype, elapsed)  # 1 s asked; wall time on a busy machine adds slack, not minutes
+
+
+def test_fastest_precision_follows_the_measured_bf16_speedup(monkeypatch):
+    from trainmesh.trainer import precision
+
+    speedup = precision.bf16_matmul_speedup("cpu")
+    assert speedup > 0
+    monkeypatch.setattr(precision, "bf16_matmul_speedup", lambda device_type="cpu": 3.0)
+    assert precision.fastest_precision("cpu")[0] == "bf16-mixed"
+    monkeypatch.setattr(precision, "bf16_matmul_speedup", lambda device_type="cpu": 0.03)
+    name, why = precision.fastest_precision("cpu")
+    assert name == "fp32" and "0.03x" in why
+
+
 def test_meter_mfu_is_achieved_over_peak():
     meter = ThroughputMeter(peak_flops=1e9, peak_units=2)
     meter.flops_per_sample, meter.tokens_per_sample = 1e6, 10

@@ -62,6 +62,9 @@ class DemoSettings:
     temperature: float = 0.8
     top_k: int = 20
     seed: int = 0
+    # "bf16-mixed" where this machine's bf16 matmuls are fast (AMX, AVX512-BF16, GPUs), else "fp32":
+    # the launcher decides once for every worker (trainer/precision.py fastest_precision).
+    precision: str = "bf16-mixed"
 
     @classmethod
     def full(cls) -> "DemoSettings":
@@ -87,6 +90,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="trainmesh-demo", help="output directory (default: ./trainmesh-demo)")
     parser.add_argument("--epochs", type=int, default=None, help="epochs (default: 2)")
     parser.add_argument("--quick", action="store_true", help="a tiny run that takes seconds (for tests)")
+    parser.add_argument("--precision", choices=("fp32", "bf16-mixed"), default=None,
+                        help="compute precision (default: bf16-mixed; `trainmesh demo` picks the faster one here)")
     args = parser.parse_args(argv)
     if args.epochs is not None and args.epochs < 1:
         parser.error(f"--epochs must be >= 1. Received: {args.epochs}")
@@ -163,7 +168,7 @@ def train(out: Path, settings: DemoSettings) -> dict[str, Any]:
     trainer = tm.Trainer(
         model, build_optimizer(model, settings), lm_loss,
         distribution=tm.DataParallel(),
-        precision="bf16-mixed",
+        precision=settings.precision,
         # torch's fused AdamW kernel: ~4x faster per optimizer step than the CPU default (for-loop).
         # compile stays off: compiling the blocks makes this model's step ~0.86x eager
         # (benchmarks/throughput.py), ~7 s off this run's ~50 s of steps, while compiling costs
@@ -234,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = DemoSettings.quick() if args.quick else DemoSettings.full()
     if args.epochs is not None:
         settings = replace(settings, epochs=args.epochs)
+    if args.precision is not None:
+        settings = replace(settings, precision=args.precision)
     out = Path(args.out)
     try:
         summary = train(out, settings)

@@ -23,8 +23,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "demo",
         help="train a small character-level GPT on the Python stdlib (N local processes)",
         description="Train a small GPT-style character model on this Python's own standard-library sources "
-        "(no download) with DataParallel on N local processes, bf16 mixed precision and gradient "
-        "accumulation; write a checkpoint, logs and a loss-curve PNG to --out and print a generated "
+        "(no download) with DataParallel on N local processes, in bf16 mixed precision where this "
+        "machine's bf16 matmuls are fast (fp32 otherwise); write a checkpoint, logs and a loss-curve PNG to --out and print a generated "
         "sample. About 2 minutes with 4 processes on a 2-core CPU.",
     )
     parser.add_argument("-n", "--nproc-per-node", type=run.positive_int, default=4, metavar="N",
@@ -35,6 +35,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="training epochs (default: 2)")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny corpus and model that finish in seconds (for tests and smoke checks)")
+    parser.add_argument("--precision", choices=("auto", "fp32", "bf16-mixed"), default="auto",
+                        help="compute precision (default auto: bf16-mixed where bf16 matmuls run >= 1.5x fp32's "
+                        "speed on this machine, as with AMX or AVX512-BF16; fp32 otherwise)")
     return parser
 
 
@@ -45,6 +48,8 @@ def job_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--epochs", str(args.epochs)]
     if args.quick:
         argv.append("--quick")
+    if args.precision != "auto":
+        argv += ["--precision", args.precision]
     return argv
 
 
@@ -66,23 +71,41 @@ def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if out.exists() and not out.is_dir():
         parser.error(f"--out must be a directory. Received: {str(out)!r} is a file")
     started = time.perf_counter()
-    _ensure_peak_probe()
+    args = _resolve_precision(args)
+    _ensure_peak_probe(args.precision)
     status = run.handle(*run_args(args))
     if status == 0:
         print(f"[demo] finished in {time.perf_counter() - started:.0f}s (launch included)", flush=True)
     return status
 
 
-def _ensure_peak_probe() -> None:
-    """The demo shows MFU: without a cached bf16 peak for this CPU (``trainmesh env --peak``), probe
-    it once now, before any worker starts (2 s, cached for later runs and jobs). On a GPU machine
-    the workers' device is not this process's business: they show MFU if a peak is cached."""
+def _resolve_precision(args: argparse.Namespace) -> argparse.Namespace:
+    """``--precision auto`` becomes one concrete choice, made here once: workers that each timed
+    bf16 against fp32 on a busy machine could disagree."""
+    if args.precision != "auto":
+        return args
+    import torch
+
+    from trainmesh.trainer.precision import fastest_precision
+
+    precision, why = fastest_precision("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"[demo] precision {precision}: {why}", flush=True)
+    return argparse.Namespace(**{**vars(args), "precision": precision})
+
+
+def _ensure_peak_probe(precision: str) -> None:
+    """The demo shows MFU: without a cached peak for this CPU in the demo's compute dtype
+    (``trainmesh env --peak``), probe it once now, before any worker starts (about 2 s, cached for
+    later runs and jobs). On a GPU machine the workers' device is not this process's business:
+    they show MFU if a peak is cached."""
     import torch
 
     from trainmesh.trainer.throughput import cached_peak_flops, measure_peak_flops
 
-    if torch.cuda.is_available() or cached_peak_flops(torch.bfloat16, "cpu") is not None:
+    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
+    if torch.cuda.is_available() or cached_peak_flops(dtype, "cpu") is not None:
         return
-    peak = measure_peak_flops(torch.bfloat16, seconds=2.0)
-    print(f"[demo] bf16 matmul peak of this node: {peak / 1e9:.0f} GFLOP/s (trainmesh env --peak; cached for MFU)",
-          flush=True)
+    peak = measure_peak_flops(dtype, seconds=2.0)
+    name = "bf16" if dtype == torch.bfloat16 else "fp32"
+    print(f"[demo] {name} matmul peak of this node: {peak / 1e9:.0f} GFLOP/s (trainmesh env --peak {name}; "
+          "cached for MFU)", flush=True)

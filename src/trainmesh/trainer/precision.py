@@ -14,6 +14,7 @@ bf16-true      bf16                            bf16               no
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import torch
@@ -82,3 +83,42 @@ def build_precision(name: str, device_type: str = "cpu") -> Precision:
     if name == "bf16-true":
         return TrueBF16(device_type)
     raise ValueError(f"precision must be one of {PRECISIONS}. Received: precision={name!r}")
+
+
+# bf16 autocast casts every matmul's inputs; below this matmul speed-up over fp32 the casts eat the gain.
+BF16_MIN_SPEEDUP = 1.5
+
+
+def bf16_matmul_speedup(device_type: str = "cpu", size: int = 256) -> float:
+    """How many times faster a bf16 matmul runs than an fp32 one here (best of a few, tens of ms).
+
+    On a CPU it is hardware-dependent by more than an order of magnitude: AMX or AVX512-BF16 make
+    bf16 2-4x faster than fp32, while on AVX2 alone torch falls back to a path ~45x slower.
+    CPU time of this thread, so a busy machine does not tilt the comparison."""
+    if device_type == "cuda":
+        return 2.0 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 0.0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+            torch.mm(a, b)
+            times = []
+            for _ in range(3):
+                start = time.thread_time()
+                torch.mm(a, b)
+                times.append(time.thread_time() - start)
+            best[dtype] = max(min(times), 1e-9)
+    finally:
+        torch.set_num_threads(threads)
+    return best[torch.float32] / best[torch.bfloat16]
+
+
+def fastest_precision(device_type: str = "cpu") -> tuple[str, str]:
+    """``(precision, why)``: "bf16-mixed" where bf16 matmuls pay on this device, "fp32" where they do not."""
+    speedup = bf16_matmul_speedup(device_type)
+    if speedup >= BF16_MIN_SPEEDUP:
+        return "bf16-mixed", f"bf16 matmuls run {speedup:.1f}x fp32's speed here"
+    return "fp32", (f"bf16 matmuls run at {speedup:.2g}x fp32's speed here (no native bf16 matmul on this "
+                    f"{device_type}; bf16-mixed pays from {BF16_MIN_SPEEDUP}x)")

@@ -117,14 +117,18 @@ def _key(device_type: str, dtype: torch.dtype) -> str:
 
 
 def measure_peak_flops(dtype: torch.dtype = torch.bfloat16, *, device_type: str = "cpu", seconds: float = 2.0,
-                       sizes: tuple[int, ...] = (1024, 2048), save: bool = True) -> float:
-    """The node's matmul ceiling in FLOP/s: the best rate seen in ``seconds``; cached when ``save``.
+                       sizes: tuple[int, ...] = (256, 512, 1024, 2048), save: bool = True) -> float:
+    """The node's matmul ceiling in FLOP/s: the best rate seen in about ``seconds``; cached when ``save``.
 
     On CPU: one thread's rate per second of its own CPU time, times the node's cores. CPU time
     does not run while the thread is descheduled, so other programs on a shared machine cannot
     lower the reading (a wall-clock probe read 185-979 GFLOP/s on the same 2 cores under
     different loads), and one thread times cores is what perfect scaling would give: the ceiling
     is never understated, so an MFU against it is never flattered. On CUDA: wall time, synchronised.
+
+    The sizes grow only while a matmul of the next size fits the time left: a dtype the hardware
+    has no fast path for (bf16 on a CPU without AVX512-BF16 or AMX runs ~45x slower than fp32)
+    would otherwise make a fixed 2048-wide probe take minutes instead of ``seconds``.
     """
     if dtype not in _DTYPES.values():
         raise ValueError(f"dtype must be one of {list(_DTYPES.values())}. Received: dtype={dtype!r}")
@@ -134,22 +138,35 @@ def measure_peak_flops(dtype: torch.dtype = torch.bfloat16, *, device_type: str 
     clock = time.thread_time if on_cpu else time.perf_counter
     if on_cpu:
         torch.set_num_threads(1)  # thread_time is the calling thread's: every FLOP must be its own
-    best = 0.0
+
+    def timed_mm(a: torch.Tensor, b: torch.Tensor, repeats: int) -> float:
+        start = clock()
+        for _ in range(repeats):
+            torch.mm(a, b)
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        return clock() - start
+
+    best, deadline, last = 0.0, time.perf_counter() + seconds, None
     try:
-        for size in sizes:
+        ordered = sorted(sizes)
+        for index, size in enumerate(ordered):
+            remaining = deadline - time.perf_counter()
+            # One matmul of this size costs about (size / last size)^3 of the last one: stop when
+            # the warm-up and a timed triple would not fit in what is left.
+            if last is not None and 4 * last[1] * (size / last[0]) ** 3 > remaining:
+                break
             a = torch.randn(size, size, device=device).to(dtype)
             b = torch.randn(size, size, device=device).to(dtype)
-            torch.mm(a, b)  # warm-up (kernel choice, page faults)
-            until = time.perf_counter() + seconds / len(sizes)
-            while time.perf_counter() < until:
-                start = clock()
-                for _ in range(3):
-                    torch.mm(a, b)
-                if device_type == "cuda":
-                    torch.cuda.synchronize()
-                elapsed = clock() - start
+            one = timed_mm(a, b, 1)  # warm-up (kernel choice, page faults), and the cost of one
+            last = (size, max(one, 1e-9))
+            until = time.perf_counter() + remaining / (len(ordered) - index)  # an equal share of what is left
+            while True:
+                elapsed = timed_mm(a, b, 3)
                 if elapsed > 0:
                     best = max(best, 3 * 2 * size**3 / elapsed)
+                if time.perf_counter() >= until:
+                    break
     finally:
         torch.set_num_threads(threads)
     best *= _cpu_count() if on_cpu else 1
