@@ -71,6 +71,8 @@ TARGETS = {
     "compiled_vs_eager_step_llama_zero3": ("<= 1.00", lambda v: v <= 1.0),
     "compiled_parity_max_abs_diff": ("<= 1e-05", lambda v: v <= 1e-5),
     "demo_mfu_vs_bf16_peak": (">= 0.30", lambda v: v >= 0.3),
+    # the same goal where the demo runs in fp32 (a CPU without native bf16 matmuls): against the fp32 peak
+    "demo_mfu_vs_fp32_peak": (">= 0.30", lambda v: v >= 0.3),
 }
 # The fixed names, in the order the table lists them (others follow alphabetically).
 ORDER = list(TARGETS) + ["int8_payload_reduction", "topk1_payload_reduction", "int8_wire_bytes_reduction",

@@ -3,7 +3,7 @@
     python benchmarks/throughput.py [--rounds R] [--steps S] [--quick] [--json PATH]
 
 Models: the demo's character GPT (its default size and step, read from ``DemoSettings.full()``:
-bf16-mixed, one micro-batch of 32 windows of 64 per process) and a Llama-style transformers ``LlamaForCausalLM`` built from a small
+one micro-batch of 32 windows of 64 per process) and a Llama-style transformers ``LlamaForCausalLM`` built from a small
 config (no download; 2 micro-batches of 16 sequences of 64 per process), each under DataParallel and ZeRO-3, eager (``compile=False``) against
 compiled (``compile="regional"``, each decoder block). Both variants of a pair are built by the
 Trainer in the same processes and step through the Trainer's own ``forward_backward`` plus the
@@ -17,8 +17,15 @@ compiled / eager), ``compiled_vs_eager_step_llama_zero3``, ``compiled_parity_max
 DataParallel / this node's bf16 matmul peak measured by the ``trainmesh env --peak`` probe in the
 same run, before the workers start: one thread's rate per second of its own CPU time, times the
 cores, which load from elsewhere on a shared machine cannot lower, so it cannot flatter the MFU).
+
+Precision: what the demo runs in on this machine (``trainmesh.trainer.precision.fastest_precision``,
+as ``trainmesh demo`` decides it): bf16-mixed where bf16 matmuls are native (AMX, AVX512-BF16),
+fp32 on a CPU without them (AVX2 only: bf16 matmuls there run ~45x slower than fp32, and no one
+would train in them). Both sides of every pair use it. In fp32 the MFU figure is named for the
+peak it divides by, ``demo_mfu_vs_fp32_peak``: an fp32 run against a bf16 ceiling it never uses
+would say nothing. ``--precision`` forces one.
 Exit 1 and INVALID when the two sides of a pair did not do the same work (different step counts,
-or losses apart by more than bf16 noise).
+or losses apart by more than mixed-precision noise).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from trainmesh.testing import run_distributed
 
 WORLD = 4
 GPT_VOCAB, SEQ = 96, 64
-LOSS_TOLERANCE = 0.05  # bf16-mixed: compiled and eager losses after equal steps (nats)
+LOSS_TOLERANCE = 0.05  # compiled and eager losses after equal steps (nats; bf16-mixed noise, far above fp32's)
 
 
 def build(model_name: str):
@@ -108,8 +115,8 @@ def worker(cfg: dict) -> dict:
         model_name, stage = pair.split("/")
         micro, accum = cfg["shape"][model_name]
         stage = int(stage.removeprefix("zero"))
-        sides = {"eager": make_trainer(model_name, stage, False, "bf16-mixed"),
-                 "compiled": make_trainer(model_name, stage, "regional", "bf16-mixed")}
+        sides = {"eager": make_trainer(model_name, stage, False, cfg["precision"]),
+                 "compiled": make_trainer(model_name, stage, "regional", cfg["precision"])}
         vocab = sides["eager"][1]
         data = batches(vocab, accum * (cfg["rounds"] * cfg["steps"] + 1), micro, seed=1000 + rank)
         times = {side: [] for side in sides}
@@ -163,6 +170,10 @@ def _ci95(values: list[float]) -> tuple[float, float]:
     return boots[25], boots[974]
 
 
+def _peak_dtype_name(precision: str) -> str:
+    return "bf16" if precision == "bf16-mixed" else "fp32"
+
+
 def summarize(results: list[dict], cfg: dict, peak: float) -> dict:
     report, valid = {"pairs": {}}, True
     for pair in cfg["pairs"]:
@@ -191,7 +202,7 @@ def summarize(results: list[dict], cfg: dict, peak: float) -> dict:
         samples = math.prod(cfg["shape"]["gpt"]) * WORLD
         report["demo_model_flops_per_s"] = flops * samples / seconds if flops else None
         if flops and peak:
-            figures["demo_mfu_vs_bf16_peak"] = report["demo_model_flops_per_s"] / peak
+            figures[f"demo_mfu_vs_{_peak_dtype_name(cfg['precision'])}_peak"] = report["demo_model_flops_per_s"] / peak
             # from the 95% interval of the median eager step (the probe's peak is one number)
             slow, fast = (flops * samples / (ms / 1e3) / peak for ms in reversed(demo["eager_ms_ci95"]))
             report["demo_mfu_ci95"] = (slow, fast)
@@ -199,7 +210,8 @@ def summarize(results: list[dict], cfg: dict, peak: float) -> dict:
         figures["compiled_vs_eager_step_llama_zero3"] = report["pairs"]["llama/zero3"]["ratio"]
     if results[0]["parity"]:
         figures["compiled_parity_max_abs_diff"] = max(results[0]["parity"].values())
-    report.update(figures=figures, parity=results[0]["parity"], bf16_peak_flops=peak, valid=valid)
+    report.update(figures=figures, parity=results[0]["parity"], precision=cfg["precision"],
+                  peak_dtype=_peak_dtype_name(cfg["precision"]), peak_flops=peak, valid=valid)
     return report
 
 
@@ -209,18 +221,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="timed steps per side per round (default 5; --quick 3)")
     parser.add_argument("--quick", action="store_true", help="GPT under DataParallel only, few steps")
     parser.add_argument("--json", metavar="PATH", help="write the report (with a top-level 'figures') here")
+    parser.add_argument("--precision", choices=("auto", "fp32", "bf16-mixed"), default="auto",
+                        help="both sides' precision (default auto: what the demo picks on this machine)")
     args = parser.parse_args(argv)
     pairs = ["gpt/zero0"] if args.quick else ["gpt/zero0", "gpt/zero3", "llama/zero0", "llama/zero3"]
     parity = ["gpt/zero0"] if args.quick else ["gpt/zero0", "llama/zero3"]
     cfg = {"pairs": pairs, "parity": parity, "rounds": args.rounds or (2 if args.quick else 6),
            "steps": args.steps or (3 if args.quick else 5), "shape": shapes()}
+    from trainmesh.trainer.precision import fastest_precision
     from trainmesh.trainer.throughput import measure_peak_flops
 
-    peak = measure_peak_flops(torch.bfloat16, seconds=3.0, save=False)  # the node, before the workers start
+    precision, why = (args.precision, "--precision") if args.precision != "auto" else fastest_precision("cpu")
+    cfg["precision"] = precision
+    peak_dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+    peak = measure_peak_flops(peak_dtype, seconds=3.0, save=False)  # the node, before the workers start
     results = run_distributed(worker, world_size=WORLD, args=(cfg,), timeout=3000, collective_timeout=900)
     report = summarize(results, cfg, peak)
-    print(f"{WORLD} processes, 1 thread each; bf16 matmul peak of this node {peak / 1e9:.0f} GFLOP/s")
-    print("both sides: bf16-mixed, fused AdamW (foreach on ZeRO-3 shards), the same batches; rows x micro-batches "
+    name = _peak_dtype_name(precision)
+    print(f"{WORLD} processes, 1 thread each; precision {precision} ({why}); {name} matmul peak of this node "
+          f"{peak / 1e9:.0f} GFLOP/s")
+    print(f"both sides: {precision}, fused AdamW (foreach on ZeRO-3 shards), the same batches; rows x micro-batches "
           "per process and step: " + ", ".join(f"{m} {r} x {k}" for m, (r, k) in cfg["shape"].items()))
     header = f"{'pair':<14}{'eager ms':>10}{'compiled ms':>13}{'ratio':>8}{'95% CI':>16}{'compile s':>11}{'same work':>11}"
     print(header + "\n" + "-" * len(header))
@@ -231,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     intervals = {"compiled_vs_eager_step_gpt": report["pairs"].get("gpt/zero0", {}).get("ratio_ci95_of_step_ratios"),
                  "compiled_vs_eager_step_llama_zero3":
                      report["pairs"].get("llama/zero3", {}).get("ratio_ci95_of_step_ratios"),
-                 "demo_mfu_vs_bf16_peak": report.get("demo_mfu_ci95")}
+                 f"demo_mfu_vs_{name}_peak": report.get("demo_mfu_ci95")}
     for name, value in report["figures"].items():
         ci = intervals.get(name)
         print(f"{name} = {value:.4g}" + (f"  (95% CI {ci[0]:.3g}-{ci[1]:.3g})" if ci else ""))
