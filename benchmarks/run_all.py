@@ -100,8 +100,16 @@ def machine_info() -> dict:
             mem_gib = round(int(next(line.split()[1] for line in fh if line.startswith("MemTotal"))) / 2**20, 1)
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "memory_gib": mem_gib, "system": platform.system(),
-            "release": platform.release(), "python": platform.python_version(), "gpu": "none (CPU, gloo)"}
+    import torch
+
+    # A virtual machine's model name can hide the generation ("AMD EPYC" with AVX2 only, or with
+    # AVX512-BF16): the vector units torch uses, and what bf16 costs, tell runs on different hardware apart.
+    from trainmesh.trainer.precision import bf16_matmul_speedup
+
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "bf16_matmul_vs_fp32": round(bf16_matmul_speedup("cpu"), 3), "memory_gib": mem_gib,
+            "system": platform.system(), "release": platform.release(), "python": platform.python_version(),
+            "gpu": "none (CPU, gloo)"}
 
 
 def versions() -> dict:

@@ -111,9 +111,11 @@ def _device_name(device_type: str) -> str:
 
 def _key(device_type: str, dtype: torch.dtype) -> str:
     threads = _cpu_count() if device_type == "cpu" else 1
-    # "|cpu-time": readings of the CPU-time probe; wall-clock readings of older versions are not reused
-    clock = "|cpu-time" if device_type == "cpu" else ""
-    return f"{device_type}|{_device_name(device_type)}|{str(dtype).removeprefix('torch.')}|units={threads}{clock}"
+    # "|cpu-time": readings of the CPU-time probe; wall-clock readings of older versions are not reused.
+    # The vector ISA torch uses (AVX2, AVX512, ...): a virtual machine's model name ("AMD EPYC") can be
+    # the same on CPUs whose bf16 rates differ 400-fold, and a cache directory can move between them.
+    cpu = f"|{torch.backends.cpu.get_cpu_capability()}|cpu-time" if device_type == "cpu" else ""
+    return f"{device_type}|{_device_name(device_type)}|{str(dtype).removeprefix('torch.')}|units={threads}{cpu}"
 
 
 def measure_peak_flops(dtype: torch.dtype = torch.bfloat16, *, device_type: str = "cpu", seconds: float = 2.0,
