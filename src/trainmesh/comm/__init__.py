@@ -7,6 +7,7 @@
 * ``reduce_scatter``: the same for FSDP2's reduce-scatter (ZeRO stages 2-3);
 * ``hierarchical``: all-reduce inside each node, across nodes, inside again;
 * ``two_phase``: compressed reduce-scatter + compressed all-gather (int8 on the wire both ways);
+* ``powersgd_exchange``: PowerSGD's P and Q all-reduces, over every process or between hosts only;
 * ``bucket_worker``: the hooks' background thread (overlap with backward) and bucket merging;
 * ``topology``: which processes share a host, from the processes themselves;
 * ``probe``: ``communication="auto"``: measure the links once, choose, say why.

@@ -64,6 +64,11 @@ class StepBytes:
         return record
 
 
+def ring_wire_bytes(nbytes: int, world: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``nbytes`` over ``world`` processes."""
+    return 0 if world <= 1 else int(2 * (world - 1) * nbytes // world)
+
+
 class ByteCounter:
     """Accumulates :class:`StepBytes` between ``take`` calls (DDP hooks add per bucket).
 

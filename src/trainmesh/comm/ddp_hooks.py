@@ -14,6 +14,8 @@ Per bucket, by kind of compressor:
 * PowerSGD: the exact distributed algorithm (Vogels et al. 2019, as torch's ``powerSGD_hook``):
   all-reduce ``P = M Q``, orthogonalize, all-reduce ``Q = M^T P``; residual ``M - P Q^T``. The
   compressor holds the residuals and warm-start ``Q`` by parameter name, so they checkpoint.
+  Across hosts, only each host's local rank 0 runs it, on its host's fp32 sum, and broadcasts
+  the factors inside the host (``powersgd_exchange.py``: the same result, far fewer collectives).
 * anything else (top-k, a user's compressor): a sparse exchange: each gradient compressed under
   its parameter's name (residuals follow the parameter, not DDP's bucket layout), the bucket's
   payload packed into one byte buffer and all-gathered; each rank decompresses every rank's
@@ -41,19 +43,15 @@ import torch.distributed as dist
 
 from trainmesh.compression.base import Compressed, Compressor
 
-from .accounting import ByteCounter
+from .accounting import ByteCounter, ring_wire_bytes  # noqa: F401 (ring_wire_bytes: imported from here too)
 from .bucket_worker import BucketMerger, BucketWorker
 from .packing import pack as _pack, unpack as _unpack  # noqa: F401 (reduce_scatter imports them from here)
+from .powersgd_exchange import powersgd_across_hosts, powersgd_all_reduce
 from .two_phase import hierarchical_compressed_all_reduce, two_phase_all_reduce
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def ring_wire_bytes(nbytes: int, world: int) -> int:
-    """Bytes one rank sends in a ring all-reduce of ``nbytes`` over ``world`` processes."""
-    return 0 if world <= 1 else int(2 * (world - 1) * nbytes // world)
 
 
 class CompressionHookState:
@@ -164,10 +162,10 @@ def _reduce_parts(state: CompressionHookState, parts: list) -> list[torch.Tensor
     guard = KeepStateIfNonFinite(compressor, _all_keys(state, keys, flat), flat)
     if state.two_phase:
         merged = _two_phase(state, keys, flat)
+    elif compressor.name == "powersgd" and hasattr(compressor, "matrix_shape"):
+        merged = _powersgd(state, keys, grads, flat)
     else:
-        if compressor.name == "powersgd" and hasattr(compressor, "matrix_shape"):
-            averaged = _powersgd(state, keys, grads)
-        elif compressor.summable:
+        if compressor.summable:
             averaged = _summable(state, keys, grads)
         else:
             averaged = _gathered(state, keys, grads)
@@ -259,56 +257,16 @@ def _gathered(state: CompressionHookState, keys: list[str], grads: list[torch.Te
     return [(t / state.world_size).to(g.dtype) for t, g in zip(totals, grads)]
 
 
-# --- PowerSGD: two all-reduces (P, then Q) per bucket -----------------------------------------
-def _powersgd(state: CompressionHookState, keys: list[str], grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    psgd, n = state.compressor, state.world_size
-    matrices, dense_parts, sent = {}, [], 0
-    for index, (key, grad) in enumerate(zip(keys, grads)):
-        shape = psgd.matrix_shape(grad.shape)
-        work = grad.detach().to(torch.promote_types(grad.dtype, torch.float32))
-        if shape is None:  # vectors and small matrices: sent as they are, as torch does
-            dense_parts.append((index, work))
-            continue
-        rows, cols = shape
-        matrix = work.reshape(rows, cols)
-        if psgd.error_feedback and key in psgd.residuals:
-            matrix = matrix + psgd.residuals[key].to(matrix).reshape(rows, cols)
-        rank = min(psgd.rank, rows, cols)
-        q = psgd.q_memory.get(key) if psgd.warm_start else None
-        if q is None or tuple(q.shape) != (cols, rank):
-            q = psgd._initial_q(key, cols, rank, matrix.dtype, matrix.device)
-        matrices[index] = (key, matrix, q.to(matrix))
-    # 1st all-reduce: every P, and the uncompressed tensors.
-    ps = {i: m @ q for i, (_, m, q) in matrices.items()}
-    first = [ps[i].reshape(-1) for i in ps] + [t.reshape(-1) for _, t in dense_parts]
-    flat = torch.cat(first) if first else torch.zeros(0)
-    if first:
-        state.all_reduce(flat)
-    sent += _nbytes(flat)
-    wire = state.allreduce_wire(_nbytes(flat))
-    pieces = iter(flat.split([t.numel() for t in first]))
-    for i in ps:
-        ps[i] = torch.linalg.qr(next(pieces).view(ps[i].shape)).Q  # the same orthonormal P everywhere
-    averaged: dict[int, torch.Tensor] = {i: (next(pieces).view(t.shape) / n) for i, t in dense_parts}
-    # 2nd all-reduce: every Q = M^T P.
-    qs = {i: matrices[i][1].T @ ps[i] for i in ps}
-    if qs:
-        flat_q = torch.cat([q.reshape(-1) for q in qs.values()])
-        state.all_reduce(flat_q)
-        sent += _nbytes(flat_q)
-        wire += state.allreduce_wire(_nbytes(flat_q))
-        for i, q in zip(qs, flat_q.split([q.numel() for q in qs.values()])):
-            key, matrix, _ = matrices[i]
-            q = q.view(qs[i].shape) / n
-            approx = ps[i] @ q.T
-            if psgd.warm_start:
-                psgd.q_memory[key] = q.clone()
-            if psgd.error_feedback:  # torch's rule: local corrected matrix minus the shared approximation
-                psgd.residuals[key] = (matrix - approx).reshape(grads[i].shape)
-            averaged[i] = approx
+# --- PowerSGD: two all-reduces (P, then Q) per bucket; across hosts only when hierarchical ------
+def _powersgd(state: CompressionHookState, keys: list[str], grads: list[torch.Tensor],
+              flat: torch.Tensor) -> torch.Tensor:
+    if state.hierarchical:
+        averaged, sent, wire = powersgd_across_hosts(state, keys, grads, flat)
+    else:
+        averaged, sent, wire = powersgd_all_reduce(state, keys, grads)
     dense = sum(_nbytes(g) for g in grads)
     state.counter.add(sent=sent, dense=dense, wire=wire, dense_wire=state.allreduce_wire(dense))
-    return [averaged[i].reshape(g.shape).to(g.dtype) for i, g in enumerate(grads)]
+    return averaged
 
 
 # --- no compression: the same overlap and bucket merging for exact fp32 all-reduce ------------
