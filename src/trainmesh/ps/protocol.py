@@ -125,9 +125,13 @@ def _tensor_bytes(name: str, tensor: Any) -> tuple[str, torch.Size, memoryview]:
     dtype_name = _DTYPE_NAMES.get(tensor.dtype)
     if dtype_name is None:
         raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}; supported: {sorted(DTYPES)}")
-    flat = tensor.detach().contiguous().reshape(-1)
-    # Viewing as uint8 gives the raw bytes of any dtype (bfloat16 included, which numpy lacks).
-    return dtype_name, tensor.shape, memoryview(flat.view(torch.uint8).numpy())
+    data = tensor.detach() if tensor.requires_grad else tensor  # (numpy() refuses autograd tensors)
+    if not data.is_contiguous():
+        data = data.contiguous()
+    # Few torch calls on the hot path (each one lets another thread take the GIL): numpy's view
+    # of the memory, read as bytes. bfloat16 has no numpy dtype: viewed as uint8 first.
+    array = data.reshape(-1).view(torch.uint8).numpy() if data.dtype == torch.bfloat16 else data.numpy()
+    return dtype_name, tensor.shape, memoryview(array.reshape(-1).view("u1"))
 
 
 def _layout(msg: Message, key: bytes | None, max_bytes: int) -> tuple[bytes, list[tuple[int, memoryview]], int]:
@@ -158,7 +162,7 @@ def _layout(msg: Message, key: bytes | None, max_bytes: int) -> tuple[bytes, lis
     header_obj = {"type": MessageType(msg.type).value, "sender": msg.sender, "seq": msg.seq,
                   "version": msg.version, "tensors": specs, "meta": msg.meta}
     try:
-        header = json.dumps(header_obj, allow_nan=False, separators=(",", ":")).encode("utf-8")
+        header = _JSON_ENCODER.encode(header_obj).encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise ValueError(f"Message.meta must be plain JSON (str/int/float/bool/None/list/dict, "
                          f"no NaN): {exc}") from exc
@@ -315,10 +319,16 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
+# One encoder and one decoder for every frame (json.dumps/loads with options build new ones per
+# call); the same settings as ``json.dumps(allow_nan=False, separators=(",", ":"))`` and
+# ``json.loads(parse_constant=..., object_pairs_hook=...)``.
+_JSON_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+_JSON_DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+
+
 def _parse_header(raw: memoryview) -> dict[str, Any]:
     try:
-        header = json.loads(str(raw, "utf-8"), parse_constant=_reject_constant,
-                            object_pairs_hook=_unique_keys)
+        header = _JSON_DECODER.decode(str(raw, "utf-8"))
     except ProtocolError:
         raise
     except UnicodeDecodeError as exc:
@@ -404,7 +414,7 @@ def _decode_tensors(specs: list[Any], parts: _Parts, payload_start: int, body_en
         if base is None:
             base = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         for name, dtype, shape, offset, nbytes in placed:
-            tensors[name] = base[offset:offset + nbytes].view(dtype).view(shape)
+            tensors[name] = _typed(base[offset:offset + nbytes], dtype, shape)
         return tensors
     # Several parts, no copy: a tensor that is one part (how encode_parts sends a large one) is a
     # view of it; anything else (small tensors sharing a part, an odd split) is copied alone.
@@ -413,15 +423,30 @@ def _decode_tensors(specs: list[Any], parts: _Parts, payload_start: int, body_en
         base = _view(raw) if whole and nbytes else None
         if base is None:
             base = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-        tensors[name] = base.view(dtype).view(shape)
+        tensors[name] = _typed(base, dtype, shape)
     return tensors
+
+
+def _typed(raw: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """The uint8 tensor ``raw`` read as ``dtype`` in ``shape`` (a 1-D result needs no reshape)."""
+    typed = raw if dtype == torch.uint8 else raw.view(dtype)
+    return typed if len(shape) == 1 else typed.view(shape)
+
+
+_readonly_warning_spent = False  # torch's read-only-buffer warning has fired (it fires once per process)
 
 
 def _view(raw: memoryview) -> torch.Tensor | None:
     """A uint8 tensor over ``raw`` without a copy, or None when its memory is not 8-byte aligned."""
-    with warnings.catch_warnings():
-        # Viewing a read-only frame is the point here (its readers never write to it); torch
-        # warns about that once per process.
-        warnings.simplefilter("ignore", UserWarning)
+    global _readonly_warning_spent
+    if _readonly_warning_spent or not raw.readonly:
         base = torch.frombuffer(raw, dtype=torch.uint8)
+    else:
+        with warnings.catch_warnings():
+            # Viewing a read-only frame is the point here (its readers never write to it); torch
+            # warns about that once per process, so only the first view needs the filter (a
+            # catch_warnings per frame cost more than the rest of the view).
+            warnings.simplefilter("ignore", UserWarning)
+            base = torch.frombuffer(raw, dtype=torch.uint8)
+        _readonly_warning_spent = True
     return None if base.data_ptr() % _ALIGN else base

@@ -149,6 +149,15 @@ def _poll_ms(timeout_s: float | None) -> int | None:
     return None if timeout_s is None else max(0, int(timeout_s * 1000))
 
 
+def _readable(socket, zmq, timeout_ms: int | None) -> bool:
+    """Whether a whole message can be received now, after waiting up to ``timeout_ms`` (None:
+    forever). A message already queued needs no poll; only the socket's owner thread receives,
+    so a True answer stays true until it does."""
+    if socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        return True
+    return timeout_ms != 0 and bool(socket.poll(timeout_ms, zmq.POLLIN))
+
+
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
@@ -198,12 +207,11 @@ class ZmqServerTransport(ServerTransport):
     def recv(self, timeout_s: float | None) -> tuple[bytes, bytes | memoryview] | None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            try:  # a busy server finds the next request queued: no poll (one syscall fewer)
-                frames = self._socket.recv_multipart(self._zmq.NOBLOCK, copy=False)
-            except self._zmq.Again:
-                if not self._socket.poll(_poll_ms(_remaining(deadline)), self._zmq.POLLIN):
-                    return None
-                frames = self._socket.recv_multipart(copy=False)
+            # A busy server finds the next request queued: no poll. Asking EVENTS first costs
+            # less than a NOBLOCK receive that fails (pyzmq raises an exception for it).
+            if not _readable(self._socket, self._zmq, _poll_ms(_remaining(deadline))):
+                return None
+            frames = self._socket.recv_multipart(copy=False)
             if len(frames) >= 2:
                 # A large frame is handed over as a read-only view of ZeroMQ's buffer (no copy);
                 # the server decodes it without copying either. Several parts come as a list.
@@ -258,12 +266,9 @@ class ZmqClientTransport(ClientTransport):
         return self._socket
 
     def recv(self, timeout_s: float | None) -> bytes | None:
-        try:  # replies already queued need no poll
-            frames = self._socket.recv_multipart(self._zmq.NOBLOCK)
-        except self._zmq.Again:
-            if timeout_s == 0 or not self._socket.poll(_poll_ms(timeout_s), self._zmq.POLLIN):
-                return None
-            frames = self._socket.recv_multipart()
+        if not _readable(self._socket, self._zmq, _poll_ms(timeout_s)):
+            return None
+        frames = self._socket.recv_multipart()
         data = frames[0] if len(frames) == 1 else frames
         self._count_recv(frame_nbytes(frames))
         return data
