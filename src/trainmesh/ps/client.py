@@ -79,6 +79,7 @@ class PSClient:
         self._push_lock = threading.Lock()
         self._index = {sid: i for i, sid in enumerate(self.server_ids)}
         self._owner_cache: dict[str, int] = {}  # the ring never changes for a client: hash each shard once
+        self._shard_cache: dict[tuple[str, int], list] = {}  # (name, numel) -> partitioner parts
         identity = f"w{self.worker_id}-{uuid.uuid4().hex[:10]}".encode()
         self.io = ClientIO(endpoints, from_addresses=servers is not None, identity=identity, sender=self.worker_id,
                            secret=secret, retry_after_s=retry_after_s, heartbeat_s=heartbeat_s,
@@ -172,11 +173,14 @@ class PSClient:
             if spec is None or spec["kind"] != "dense" or tuple(grad.shape) != tuple(spec["shape"]):
                 raise ValueError(f"push of {name!r} with shape {tuple(grad.shape)}: expected a dense parameter "
                                  f"passed to init, got {spec and (spec['kind'], spec['shape'])}")
-            flat = grad.detach().to("cpu", torch.float32).reshape(-1)
-            for part in self.partitioner.dense_shards(name, flat.numel()):
-                piece = flat[part.start:part.stop]
+            flat = _flat_float32(grad)
+            for part in self._dense_shards(name, flat.numel()):
+                # A shard that is the whole gradient is sent from the gradient itself (the usual
+                # case for tensors up to part_numel): no slice, no copy.
+                piece = flat if part.stop - part.start == flat.numel() else flat[part.start:part.stop]
                 if self.compressor is None:
-                    items.append((self._owner(part.shard_id), {part.shard_id: piece.contiguous()}, {}))
+                    items.append((self._owner(part.shard_id),
+                                  {part.shard_id: piece if piece.is_contiguous() else piece.contiguous()}, {}))
                     continue
                 packed = self.compressor.compress(piece, key=part.shard_id)
                 tensors = {f"{part.shard_id}|{k}": v.contiguous() for k, v in packed.tensors.items()}
@@ -292,6 +296,14 @@ class PSClient:
             owner = self._owner_cache[shard_id] = self._index[self.ring.owner(shard_id)]
         return owner
 
+    def _dense_shards(self, name: str, numel: int):
+        """The partitioner's parts of a dense parameter, computed once per (name, numel): a push
+        of the same parameter every step need not rebuild them."""
+        parts = self._shard_cache.get((name, numel))
+        if parts is None:
+            parts = self._shard_cache[(name, numel)] = self.partitioner.dense_shards(name, numel)
+        return parts
+
     def _to_all(self, kind: MessageType, meta: dict, assemble=None) -> Future:
         return self.io.submit([(i, Message(kind, self.worker_id, 0, meta=dict(meta))) for i in range(len(self.server_ids))],
                               assemble)
@@ -300,7 +312,7 @@ class PSClient:
         spec = self.params.get(name)
         if spec is None or spec["kind"] != "dense":
             raise ValueError(f"pull({name!r}): not a dense parameter passed to init; known: {sorted(self.params)}")
-        return self.partitioner.dense_shards(name, math.prod(spec["shape"]))
+        return self._dense_shards(name, math.prod(spec["shape"]))
 
     def _table(self, name: str) -> dict:
         spec = self.params.get(name)
@@ -346,6 +358,15 @@ class PSClient:
 
     def _note_pull(self, clock: int) -> None:
         self.pulls.append((clock, time.monotonic()))
+
+
+def _flat_float32(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` as a 1-D float32 CPU tensor, without a torch call for a step that is not needed
+    (each one hands the GIL to the client's I/O thread, which runs at the same time)."""
+    flat = grad.detach()
+    if flat.dtype != torch.float32 or flat.device.type != "cpu":
+        flat = flat.to("cpu", torch.float32)
+    return flat if flat.dim() == 1 else flat.reshape(-1)
 
 
 def _make_compressor(compression: Any):

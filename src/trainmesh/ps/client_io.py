@@ -9,9 +9,10 @@ after ``retry_after_s``, doubling up to 4x; after ``request_timeout_s`` it fails
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
-import queue
+import select
 import threading
 import time
 from concurrent.futures import Future
@@ -89,7 +90,9 @@ class ClientIO:
         self._clock = clock
         self._endpoints, self._from_addresses = list(endpoints), from_addresses
         self._servers = [_Server(name) for name in server_names]
-        self._commands: queue.Queue = queue.Queue()
+        # Submitted commands, oldest first. A deque, not a queue.Queue: append and popleft are
+        # atomic, so neither side takes a lock per request (the wake pipe does the waking).
+        self._commands: collections.deque = collections.deque()
         self._stats = {"resends": 0, "rejected_replies": 0, "requests": 0}
         self._closed = False
         self._failure: BaseException | None = None
@@ -111,8 +114,8 @@ class ClientIO:
             gather.fail(PSError(f"PS client of worker {self.sender} is closed"
                                 + (f": {self._failure}" if self._failure else "")))
         elif messages:
-            self._commands.put((gather, messages))
-            if self._sleeping:  # (read after the put: a thread going to sleep sees the command)
+            self._commands.append((gather, messages))
+            if self._sleeping:  # (read after the append: a thread going to sleep sees the command)
                 self._wake()
         return gather.future
 
@@ -130,7 +133,7 @@ class ClientIO:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._commands.put(_STOP)
+            self._commands.append(_STOP)
             self._wake()
             self._thread.join(timeout=10)
             if not self._thread.is_alive():
@@ -175,32 +178,39 @@ class ClientIO:
 
     def _wait(self, poller, busy: bool):
         """Sleep until something may be ready; return ``(first queued command or None, indices of
-        servers that may have replies)``. Without a poller, wait on the command queue and poll
-        the transports every millisecond while busy."""
+        servers that may have replies)``. Without a poller, wait on the wake pipe and poll the
+        transports every millisecond while busy."""
         if poller is None:
-            try:
-                return self._commands.get(timeout=0.001 if busy else 0.02), range(len(self._servers))
-            except queue.Empty:
-                return None, range(len(self._servers))
+            self._sleeping = True
+            if not self._commands:  # (checked after the flag is set: see submit)
+                readable, _, _ = select.select([self._wake_read], [], [], 0.001 if busy else 0.02)
+                if readable:
+                    self._drain_wake()
+            self._sleeping = False
+            return self._next_command(), range(len(self._servers))
         self._sleeping = True
         # Wakes at once on a reply or a wake byte; with a command queued it only looks (timeout 0), so
         # replies are still read while submits keep coming.
-        events = poller.poll(20 if self._commands.empty() else 0)
+        events = poller.poll(0 if self._commands else 20)
         self._sleeping = False
         ready = []
         for source, _ in events:
             if source == self._wake_read:
-                try:
-                    while os.read(self._wake_read, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
+                self._drain_wake()
             else:
                 ready.append(self._socket_index[source])
+        return self._next_command(), ready
+
+    def _drain_wake(self) -> None:
         try:
-            return self._commands.get_nowait(), ready
-        except queue.Empty:
-            return None, ready
+            while os.read(self._wake_read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _next_command(self):
+        """The oldest queued command, or None (only this thread takes commands out)."""
+        return self._commands.popleft() if self._commands else None
 
     def _loop(self) -> None:
         last_heartbeat = next_resend_check = 0.0
@@ -212,10 +222,7 @@ class ClientIO:
                 if command is _STOP:
                     return
                 self._send_new(*command)
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    command = None
+                command = self._next_command()
             for index in ready:  # only the sockets the poll saw readable
                 transport = self._servers[index].transport
                 while (frame := transport.recv(0)) is not None:
@@ -303,10 +310,6 @@ class ClientIO:
             for pending in server.pending.values():
                 pending.gather.fail(error)
             server.pending.clear()
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        while (command := self._next_command()) is not None:
             if command is not _STOP:
                 command[0].fail(error)

@@ -127,11 +127,16 @@ class ServerOptimizer:
             raise ValueError(f"gradient shape {_shape(grad)} does not match value shape {tuple(value.shape)}")
         lr = self._lr(lr)
         state["step"] += 1
-        step = int(state["step"])
-        grad = grad.to(value.dtype)
+        if grad.dtype != value.dtype:
+            grad = grad.to(value.dtype)
         if self.name == "sgd":
-            self._sgd(value, grad, state, lr, first=step == 1)
-        elif self.name == "adam":
+            # Only momentum reads the step (its first one starts the buffer): plain SGD skips
+            # reading the counter back, one tensor-to-Python sync per push fewer.
+            first = self.spec["momentum"] != 0 and int(state["step"]) == 1
+            self._sgd(value, grad, state, lr, first=first)
+            return
+        step = int(state["step"])
+        if self.name == "adam":
             self._adam_dense(value, grad, state, lr, step)
         else:
             self._adagrad(value, grad, state, lr, step)

@@ -129,7 +129,7 @@ class ParameterServer:
             floor = self.state.dedup.floor.get(session, 0)
             self.failed_pushes = {(s, q) for s, q in self.failed_pushes if s != session or q >= floor}
         if kind is MessageType.PUSH:
-            if self.state.dedup.is_done(_session(msg), msg.seq):
+            if self.state.dedup.is_done(session, msg.seq):
                 self.counters["duplicates"] += 1
             else:
                 self.state.log_then(frame, self._prepare(msg))  # a bad push fails before the log

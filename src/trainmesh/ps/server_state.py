@@ -208,7 +208,8 @@ class ServerState:
             grad = self._decompress(msg, sid, compression[sid]) if sid in compression else msg.tensors[sid]
             if tuple(grad.shape) != shard.shape:
                 raise ValueError(f"gradient for {sid!r} has shape {tuple(grad.shape)}, the shard {shard.shape}")
-            updates.append(lambda shard=shard, grad=grad: shard.apply(grad.float(), lr=lr))
+            grad = grad if grad.dtype == torch.float32 else grad.float()
+            updates.append(lambda shard=shard, grad=grad: shard.apply(grad, lr=lr))
         for table, names in (msg.meta.get("rows") or {}).items():
             ids, grads = msg.tensors[names[0]], msg.tensors[names[1]]
             dim = self.spec_of(table)["shape"][1]
