@@ -206,3 +206,52 @@ def test_core_sharing_probe_measures_processes_at_once():
     assert [p for p, _ in curve] == [1, 2] and all(s > 0 for _, s in curve)
     with pytest.raises(ValueError, match="processes"):
         measure_contention(processes=(0,))
+
+
+def test_each_collective_kind_is_priced_with_its_own_measured_figures():
+    import json
+
+    from trainmesh.planner.collectives import CollectiveLog
+    from trainmesh.planner.hardware import Hardware, Link, axis_seconds
+
+    loop, far = Link("loopback", 1e-3, 1e9), Link("far", 1e-3, 1e9)
+    hw = Hardware(name="calibrated", source="calibrated: test", flops=1e11, devices_per_node=2, intra=loop,
+                  inter=far, backend="gloo", collective_costs=(("reduce_scatter", 2e-3, 0.5e9),))
+    log = CollectiveLog(group_sizes={"data": 2})
+    log.add("data", "all_reduce", 10**6, 2)
+    log.add("data", "reduce_scatter", 10**6, 3)
+    # two ranks: an all-reduce and gloo's reduce-scatter (an all-reduce of the whole buffer) both send it once
+    within = 2 * 1e-3 + 10**6 / 1e9 + 3 * 2e-3 + 10**6 / 0.5e9
+    assert axis_seconds(log, hw, {"data": 1})["data"] == pytest.approx(within, rel=1e-9)
+    # the kind's figures were measured on the intra-node link only; across nodes the link's own price it
+    across = 5 * 1e-3 + 2 * 10**6 / 1e9
+    assert axis_seconds(log, hw, {"data": 2})["data"] == pytest.approx(across, rel=1e-9)
+    assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+
+
+@pytest.mark.timeout(240)
+def test_calibration_measures_each_collective_kind_between_two_processes():
+    from trainmesh.planner.calibrate import KINDS, calibrate_collectives
+
+    link, costs = calibrate_collectives(repeats=2, sizes=[2**12, 2**16, 2**20])
+    assert [kind for kind, _, _ in costs] == list(KINDS)
+    assert all(alpha >= 0 and beta > 0 for _, alpha, beta in costs)
+    assert (link.alpha, link.beta) == next((a, b) for k, a, b in costs if k == "all_reduce")
+
+
+def test_fsdp2_hooks_are_priced_per_gather_and_reduce_scatter_call():
+    from dataclasses import replace
+
+    from trainmesh.planner.hardware import HARDWARE
+    from trainmesh.planner.parallel import estimate_step
+
+    hooked = replace(HARDWARE["h100"], fsdp_call_overhead=1e-3)
+    zero3 = plan_parallel("tiny-llama", world_size=4, mesh="data=4", zero_stage=3, micro_batch=1, seq_len=32,
+                          precision="fp32")
+    calls = sum(row["count"] for row in zero3.ranks[0].collectives.rows()
+                if row["kind"] in ("all_gather", "reduce_scatter"))
+    step = estimate_step(zero3.ranks, zero3.mesh, hooked, tokens_per_rank=None, shape={})
+    assert calls > 0 and step.phases["fsdp hooks"] == pytest.approx(calls * 1e-3, rel=1e-9)
+    ddp = plan_parallel("tiny-llama", world_size=4, mesh="data=4", zero_stage=0, micro_batch=1, seq_len=32,
+                        precision="fp32")
+    assert "fsdp hooks" not in estimate_step(ddp.ranks, ddp.mesh, hooked, tokens_per_rank=None, shape={}).phases

@@ -5,7 +5,10 @@
   threads the process has; ``op_costs.price`` prices every op of a dry-run step with them.
 * Links: all-reduces of 4 KiB .. 8 MiB between two gloo processes on loopback
   (``trainmesh.testing.run_distributed``), median per size, and a least-squares fit of
-  ``t = alpha + wire_bytes / beta`` (for two ranks a ring all-reduce sends the buffer once).
+  ``t = alpha + wire_bytes / beta`` (for two ranks a ring all-reduce sends the buffer once); the
+  same for all-gathers and reduce-scatters of the same full buffers, each kind fitted on its own
+  (``Hardware.collective_costs``): gloo's all-gather and reduce-scatter copy and set up more per
+  byte and per call than its all-reduce, and FSDP2's steps are made of them.
 * Cores: the CPUs this process may run on, and how much slower each of 1, 2, 4 and 8 processes run
   at once than one alone (``calibrate_cores``: the host's other load, the scheduler, shared caches and
   memory bus; ``Hardware.contention``).
@@ -45,20 +48,43 @@ def measure_flops(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 / best
 
 
-def _allreduce_times(sizes: list[int], repeats: int) -> dict[int, float]:
+# The collectives a step issues, each timed on its own: gloo runs them with different code (an
+# all-gather copies the local shard into the output; a reduce-scatter all-reduces a copy of the whole
+# input and copies its piece out; each call sets up its own work in the caller's thread), so one
+# kind's alpha and beta do not price the others.
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def _issue(kind: str, buffer: torch.Tensor, shard: torch.Tensor) -> None:
     import torch.distributed as dist
 
-    out = {}
-    for size in sizes:
-        t = torch.zeros(size // 4)
-        dist.all_reduce(t)  # warm-up: connections, buffers
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(t)
-            times.append(time.perf_counter() - start)
-        out[size] = statistics.median(times)
+    if kind == "all_reduce":
+        dist.all_reduce(buffer)
+    elif kind == "all_gather":  # the calls FSDP2 makes (the older names where torch has no others)
+        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(buffer, shard)
+    else:
+        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(shard, buffer)
+
+
+def _collective_times(sizes: list[int], repeats: int, kinds: tuple = ("all_reduce",)) -> dict[str, dict[int, float]]:
+    """Median seconds of one call of each kind per full-buffer size (bytes), between the group's processes."""
+    import torch.distributed as dist
+
+    out: dict[str, dict[int, float]] = {}
+    n = dist.get_world_size()
+    for kind in kinds:
+        out[kind] = {}
+        for size in sizes:
+            buffer = torch.zeros(size // 4)
+            shard = torch.zeros(size // 4 // n)
+            _issue(kind, buffer, shard)  # warm-up: connections, buffers
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                _issue(kind, buffer, shard)
+                times.append(time.perf_counter() - start)
+            out[kind][size] = statistics.median(times)
     return out
 
 
@@ -72,12 +98,22 @@ def fit_alpha_beta(times: dict[int, float], wire_factor: float = 1.0) -> tuple[f
 
 
 def calibrate_link(repeats: int = 7, sizes: list[int] | None = None) -> Link:
-    """Alpha/beta of loopback between two gloo processes on this machine."""
+    """Alpha/beta of loopback between two gloo processes on this machine (all-reduces)."""
+    return calibrate_collectives(repeats, sizes, kinds=("all_reduce",))[0]
+
+
+def calibrate_collectives(repeats: int = 7, sizes: list[int] | None = None,
+                          kinds: tuple = KINDS) -> tuple[Link, tuple]:
+    """The loopback link (all-reduce's alpha/beta) and ``((kind, alpha, beta), ...)`` of every kind in
+    ``kinds``, each fitted to its own times against the wire bytes gloo's algorithm sends for it."""
     from trainmesh.testing import run_distributed
 
-    times = run_distributed(_allreduce_times, world_size=2, args=(sizes or SIZES, repeats), timeout=300)[0]
-    alpha, beta = fit_alpha_beta(times)
-    return Link("loopback", alpha, beta)
+    from .collectives import wire_bytes
+
+    times = run_distributed(_collective_times, world_size=2, args=(sizes or SIZES, repeats, kinds), timeout=300)[0]
+    costs = tuple((kind, *fit_alpha_beta(times[kind], wire_bytes(kind, 1.0, 2, "gloo"))) for kind in kinds)
+    alpha, beta = next((a, b) for k, a, b in costs if k == "all_reduce")
+    return Link("loopback", alpha, beta), costs
 
 
 def cache_path() -> Path:
@@ -96,17 +132,19 @@ def calibrate(n: int = 1024, *, link: bool = True, save: bool = True, contention
     """Measure this machine (about a minute): per-op cost curves and overheads (``calibrate_ops``) on the
     threads this process has, the loopback link's alpha/beta between two gloo processes, and how much
     slower each of 1-8 processes runs at once (``calibrate_cores``; ``contention=False`` skips it)."""
-    from .calibrate_ops import measure_compute, measure_dtensor_overhead
+    from .calibrate_ops import measure_compute, measure_dtensor_overhead, measure_fsdp_overhead
 
-    loop = calibrate_link() if link else Link("loopback", 0.0, float("inf"))
+    loop, costs = calibrate_collectives() if link else (Link("loopback", 0.0, float("inf")), ())
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     hardware = CalibratedHardware(
         name="calibrated", source=f"calibrated on {platform.node() or 'this machine'} ({cores} cores, "
         f"{torch.get_num_threads()} thread(s) per process, torch {torch.__version__}): matmul and add curves, "
         "op overheads of a tiny model's step, gloo all-reduce on loopback, 1-8 processes sharing the cores",
-        flops=0.0, devices_per_node=1 << 30, intra=loop, inter=loop, cores=cores, backend="gloo")
+        flops=0.0, devices_per_node=1 << 30, intra=loop, inter=loop, cores=cores, backend="gloo",
+        collective_costs=costs)
     hardware = measure_compute(hardware)
     hardware = replace(hardware, dtensor_op_overhead=measure_dtensor_overhead(hardware) or 0.0)
+    hardware = replace(hardware, fsdp_call_overhead=measure_fsdp_overhead(hardware) or 0.0)
     if contention:
         from .calibrate_cores import measure_contention
 
@@ -144,8 +182,11 @@ class CalibratedHardware(Hardware):
         return (f"{self.source}\n  FLOP rate   {self.flops / 1e9:.1f} GFLOP/s (best matmul)\n"
                 f"  matmuls     {curve(self.flops_curve, 'GFLOP/s')} (by FLOPs)\n"
                 f"  bandwidth   {curve(self.bandwidth_curve, 'GB/s')} (by bytes moved)\n"
-                f"  per op      {self.op_overhead * 1e6:.1f} us; on DTensors +{self.dtensor_op_overhead * 1e6:.1f} us\n"
+                f"  per op      {self.op_overhead * 1e6:.1f} us; on DTensors +{self.dtensor_op_overhead * 1e6:.1f} us; "
+                f"per FSDP2 gather or reduce-scatter call +{self.fsdp_call_overhead * 1e6:.1f} us\n"
                 f"  cores       {self.cores} (others' runnable processes while measured: {self.external_load:.1f})\n"
                 + (f"  processes   " + ", ".join(f"{p}: {s:.2f}x" for p, s in self.contention_curve)
                    + " slower each than one alone (run at once)\n" if self.contention_curve else "")
-                + f"  {self.intra.name:<11} alpha {self.intra.alpha * 1e6:.1f} us, beta {self.intra.beta / 1e9:.2f} GB/s")
+                + f"  {self.intra.name:<11} alpha {self.intra.alpha * 1e6:.1f} us, beta {self.intra.beta / 1e9:.2f} GB/s"
+                + "".join(f"\n  {kind:<15} alpha {alpha * 1e6:.1f} us, beta {beta / 1e9:.2f} GB/s (of wire bytes)"
+                          for kind, alpha, beta in self.collective_costs))

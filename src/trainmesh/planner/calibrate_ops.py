@@ -206,5 +206,43 @@ def measure_dtensor_overhead(hardware, repeats: int = 9) -> float | None:
     return max(seconds - work, 0.0) / max(dtensor_ops, 1)
 
 
+def measure_fsdp_overhead(hardware, repeats: int = 9) -> float | None:
+    """Extra seconds per FSDP2 collective call (one unit's all-gather or reduce-scatter) besides the ops
+    it dispatches: FSDP2's hooks and bookkeeping around each unit's unshard, reshard and reduce, from the
+    tiny model under ZeRO-3 over 2 ranks of torch's fake process group (collectives return at once: their
+    own cost is the link's, ``Hardware.collective_costs``). None when a process group already exists."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainmesh import runtime
+    from trainmesh._torch.mesh import to_torch_mesh
+    from trainmesh._torch.parallelize import parallelize
+
+    from .collectives import CollectiveCounter, group_axes
+    from .mesh_spec import MeshSpec
+
+    if dist.is_initialized():
+        return None
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = _tiny_model()
+        distribution = MeshSpec.parse("data=2", 2).distribution(model, zero_stage=3)
+        counter = CollectiveCounter(group_axes(to_torch_mesh(distribution.device_mesh)))
+        model = parallelize(model, distribution, zero_stage=3, activation_checkpointing=None)
+        seconds, profile = _step_time(model, repeats)
+        with counter:  # the calls of one step (forward and backward: the optimizer step issues none)
+            model(torch.randn(2, 4, 16)).float().pow(2).mean().backward()
+    finally:
+        runtime.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()  # FSDP2's parameters are DTensors on a mesh that is gone now
+    calls = sum(row["count"] for row in counter.log.rows() if row["kind"] in ("all_gather", "reduce_scatter"))
+    work = sum(price(profile, hardware).values())  # every op, with the per-op and DTensor overheads
+    return max(seconds - work, 0.0) / max(calls, 1)
+
+
 __all__ = ["measure_floor", "measure_flops_curve", "measure_bandwidth_curve", "measure_op_overhead",
-           "measure_dtensor_overhead", "measure_compute"]
+           "measure_dtensor_overhead", "measure_fsdp_overhead", "measure_compute"]

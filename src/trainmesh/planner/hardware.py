@@ -1,8 +1,9 @@
 """Hardware figures for step time: a device's FLOP rate and an alpha-beta model of each link.
 
 A collective on an axis costs ``calls * alpha + wire_bytes / beta`` (``collectives.wire_bytes``,
-ring algorithms). An axis uses the intra-node link when its whole process group fits in one node
-(``stride * size <= devices_per_node``, ranks numbered row-major as torchrun does), else the
+ring algorithms), with the link's alpha and beta, or the collective kind's own where calibration
+measured each kind (``collective_costs``). An axis uses the intra-node link when its whole process
+group fits in one node (``stride * size <= devices_per_node``, ranks numbered row-major as torchrun does), else the
 inter-node link, whose per-device bandwidth is the bottleneck of a ring that crosses nodes.
 
 Figures come from one of two places, and the output names which:
@@ -59,9 +60,25 @@ class Hardware:
     # runs at once on this host than one alone. When present it replaces the core-count formula.
     contention_curve: tuple = ()
     backend: str = "nccl"                   # which collective algorithms price the wire (collectives.wire_bytes)
+    # Measured (calibrate.calibrate_collectives): ((kind, alpha, beta), ...) of each collective kind on the
+    # intra-node link, where one kind's figures do not price another (gloo's all-gather and reduce-scatter
+    # copy and set up more than its all-reduce). A kind not in it uses its link's alpha and beta.
+    collective_costs: tuple = ()
+    # Measured (calibrate_ops.measure_fsdp_overhead): seconds of FSDP2's own work (hooks, bookkeeping) per
+    # all-gather or reduce-scatter call of a unit, besides the ops it dispatches and the collective itself.
+    fsdp_call_overhead: float = 0.0
 
     def link_for(self, *, stride: int, size: int) -> Link:
         return self.intra if stride * size <= self.devices_per_node else self.inter
+
+    def alpha_beta(self, kind: str, link: Link) -> tuple[float, float]:
+        """(alpha, beta) of one ``kind`` of collective on ``link``: the kind's own measured figures on the
+        intra-node link where calibrated, else the link's."""
+        if link == self.intra:
+            for measured, alpha, beta in self.collective_costs:
+                if measured == kind:
+                    return alpha, beta
+        return link.alpha, link.beta
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -70,7 +87,7 @@ class Hardware:
     def from_dict(cls, data: dict) -> "Hardware":
         data = dict(data)
         data["intra"], data["inter"] = Link(**data["intra"]), Link(**data["inter"])
-        for key in ("flops_curve", "bandwidth_curve", "contention_curve"):
+        for key in ("flops_curve", "bandwidth_curve", "contention_curve", "collective_costs"):
             data[key] = tuple(tuple(point) for point in data.get(key, ()))
         return cls(**data)
 
@@ -152,6 +169,7 @@ def axis_seconds(log: CollectiveLog, hardware: Hardware, strides: dict[str, int]
     for row in log.rows():
         axis, size = row["axis"], max(row["group_size"], 1)
         link = hardware.link_for(stride=strides.get(axis, hardware.devices_per_node), size=size)
-        seconds = row["count"] * link.alpha + wire_bytes(row["kind"], row["bytes"], size, hardware.backend) / link.beta
+        alpha, beta = hardware.alpha_beta(row["kind"], link)
+        seconds = row["count"] * alpha + wire_bytes(row["kind"], row["bytes"], size, hardware.backend) / beta
         out[axis] = out.get(axis, 0.0) + (seconds if size > 1 else 0.0)
     return out

@@ -10,8 +10,9 @@ adds up and prices what was measured:
   (``op_costs.price``: matmuls by FLOPs at the rate a matmul of that size gets, memory-bound ops
   such as norms, activations and the optimizer's updates by the bytes they move, plus a per-op
   dispatch overhead and DTensor's sharding-propagation overhead), split into forward, backward
-  and optimizer; each axis's collectives priced by the alpha-beta model with the backend's
-  algorithms (``hardware.axis_seconds``). Model- and pipe-axis traffic is on the critical path;
+  and optimizer (plus ``fsdp hooks``: FSDP2's own work per gather or reduce-scatter call, where
+  calibrated); each axis's collectives priced by the alpha-beta model with the backend's
+  algorithms and each kind's own figures where measured (``hardware.axis_seconds``). Model- and pipe-axis traffic is on the critical path;
   batch-axis traffic (DDP buckets, FSDP2 gathers and reduce-scatters) overlaps forward and
   backward where the hardware can overlap (devices; a CPU host with a core to spare), and only
   its excess shows; a pipeline adds the (p-1)/m bubble. On a CPU host whose cores the processes
@@ -152,7 +153,7 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-def _phases(r: RankResult, hardware: Hardware, accum: int) -> dict[str, float]:
+def _phases(r: RankResult, hardware: Hardware, accum: int, batch_axis: str | None = None) -> dict[str, float]:
     """Seconds of forward, backward and optimizer on one rank, alone on its device: every op priced
     (``op_costs.price``) when the hardware has per-op figures, else the FLOPs at the peak rate."""
     if r.ops is not None and (hardware.memory_bandwidth or hardware.op_overhead or hardware.flops_curve):
@@ -160,6 +161,12 @@ def _phases(r: RankResult, hardware: Hardware, accum: int) -> dict[str, float]:
     else:  # forward : backward FLOPs are about 1 : 2
         phases = {"forward": r.flops / 3 / hardware.flops, "backward": 2 * r.flops / 3 / hardware.flops,
                   "optimizer": 0.0}
+    if hardware.fsdp_call_overhead:
+        # FSDP2's hooks around each unit's gather and reduce-scatter (batch axis), on the rank's own thread
+        calls = sum(row["count"] for row in r.collectives.rows()
+                    if row["axis"] == batch_axis and row["kind"] in ("all_gather", "reduce_scatter"))
+        if calls:
+            phases["fsdp hooks"] = calls * hardware.fsdp_call_overhead
     return {p: t * (accum if p != "optimizer" else 1) for p, t in phases.items()}
 
 
@@ -170,7 +177,7 @@ def estimate_step(ranks: list[RankResult], spec: MeshSpec, hardware: Hardware, *
     overlap = hardware.overlaps(spec.world_size)
     worst = None
     for r in ranks:
-        phases = _phases(r, hardware, accum)
+        phases = _phases(r, hardware, accum, spec.batch_axis)
         compute = sum(phases.values())
         axes = {a: t * accum for a, t in axis_seconds(r.collectives, hardware, strides).items()}
         exposed = {}
@@ -183,7 +190,7 @@ def estimate_step(ranks: list[RankResult], spec: MeshSpec, hardware: Hardware, *
         if r.microbatches > 1 and spec.pipe_axis:
             # 1F1B / GPipe: p - 1 extra microbatch slots of the stage's critical path (the bubble)
             p = spec.size(spec.pipe_axis)
-            critical = phases["forward"] + phases["backward"] + sum(
+            critical = phases["forward"] + phases["backward"] + phases.get("fsdp hooks", 0.0) + sum(
                 t for a, t in exposed.items() if a != spec.batch_axis)
             exposed[spec.pipe_axis + " bubble"] = critical * (p - 1) / r.microbatches
             path += exposed[spec.pipe_axis + " bubble"]
