@@ -30,7 +30,11 @@ def test_server_sigkill_loses_no_acknowledged_update_and_applies_in_flight_pushe
             client.push({"w": g}).result(30)
         acked = client.pull(["w"]).result(30)["w"]
 
-        in_flight = [client.push({"w": g}) for g in grads[10:]]  # not waited for
+        in_flight = [client.push({"w": g}) for g in grads[10:20]]  # not waited for: some may be applied, unacked
+        # Frozen, server 0 cannot answer the rest: however fast the first ten went through, the kill
+        # below is sure to catch pushes in flight (sent, queued at the server, not acknowledged).
+        os.kill(cluster.processes[0].pid, signal.SIGSTOP)
+        in_flight += [client.push({"w": g}) for g in grads[20:]]
         cluster.kill(0)  # SIGKILL while those are on the wire / in its queue
         unacked_at_kill = sum(not f.done() for f in in_flight)
         cluster.restart(0)  # same address, same WAL directory
@@ -39,7 +43,7 @@ def test_server_sigkill_loses_no_acknowledged_update_and_applies_in_flight_pushe
 
         final = client.pull(["w"]).result(30)["w"]
         assert torch.allclose(final, w0 - 0.1 * torch.stack(grads).sum(0), atol=1e-5)  # each exactly once
-        assert unacked_at_kill > 0  # the kill really caught pushes in flight
+        assert unacked_at_kill >= 10  # the kill really caught pushes in flight (at least the frozen ten)
         stats = client.stats().result(30)
         restarted = stats["servers"][0]
         assert restarted["replayed"] > 0  # its state came back from the log, not from nowhere
