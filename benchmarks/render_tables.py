@@ -87,15 +87,17 @@ REASONS = {
                               "that theory's (p-1)/(m+p-1) does not count; tiny microbatches make it dominate",
     "interleaved_bubble_vs_1f1b": "interleaving halves the theoretical bubble but doubles the messages, whose fixed "
                                   "cost on gloo/CPU eats the gain at this size",
-    "ps_push_1mb_vs_raw_zmq": "the client process is the bottleneck: a push costs ~370 us of client CPU (caller, "
-                              "I/O thread, ZeroMQ's I/O thread) against ~130 us for a raw echo; the baseline is the "
-                              "faster of an in-process and a cross-process echo (0.63-0.88 against the "
-                              "cross-process one alone)",
+    "ps_push_1mb_vs_raw_zmq": "CPU per push: ~1.5 ms (client 0.8 ms over the caller, the PS I/O thread and "
+                              "ZeroMQ's I/O thread; server 0.7 ms: receive, decode, the 1 MB SGD add, the ack) "
+                              "against ~0.6 ms for a raw echo that applies nothing; on 2 shared cores CPU decides",
     "demo_mfu_vs_bf16_peak": "4 processes time-share 2 cores with DDP's gloo all-reduce; one process on one thread "
                              "runs the model at ~40% of a core's bf16 peak (small matmuls, casts); measured against "
                              "a ceiling load cannot lower (CPU-time probe)",
-    "powersgd_step_vs_fp32_100mbit": "8 processes on 2 cores: two dependent all-reduces of P and Q per bucket, each "
-                                     "waiting for peers the scheduler set aside; 2 hosts x 2 reads 0.15",
+    "powersgd_step_vs_fp32_100mbit": "8 processes on 2 cores: the factors' all-reduces wait for peers the scheduler "
+                                     "set aside; exchanging them between host leaders only read 0.27-0.29 in "
+                                     "interleaved A/B runs (0.47-0.73 before), 2 hosts x 2 reads 0.15-0.21",
+    "demo_mfu_vs_fp32_peak": "4 processes time-share 2 cores with DDP's gloo all-reduce; measured against a ceiling "
+                             "load cannot lower (CPU-time probe)",
     "plan_step_time_vs_measured_worst": "the plan prices the work within 10-25%; load that moves faster than the "
                                         "core-sharing probe can follow, and waits at collectives for descheduled "
                                         "peers at 4-8 processes on 2 cores, are not in it",

@@ -25,7 +25,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description="Train a small GPT-style character model on this Python's own standard-library sources "
         "(no download) with DataParallel on N local processes, in bf16 mixed precision where this "
         "machine's bf16 matmuls are fast (fp32 otherwise); write a checkpoint, logs and a loss-curve PNG to --out and print a generated "
-        "sample. About 2 minutes with 4 processes on a 2-core CPU.",
+        "sample. 1-3 minutes with 4 processes on a 2-core CPU (fp32 on a CPU without native bf16 is the slower end).",
     )
     parser.add_argument("-n", "--nproc-per-node", type=run.positive_int, default=4, metavar="N",
                         help="worker processes (default: 4)")
