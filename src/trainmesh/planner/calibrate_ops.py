@@ -25,6 +25,7 @@ training process will have. Each probe takes the median of repeats: the machine 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -179,28 +180,18 @@ def measure_dtensor_overhead(hardware, repeats: int = 9) -> float | None:
     """Extra seconds per DTensor op, from the tiny model tensor-parallel over 2 fake ranks; None when a
     process group already exists (the fake one cannot be started beside it)."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from trainmesh import runtime
     from trainmesh._torch.parallelize import parallelize
 
     from .mesh_spec import MeshSpec
 
     if dist.is_initialized():
         return None
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
+    with _fake_group(2):
         model = _tiny_model()
         distribution = MeshSpec.parse("data=1,model=2", 2).distribution(model, zero_stage=0)
         model = parallelize(model, distribution, zero_stage=0, activation_checkpointing=None)
         seconds, profile = _step_time(model, repeats)
-    finally:
-        runtime.shutdown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-        _clear_sharding_prop_cache()
     work = sum(price(profile, hardware).values())  # hardware carries op_overhead by now
     dtensor_ops = sum(n for (_, d, _, _), n in profile.counts.items() if d)
     return max(seconds - work, 0.0) / max(dtensor_ops, 1)
@@ -212,9 +203,7 @@ def measure_fsdp_overhead(hardware, repeats: int = 9) -> float | None:
     tiny model under ZeRO-3 over 2 ranks of torch's fake process group (collectives return at once: their
     own cost is the link's, ``Hardware.collective_costs``). None when a process group already exists."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from trainmesh import runtime
     from trainmesh._torch.mesh import to_torch_mesh
     from trainmesh._torch.parallelize import parallelize
 
@@ -223,8 +212,7 @@ def measure_fsdp_overhead(hardware, repeats: int = 9) -> float | None:
 
     if dist.is_initialized():
         return None
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
+    with _fake_group(2):
         model = _tiny_model()
         distribution = MeshSpec.parse("data=2", 2).distribution(model, zero_stage=3)
         counter = CollectiveCounter(group_axes(to_torch_mesh(distribution.device_mesh)))
@@ -232,16 +220,30 @@ def measure_fsdp_overhead(hardware, repeats: int = 9) -> float | None:
         seconds, profile = _step_time(model, repeats)
         with counter:  # the calls of one step (forward and backward: the optimizer step issues none)
             model(torch.randn(2, 4, 16)).float().pow(2).mean().backward()
+    calls = sum(row["count"] for row in counter.log.rows() if row["kind"] in ("all_gather", "reduce_scatter"))
+    work = sum(price(profile, hardware).values())  # every op, with the per-op and DTensor overheads
+    return max(seconds - work, 0.0) / max(calls, 1)
+
+
+@contextlib.contextmanager
+def _fake_group(world_size: int):
+    """Torch's fake process group for the duration (collectives return at once), then everything it
+    left behind undone: trainmesh's runtime, the group, and DTensor's sharding cache (whose entries
+    name meshes that are gone)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainmesh import runtime
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
     finally:
         runtime.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-        _clear_sharding_prop_cache()  # FSDP2's parameters are DTensors on a mesh that is gone now
-    calls = sum(row["count"] for row in counter.log.rows() if row["kind"] in ("all_gather", "reduce_scatter"))
-    work = sum(price(profile, hardware).values())  # every op, with the per-op and DTensor overheads
-    return max(seconds - work, 0.0) / max(calls, 1)
+        _clear_sharding_prop_cache()
 
 
 __all__ = ["measure_floor", "measure_flops_curve", "measure_bandwidth_curve", "measure_op_overhead",
