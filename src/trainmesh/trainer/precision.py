@@ -95,8 +95,8 @@ def bf16_matmul_speedup(device_type: str = "cpu", size: int = 256) -> float:
     On a CPU it is hardware-dependent by more than an order of magnitude: AMX or AVX512-BF16 make
     bf16 2-4x faster than fp32, while on AVX2 alone torch falls back to a path ~45x slower.
     CPU time of this thread, so a busy machine does not tilt the comparison."""
-    if device_type == "cuda":
-        return 2.0 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 0.0
+    if device_type != "cpu":
+        raise ValueError(f"bf16_matmul_speedup times CPU matmuls only. Received: device_type={device_type!r}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -117,6 +117,10 @@ def bf16_matmul_speedup(device_type: str = "cpu", size: int = 256) -> float:
 
 def fastest_precision(device_type: str = "cpu") -> tuple[str, str]:
     """``(precision, why)``: "bf16-mixed" where bf16 matmuls pay on this device, "fp32" where they do not."""
+    if device_type == "cuda":  # the GPU says whether it has bf16 units; where it has, they pay
+        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            return "bf16-mixed", "this GPU supports bf16"
+        return "fp32", "this GPU does not support bf16"
     speedup = bf16_matmul_speedup(device_type)
     if speedup >= BF16_MIN_SPEEDUP:
         return "bf16-mixed", f"bf16 matmuls run {speedup:.1f}x fp32's speed here"
