@@ -154,6 +154,31 @@ def test_optimizer_implementation_switches_kernels_and_keeps_the_result():
         set_optimizer_implementation(torch.optim.LBFGS(mlp().parameters()), "fused")
 
 
+@pytest.mark.usefixtures("no_process_group_left_behind")
+@pytest.mark.parametrize("implementation", [None, "foreach"])
+def test_a_tensor_layout_trains_with_a_foreach_optimizer(implementation):
+    """A layout shards some parameters (DTensors) and leaves the rest plain; torch's foreach kernels,
+    its default on CUDA, refuse such a mix in one call. The Trainer gives that group the for-loop
+    kernels and the result equals a for-loop optimizer's."""
+    import trainmesh as tm
+
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    params = {}
+    for foreach in (False, True):
+        model = mlp()
+        mesh = tm.DeviceMesh((1, 1), ["data", "model"], devices=tm.list_devices())
+        layout_map = tm.LayoutMap(mesh)
+        layout_map[r"0\.weight"] = ("model", None)  # the first layer sharded; the rest plain
+        trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2, foreach=foreach), torch.nn.MSELoss(),
+                             distribution=tm.ModelParallel(layout_map=layout_map, batch_dim_name="data"),
+                             optimizer_implementation=implementation if foreach else None, progress=False)
+        assert {hasattr(p, "placements") for p in trainer.optimizer.param_groups[0]["params"]} == {True, False}
+        trainer.fit((x, y), epochs=2, batch_size=8)
+        params[foreach] = torch.cat([p.detach().full_tensor().flatten() if hasattr(p, "full_tensor") else p.detach().flatten()
+                                     for p in trainer.unwrapped_model.parameters()])
+    assert (params[True] - params[False]).abs().max() <= 1e-6
+
+
 def test_env_peak_measures_caches_and_prints(tmp_path, monkeypatch, capsys):
     from trainmesh.launcher.cli import main
 
@@ -161,6 +186,7 @@ def test_env_peak_measures_caches_and_prints(tmp_path, monkeypatch, capsys):
     assert main(["env", "--peak", "fp32", "--peak-seconds", "0.2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["peak_dtype"] == "fp32" and report["peak_flops"] > 1e6
-    assert cached_peak_flops(torch.float32) == report["peak_flops"]  # what the Trainer's MFU will use
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"  # env --peak probes the job's device
+    assert cached_peak_flops(torch.float32, device_type) == report["peak_flops"]  # what the Trainer's MFU will use
     assert main(["env", "--peak", "fp32", "--peak-seconds", "0"]) == 1
     assert "--peak-seconds must be > 0" in capsys.readouterr().err

@@ -62,6 +62,8 @@ def compile_unavailable_reason(backend: str = "inductor", device_type: str = "cp
 
     if not torch._dynamo.is_dynamo_supported():
         return f"torch.compile (dynamo) does not support this Python ({sys.version.split()[0]})"
+    if torch._dynamo.config.disable:  # torch would run eager without a word
+        return "torch.compile is switched off in this environment (TORCH_COMPILE_DISABLE=1 or torch._dynamo.config.disable)"
     if backend == "inductor" and device_type == "cpu" and _cxx_compiler() is None:
         return "inductor compiles CPU kernels with a C++ compiler, and none was found (set $CXX or install g++)"
     return None

@@ -154,12 +154,15 @@ class Distribution(abc.ABC):
         )
 
     def _batch_to_global(self, local_batch):
-        """Hook for subclasses whose models take global (DTensor) batches."""
-        return local_batch
+        """This process's share of a batch as its model takes it: on the model's device (a GPU's;
+        unchanged on CPU). A hook for subclasses whose models take global (DTensor) batches."""
+        from trainmesh.runtime import to_local_device
+
+        return to_local_device(local_batch)
 
     def _batch_to_global_rows(self, local_batch, global_rows: int):
         """As ``_batch_to_global``, for unequal shares of a batch of ``global_rows`` rows."""
-        return local_batch
+        return self._batch_to_global(local_batch)
 
     def global_mean(self, value):
         """``value`` (a loss or metric computed on this process's batch) as a one-device run reports it."""

@@ -27,8 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "machine's bf16 matmuls are fast (fp32 otherwise); write a checkpoint, logs and a loss-curve PNG to --out and print a generated "
         "sample. 1-3 minutes with 4 processes on a 2-core CPU (fp32 on a CPU without native bf16 is the slower end).",
     )
-    parser.add_argument("-n", "--nproc-per-node", type=run.positive_int, default=4, metavar="N",
-                        help="worker processes (default: 4)")
+    parser.add_argument("-n", "--nproc-per-node", type=run.positive_int, default=None, metavar="N",
+                        help="worker processes (default: one per GPU where there are GPUs, else 4)")
     parser.add_argument("--out", default="trainmesh-demo", metavar="DIR",
                         help="output directory (default: ./trainmesh-demo)")
     parser.add_argument("--epochs", type=run.positive_int, default=None, metavar="E",
@@ -71,7 +71,7 @@ def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if out.exists() and not out.is_dir():
         parser.error(f"--out must be a directory. Received: {str(out)!r} is a file")
     started = time.perf_counter()
-    args = _resolve_precision(args)
+    args = _resolve_nproc(_resolve_precision(args))
     _ensure_peak_probe(args.precision)
     status = run.handle(*run_args(args))
     if status == 0:
@@ -91,6 +91,16 @@ def _resolve_precision(args: argparse.Namespace) -> argparse.Namespace:
     precision, why = fastest_precision("cuda" if torch.cuda.is_available() else "cpu")
     print(f"[demo] precision {precision}: {why}", flush=True)
     return argparse.Namespace(**{**vars(args), "precision": precision})
+
+
+def _resolve_nproc(args: argparse.Namespace) -> argparse.Namespace:
+    """One process per GPU (NCCL drives one each), as ``torchrun --nproc-per-node gpu`` does; four
+    CPU processes otherwise."""
+    if args.nproc_per_node is not None:
+        return args
+    import torch
+
+    return argparse.Namespace(**{**vars(args), "nproc_per_node": torch.cuda.device_count() or 4})
 
 
 def _ensure_peak_probe(precision: str) -> None:

@@ -1,7 +1,7 @@
 """Process runtime: detect the cluster, start the process group once, answer who-am-I."""
 
 from .cluster_env import ClusterEnv, detect_cluster_env
-from .devices import list_devices, local_torch_device, torch_device_type
+from .devices import list_devices, local_torch_device, to_local_device, torch_device_type
 from .process_group import (
     DEFAULT_TIMEOUT_S,
     backend,
@@ -31,6 +31,7 @@ __all__ = [
     "list_devices",
     "local_rank",
     "local_torch_device",
+    "to_local_device",
     "rank",
     "shutdown",
     "torch_device_type",

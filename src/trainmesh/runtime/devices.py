@@ -37,7 +37,7 @@ def list_devices(device_type: str | None = None) -> list[str]:
 
 def local_torch_device() -> torch.device:
     """The torch device this process computes on."""
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.device_count():
         return torch.device("cuda", local_rank() % torch.cuda.device_count())
     return torch.device("cpu")
 
@@ -45,3 +45,16 @@ def local_torch_device() -> torch.device:
 def torch_device_type() -> str:
     """``"cuda"`` or ``"cpu"``: the device type torch's DeviceMesh is built on."""
     return local_torch_device().type
+
+
+def to_local_device(batch):
+    """``batch`` (tensors, possibly nested in tuples, lists, dicts) on this process's device.
+
+    The Trainer's batches come from host memory (arrays, datasets, DataLoaders); on a GPU the
+    model's parameters are on the device, so every batch must follow them. On CPU: the identity."""
+    device = local_torch_device()
+    if device.type == "cpu":
+        return batch
+    from trainmesh.data.prefetch import map_tensors
+
+    return map_tensors(lambda t: t.to(device, non_blocking=True), batch)

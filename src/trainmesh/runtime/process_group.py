@@ -91,6 +91,7 @@ def initialize(
         td = _resolve_timeout(timeout)
         chosen_backend = _resolve_backend(backend)
         if torch.cuda.is_available():
+            _check_gpu_per_process(chosen_backend, cluster)
             torch.cuda.set_device(cluster.local_rank % torch.cuda.device_count())
         if cluster.world_size == 1:
             dist.init_process_group(chosen_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
@@ -107,6 +108,18 @@ def initialize(
             atexit.register(_release_at_exit)
             _state["exit_hook"] = True
         return cluster
+
+
+def _check_gpu_per_process(backend: str, cluster: ClusterEnv) -> None:
+    """NCCL drives one GPU per process; with more processes on a node than GPUs, two would share
+    one and NCCL would fail inside the first collective ("Duplicate GPU detected"), on every rank."""
+    gpus = torch.cuda.device_count()
+    if "nccl" in backend and cluster.local_world_size > gpus:
+        raise ValueError(
+            f"{cluster.local_world_size} processes on this node share {gpus} GPU(s), and NCCL needs a GPU per "
+            f"process: launch {gpus} per node (trainmesh run -n {gpus}, torchrun --nproc-per-node {gpus}), or "
+            f"hide the GPUs (CUDA_VISIBLE_DEVICES='') to train on CPUs with gloo. Received: "
+            f"local_world_size={cluster.local_world_size}, backend={backend!r}")
 
 
 def _elastic_store(cluster: ClusterEnv, timeout: _dt.timedelta):

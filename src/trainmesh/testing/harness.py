@@ -1,4 +1,4 @@
-"""Run a function on N real gloo processes, for tests (yours and ours).
+"""Run a function on N real processes (gloo on CPU; gloo and NCCL on GPUs), for tests (yours and ours).
 
 Each process joins a real torch.distributed group through a file rendezvous (no port to
 collide on), runs ``fn(*args, **kwargs)``, and sends back its return value. Any process
@@ -31,7 +31,7 @@ class _Outcome:
     error: str = ""
 
 
-def _worker(fn, rank, world_size, init_file, result_dir, args, kwargs, collective_timeout_s, env):
+def _worker(fn, rank, world_size, init_file, result_dir, args, kwargs, collective_timeout_s, env, backend):
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
@@ -45,8 +45,10 @@ def _worker(fn, rank, world_size, init_file, result_dir, args, kwargs, collectiv
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        if backend != "gloo":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout_s),
         )
         from trainmesh import runtime
@@ -73,10 +75,14 @@ def run_distributed(
     timeout: float = 180.0,
     collective_timeout: float = 60.0,
     env: dict[str, str] | None = None,
+    device: str = "cpu",
 ) -> list[Any]:
-    """Run ``fn`` on ``world_size`` gloo processes; return each rank's result, in rank order.
+    """Run ``fn`` on ``world_size`` processes; return each rank's result, in rank order.
 
     ``fn`` must be importable (a module-level function): processes are spawned, not forked.
+    ``device="cpu"`` (the default) runs on gloo with CUDA hidden, so a job computes the same on a
+    machine with GPUs as on one without; ``device="cuda"`` joins gloo and NCCL
+    (``"cpu:gloo,cuda:nccl"``), one GPU per process, and needs ``world_size`` GPUs.
 
     >>> def my_rank():
     ...     import trainmesh as tm
@@ -86,19 +92,42 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1. Received: world_size={world_size}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda'. Received: device={device!r}")
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < world_size:  # NCCL refuses two ranks on one GPU
+            raise ValueError(f"device='cuda' needs a GPU per process: world_size={world_size}, "
+                             f"GPUs visible: {torch.cuda.device_count()}")
+    else:
+        env = {"CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="trainmesh-test-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, rank, world_size, init_file, tmp, args, kwargs or {}, collective_timeout, dict(env or {})),
+                args=(fn, rank, world_size, init_file, tmp, args, kwargs or {}, collective_timeout, dict(env or {}),
+                      backend),
                 daemon=False,
             )
             for rank in range(world_size)
         ]
-        for proc in procs:
-            proc.start()
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if device == "cpu":
+            # Hidden from the start: a child that asks torch about CUDA while it imports (a test
+            # module's skip mark) would otherwise see the GPUs and then count none.
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        try:
+            for proc in procs:
+                proc.start()
+        finally:
+            if hidden is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = hidden
         _wait(procs, timeout)
         return _collect(tmp, procs)
 

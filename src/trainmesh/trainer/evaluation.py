@@ -17,6 +17,7 @@ import torch
 
 from trainmesh._torch.reduce import all_reduce_small, gather_batches
 from trainmesh._torch.sync import runs_collectives_in_forward, unwrap
+from trainmesh.runtime import to_local_device
 
 from .data_input import eval_batches
 from .metrics import Metric
@@ -67,7 +68,7 @@ def run_evaluation(trainer, data: Any, batch_size: int | None, metrics: list[Met
                 if batch is None or (batch_rows(batch) == 0 and not _every_process_forwards(trainer)):
                     trainer.callbacks.on_test_batch_end(step, {})
                     continue
-                inputs, targets = split_batch(trainer.precision.convert_input(batch))
+                inputs, targets = split_batch(trainer.precision.convert_input(to_local_device(batch)))
                 local_targets = targets
                 inputs, targets = _to_model_input(trainer, inputs, rows), _to_model_input(trainer, targets, rows)
                 outputs = _forward(trainer, model, inputs)
@@ -110,7 +111,7 @@ def run_prediction(trainer, data: Any, batch_size: int | None) -> torch.Tensor:
                 if batch is None or (batch_rows(batch) == 0 and not _every_process_forwards(trainer)):
                     shares.append(None)
                     continue
-                batch = trainer.precision.convert_input(batch)
+                batch = trainer.precision.convert_input(to_local_device(batch))
                 inputs = batch[0] if isinstance(batch, (tuple, list)) else batch  # Keras: predict takes x
                 shares.append(_forward(trainer, model, _to_model_input(trainer, inputs, rows), everywhere=True))
     finally:

@@ -125,26 +125,51 @@ def clip_gradients_(params: Iterable[torch.nn.Parameter], max_norm: float, norm:
 OPTIMIZER_IMPLEMENTATIONS = (None, "fused", "foreach", "for-loop")
 
 
+def _mixes_dtensors_and_tensors(group: dict) -> bool:
+    return len({hasattr(p, "placements") for p in group["params"]}) == 2
+
+
 def set_optimizer_implementation(optimizer: Any, implementation: str | None) -> None:
     """Point a torch optimizer at its fused, foreach (multi-tensor) or for-loop kernels (torchtitan's
-    ``optimizer.implementation``); ``None`` leaves it as built. On CPU torch defaults to the for-loop
-    kernels; fused AdamW there is several times faster per step. Fused kernels take plain tensors: a
-    group holding DTensors (FSDP2 shards, tensor layouts) gets foreach instead. An optimizer without
+    ``optimizer.implementation``); ``None`` leaves it as built, except that a group holding both
+    DTensors and plain tensors (a tensor layout without ZeRO) always gets the for-loop kernels, the
+    only ones that take both. On CPU torch defaults to the for-loop kernels; fused AdamW there is
+    several times faster per step. Fused kernels take plain tensors: a group holding DTensors only
+    (FSDP2 shards) gets foreach instead. An optimizer without
     the switch (a ``ZeroRedundancyOptimizer``'s inner one is switched) is left alone with a warning."""
     if implementation not in OPTIMIZER_IMPLEMENTATIONS:
         raise ValueError(f"optimizer_implementation must be one of {OPTIMIZER_IMPLEMENTATIONS}. "
                          f"Received: optimizer_implementation={implementation!r}")
-    if implementation is None:
-        return
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer steps a local torch optimizer
     defaults = getattr(inner, "defaults", {})
+    mixed = [group for group in getattr(inner, "param_groups", []) if _mixes_dtensors_and_tensors(group)]
+    for group in mixed:
+        # Tensor layouts shard some parameters (DTensors) and leave others (norms, biases) plain. A
+        # foreach or fused kernel takes one kind or the other, never both in one call ("got mixed
+        # torch.Tensor and DTensor"), and torch picks foreach by default on CUDA: such a group runs
+        # the for-loop kernels, which take each parameter alone.
+        if "foreach" in group:
+            group["foreach"] = False
+        if "fused" in group:
+            group["fused"] = False
+    if implementation is None:
+        return
     if "foreach" not in defaults or (implementation == "fused" and "fused" not in defaults):
         import warnings
 
         warnings.warn(f"{type(inner).__name__} has no {implementation!r} implementation in torch; "
                       f"optimizer_implementation={implementation!r} is ignored.", RuntimeWarning, stacklevel=2)
         return
+    if mixed and implementation != "for-loop":
+        import warnings
+
+        warnings.warn(f"optimizer_implementation={implementation!r} is not used for {len(mixed)} parameter group(s) "
+                      "that hold both DTensors (sharded by a layout) and plain tensors: torch's multi-tensor "
+                      "kernels take one kind at a time, so those groups run the for-loop kernels.",
+                      RuntimeWarning, stacklevel=2)
     for group in inner.param_groups:
+        if any(group is m for m in mixed):
+            continue
         fused = implementation == "fused" and not any(hasattr(p, "placements") for p in group["params"])
         group["foreach"] = implementation == "foreach" or (implementation == "fused" and not fused)
         if "fused" in defaults:

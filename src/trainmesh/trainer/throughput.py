@@ -119,14 +119,17 @@ def _key(device_type: str, dtype: torch.dtype) -> str:
 
 
 def measure_peak_flops(dtype: torch.dtype = torch.bfloat16, *, device_type: str = "cpu", seconds: float = 2.0,
-                       sizes: tuple[int, ...] = (256, 512, 1024, 2048), save: bool = True) -> float:
+                       sizes: tuple[int, ...] | None = None, save: bool = True) -> float:
     """The node's matmul ceiling in FLOP/s: the best rate seen in about ``seconds``; cached when ``save``.
 
     On CPU: one thread's rate per second of its own CPU time, times the node's cores. CPU time
     does not run while the thread is descheduled, so other programs on a shared machine cannot
     lower the reading (a wall-clock probe read 185-979 GFLOP/s on the same 2 cores under
     different loads), and one thread times cores is what perfect scaling would give: the ceiling
-    is never understated, so an MFU against it is never flattered. On CUDA: wall time, synchronised.
+    is never understated, so an MFU against it is never flattered. On CUDA: wall time, synchronised,
+    on sizes up to 8192 (a GPU reaches its ceiling only on large matmuls: an H100 read 2.4 TFLOP/s
+    bf16 on the CPU's sizes, launch-bound, against ~800 on 8192) and enough matmuls per timing
+    (~20 ms) that launch and synchronisation costs vanish.
 
     The sizes grow only while a matmul of the next size fits the time left: a dtype the hardware
     has no fast path for (bf16 on a CPU without AVX512-BF16 or AMX runs ~45x slower than fp32)
@@ -142,6 +145,8 @@ def measure_peak_flops(dtype: torch.dtype = torch.bfloat16, *, device_type: str 
         torch.set_num_threads(1)  # thread_time is the calling thread's: every FLOP must be its own
 
     def timed_mm(a: torch.Tensor, b: torch.Tensor, repeats: int) -> float:
+        if device_type == "cuda":
+            torch.cuda.synchronize()  # time these matmuls only, not work queued before them
         start = clock()
         for _ in range(repeats):
             torch.mm(a, b)
@@ -151,7 +156,7 @@ def measure_peak_flops(dtype: torch.dtype = torch.bfloat16, *, device_type: str 
 
     best, deadline, last = 0.0, time.perf_counter() + seconds, None
     try:
-        ordered = sorted(sizes)
+        ordered = sorted(sizes or ((256, 512, 1024, 2048) if on_cpu else (1024, 2048, 4096, 8192)))
         for index, size in enumerate(ordered):
             remaining = deadline - time.perf_counter()
             # One matmul of this size costs about (size / last size)^3 of the last one: stop when
@@ -160,13 +165,16 @@ def measure_peak_flops(dtype: torch.dtype = torch.bfloat16, *, device_type: str 
                 break
             a = torch.randn(size, size, device=device).to(dtype)
             b = torch.randn(size, size, device=device).to(dtype)
-            one = timed_mm(a, b, 1)  # warm-up (kernel choice, page faults), and the cost of one
+            timed_mm(a, b, 1)  # warm-up: kernel choice, page faults, a GPU library's first call
+            one = timed_mm(a, b, 1)  # the cost of one
             last = (size, max(one, 1e-9))
             until = time.perf_counter() + remaining / (len(ordered) - index)  # an equal share of what is left
+            repeats = 3
             while True:
-                elapsed = timed_mm(a, b, 3)
+                elapsed = timed_mm(a, b, repeats)
                 if elapsed > 0:
-                    best = max(best, 3 * 2 * size**3 / elapsed)
+                    best = max(best, repeats * 2 * size**3 / elapsed)
+                    repeats = max(3, min(1000, int(repeats * 0.02 / elapsed)))  # ~20 ms a timing
                 if time.perf_counter() >= until:
                     break
     finally:
