@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import statistics
 import sys
 import time
@@ -41,6 +40,8 @@ import time
 import torch
 
 from trainmesh.testing import run_distributed
+from trainmesh.testing.stats import median_ci95
+from trainmesh.trainer.precision import compute_dtype, dtype_short_name
 
 WORLD = 4
 GPT_VOCAB, SEQ = 96, 64
@@ -164,14 +165,8 @@ def worker(cfg: dict) -> dict:
     return out
 
 
-def _ci95(values: list[float]) -> tuple[float, float]:
-    rng = random.Random(0)
-    boots = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(1000))
-    return boots[25], boots[974]
-
-
 def _peak_dtype_name(precision: str) -> str:
-    return "bf16" if precision == "bf16-mixed" else "fp32"
+    return dtype_short_name(compute_dtype(precision))
 
 
 def summarize(results: list[dict], cfg: dict, peak: float) -> dict:
@@ -188,8 +183,8 @@ def summarize(results: list[dict], cfg: dict, peak: float) -> dict:
         valid &= same
         report["pairs"][pair] = {
             "eager_ms": 1e3 * med["eager"], "compiled_ms": 1e3 * med["compiled"],
-            "ratio": med["compiled"] / med["eager"], "ratio_ci95_of_step_ratios": _ci95(ratios),
-            "eager_ms_ci95": tuple(1e3 * v for v in _ci95(steps["eager"])),
+            "ratio": med["compiled"] / med["eager"], "ratio_ci95_of_step_ratios": median_ci95(ratios),
+            "eager_ms_ci95": tuple(1e3 * v for v in median_ci95(steps["eager"])),
             "first_step_s": {side: max(p["first_step_s"][side] for p in per) for side in ("eager", "compiled")},
             "final_losses": final, "same_work": same, "steps": len(steps["eager"]),
         }
@@ -233,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     precision, why = (args.precision, "--precision") if args.precision != "auto" else fastest_precision("cpu")
     cfg["precision"] = precision
-    peak_dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+    peak_dtype = compute_dtype(precision)
     peak = measure_peak_flops(peak_dtype, seconds=3.0, save=False)  # the node, before the workers start
     results = run_distributed(worker, world_size=WORLD, args=(cfg,), timeout=3000, collective_timeout=900)
     report = summarize(results, cfg, peak)

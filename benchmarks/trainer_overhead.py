@@ -33,7 +33,6 @@ import contextlib
 import io
 import json
 import os
-import random
 import statistics
 import sys
 import threading
@@ -46,6 +45,7 @@ from torch import nn
 
 import trainmesh as tm
 from trainmesh.testing import run_distributed
+from trainmesh.testing.stats import median_ci95
 from trainmesh.trainer.callbacks import Callback
 
 PARAM_TOLERANCE = 1e-5
@@ -290,12 +290,6 @@ def worker(cfg: dict, part: str) -> dict:
             "finite": finite, "trainer_output": captured.getvalue(), "warnings": warning_texts, "torch_threads": threads}
 
 
-def _bootstrap_ci(values: list[float]) -> list[float]:
-    rng = random.Random(0)
-    boots = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(2000))
-    return [boots[50], boots[1949]]
-
-
 def _quartiles(values: list[float]) -> tuple[float, float]:
     if len(values) < 2:
         return values[0], values[0]
@@ -339,7 +333,7 @@ def summarize(results: list[dict], cfg: dict, part: str) -> dict:
             "round_ratios": round_ratios,
             "ratio_round_median": statistics.median(round_ratios),
             # How far the noise alone moves the per-round figure: a 95% bootstrap interval over rounds.
-            "ratio_round_median_ci95": _bootstrap_ci(round_ratios),
+            "ratio_round_median_ci95": list(median_ci95(round_ratios)),
             "ratio_step_median": a["step_median_ms"] / b["step_median_ms"],
             # Load from other programs only ever adds time, so the fast quartile is the least disturbed.
             "ratio_step_p25": a["step_p25_ms"] / b["step_p25_ms"],

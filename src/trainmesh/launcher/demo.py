@@ -110,12 +110,13 @@ def _ensure_peak_probe(precision: str) -> None:
     they show MFU if a peak is cached."""
     import torch
 
+    from trainmesh.trainer.precision import compute_dtype, dtype_short_name
     from trainmesh.trainer.throughput import cached_peak_flops, measure_peak_flops
 
-    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
+    dtype = compute_dtype(precision)
     if torch.cuda.is_available() or cached_peak_flops(dtype, "cpu") is not None:
         return
     peak = measure_peak_flops(dtype, seconds=2.0)
-    name = "bf16" if dtype == torch.bfloat16 else "fp32"
+    name = dtype_short_name(dtype)
     print(f"[demo] {name} matmul peak of this node: {peak / 1e9:.0f} GFLOP/s (trainmesh env --peak {name}; "
           "cached for MFU)", flush=True)

@@ -73,6 +73,22 @@ class TrueBF16(Precision):
         return batch
 
 
+_COMPUTE_DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16,
+                   "bf16-true": torch.bfloat16}
+
+
+def compute_dtype(name: str) -> torch.dtype:
+    """The dtype ``name``'s matmuls run in: the one whose peak an MFU must divide by."""
+    if name not in _COMPUTE_DTYPES:
+        raise ValueError(f"precision must be one of {PRECISIONS}. Received: precision={name!r}")
+    return _COMPUTE_DTYPES[name]
+
+
+def dtype_short_name(dtype: torch.dtype) -> str:
+    """``"bf16"``, ``"fp16"`` or ``"fp32"``: how ``trainmesh env --peak`` and figure names call it."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+
+
 def build_precision(name: str, device_type: str = "cpu") -> Precision:
     if name == "fp32":
         return Precision(device_type)
