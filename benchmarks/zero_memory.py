@@ -3,19 +3,27 @@
     pip install -e '.[bench]'      # includes deepspeed; see benchmarks/README.md for keeping torch
     python benchmarks/zero_memory.py [--nproc N] [--rounds R] [--steps S] [--mem-steps M]
                                      [--warmup W] [--systems trainmesh,deepspeed] [--stages 0,1,2,3]
-                                     [--json PATH] [--quick]
+                                     [--precision auto|fp32|bf16-mixed] [--json PATH] [--quick]
 
 Every variant (a system at a stage) trains the same ~50M-parameter GPT-style transformer
 (8 blocks, d_model 640, vocab 8192, seq 128) from the same seed on the same token batches, on N
-(default 4) gloo CPU processes started with ``python -m torch.distributed.run --standalone``,
-bf16 compute with fp32 master weights and fp32 Adam state on both sides, gradients reduced in bf16 on
-both sides at stages 1-3 (DeepSpeed's default communication dtype under bf16; trainmesh's reduce_dtype):
+(default 4) gloo CPU processes started with ``python -m torch.distributed.run --standalone``, in one
+precision on both sides (``--precision``; ``auto``, the default, takes what
+``trainmesh.trainer.precision.fastest_precision("cpu")`` picks, as the demo does: bf16-mixed where
+bf16 matmuls pay, fp32 where they do not, e.g. on an AVX2-only CPU where they run ~0.02x fp32's speed):
 
-* trainmesh: ``tm.Trainer(model, Adam, loss, zero_stage=k, precision="bf16-mixed", progress=False)``
+* bf16-mixed: bf16 compute with fp32 master weights and fp32 Adam state on both sides, gradients
+  reduced in bf16 on both sides at stages 1-3 (DeepSpeed's default communication dtype under bf16;
+  trainmesh's reduce_dtype). trainmesh ``precision="bf16-mixed"``; DeepSpeed ``"bf16": {"enabled":
+  True}`` (bf16 parameters and gradients, fp32 master partitions inside its ZeRO optimizer: the ZeRO
+  paper's mixed precision).
+* fp32: everything in fp32 on both sides, gradients reduced in fp32 (both sides' default).
+  trainmesh ``precision="fp32"``; DeepSpeed without a ``bf16``/``fp16`` block (its fp32 path).
+
+* trainmesh: ``tm.Trainer(model, Adam, loss, zero_stage=k, precision=..., progress=False)``
   (stage 0: DDP; 1-3: FSDP2 ``fully_shard``; stage 1 differs from 2 only under accumulation).
-* DeepSpeed: ``deepspeed.initialize(model=..., optimizer=Adam, config={"bf16": {"enabled": True},
-  "zero_optimization": {"stage": k, ...}})`` with ``DS_ACCELERATOR=cpu`` (bf16 parameters and
-  gradients, fp32 master partitions inside its ZeRO optimizer: the ZeRO paper's mixed precision).
+* DeepSpeed: ``deepspeed.initialize(model=..., optimizer=Adam, config={...precision block...,
+  "zero_optimization": {"stage": k, ...}})`` with ``DS_ACCELERATOR=cpu``.
 
 Each variant runs in its own fresh set of processes (peak memory needs a clean process), and the
 variants are interleaved stage by stage (trainmesh-k, deepspeed-k, then the other order next round).
@@ -107,21 +115,63 @@ class GPT(nn.Module):
 # (overlap_comm: off at stages 1-2, on at stage 3; the effective value is recorded per run).
 DS_CHANGES = {
     "reduce_bucket_size / allgather_bucket_size / stage3_prefetch_bucket_size":
-        "set to trainmesh's largest FSDP unit: the 5e8-element defaults would allocate a 1 GB bf16 bucket "
-        "per rank, 10x this model, and charge DeepSpeed's peak for an oversized buffer",
+        "set to trainmesh's largest FSDP unit: the 5e8-element defaults would allocate a 1 GB bf16 (2 GB fp32) "
+        "bucket per rank, 10x this model, and charge DeepSpeed's peak for an oversized buffer",
     "zero_allow_untested_optimizer": "the same torch.optim.Adam object trainmesh gets (not DeepSpeed's FusedAdam)",
 }
-# trainmesh's settings that are not its defaults, and why (printed with the results).
-TM_REDUCE_DTYPE = "bf16"
-TM_SETTINGS = {
-    "reduce_dtype='bf16' (stages 1-3)":
-        "DeepSpeed reduces gradients in communication_data_type, which defaults to bf16 under its bf16 config "
-        "(engine.communication_data_type); trainmesh's default under bf16-mixed is fp32 (twice the bytes). Both "
-        "sides reduce in bf16 here",
+# Per precision: DeepSpeed's precision block, trainmesh's gradient-reduction dtype at stages 1-3 and
+# its settings that are not its defaults (with the reason; printed with the results), the ZeRO formula
+# for that precision, and how closely the two systems' first-step losses (same model, seed and
+# batches) must agree, else the two sides did different work and the comparison is INVALID.
+PRECISIONS = {
+    "bf16-mixed": {
+        "ds_block": {"bf16": {"enabled": True}},
+        "tm_reduce_dtype": "bf16",
+        "tm_settings": {
+            "reduce_dtype='bf16' (stages 1-3)":
+                "DeepSpeed reduces gradients in communication_data_type, which defaults to bf16 under its bf16 "
+                "config (engine.communication_data_type); trainmesh's default under bf16-mixed is fp32 (twice the "
+                "bytes). Both sides reduce in bf16 here",
+        },
+        "zero_formula": "paper_2_2_12",
+        # trainmesh autocasts over fp32 weights, DeepSpeed runs bf16 weights: bf16 rounding differs
+        "loss_tolerance": 0.02,
+        "what": "bf16 compute + fp32 master/Adam, gradients reduced in bf16",
+    },
+    "fp32": {
+        "ds_block": {},  # no bf16/fp16 block: DeepSpeed's fp32 path; communication_data_type is then fp32
+        "tm_reduce_dtype": None,  # FSDP2 reduces in the parameters' dtype, fp32
+        "tm_settings": {},
+        "zero_formula": "fp32_4_4_8",
+        # The same fp32 weights, data and ops on both sides before the first update: the losses agree
+        # to rounding (measured 5.6e-8 relative, one ulp, at every stage); 1e-5 leaves room for
+        # summation order only, where any difference in the forward shows.
+        "loss_tolerance": 1e-5,
+        "what": "fp32 everything (params, grads, Adam m/v), gradients reduced in fp32",
+    },
 }
-# First-step losses of the two systems at one stage (same model, seed, batches, bf16 compute) must agree
-# this closely, else the two sides did different work and the comparison is INVALID.
-LOSS_TOLERANCE = 0.02
+
+
+def choose_precision(requested: str) -> tuple[str, str]:
+    """``(precision, why)``; ``auto`` asks the rule the demo uses (bf16 only where its matmuls pay)."""
+    if requested != "auto":
+        return requested, "given with --precision"
+    from trainmesh.trainer.precision import fastest_precision
+
+    precision, why = fastest_precision("cpu")
+    return precision, f"auto: {why}"
+
+
+def deepspeed_config(cfg: dict, stage: int, bucket: int) -> dict:
+    zero = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}  # see DS_CHANGES
+    if stage == 3:
+        zero.update(stage3_prefetch_bucket_size=bucket)
+    return {
+        "train_micro_batch_size_per_gpu": cfg["batch"] // cfg["nproc"], "gradient_accumulation_steps": 1,
+        "train_batch_size": cfg["batch"], **PRECISIONS[cfg["precision"]]["ds_block"],
+        "zero_optimization": zero, "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9, "wall_clock_breakdown": False,
+    }
 
 
 def ds_bucket_elements(model: nn.Module) -> int:
@@ -392,11 +442,13 @@ def worker(cfg: dict, variant: str, out_path: str) -> None:
                 if phase["step"] == mem_steps:
                     end_memory_phase()
 
-        # Gradients reduced in bf16 at stages 1-3, as DeepSpeed's default communication_data_type does
-        # under its bf16 config (see TM_SETTINGS); stage 0 (DDP) reduces autocast's fp32 gradients.
-        distribution = tm.DataParallel(reduce_dtype=TM_REDUCE_DTYPE) if stage else None
+        # Under bf16-mixed, gradients reduced in bf16 at stages 1-3, as DeepSpeed's default
+        # communication_data_type does under its bf16 config (see PRECISIONS); stage 0 (DDP) reduces
+        # autocast's fp32 gradients. Under fp32 both sides reduce in fp32, their defaults.
+        reduce_dtype = PRECISIONS[cfg["precision"]]["tm_reduce_dtype"]
+        distribution = tm.DataParallel(reduce_dtype=reduce_dtype) if stage and reduce_dtype else None
         trainer = tm.Trainer(model, make_optimizer(model), loss_fn, zero_stage=stage, distribution=distribution,
-                             precision="bf16-mixed", progress=False, callbacks=[Clock()])
+                             precision=cfg["precision"], progress=False, callbacks=[Clock()])
         optimizer, wrapped = trainer.optimizer, trainer.model
 
         def on_step(opt, *a):
@@ -413,23 +465,14 @@ def worker(cfg: dict, variant: str, out_path: str) -> None:
         deepspeed.init_distributed(dist_backend="gloo")
         rank, world = torch_dist.get_rank(), torch_dist.get_world_size()
         base = make_optimizer(model)
-        local = cfg["batch"] // world
-        bucket = ds_bucket_elements(model)
-        zero = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}  # see DS_CHANGES
-        if stage == 3:
-            zero.update(stage3_prefetch_bucket_size=bucket)
-        ds_config = {
-            "train_micro_batch_size_per_gpu": local, "gradient_accumulation_steps": 1,
-            "train_batch_size": cfg["batch"], "bf16": {"enabled": True},
-            "zero_optimization": zero, "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10**9, "wall_clock_breakdown": False,
-        }
+        ds_config = deepspeed_config(cfg, stage, ds_bucket_elements(model))
         info["ds_config"] = ds_config
         engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=base, config=ds_config)
         info["wrapped"] = type(engine).__name__
         info["optimizer"] = type(ds_opt).__name__
         info["ds_overlap_comm_effective"] = bool(engine.zero_overlap_comm())
         info["ds_contiguous_gradients_effective"] = bool(engine.zero_contiguous_gradients())
+        info["ds_communication_data_type"] = str(engine.communication_data_type)
         info["deepspeed_version"] = deepspeed.__version__
 
         def on_step(opt, *a):
@@ -481,6 +524,7 @@ def worker(cfg: dict, variant: str, out_path: str) -> None:
         "deepspeed_version": info.get("deepspeed_version"),
         "ds_overlap_comm_effective": info.get("ds_overlap_comm_effective"),
         "ds_contiguous_gradients_effective": info.get("ds_contiguous_gradients_effective"),
+        "ds_communication_data_type": info.get("ds_communication_data_type"),
     }
     gathered = [None] * world
     torch_dist.all_gather_object(gathered, result)
@@ -502,9 +546,14 @@ def formulas(num_params: int, n: int, stage: int) -> dict[str, float]:
     return {"paper_2_2_12": paper, "fp32_4_4_8": fp32, "fp32_all_sharded": 16 * p / n}
 
 
-def matching_formula(system: str, stage: int) -> tuple[str, str]:
-    """Which formula describes what the system stores, and why."""
+def matching_formula(system: str, stage: int, precision: str = "bf16-mixed") -> tuple[str, str]:
+    """Which formula describes what the system stores, and why. trainmesh stores the same under
+    bf16-mixed and fp32 (fp32 parameters are its master copy; bf16 exists only under autocast)."""
     if system == "deepspeed":
+        if precision == "fp32":
+            return "fp32_4_4_8", ("fp32 params + fp32 grads + m/v" + (
+                "; stages 1-2 also keep an fp32 master partition (a clone, 4P/N) beside the fp32 params, and "
+                "stage 1 holds only the gradient partition, as stage 2 does" if stage in (1, 2) else ""))
         return "paper_2_2_12", "bf16 params + bf16 grads + fp32 master/m/v (the paper's mixed precision)"
     if stage in (1, 2):
         return "fp32_all_sharded", ("fp32 params + grads + m/v, all sharded: FSDP2 keeps parameters sharded "
@@ -514,6 +563,8 @@ def matching_formula(system: str, stage: int) -> tuple[str, str]:
 
 def summarize(runs: dict[str, list[list[dict]]], cfg: dict) -> dict:
     n = cfg["nproc"]
+    settings = PRECISIONS[cfg["precision"]]
+    zero_key, loss_tolerance = settings["zero_formula"], settings["loss_tolerance"]
     variants = {}
     for variant, rounds in runs.items():
         system, stage = variant.rsplit("-", 1)
@@ -522,7 +573,7 @@ def summarize(runs: dict[str, list[list[dict]]], cfg: dict) -> dict:
         num_params = ranks[0]["num_params"]
         ms_bytes = [r["model_state_bytes"] for r in ranks]
         forms = formulas(num_params, n, stage)
-        key, why = matching_formula(system, stage)
+        key, why = matching_formula(system, stage, cfg["precision"])
         # per step: the slowest rank (barrier-to-barrier, so all ranks agree closely); timed steps only
         timed, round_medians = [], []
         for ranks_r in rounds:
@@ -546,6 +597,8 @@ def summarize(runs: dict[str, list[list[dict]]], cfg: dict) -> dict:
             "formulas_bytes": forms, "matching_formula": key, "matching_formula_why": why,
             "model_state_vs_matching": max(ms_bytes) / forms[key],
             "model_state_vs_paper": max(ms_bytes) / forms["paper_2_2_12"],
+            # the ZeRO formula for the run's precision (the paper's 2+2+12 under bf16-mixed, 4+4+8 under fp32)
+            "zero_formula": zero_key, "model_state_vs_zero_formula": max(ms_bytes) / forms[zero_key],
             "step_time_median_s": statistics.median(timed) if timed else math.nan,
             "step_times_s": timed, "step_time_round_medians_s": round_medians,
             "step_cpu_s_all_ranks_median": statistics.median(cpu) if cpu else math.nan,
@@ -566,8 +619,10 @@ def summarize(runs: dict[str, list[list[dict]]], cfg: dict) -> dict:
             # under the same load. A ratio of pooled medians can pair one side's quiet round with the
             # other's loaded one (a full run read 0.599 pooled against per-round 0.919 / 0.912 / 0.599).
             step = statistics.median(per_round) if len(per_round) >= 2 else pooled
-            same = abs(a["first_loss"] - b["first_loss"]) <= LOSS_TOLERANCE * abs(b["first_loss"])
+            same = abs(a["first_loss"] - b["first_loss"]) <= loss_tolerance * abs(b["first_loss"])
             comparisons.append({"stage": stage, "peak_ratio": peak, "peak_met": peak <= 1.0, "same_work": same,
+                                "first_loss_rel_diff": abs(a["first_loss"] - b["first_loss"]) / abs(b["first_loss"]),
+                                "first_loss_tolerance": loss_tolerance,
                                 "first_loss_trainmesh": a["first_loss"], "first_loss_deepspeed": b["first_loss"],
                                 "rss_delta_ratio": a["rss_hwm_delta_bytes_max_rank"] / b["rss_hwm_delta_bytes_max_rank"],
                                 "step_ratio": step, "step_ratio_pooled_medians": pooled, "step_met": step <= 1.0,
@@ -585,7 +640,9 @@ def summarize(runs: dict[str, list[list[dict]]], cfg: dict) -> dict:
         if stage in (1, 2, 3):
             figures[f"zero{stage}_model_state_vs_formula"] = c["ratio"]
     return {"variants": variants, "comparisons": comparisons, "model_state_checks": state_checks, "figures": figures,
-            "deepspeed_changes": DS_CHANGES, "trainmesh_settings": TM_SETTINGS, "valid": all(c["same_work"] for c in comparisons),
+            "precision": cfg["precision"], "precision_why": cfg["precision_why"],
+            "deepspeed_changes": DS_CHANGES, "trainmesh_settings": settings["tm_settings"],
+            "valid": all(c["same_work"] for c in comparisons),
             "targets": {"model_state_within": MODEL_STATE_TOLERANCE, "peak_ratio_max": 1.0, "step_ratio_max": 1.0},
             "config": cfg, "torch_version": torch.__version__}
 
@@ -593,20 +650,24 @@ def summarize(runs: dict[str, list[list[dict]]], cfg: dict) -> dict:
 def print_report(report: dict) -> None:
     cfg, mb = report["config"], 2**20
     vs = report["variants"]
+    tag_of = {"fp32_4_4_8": "F", "fp32_all_sharded": "S", "paper_2_2_12": "Z"}
     any_v = next(iter(vs.values()))
     m = cfg["model"]
     print(f"GPT {any_v['num_params'] / 1e6:.2f}M params ({m['n_layer']} blocks, d {m['d_model']}, vocab {m['vocab']}, "
-          f"seq {m['seq']}), {cfg['nproc']} processes (gloo, CPU), bf16 compute + fp32 master/Adam, global batch "
+          f"seq {m['seq']}), {cfg['nproc']} processes (gloo, CPU), {PRECISIONS[cfg['precision']]['what']}, global batch "
           f"{cfg['batch']}, {cfg['rounds']} round(s) x ({cfg['mem_steps']} memory + {cfg['warmup']} warmup + "
           f"{cfg['steps']} timed steps), load avg {report['load_avg_1min']['before']:.2f} -> "
           f"{report['load_avg_1min']['after']:.2f}")
+    print(f"precision {cfg['precision']} on both sides ({cfg['precision_why']})")
+    zero_key = PRECISIONS[cfg["precision"]]["zero_formula"]
     print("MB per rank (max over ranks). model state = params + grads + optimizer state held; formula = the ZeRO "
-          "formula for what that system stores (F: fp32 4P+4P+8P, S: fp32 all sharded, Z: paper 2P+2P+12P)")
+          "formula for what that system stores (F: fp32 4P+4P+8P, S: fp32 all sharded, Z: paper 2P+2P+12P); "
+          f"zero = the ZeRO formula for {cfg['precision']} ({tag_of[zero_key]})")
     header = (f"{'variant':<13}{'params':>8}{'grads':>8}{'optim':>8}{'state':>8}{'formula':>10}{'ratio':>7}"
-              f"{'paper':>8}{'peak live':>11}{'RSS delta':>11}{'step s':>8}{'loss 1st':>10}")
+              f"{'zero':>8}{'peak live':>11}{'RSS delta':>11}{'step s':>8}{'loss 1st':>10}")
     print(header)
     print("-" * len(header))
-    tag = {"fp32_4_4_8": "F", "fp32_all_sharded": "S", "paper_2_2_12": "Z"}
+    tag = tag_of
     for name in sorted(vs, key=lambda v: (vs[v]["stage"], vs[v]["system"] != "trainmesh")):
         s = vs[name]
         parts = s["model_state_parts_rank0"]
@@ -614,14 +675,14 @@ def print_report(report: dict) -> None:
         print(f"{name:<13}{parts.get('params', 0) / mb:>8.1f}{parts.get('grads', 0) / mb:>8.1f}"
               f"{parts.get('optimizer', 0) / mb:>8.1f}{s['model_state_bytes_max_rank'] / mb:>8.1f}"
               f"{f / mb:>8.1f} {tag[s['matching_formula']]}{s['model_state_vs_matching']:>7.3f}"
-              f"{s['formulas_bytes']['paper_2_2_12'] / mb:>8.1f}{s['peak_live_bytes_max_rank'] / mb:>11.1f}"
+              f"{s['formulas_bytes'][zero_key] / mb:>8.1f}{s['peak_live_bytes_max_rank'] / mb:>11.1f}"
               f"{s['rss_hwm_delta_bytes_max_rank'] / mb:>11.1f}{s['step_time_median_s']:>8.3f}{s['first_loss']:>10.4f}")
     quick = " (--quick: smoke test, too few steps to judge)" if cfg["quick"] else ""
     for c in report["model_state_checks"]:
         print(f"model state {c['variant']}: {c['ratio']:.3f} x formula {c['formula']}, target within "
               f"{MODEL_STATE_TOLERANCE:.0%}: {'met' if c['met'] else 'NOT MET'}")
     if report["comparisons"]:
-        print("trainmesh runs with its defaults except (change: reason):")
+        print("trainmesh runs with its defaults" + (" except (change: reason):" if report["trainmesh_settings"] else ""))
         for key, why in report["trainmesh_settings"].items():
             print(f"  {key}: {why}")
         print("DeepSpeed runs with its defaults except (change: reason):")
@@ -630,10 +691,16 @@ def print_report(report: dict) -> None:
         eff = {n: v[0][0].get("ds_overlap_comm_effective") for n, v in report["raw_per_rank"].items()
                if n.startswith("deepspeed")}
         print(f"  overlap_comm (DeepSpeed's default, effective): {eff}")
+        comm = {n: v[0][0].get("ds_communication_data_type") for n, v in report["raw_per_rank"].items()
+                if n.startswith("deepspeed")}
+        print(f"  communication_data_type (DeepSpeed's default for the precision, effective): {comm}")
     for c in report["comparisons"]:
         if not c["same_work"]:
-            print(f"INVALID stage {c['stage']}: first losses differ ({c['first_loss_trainmesh']:.4f} vs "
-                  f"{c['first_loss_deepspeed']:.4f}, tolerance {LOSS_TOLERANCE:.0%}): the sides did different work")
+            print(f"INVALID stage {c['stage']}: first losses differ ({c['first_loss_trainmesh']:.6f} vs "
+                  f"{c['first_loss_deepspeed']:.6f}, relative {c['first_loss_rel_diff']:.1e}, tolerance "
+                  f"{c['first_loss_tolerance']:g}): the sides did different work")
+        print(f"stage {c['stage']}: first-step losses {c['first_loss_trainmesh']:.6f} vs {c['first_loss_deepspeed']:.6f} "
+              f"(relative {c['first_loss_rel_diff']:.1e}, must be <= {c['first_loss_tolerance']:g})")
         print(f"stage {c['stage']}: peak live trainmesh/deepspeed = {c['peak_ratio']:.3f} (<= 1: "
               f"{'met' if c['peak_met'] else 'NOT MET'}; RSS delta ratio {c['rss_delta_ratio']:.3f}), step time "
               f"= {c['step_ratio']:.3f} (median of per-round ratios; of pooled medians "
@@ -687,6 +754,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", default="trainmesh,deepspeed")
     parser.add_argument("--stages", default="0,1,2,3")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto",
+                        help="both sides' precision; auto (default): bf16-mixed where bf16 matmuls pay here, else fp32")
     parser.add_argument("--json", metavar="PATH", help="write the full results as JSON here")
     parser.add_argument("--quick", action="store_true", help="a small model, about a minute")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -701,6 +770,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"nproc": args.nproc, "rounds": args.rounds, "steps": args.steps or (2 if args.quick else 3),
            "mem_steps": args.mem_steps, "warmup": args.warmup, "batch": args.batch or 2 * args.nproc,
            "seed": args.seed, "quick": args.quick, "model": QUICK_MODEL if args.quick else FULL_MODEL}
+    cfg["precision"], cfg["precision_why"] = choose_precision(args.precision)
+    print(f"precision: {cfg['precision']} ({cfg['precision_why']})", flush=True)
     if cfg["batch"] % cfg["nproc"] or min(cfg["steps"], cfg["mem_steps"], cfg["rounds"]) < 1:
         parser.error("--batch must be a multiple of --nproc; --steps, --mem-steps, --rounds >= 1")
     systems = [s for s in args.systems.split(",") if s]
