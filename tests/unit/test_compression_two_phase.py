@@ -108,3 +108,16 @@ def test_counter_keeps_wire_bytes_next_to_payload_bytes():
     assert "comm_wire_bytes" not in ByteCounter().take().as_record()
     with pytest.raises(ValueError, match="wire=-1"):
         counter.add(sent=0, dense=0, wire=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_all_finite_agrees_with_isfinite_for_nan_and_both_infinities_anywhere(dtype):
+    from trainmesh.comm.ddp_hooks import all_finite
+
+    for bad in (float("nan"), float("inf"), -float("inf"), None):
+        for position in (0, 4097, 99_999):
+            x = torch.randn(100_000).to(dtype)
+            if bad is not None:
+                x[position] = bad
+            assert all_finite(x) == bool(torch.isfinite(x).all()) == (bad is None), (dtype, bad, position)
+    assert all_finite(torch.empty(0, dtype=dtype)) and all_finite(torch.arange(5))

@@ -11,10 +11,17 @@ against ``2 (N-1)/N * numel * 4`` for a ring all-reduce in fp32: about 4x fewer 
 all-gather of every rank's whole int8 payload, the simple alternative, sends ``(N-1) * numel``
 bytes: worse than fp32 from N = 8 on.)
 
+Two processes (N = 2, e.g. two hosts' leaders) send exactly the same bytes with one all-gather
+of each rank's whole compressed tensor (``(N-1) x numel`` = ``2 (N-1)/N x numel`` at N = 2),
+so that is what runs there: one collective instead of two, one quantisation instead of two
+(no requantised sum) and each rank decompresses and adds the N payloads itself, in rank order,
+so every rank holds the same sum. From N = 3 on the two phases send fewer bytes and are used.
+
 Error feedback (when the compressor has it) is kept twice, as 1-bit Adam does: each rank keeps
 what its row payloads lost (keys ``"<key>|row j/N"``), and each row's owner keeps what the
-requantised sum lost (``"<key>|sum/N"``). Keys name the group size: after a resize they do not
-apply and those residuals restart from zero.
+requantised sum lost (``"<key>|sum/N"``); at N = 2, what the whole tensor lost
+(``"<key>|row all/2"``). Keys name the group size: after a resize they do not apply and those
+residuals restart from zero. :func:`exchange_keys` lists them.
 
 ``hierarchical_compressed_all_reduce`` runs the same exchange only across hosts: reduce-scatter
 in fp32 inside each host (fast links), the compressed two-phase exchange of each 1/L shard
@@ -44,6 +51,8 @@ def two_phase_wire_bytes(numel: int, world: int, chunk: int | None) -> int:
     """
     if world <= 1 or numel == 0:
         return 0
+    if world == 2:  # one all-gather of the whole payload (see the module doc)
+        return _aligned(numel) + _aligned(4 * math.ceil(numel / (chunk or numel)))
     row = math.ceil(numel / world)
     chunk = row if chunk is None else chunk
     payload = _aligned(row) + _aligned(4 * math.ceil(row / max(1, chunk)))  # int8 values + fp32 scales
@@ -60,6 +69,8 @@ def two_phase_all_reduce(flat: torch.Tensor, group, compressor: Compressor, key:
     numel = flat.numel()
     if world == 1 or numel == 0:
         return flat.to(torch.float32).clone(), 0, 0
+    if world == 2:
+        return _gathered_all_reduce(flat, group, compressor, key)
     row = math.ceil(numel / world)
     padded = torch.zeros(world * row, dtype=torch.float32, device=flat.device)
     padded[:numel] = flat.reshape(-1)
@@ -94,18 +105,44 @@ def two_phase_all_reduce(flat: torch.Tensor, group, compressor: Compressor, key:
     return out[:numel], payload_bytes, wire
 
 
+def exchange_keys(key: str, world: int) -> list[str]:
+    """The compressor keys :func:`two_phase_all_reduce` uses over ``world`` processes."""
+    if world <= 1:
+        return []
+    if world == 2:
+        return [f"{key}|row all/2"]
+    return [f"{key}|row {j}/{world}" for j in range(world)] + [f"{key}|sum/{world}"]
+
+
+def _gathered_all_reduce(flat: torch.Tensor, group, compressor: Compressor, key: str) -> tuple[torch.Tensor, int, int]:
+    """Two processes: all-gather each one's whole compressed tensor; each adds both, in rank order."""
+    mine = compressor.compress(flat.reshape(-1).to(torch.float32), key=f"{key}|row all/2")
+    own, layout = pack([mine])
+    gathered = torch.empty(2 * own.numel(), dtype=torch.uint8, device=flat.device)
+    dist.all_gather_into_tensor(gathered, own, group=group)
+    parts = [compressor.decompress(payload).reshape(-1).to(torch.float32)
+             for source in range(2)
+             for payload in unpack(gathered[source * own.numel():(source + 1) * own.numel()], layout, [mine])]
+    return parts[0] + parts[1], mine.nbytes(), own.numel()
+
+
 def hierarchical_compressed_all_reduce(flat: torch.Tensor, intra_group, inter_group, compressor: Compressor,
-                                       key: str) -> tuple[torch.Tensor, int, int]:
+                                       key: str, *, in_place: bool = False) -> tuple[torch.Tensor, int, int]:
     """Sum of ``flat`` over intra x inter: fp32 inside hosts, two-phase compressed across them.
 
     Returns ``(sum, payload bytes, wire bytes this rank sent across hosts)``; in-host traffic is
-    not counted as wire (it does not leave the host).
+    not counted as wire (it does not leave the host). ``in_place``: when ``flat`` is a contiguous
+    fp32 tensor that splits evenly over the host, the sum is gathered into ``flat`` itself and
+    returned (the DDP hook's bucket: two fewer copies of it per step).
     """
     local = dist.get_world_size(intra_group)
     numel = flat.numel()
     shard_len = math.ceil(numel / local)
-    padded = torch.zeros(shard_len * local, dtype=torch.float32, device=flat.device)
-    padded[:numel] = flat.reshape(-1)
+    if in_place and flat.dtype == torch.float32 and flat.is_contiguous() and shard_len * local == numel:
+        padded = flat.view(-1)
+    else:
+        padded = torch.zeros(shard_len * local, dtype=torch.float32, device=flat.device)
+        padded[:numel] = flat.reshape(-1)
     if local > 1:
         shard = torch.empty(shard_len, dtype=torch.float32, device=flat.device)
         dist.reduce_scatter_tensor(shard, padded, op=dist.ReduceOp.SUM, group=intra_group)
