@@ -10,8 +10,11 @@ delay), and 2 hosts x 2 at 100 Mbit/s.
 
 In one launch every variant trains its own copy of the same MLP (1.3M parameters, 5.2 MB of fp32
 gradients) from the same seed on the same batches, through the Trainer's installer
-(``trainmesh.trainer.communication``), interleaved: each round runs W warm-up + S timed steps of
-every variant in an order that rotates per round. Variants:
+(``trainmesh.trainer.communication``), interleaved: each round runs S timed steps of every
+variant, one variant after another (the order rotates per round and per pass), each timed step
+right after W untimed ones of its own variant, so that adjacent steps of two variants share the
+machine's load and no variant's time depends on which one ran before it.
+Variants:
 
 * ``flat``: fp32, DDP's own flat all-reduce (``hierarchical_allreduce=False``): the baseline of
   the byte figures (what the issue measured against);
@@ -23,7 +26,7 @@ every variant in an order that rotates per round. Variants:
 * ``auto``: ``communication="auto"`` (probe, then its choice among flat, hier and int8).
 
 Wire bytes: each host's local rank 0 reads its ``eth0`` tx counter (sysfs inside its namespace)
-around every timed block, after a barrier; the sum over both hosts is the inter-host traffic
+around every timed step, between barriers (one barrier's few hundred bytes per step are counted); the sum over both hosts is the inter-host traffic
 (traffic between processes of one host stays on that host's loopback). Step time: per round,
 the median over timed steps of rank 0's time; a variant's figure is the median over rounds of
 its ratio to the baseline's median in the same round, with a 95% bootstrap interval.
@@ -122,24 +125,32 @@ def job(cfg: dict) -> None:
     times = {name: [] for name in cfg["variants"]}
     for r in range(cfg["rounds"]):
         shift = r % len(cfg["variants"])
-        for name in cfg["variants"][shift:] + cfg["variants"][:shift]:
-            side = sides[name]
-            for _ in range(cfg["warmup"]):
+        order = cfg["variants"][shift:] + cfg["variants"][:shift]
+        # Timed steps interleaved one by one (not in blocks per variant): the load of other work on
+        # the machine changes within seconds, and adjacent steps of two variants see the same load.
+        # Each timed step right after W untimed ones of the same variant: the first step on a process
+        # group's connections after other groups' steps pays for the idle connections (TCP restarts
+        # slow start after idle), so a variant's time depended on which one ran before it: without
+        # these, flat and auto (the same configuration) differed by 7-25% in every round, in the
+        # direction the order gave.
+        block = {name: [] for name in order}
+        for k in range(cfg["steps"]):
+            for name in order[k % len(order):] + order[:k % len(order)]:
+                side = sides[name]
+                for _ in range(cfg["warmup"]):
+                    step(side)
+                dist.barrier()
+                tx0 = _tx_bytes() if local_rank == 0 else 0
+                cpu0, t0 = time.process_time(), time.perf_counter()
                 step(side)
-            dist.barrier()
-            tx0 = _tx_bytes() if local_rank == 0 else 0
-            block = []
-            cpu0 = time.process_time()
-            for _ in range(cfg["steps"]):
-                t0 = time.perf_counter()
-                step(side)
-                block.append(time.perf_counter() - t0)
-            side["cpu"] += time.process_time() - cpu0
-            dist.barrier()
-            if local_rank == 0:
-                side["tx"] += _tx_bytes() - tx0
-            side["timed"] += cfg["steps"]
-            times[name].append(statistics.median(block))
+                block[name].append(time.perf_counter() - t0)
+                side["cpu"] += time.process_time() - cpu0
+                dist.barrier()  # every rank's traffic of this step is through before the counter is read
+                if local_rank == 0:
+                    side["tx"] += _tx_bytes() - tx0
+                side["timed"] += 1
+        for name in order:
+            times[name].append(statistics.median(block[name]))
     # CPU seconds per timed step summed over every process (all threads): on a shared 2-core
     # machine the step is often CPU-bound, and this says how much of it each variant's work is.
     cpu = torch.tensor([sides[n]["cpu"] / max(1, sides[n]["timed"]) for n in cfg["variants"]], dtype=torch.float64)

@@ -13,7 +13,14 @@ Choice, and why empirical: the fastest measured candidate wins, but compression 
 the numbers) only when it is at least ``COMPRESSION_MARGIN`` faster than the best exact one,
 so that on fast links auto stays exact and on slow ones it compresses. A model of the links
 would have to know gloo's algorithms and the CPU's quantisation speed; timing the candidates on
-the real links knows both. Bucket size: DDP's buckets are kept unless the latency would cost
+the real links knows both. Those timings are of a 2 MB buffer, a few repetitions, on CPUs that
+may be shared, so compression must also pass a second test built from the link measurements:
+the wire time int8 saves on this process's share of the real gradients at the measured
+bandwidth (3/4 of the fp32 bytes) must be at least ``COMPRESSION_MARGIN`` x what quantising and
+dequantising that share costs this CPU (timed here, locally). On an unshaped link between
+network namespaces one probe timed int8 at 46 ms against fp32's 59 ms on 2 MB while training
+steps took 186 ms against 104 ms: the wire saving there is ~2 ms a step, the quantisation ~5 ms.
+At 100 Mbit/s it saves hundreds of ms: the two cases are 100x apart on this test, not 1.25x. Bucket size: DDP's buckets are kept unless the latency would cost
 more than 5% of a bucket's transfer, then buckets are merged up to ``20 x latency x bandwidth``
 (at most the gradients' size and 100 MB). Bandwidth is per process: every process probes its
 own inter-host group at once, so it reads the share of the link one process gets in a step.
@@ -51,6 +58,8 @@ class CommPlan:
     bandwidth_bytes_s: float
     timings_s: dict
     reason: str
+    wire_saving_s: float = 0.0  # fp32 wire time int8 would save per step at the measured bandwidth
+    quantise_s: float = 0.0  # what quantising and dequantising this process's share costs this CPU
 
     def describe(self) -> str:
         bucket = f"buckets merged to {self.bucket_bytes / 2**20:.1f}MB" if self.bucket_bytes else "DDP's buckets"
@@ -119,7 +128,13 @@ def _measure(topology: Topology, groups, gradient_bytes: int, probe_bytes: int, 
     specs = {name: (spec, hier) for name, (spec, hier, _) in candidates.items()}
     exact = min((t, n) for n, t in timings.items() if specs[n][0] is None)
     packed = min((t, n) for n, t in timings.items() if specs[n][0] is not None)
-    if packed[0] * COMPRESSION_MARGIN <= exact[0]:
+    saving, quantise = _wire_saving_s(gradient_bytes, groups, bandwidth), _quantise_s(gradient_bytes, groups)
+    if packed[0] * COMPRESSION_MARGIN <= exact[0] and saving < COMPRESSION_MARGIN * quantise:
+        best, why = exact[1], (f"{packed[1]} took {packed[0] * 1e3:.1f}ms vs {exact[1]} {exact[0] * 1e3:.1f}ms on "
+                               f"a {numel * 4 / 2**20:.1f}MB buffer, but at the measured bandwidth int8 would save "
+                               f"{saving * 1e3:.1f}ms of wire time a step for {quantise * 1e3:.1f}ms of quantisation, "
+                               "so gradients stay exact")
+    elif packed[0] * COMPRESSION_MARGIN <= exact[0]:
         best, why = packed[1], (f"{packed[1]} took {packed[0] * 1e3:.1f}ms vs {exact[1]} {exact[0] * 1e3:.1f}ms on "
                                 f"a {numel * 4 / 2**20:.1f}MB buffer: the link is slow enough to pay for compression")
     else:
@@ -133,9 +148,51 @@ def _measure(topology: Topology, groups, gradient_bytes: int, probe_bytes: int, 
     bucket_bytes = bucket if gradient_bytes > DDP_BUCKET_BYTES and bucket > DDP_BUCKET_BYTES else 0
     why += (f"; {topology.describe()}, slowest link {latency * 1e6:.0f}us latency, "
             f"{bandwidth * 8 / 1e6:.0f} Mbit/s per process")
-    decision = [CommPlan(specs[best][0], specs[best][1], bucket_bytes, latency, bandwidth, timings, why)]
+    decision = [CommPlan(specs[best][0], specs[best][1], bucket_bytes, latency, bandwidth, timings, why,
+                         saving, quantise)]
     dist.broadcast_object_list(decision, src=0)  # rank 0's reading of the (max-over-ranks) timings wins
     return decision[0]
+
+
+def _wire_saving_s(gradient_bytes: int, groups, bandwidth: float) -> float:
+    """Seconds of the slow link int8 saves per step: 3/4 of this process's fp32 bytes on it.
+
+    Hierarchical: each process sends its 1/L share over the hosts' ring; flat: the whole
+    gradients over every process's ring. ``bandwidth`` is per process (every process probed at once).
+    """
+    from .accounting import ring_wire_bytes
+
+    if groups is not None:
+        local, hosts = dist.get_world_size(groups[0]), dist.get_world_size(groups[1])
+        fp32 = ring_wire_bytes(-(-gradient_bytes // local), hosts)
+    else:
+        fp32 = ring_wire_bytes(gradient_bytes, dist.get_world_size())
+    return 0.75 * fp32 / max(bandwidth, 1.0)
+
+
+def _quantise_s(gradient_bytes: int, groups) -> float:
+    """What quantising this process's share of the gradients (and dequantising it from every
+    peer of the exchange) costs this CPU: the max over ranks of a local median (collective)."""
+    from trainmesh.compression import Int8Compressor
+
+    peers = dist.get_world_size(groups[1]) if groups is not None else dist.get_world_size()
+    share = max(1024, gradient_bytes // 4 // (dist.get_world_size(groups[0]) if groups is not None else 1))
+    tensor, int8 = torch.randn(share, generator=torch.Generator().manual_seed(dist.get_rank())), Int8Compressor()
+
+    def run() -> None:
+        payload = int8.compress(tensor)
+        for _ in range(peers):
+            int8.decompress(payload)
+
+    run()
+    samples = []
+    for _ in range(3):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    value = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
 
 
 def _load_cached(key: str) -> CommPlan | None:
