@@ -253,7 +253,8 @@ def _round_hardware(hardware, measured: list[dict], k: int, index: int):
     probe = Hardware.from_dict(measured[0]["probes"][k])
     return replace(hardware, flops=probe.flops, flops_curve=probe.flops_curve, bandwidth_curve=probe.bandwidth_curve,
                    memory_bandwidth=probe.memory_bandwidth, op_overhead=probe.op_overhead,
-                   external_load=probe.external_load, contention_curve=tuple(curve))
+                   op_kind_curves=probe.op_kind_curves, external_load=probe.external_load,
+                   contention_curve=tuple(curve))
 
 
 def _median_hardware(hardware, probes: list[dict]):
@@ -266,8 +267,11 @@ def _median_hardware(hardware, probes: list[dict]):
     curve = lambda name: tuple((size, statistics.median(getattr(p, name)[i][1] for p in probes))  # noqa: E731
                                for i, (size, _) in enumerate(getattr(probes[0], name)))
     flops_curve, bandwidth_curve = curve("flops_curve"), curve("bandwidth_curve")
+    kinds = tuple((kind, tuple((size, statistics.median(dict(p.op_kind_curves)[kind][i][1] for p in probes))
+                               for i, (size, _) in enumerate(points)))
+                  for kind, points in probes[0].op_kind_curves)
     return replace(hardware, flops=max(r for _, r in flops_curve), flops_curve=flops_curve,
-                   bandwidth_curve=bandwidth_curve, memory_bandwidth=bandwidth_curve[-1][1],
+                   bandwidth_curve=bandwidth_curve, memory_bandwidth=bandwidth_curve[-1][1], op_kind_curves=kinds,
                    op_overhead=statistics.median(p.op_overhead for p in probes),
                    external_load=statistics.median(p.external_load for p in probes))
 

@@ -140,6 +140,35 @@ def test_each_op_is_priced_by_its_flops_or_bytes_plus_overhead():
     assert OpProfile.from_rows(prof.rows()).counts == prof.counts
 
 
+def test_attention_and_arithmetic_bound_ops_are_priced_on_their_own_measured_curves():
+    from dataclasses import replace
+
+    from trainmesh.planner.hardware import Hardware, Link
+    from trainmesh.planner.op_costs import OpProfile, price
+
+    x = torch.rand(1024) + 0.5
+    q = torch.randn(1, 2, 16, 8)
+    with OpProfile() as prof:
+        torch.exp(x)
+        torch.add(x, x)
+        prof.phase = "backward"
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    kinds = sorted(key[4] for key in prof.counts)
+    assert kinds == ["", "attention", "exp"]
+    link = Link("l", 0.0, 1e9)
+    roofline = Hardware(name="t", source="test", flops=1e9, devices_per_node=8, intra=link, inter=link,
+                        memory_bandwidth=1e9)
+    exp_bytes, attention_flops = 2 * 1024 * 4, 4 * 2 * 16 * 16 * 8
+    base = price(prof, roofline)
+    assert base["forward"] == pytest.approx((exp_bytes + 3 * 1024 * 4) / 1e9, rel=1e-9)
+    measured = replace(roofline, op_kind_curves=(("exp", ((1.0, 1e8),)), ("attention", ((1.0, 1e8),))))
+    priced = price(prof, measured)
+    # exp's bytes at its own 0.1 GB/s, the add's at the bandwidth; attention's FLOPs at its own rate
+    assert priced["forward"] == pytest.approx(exp_bytes / 1e8 + 3 * 1024 * 4 / 1e9, rel=1e-9)
+    assert priced["backward"] == pytest.approx(max(attention_flops / 1e8, base["backward"]), rel=1e-9)
+    assert Hardware.from_dict(measured.to_dict()) == measured
+
+
 def test_step_time_counts_every_op_and_the_cores_processes_share():
     from dataclasses import replace
 

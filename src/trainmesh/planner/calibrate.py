@@ -1,6 +1,7 @@
 """``trainmesh plan --calibrate``: this machine's per-op costs and its link's alpha and beta, measured.
 
 * Per-op costs (``calibrate_ops``): matmul FLOP/s and memory bandwidth as curves over op size,
+  attention's FLOP/s and each arithmetic-bound element-wise op's bytes/s (``calibrate_op_kinds``),
   the dispatch overhead of an op in a training step and the extra of an op on DTensors, on the
   threads the process has; ``op_costs.price`` prices every op of a dry-run step with them.
 * Links: all-reduces of 4 KiB .. 8 MiB between two gloo processes on loopback
@@ -8,7 +9,8 @@
   ``t = alpha + wire_bytes / beta`` (for two ranks a ring all-reduce sends the buffer once); the
   same for all-gathers and reduce-scatters of the same full buffers, each kind fitted on its own
   (``Hardware.collective_costs``): gloo's all-gather and reduce-scatter copy and set up more per
-  byte and per call than its all-reduce, and FSDP2's steps are made of them.
+  byte and per call than its all-reduce, and FSDP2's steps are made of them; and point-to-point
+  messages (a ping-pong, half a round trip each), which a pipeline's stages exchange.
 * Cores: the CPUs this process may run on, and how much slower each of 1, 2, 4 and 8 processes run
   at once than one alone (``calibrate_cores``: the host's other load, the scheduler, shared caches and
   memory bus; ``Hardware.contention``).
@@ -52,7 +54,10 @@ def measure_flops(n: int = 1024, repeats: int = 5) -> float:
 # all-gather copies the local shard into the output; a reduce-scatter all-reduces a copy of the whole
 # input and copies its piece out; each call sets up its own work in the caller's thread), so one
 # kind's alpha and beta do not price the others.
-KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+# A pipeline's stages hand activations and gradients on point to point (``send_recv``): timed as a
+# ping-pong, half a round trip per message, so each message pays what a stage pays in a step: the
+# receiver blocked in ``recv``, woken when the bytes land.
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
 def _issue(kind: str, buffer: torch.Tensor, shard: torch.Tensor) -> None:
@@ -60,6 +65,14 @@ def _issue(kind: str, buffer: torch.Tensor, shard: torch.Tensor) -> None:
 
     if kind == "all_reduce":
         dist.all_reduce(buffer)
+    elif kind == "send_recv":  # a round trip between the first two ranks (the others idle)
+        rank = dist.get_rank()
+        if rank == 0:
+            dist.send(buffer, 1)
+            dist.recv(buffer, 1)
+        elif rank == 1:
+            dist.recv(buffer, 0)
+            dist.send(buffer, 0)
     elif kind == "all_gather":  # the calls FSDP2 makes (the older names where torch has no others)
         getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(buffer, shard)
     else:
@@ -84,7 +97,7 @@ def _collective_times(sizes: list[int], repeats: int, kinds: tuple = ("all_reduc
                 start = time.perf_counter()
                 _issue(kind, buffer, shard)
                 times.append(time.perf_counter() - start)
-            out[kind][size] = statistics.median(times)
+            out[kind][size] = statistics.median(times) / (2 if kind == "send_recv" else 1)  # per message
     return out
 
 
@@ -139,6 +152,7 @@ def calibrate(n: int = 1024, *, link: bool = True, save: bool = True, contention
     hardware = CalibratedHardware(
         name="calibrated", source=f"calibrated on {platform.node() or 'this machine'} ({cores} cores, "
         f"{torch.get_num_threads()} thread(s) per process, torch {torch.__version__}): matmul and add curves, "
+        "attention and arithmetic-bound element-wise ops, "
         "op overheads of a tiny model's step, gloo all-reduce on loopback, 1-8 processes sharing the cores",
         flops=0.0, devices_per_node=1 << 30, intra=loop, inter=loop, cores=cores, backend="gloo",
         collective_costs=costs)
@@ -182,7 +196,11 @@ class CalibratedHardware(Hardware):
         return (f"{self.source}\n  FLOP rate   {self.flops / 1e9:.1f} GFLOP/s (best matmul)\n"
                 f"  matmuls     {curve(self.flops_curve, 'GFLOP/s')} (by FLOPs)\n"
                 f"  bandwidth   {curve(self.bandwidth_curve, 'GB/s')} (by bytes moved)\n"
-                f"  per op      {self.op_overhead * 1e6:.1f} us; on DTensors +{self.dtensor_op_overhead * 1e6:.1f} us; "
+                + ("  op kinds    "
+                   + "; ".join(f"{kind} {points[-1][1] / 1e9:.1f}" for kind, points in self.op_kind_curves)
+                   + " (G per s at the largest probe: FLOP/s for attention, bytes/s for the rest)\n"
+                   if self.op_kind_curves else "")
+                + f"  per op      {self.op_overhead * 1e6:.1f} us; on DTensors +{self.dtensor_op_overhead * 1e6:.1f} us; "
                 f"per FSDP2 gather or reduce-scatter call +{self.fsdp_call_overhead * 1e6:.1f} us\n"
                 f"  cores       {self.cores} (others' runnable processes while measured: {self.external_load:.1f})\n"
                 + (f"  processes   " + ", ".join(f"{p}: {s:.2f}x" for p, s in self.contention_curve)

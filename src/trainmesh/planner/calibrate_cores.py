@@ -103,7 +103,8 @@ def measure_contention(processes: tuple[int, ...] = PROCESSES, window: float = W
     try:
         expected = sum(plan)
         for _ in range(expected):
-            p, _, rate, _ = queue.get(timeout=120 + 4 * window * len(plan))
+            # a hang guard: spawning 8 processes that import torch took over 2 minutes at load average 20
+            p, _, rate, _ = queue.get(timeout=300 + 4 * window * len(plan))
             results.setdefault(p, []).append(rate)
     finally:
         for child in children:

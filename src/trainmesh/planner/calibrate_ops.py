@@ -9,6 +9,8 @@ What ``op_costs.price`` needs, each from its own probe, none from a model the pl
 * ``bandwidth_curve``: bytes/s of adds of 1 KiB..64 MiB per operand into fresh outputs (as a step's
   ops allocate theirs), each on operands the previous ones did not touch (small ones stay
   cache-resident and move faster);
+* ``op_kind_curves`` (``calibrate_op_kinds``): attention's FLOP rate and each arithmetic-bound
+  element-wise op's bytes/s, the kinds of op neither curve above describes;
 * ``op_overhead``: a training step (forward, backward, Adam) of a tiny MLP-and-norm model whose
   work is negligible, over the ops it dispatched (counted by ``op_costs.OpProfile``): what each op
   costs in module calls, autograd and the optimizer's Python loop;
@@ -33,6 +35,7 @@ import time
 import torch
 from torch import nn
 
+from .calibrate_op_kinds import measure_op_kind_curves
 from .op_costs import OpProfile, price
 
 MATMUL_SIZES = (16, 32, 64, 128, 256, 512, 1024)
@@ -90,7 +93,7 @@ def measure_bandwidth_curve(floor: float, repeats: int = 7, pool_bytes: int = 25
 
 
 def measure_compute(hardware, repeats: int = 7):
-    """A ``Hardware`` with this process's per-op figures measured now (curves, per-op overhead); the
+    """A ``Hardware`` with this process's per-op figures measured now (curves, op kinds, per-op overhead); the
     DTensor overhead, links and cores are kept from ``hardware``."""
     from dataclasses import replace
 
@@ -100,7 +103,8 @@ def measure_compute(hardware, repeats: int = 7):
     flops_curve = measure_flops_curve(floor, repeats)
     bandwidth_curve = measure_bandwidth_curve(floor, repeats)
     out = replace(hardware, flops=max(r for _, r in flops_curve), flops_curve=flops_curve,
-                  bandwidth_curve=bandwidth_curve, memory_bandwidth=bandwidth_curve[-1][1], op_overhead=0.0)
+                  bandwidth_curve=bandwidth_curve, memory_bandwidth=bandwidth_curve[-1][1], op_overhead=0.0,
+                  op_kind_curves=measure_op_kind_curves(floor, repeats))  # before the overhead: its model has gelu
     overhead, _ = measure_op_overhead(out, repeats=2 * repeats + 1)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     return replace(out, op_overhead=overhead, external_load=_external_load(hardware.cores, wall, cpu, host))
@@ -193,7 +197,7 @@ def measure_dtensor_overhead(hardware, repeats: int = 9) -> float | None:
         model = parallelize(model, distribution, zero_stage=0, activation_checkpointing=None)
         seconds, profile = _step_time(model, repeats)
     work = sum(price(profile, hardware).values())  # hardware carries op_overhead by now
-    dtensor_ops = sum(n for (_, d, _, _), n in profile.counts.items() if d)
+    dtensor_ops = sum(n for (_, d, *_), n in profile.counts.items() if d)
     return max(seconds - work, 0.0) / max(dtensor_ops, 1)
 
 

@@ -12,7 +12,8 @@ For a representative rank ``r``:
    would have, and their local shards' storages are what this rank holds;
 4. the optimizer is built over those parameters (``Distribution.prepare_optimizer`` for ZeRO-1)
    and one forward, backward and optimizer step run under ``FakeTensorMode`` with three
-   observers: ``CollectiveCounter`` (collectives per axis), ``LocalFlops`` and saved-tensor
+   observers: ``CollectiveCounter`` (collectives per axis), ``op_costs.OpProfile`` (every op with
+   its FLOPs, by ``flops.LocalFlops``'s formulas on the local shards, and bytes) and saved-tensor
    hooks (bytes autograd keeps for backward; with checkpointing, the checkpointed modules'
    inputs and the largest re-run in backward, ``_RecomputeBytes``). A pipeline stage runs its
    ``StageModule`` on one microbatch (``dry_run_pipeline.py``).
@@ -42,7 +43,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .flops import LocalFlops
 from .op_costs import OpProfile
 from .collectives import CollectiveCounter, CollectiveLog, group_axes
 from .dry_run_pipeline import fsdp_stage, pipeline_traffic, run_fsdp_schedule, stage_backwards, stage_forwards
@@ -163,6 +163,17 @@ def _unsharded_buffers(model: nn.Module, zero_stage: int, accumulating: bool = F
     return 0, notes
 
 
+def _accumulated_grads(ops: OpProfile, params, microbatches: int) -> None:
+    """The gradient accumulation a pipeline step does and one microbatch's backward does not show: after
+    the first microbatch autograd adds each later one's gradient into ``.grad`` in place (an ``add_``
+    reading two gradients and writing one), ``microbatches - 1`` times per parameter."""
+    for p in params:
+        if p.grad is not None and microbatches > 1:
+            grad = getattr(p.grad, "_local_tensor", p.grad)
+            key = ("backward", hasattr(p.grad, "_local_tensor"), 0, 3 * grad.numel() * grad.element_size(), "")
+            ops.counts[key] += microbatches - 1
+
+
 def _ddp_all_reduces(model: nn.Module, log: CollectiveLog, axis: str, size: int) -> None:
     data = model._get_ddp_logging_data()
     for s in str(data.get("bucket_sizes", "")).split(","):
@@ -263,7 +274,6 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
     is_ddp = hasattr(model, "_get_ddp_logging_data")
     sync = model.no_sync() if is_ddp and fake else _null()
     autocast = (torch.autocast("cpu", dtype=_MIXED[precision]) if precision in _MIXED else _null())
-    flops = LocalFlops()
     ops = OpProfile()
     recompute = _RecomputeBytes(regions, saved)
     runner = getattr(model, "_trainmesh_pipeline", None)
@@ -271,7 +281,7 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
         recompute.close()
         regions = [m for stage in runner.stage_models for m in _checkpointed_modules(stage, activation_checkpointing)]
         recompute = _RecomputeBytes(regions, saved)
-    with mode, counter, flops, ops, sync, recompute:
+    with mode, counter, ops, sync, recompute:
         with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if runner is None:
                 outputs = [model(*args, **kwargs)]
@@ -299,8 +309,8 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
         boundary, per_step = pipeline_traffic(runner, outputs, inputs, distribution, spec, axis_of, mode)
         if fsdp is None:  # one microbatch was run: the others repeat it
             counter.log = counter.log.scaled(microbatches)
-            flops.total *= microbatches
             ops = ops.scaled(microbatches)
+            _accumulated_grads(ops, runner.parameters(), microbatches)
         counter.log = counter.log.merged(per_step)
         in_flight = microbatches if schedule == "gpipe" else min(microbatches, runner.pipe_size - runner.pipe_rank)
         activation_bytes *= in_flight
@@ -326,7 +336,10 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
     buffers, buffer_notes = _unsharded_buffers(model, zero_stage, accumulating=runner is not None and fsdp is not None)
     notes += buffer_notes
     return RankResult(rank=rank, coords=spec.coords(rank), params=param_bytes, grads=grad_bytes,
-                      optimizer=optimizer_bytes, activations=activation_bytes, buffers=buffers, flops=flops.total,
+                      optimizer=optimizer_bytes, activations=activation_bytes, buffers=buffers,
+                      # the same formulas as ``flops.LocalFlops`` on the same local shards, counted by the op
+                      # profile already (a second dispatch mode over every op cost a tenth of the dry run)
+                      flops=ops.flops("forward") + ops.flops("backward"),
                       collectives=counter.log, num_parameters_local=num_local, seconds=0.0, notes=notes,
                       microbatches=microbatches if runner is not None else 1,
                       in_flight=in_flight if runner is not None else 1,

@@ -67,6 +67,10 @@ class Hardware:
     # Measured (calibrate_ops.measure_fsdp_overhead): seconds of FSDP2's own work (hooks, bookkeeping) per
     # all-gather or reduce-scatter call of a unit, besides the ops it dispatches and the collective itself.
     fsdp_call_overhead: float = 0.0
+    # Measured (calibrate_op_kinds.measure_op_kind_curves): ((kind, ((size, rate), ...)), ...) of the op kinds the
+    # roofline misprices (``op_costs.op_kind``): attention by FLOPs (FLOP/s), arithmetic-bound element-wise
+    # ops by bytes moved (bytes/s). A kind not in it is priced by the matmul curve or the bandwidth curve.
+    op_kind_curves: tuple = ()
 
     def link_for(self, *, stride: int, size: int) -> Link:
         return self.intra if stride * size <= self.devices_per_node else self.inter
@@ -89,6 +93,8 @@ class Hardware:
         data["intra"], data["inter"] = Link(**data["intra"]), Link(**data["inter"])
         for key in ("flops_curve", "bandwidth_curve", "contention_curve", "collective_costs"):
             data[key] = tuple(tuple(point) for point in data.get(key, ()))
+        data["op_kind_curves"] = tuple((kind, tuple(tuple(point) for point in curve))
+                                       for kind, curve in data.get("op_kind_curves", ()))
         return cls(**data)
 
     def processes_per_node(self, world_size: int) -> int:

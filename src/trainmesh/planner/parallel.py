@@ -18,7 +18,9 @@ adds up and prices what was measured:
   its excess shows; a pipeline adds the (p-1)/m bubble. On a CPU host whose cores the processes
   share (with each other and with other load), the step is at least the work each process asks
   for times how much slower each of the node's processes runs when all run at once than one alone
-  (``Hardware.contention``: measured by ``calibrate_cores`` where calibrated; the output names it);
+  (``Hardware.contention``: measured by ``calibrate_cores`` where calibrated; the output names it;
+  a pipeline's bubble and the work done beside another stage's bubble at the slowdown of the
+  processes that run then);
 * MFU = model FLOPs (6N + 12·L·H·T per token, the convention torchtitan and Megatron-LM report)
   per step over world size x step time x peak.
 
@@ -198,12 +200,24 @@ def estimate_step(ranks: list[RankResult], spec: MeshSpec, hardware: Hardware, *
         if hardware.cores:
             # Processes sharing a CPU host's cores (with each other and the host's other load): the step
             # is also at least the CPU time each process asks for (compute, and loopback copies) at the
-            # share of a core it gets; a stage idle in the pipeline bubble asks for none, so the bubble
-            # can hide behind the others' work.
+            # share of a core it gets.
             slowdown = hardware.contention(spec.world_size)
             # the link figures were measured by 2 processes at once: their share is already in them
             comm_slowdown = slowdown / max(hardware.contention(2), 1e-9) if hardware.contention_curve else slowdown
             busy = compute * slowdown + sum(axes.values()) * max(comm_slowdown, 1.0)
+            bubble = exposed.get(f"{spec.pipe_axis} bubble", 0.0)
+            if bubble:
+                # A pipeline's stages do not all run at once: while this stage idles in the bubble the
+                # others' processes run with one stage fewer sharing the cores, and the bubble's worth of
+                # this stage's own work runs while another idles. Work done with all P processes running
+                # costs the P-process slowdown, the rest (a bubble's worth, twice: this stage waiting,
+                # then working) that of P (p-1)/p processes. With every process on its own core it is
+                # compute + bubble, the path above; when the processes share the cores in full the
+                # bubble hides behind the others' work.
+                p = spec.size(spec.pipe_axis)
+                fewer = hardware.contention(spec.world_size * (p - 1) // p)
+                busy = (max(compute - bubble, 0.0) * slowdown + 2 * bubble * fewer
+                        + sum(axes.values()) * max(comm_slowdown, 1.0))
             if hardware.shares_cores(spec.world_size) and busy > path:
                 exposed["cores shared"] = busy - path
                 seconds = busy
