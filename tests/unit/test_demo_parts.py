@@ -270,7 +270,11 @@ def test_demo_command_delegates_to_run() -> None:
     holder = argparse.ArgumentParser()
     parser = demo_cmd.add_parser(holder.add_subparsers())
     args = parser.parse_args([])
-    assert (args.nproc_per_node, args.out, args.epochs, args.quick) == (4, "trainmesh-demo", None, False)
+    assert (args.nproc_per_node, args.out, args.epochs, args.quick) == (None, "trainmesh-demo", None, False)
+    # -n left out: one process per GPU where there are GPUs (NCCL drives one each), else 4
+    gpus = torch.cuda.device_count()
+    assert demo_cmd._resolve_nproc(args).nproc_per_node == (gpus or 4)
+    assert demo_cmd._resolve_nproc(parser.parse_args(["-n", "3"])).nproc_per_node == 3
     run_args, _ = demo_cmd.run_args(parser.parse_args(["-n", "2", "--quick", "--out", "o", "--epochs", "1"]))
     assert torchrun_argv(run_args) == ["--nproc-per-node", "2", "--nnodes", "1", "--standalone", "--module",
                                        "trainmesh.demo.job", "--out", "o", "--epochs", "1", "--quick"]
