@@ -67,12 +67,14 @@ class CommPlan:
                 f"compression {self.compression or 'none'}, {bucket}. Why: {self.reason}")
 
 
-def _time(fn, reps: int) -> float:
-    """Median seconds of ``fn`` over ``reps`` runs (after one warm-up), the max over ranks."""
+def _time(fn, reps: int, *, barrier: bool = True) -> float:
+    """Median seconds of ``fn`` over ``reps`` runs (after one warm-up), the max over ranks;
+    ``barrier``: the ranks start each run together (a collective's timing needs it)."""
     fn()
     samples = []
     for _ in range(reps):
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         start = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - start)
@@ -184,15 +186,7 @@ def _quantise_s(gradient_bytes: int, groups) -> float:
         for _ in range(peers):
             int8.decompress(payload)
 
-    run()
-    samples = []
-    for _ in range(3):
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
-    value = torch.tensor([statistics.median(samples)], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value)
+    return _time(run, 3, barrier=False)  # local work: each rank's own CPU
 
 
 def _load_cached(key: str) -> CommPlan | None:
