@@ -15,6 +15,7 @@ PY=${PYTHON:-python3}
 } 2>&1 | tee "$OUT/versions.log"
 timeout 330 $PY -m pytest -q -p no:cacheprovider -s -rA tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^\[trainmesh\]" | tail -40
 timeout 60 $PY -m trainmesh env --peak bf16 --peak-seconds 2 2>&1 | tee "$OUT/peak.log"
-rm -rf /tmp/tm-demo
-timeout 150 $PY -m trainmesh demo --out /tmp/tm-demo 2>&1 | tee "$OUT/demo.log" | tail -25
+DEMO_DIR=$(mktemp -d)
+timeout 150 $PY -m trainmesh demo --out "$DEMO_DIR" 2>&1 | tee "$OUT/demo.log" | tail -25
 timeout 120 $PY -m pytest -q -p no:cacheprovider tests/unit/test_devices.py tests/unit/test_mesh_layout.py tests/unit/test_throughput.py tests/unit/test_distribution_frontend.py 2>&1 | tee "$OUT/unit_with_gpu.log" | tail -15
+rm -rf "$DEMO_DIR"
