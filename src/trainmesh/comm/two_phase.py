@@ -116,7 +116,7 @@ def exchange_keys(key: str, world: int) -> list[str]:
 
 def _gathered_all_reduce(flat: torch.Tensor, group, compressor: Compressor, key: str) -> tuple[torch.Tensor, int, int]:
     """Two processes: all-gather each one's whole compressed tensor; each adds both, in rank order."""
-    mine = compressor.compress(flat.reshape(-1).to(torch.float32), key=f"{key}|row all/2")
+    mine = compressor.compress(flat.reshape(-1).to(torch.float32), key=exchange_keys(key, 2)[0])
     own, layout = pack([mine])
     gathered = torch.empty(2 * own.numel(), dtype=torch.uint8, device=flat.device)
     dist.all_gather_into_tensor(gathered, own, group=group)

@@ -37,12 +37,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _measure_peak(dtype_name: str, seconds: float) -> dict[str, Any]:
-    from trainmesh.trainer.throughput import _DTYPES, _cache_file, measure_peak_flops
+    from trainmesh.trainer.precision import DTYPES_BY_SHORT_NAME
+    from trainmesh.trainer.throughput import _cache_file, measure_peak_flops
 
     if not seconds > 0:
         raise ValueError(f"--peak-seconds must be > 0. Received: {seconds}")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    flops = measure_peak_flops(_DTYPES[dtype_name], device_type=device_type, seconds=seconds)
+    flops = measure_peak_flops(DTYPES_BY_SHORT_NAME[dtype_name], device_type=device_type, seconds=seconds)
     return {"peak_dtype": dtype_name, "peak_flops": flops, "peak_device": device_type,
             "peak_cache": str(_cache_file())}
 

@@ -100,8 +100,6 @@ def run_distributed(
         if torch.cuda.device_count() < world_size:  # NCCL refuses two ranks on one GPU
             raise ValueError(f"device='cuda' needs a GPU per process: world_size={world_size}, "
                              f"GPUs visible: {torch.cuda.device_count()}")
-    else:
-        env = {"CUDA_VISIBLE_DEVICES": "", **(env or {})}
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="trainmesh-test-") as tmp:

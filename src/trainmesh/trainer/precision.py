@@ -84,9 +84,13 @@ def compute_dtype(name: str) -> torch.dtype:
     return _COMPUTE_DTYPES[name]
 
 
+# How ``trainmesh env --peak``, the peak cache and figure names call the dtypes a matmul peak is probed in.
+DTYPES_BY_SHORT_NAME = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
 def dtype_short_name(dtype: torch.dtype) -> str:
-    """``"bf16"``, ``"fp16"`` or ``"fp32"``: how ``trainmesh env --peak`` and figure names call it."""
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    """``"bf16"``, ``"fp16"`` or ``"fp32"``: the name ``DTYPES_BY_SHORT_NAME`` gives ``dtype``."""
+    return next(name for name, known in DTYPES_BY_SHORT_NAME.items() if known == dtype)
 
 
 def build_precision(name: str, device_type: str = "cpu") -> Precision:

@@ -24,9 +24,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["ThroughputMeter", "cached_peak_flops", "count_flops_per_sample", "measure_peak_flops", "meta_copy"]
+from .precision import DTYPES_BY_SHORT_NAME
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+__all__ = ["ThroughputMeter", "cached_peak_flops", "count_flops_per_sample", "measure_peak_flops", "meta_copy"]
 
 
 # --- FLOPs per sample ---------------------------------------------------------------------
@@ -135,8 +135,8 @@ def measure_peak_flops(dtype: torch.dtype = torch.bfloat16, *, device_type: str 
     has no fast path for (bf16 on a CPU without AVX512-BF16 or AMX runs ~45x slower than fp32)
     would otherwise make a fixed 2048-wide probe take minutes instead of ``seconds``.
     """
-    if dtype not in _DTYPES.values():
-        raise ValueError(f"dtype must be one of {list(_DTYPES.values())}. Received: dtype={dtype!r}")
+    if dtype not in DTYPES_BY_SHORT_NAME.values():
+        raise ValueError(f"dtype must be one of {list(DTYPES_BY_SHORT_NAME.values())}. Received: dtype={dtype!r}")
     device = torch.device("cuda") if device_type == "cuda" else torch.device("cpu")
     threads = torch.get_num_threads()
     on_cpu = device_type != "cuda"
