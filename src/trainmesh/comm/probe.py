@@ -172,6 +172,11 @@ def _wire_saving_s(gradient_bytes: int, groups, bandwidth: float) -> float:
     return 0.75 * fp32 / max(bandwidth, 1.0)
 
 
+# Quantisation is timed on at most this many elements and scaled to the share: its cost is linear
+# in them, and a large model's whole share (gigabytes of fp32) need not be allocated at start-up.
+QUANTISE_PROBE_NUMEL = 2**22
+
+
 def _quantise_s(gradient_bytes: int, groups) -> float:
     """What quantising this process's share of the gradients (and dequantising it from every
     peer of the exchange) costs this CPU: the max over ranks of a local median (collective)."""
@@ -179,14 +184,15 @@ def _quantise_s(gradient_bytes: int, groups) -> float:
 
     peers = dist.get_world_size(groups[1]) if groups is not None else dist.get_world_size()
     share = max(1024, gradient_bytes // 4 // (dist.get_world_size(groups[0]) if groups is not None else 1))
-    tensor, int8 = torch.randn(share, generator=torch.Generator().manual_seed(dist.get_rank())), Int8Compressor()
+    probed = min(share, QUANTISE_PROBE_NUMEL)
+    tensor, int8 = torch.randn(probed, generator=torch.Generator().manual_seed(dist.get_rank())), Int8Compressor()
 
     def run() -> None:
         payload = int8.compress(tensor)
         for _ in range(peers):
             int8.decompress(payload)
 
-    return _time(run, 3, barrier=False)  # local work: each rank's own CPU
+    return _time(run, 3, barrier=False) * share / probed  # local work: each rank's own CPU
 
 
 def _load_cached(key: str) -> CommPlan | None:
