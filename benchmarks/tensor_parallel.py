@@ -149,6 +149,9 @@ def same_work(first: dict, start: dict, end: dict) -> dict:
             "param_max_abs_diff": abs_diff}
 
 
+_CHECKED = ("first_loss_rel_diff", "first_grad_rel_l2_max", "update_rel_l2_max", "param_max_abs_diff")
+
+
 def _job(rounds: int, steps: int, batch: int) -> dict:
     import torch.distributed as dist
 
@@ -172,11 +175,9 @@ def _job(rounds: int, steps: int, batch: int) -> dict:
     end = {name: {k: _full(p) for k, p in m.named_parameters()} for name, m in sides.items()}
     check = same_work(first, start, end)
     # The worst rank decides: a replicated parameter that drifted on one rank only shows there.
-    worst = torch.tensor([check[k] for k in ("first_loss_rel_diff", "first_grad_rel_l2_max", "update_rel_l2_max",
-                                             "param_max_abs_diff")], dtype=torch.float64)
+    worst = torch.tensor([check[k] for k in _CHECKED], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    check.update(zip(("first_loss_rel_diff", "first_grad_rel_l2_max", "update_rel_l2_max", "param_max_abs_diff"),
-                     worst.tolist()))
+    check.update(zip(_CHECKED, worst.tolist()))
     check["steps_per_side"] = (rounds + 1) * steps
     two, four = collectives(2), collectives(4)
     per_block = {k: (four.get(k, 0) - two.get(k, 0)) / 2 for k in set(two) | set(four)}
