@@ -34,7 +34,7 @@ def test_without_a_cxx_compiler_inductor_warns_and_runs_eager(monkeypatch, tmp_p
     with pytest.warns(RuntimeWarning, match=r"compile='regional' is not possible here: .*C\+\+ compiler"):
         out = tm_compile.apply_compile(model, "regional")
     assert out is model and tm_compile.compiled_mode(model) is False
-    assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
+    assert not any(tm_compile.is_compiled_in_place(m) for m in model.modules())
 
 
 def test_regional_compiles_each_repeated_block_in_place():
@@ -46,11 +46,21 @@ def test_regional_compiles_each_repeated_block_in_place():
 
     model = Net()
     names = [n for n, _ in model.named_parameters()]
-    tm_compile.apply_compile(model, "regional", backend="eager")  # marks only: nothing runs here
-    assert [getattr(b, "_compiled_call_impl", None) is not None for b in model.blocks] == [True] * 3
-    assert getattr(model.inp, "_compiled_call_impl", None) is None
+    tm_compile.apply_compile(model, "regional", backend="eager")
+    assert [tm_compile.is_compiled_in_place(b) for b in model.blocks] == [True] * 3
+    assert not tm_compile.is_compiled_in_place(model.inp)
     assert [n for n, _ in model.named_parameters()] == names  # no _orig_mod in any name
     assert tm_compile.compiled_mode(model) == "regional"
+    # and dynamo really traces them: nn.Module.compile() on torch 2.11 traced nothing, silently
+    from torch._dynamo import reset as reset_dynamo
+    from torch._dynamo.utils import counters
+
+    reset_dynamo()
+    counters.clear()
+    x = model.inp(torch.randn(2, 4))
+    for block in model.blocks:
+        x = block(x)
+    assert counters["frames"]["ok"] >= 1 and counters["stats"]["unique_graphs"] == 1  # one graph, reused
     flat = torch.nn.Linear(2, 2)  # no repeated blocks: compiled whole
     tm_compile.apply_compile(flat, "regional", backend="eager")
-    assert flat._compiled_call_impl is not None and tm_compile.compiled_mode(flat) is True
+    assert tm_compile.is_compiled_in_place(flat) and tm_compile.compiled_mode(flat) is True

@@ -7,9 +7,12 @@ default when compiling). Regional compilation is what torchtitan does: the block
 path, so dynamo traces one block and reuses the graph for the others (compile time stays that of one
 block), and FSDP2's per-block hooks stay outside the compiled regions.
 
-Mechanism: ``nn.Module.compile()``, which compiles the module's call in place. Unlike wrapping in
-``torch.compile(module)`` it inserts no ``_orig_mod`` submodule, so parameter names, ``state_dict``
-keys, LayoutMap keys, checkpoints and optimizer rebinding are unchanged.
+Mechanism: each target's ``forward`` is replaced, on the instance, by ``torch.compile`` of it. Unlike
+wrapping in ``torch.compile(module)`` it inserts no ``_orig_mod`` submodule, so parameter names,
+``state_dict`` keys, LayoutMap keys, checkpoints and optimizer rebinding are unchanged; and the
+module's hooks (FSDP2's all-gathers) run outside the compiled region. ``nn.Module.compile()`` would
+also keep the names, but on torch 2.11 (seen on a CUDA machine, Python 3.12) dynamo skipped the
+``_call_impl`` it compiles: not one frame was traced and the model ran eager without a word.
 
 Where compilation cannot work here (dynamo unsupported on this Python, inductor on CPU without a C++
 compiler), a warning names the reason and the model runs eager: the result is the same, only slower.
@@ -26,7 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["COMPILE_MODES", "apply_compile", "check_compile_mode", "compile_unavailable_reason", "compiled_mode"]
+__all__ = ["COMPILE_MODES", "apply_compile", "check_compile_mode", "compile_unavailable_reason", "compiled_mode",
+           "is_compiled_in_place"]
 
 COMPILE_MODES = (False, True, "regional")
 _MARK = "_trainmesh_compile"
@@ -79,6 +83,11 @@ def _block_paths(model: nn.Module) -> list[str]:
         return []
 
 
+def is_compiled_in_place(module: nn.Module) -> bool:
+    """Whether ``apply_compile`` compiled this module's ``forward``."""
+    return hasattr(vars(module).get("forward"), "_torchdynamo_orig_callable")
+
+
 def compiled_mode(model: nn.Module) -> Any:
     """The mode ``apply_compile`` applied to ``model`` (False when it ran eager)."""
     return getattr(model, _MARK, False)
@@ -108,6 +117,6 @@ def apply_compile(model: nn.Module, mode: Any, *, backend: str = "inductor", ful
     paths = _block_paths(model) if mode == "regional" else []
     targets = [modules[path] for path in paths] or [model]
     for module in targets:
-        module.compile(backend=backend, fullgraph=fullgraph)
+        module.forward = torch.compile(module.forward, backend=backend, fullgraph=fullgraph)
     setattr(model, _MARK, "regional" if paths else True)
     return model
