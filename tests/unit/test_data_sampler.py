@@ -142,3 +142,21 @@ def test_resume_at_every_cursor_on_another_world_size(old_world, new_world, n):
             kept = n - tail if tail % world_at_tail else n
             assert len(seen) == len(set(seen)), (epoch, stop_after)
             assert sorted(seen) == sorted(before[0].global_order(epoch)[:kept].tolist()), (epoch, stop_after)
+
+
+@pytest.mark.parametrize("n,gbs,world,k,drop", [(96, 16, 2, 1, False), (100, 16, 2, 2, False), (100, 16, 4, 1, True),
+                                                 (102, 12, 3, 2, False), (20, 8, 2, 1, False), (7, 8, 2, 1, False)])
+def test_end_of_epoch_is_found_without_listing_the_rest_of_it(n, gbs, world, k, drop):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sampler = GlobalBatchSampler(n, global_batch_size=gbs, data_parallel_size=world, data_index=0,
+                                     micro_batches=k, drop_remainder=drop)
+    for cursor in range(n + 1):  # the O(1) check advance() uses agrees with the full listing
+        assert sampler._has_step_from(cursor) == bool(sampler.global_batches(cursor=cursor)), cursor
+
+
+def test_a_long_epoch_costs_time_linear_in_its_steps():
+    # 100k steps; listing the rest of the epoch after each step (as advance() did) took minutes
+    long = GlobalBatchSampler(6_400_000, global_batch_size=64, data_parallel_size=1, data_index=0, shuffle=False)
+    steps = sum(1 for _ in zip(range(100_000), long.iter_steps()))
+    assert steps == 100_000 and (long.epoch, long.cursor) == (1, 0)  # the whole epoch, then the next one

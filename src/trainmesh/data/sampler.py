@@ -131,6 +131,14 @@ class GlobalBatchSampler:
             bounds.append((tail_start, self.num_samples))
         return bounds
 
+    def _has_step_from(self, cursor: int) -> bool:
+        """Whether ``global_batches(cursor=cursor)`` is non-empty, in O(1): it is asked after every
+        step, and building the rest of the epoch's list there made an epoch quadratic in its steps."""
+        if cursor + self.global_batch_size <= self.num_samples:
+            return True
+        tail = self.num_samples - cursor
+        return tail > 0 and not self.drop_remainder and tail % self._parts == 0
+
     @property
     def steps_per_epoch(self) -> int:
         """Optimizer steps in a full epoch (from cursor 0)."""
@@ -162,7 +170,7 @@ class GlobalBatchSampler:
         """Record that the whole job has consumed the epoch's order up to ``cursor``; past the
         last step of the epoch, move to the next epoch at cursor 0."""
         self.cursor = int(cursor)
-        if not self.global_batches():
+        if not self._has_step_from(self.cursor):
             self.epoch, self.cursor = self.epoch + 1, 0
 
     # --- iteration ------------------------------------------------------------------------
@@ -228,7 +236,7 @@ class GlobalBatchSampler:
         self.seed = int(state["seed"])
         self._check_cursor(state["cursor"])
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        if self.cursor and not self.global_batches():
+        if self.cursor and not self._has_step_from(self.cursor):
             self.advance(self.cursor)  # saved after the epoch's last step: the next epoch starts
 
     def _check_cursor(self, cursor: int) -> None:
