@@ -21,8 +21,8 @@ from transformers built from a config (no download).
     ``/proc/self/io``: gloo's TCP pairs write with ``write``/``writev``; the process prints nothing
     while timed), against the plan's bytes on the wire (``collectives.wire_bytes`` with gloo's
     algorithms); on Linux only;
-  - memory: the peak of live CPU tensor bytes over two training steps (a ``TorchDispatchMode`` that
-    registers every storage from construction on and re-reads each live one's size at each op),
+  - memory: the peak of live CPU tensor bytes over two training steps
+    (``trainmesh.testing.memory.LiveTensorBytes``, the tracker the planner tests and zero_memory use),
     against the plan's peak (params + optimizer + buffers + max(grads, activations)).
 
 Checks that both sides did the same work (INVALID otherwise): the FLOPs of a real step (counted on it)
@@ -45,12 +45,10 @@ import os
 import statistics
 import sys
 import time
-import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from trainmesh.testing.memory import LiveTensorBytes
 from trainmesh.testing.stats import ci95
 
 MODEL = dict(model_type="llama", hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
@@ -83,36 +81,6 @@ def _is_pipe(mesh: str) -> bool:
 
 def _rows(mesh: str) -> int:
     return MICRO_BATCH // MICROBATCHES if _is_pipe(mesh) else MICRO_BATCH
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of live CPU storages created while active, re-reading each one's size (resizes count)."""
-
-    def __init__(self):
-        super().__init__()
-        self.storages: dict[int, weakref.ref] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            t = getattr(t, "_local_tensor", t)  # a DTensor's local op is not seen here: count its shard
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                key = storage._cdata
-                if key not in self.storages:
-                    self.storages[key] = weakref.ref(storage, lambda _, key=key: self.storages.pop(key, None))
-        live = 0
-        for ref in list(self.storages.values()):
-            storage = ref()
-            if storage is not None:
-                live += storage.nbytes()
-        self.peak = max(self.peak, live)
-        return out
-
-    def restart(self) -> None:
-        """From now on the peak of the steps only; storages made before stay counted while alive."""
-        self.peak = sum(s.nbytes() for s in (ref() for ref in self.storages.values()) if s is not None)
 
 
 def _socket_bytes() -> int:
@@ -184,11 +152,11 @@ def _worker(cases, rounds: int, hardware, priority: bool) -> dict:
 
     steps, peaks, flops, ops = [], [], [], []
     for case in cases:
-        with LiveBytes() as tracker:
+        with LiveTensorBytes("cpu") as tracker:
             step = _setup(case)
             # A pipeline builds the whole model on every process before it keeps its stage: that is
             # construction, not a step; the plan is the peak of a training step.
-            tracker.restart()
+            tracker.reset_peak()
             step()  # the first step creates the optimizer state; the second runs with it
             with LocalFlops() as counter, OpProfile() as profile:
                 step()

@@ -31,8 +31,8 @@ Per variant: M instrumented steps (memory), W untimed warmup steps, S timed step
 
 Memory, per rank:
 
-* ``peak live``: the most tensor bytes alive at once during the M instrumented steps. A
-  ``TorchDispatchMode`` entered before the model is built sees every tensor an operator creates
+* ``peak live``: the most tensor bytes alive at once during the M instrumented steps
+  (``trainmesh.testing.memory.LiveTensorBytes``). A ``TorchDispatchMode`` entered before the model is built sees every tensor an operator creates
   (also from C++, e.g. DDP's buckets), counts each storage once on creation and releases it with a
   weakref callback when it dies; ``UntypedStorage.resize_`` (FSDP2 frees and re-allocates gathered
   parameters that way) is followed too. Not seen: scratch memory inside a kernel or a gloo thread.
@@ -62,15 +62,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import weakref
 
 import torch
 import torch.distributed as torch_dist
 from torch import nn
 from torch.nn import functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from trainmesh.testing.memory import LiveTensorBytes
 from trainmesh.testing.stats import ci95
 
 FULL_MODEL = {"vocab": 8192, "d_model": 640, "n_layer": 8, "n_head": 10, "seq": 128}
@@ -210,78 +208,6 @@ def make_data(cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # --------------------------------------------------------------------------- memory instruments
-class LiveTensorBytes(TorchDispatchMode):
-    """Bytes of tensor storage alive now and at most since ``reset_peak``, from operator outputs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._sizes: dict[int, int] = {}  # storage id (C++ pointer) -> bytes counted
-        self._refs: dict[int, weakref.ref] = {}
-        self._orig_resize = None
-
-    def _release(self, key: int, _ref=None) -> None:
-        self.live -= self._sizes.pop(key, 0)
-        self._refs.pop(key, None)
-
-    def track(self, storage: torch.UntypedStorage) -> None:
-        if storage.device.type == "meta":
-            return
-        key = storage._cdata
-        size = storage.nbytes()
-        old = self._sizes.get(key)
-        if old is None:
-            try:
-                self._refs[key] = weakref.ref(storage, lambda ref, key=key: self._release(key))
-            except TypeError:  # not weak-referenceable: count it, never release (rare, small)
-                pass
-            self._sizes[key] = size
-            self.live += size
-        elif old != size:
-            self._sizes[key] = size
-            self.live += size - old
-        if self.live > self.peak:
-            self.peak = self.live
-
-    def _track_tensor(self, t) -> None:
-        local = getattr(t, "_local_tensor", None)  # a DTensor: its local shard is what this rank holds
-        if local is not None:
-            t = local
-        if isinstance(t, torch.Tensor) and not t.is_meta and type(t) in (torch.Tensor, nn.Parameter):
-            self.track(t.untyped_storage())
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._track_tensor(t)
-        if getattr(func, "_schema", None) is not None and func._schema.is_mutable:  # resize_/set_ in place
-            for t in tree_flatten((args, kwargs))[0]:
-                if isinstance(t, torch.Tensor):
-                    self._track_tensor(t)
-        return out
-
-    def reset_peak(self) -> None:
-        self.peak = self.live
-
-    def __enter__(self):
-        tracker = self
-        self._orig_resize = orig = torch.UntypedStorage.resize_
-
-        def resize_(storage, size):  # FSDP2 frees / re-allocates gathered parameters this way
-            result = orig(storage, size)
-            tracker.track(storage)
-            return result
-
-        torch.UntypedStorage.resize_ = resize_
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._orig_resize
-        return super().__exit__(*exc)
-
-
 def proc_status_kb(field: str) -> int:
     with open("/proc/self/status") as fh:
         for line in fh:

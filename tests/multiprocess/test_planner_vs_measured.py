@@ -14,14 +14,11 @@ The planner's ``total`` per rank must be within 15% of that peak.
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from trainmesh.testing import run_distributed
+from trainmesh.testing.memory import LiveTensorBytes
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(360)]
 
@@ -34,54 +31,6 @@ GPT = dict(vocab_size=65, block_size=128, n_layer=8, n_head=8, d_model=512)
 SMALL_GPT = dict(vocab_size=65, block_size=128, n_layer=4, n_head=4, d_model=128)
 
 
-class LiveTensorBytes(TorchDispatchMode):
-    """Tracks bytes of live CPU storages created by ops run while active; ``peak`` is the maximum."""
-
-    def __init__(self):
-        super().__init__()
-        self.storages: dict[int, int] = {}  # storage key -> bytes at registration
-        self.live = 0
-        self.peak = 0
-
-    def _forget(self, key: int) -> None:
-        self.live -= self.storages.pop(key, 0)
-
-    def _track(self, storage) -> None:
-        key = storage._cdata
-        if key not in self.storages:
-            self.storages[key] = storage.nbytes()
-            self.live += self.storages[key]
-            weakref.finalize(storage, self._forget, key)
-        elif self.storages[key] != storage.nbytes():  # resized in place (FSDP2's gathered parameters)
-            self.live += storage.nbytes() - self.storages[key]
-            self.storages[key] = storage.nbytes()
-        self.peak = max(self.peak, self.live)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            t = getattr(t, "_local_tensor", t)  # a DTensor (FSDP2's shards): the storage this rank holds
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                self._track(t.untyped_storage())
-        return out
-
-    def __enter__(self):
-        self._resize = resize = torch.UntypedStorage.resize_
-
-        def resize_(storage, size):
-            result = resize(storage, size)
-            if storage.device.type == "cpu":
-                self._track(storage)
-            return result
-
-        torch.UntypedStorage.resize_ = resize_
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._resize
-        return super().__exit__(*exc)
-
-
 def _measure(precision: str, micro_batch: int, seq_len: int, zero_stage: int, accum: int, config: dict) -> dict:
     import trainmesh as tm
     from trainmesh.demo.char_gpt import CharGPT, GPTConfig, lm_loss
@@ -91,7 +40,7 @@ def _measure(precision: str, micro_batch: int, seq_len: int, zero_stage: int, ac
     ids = torch.randint(0, GPT["vocab_size"], (n, seq_len + 1), generator=torch.Generator().manual_seed(0))
     data = (ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
     options = {"zero_stage": zero_stage} if zero_stage else {}
-    with LiveTensorBytes() as tracker:
+    with LiveTensorBytes("cpu") as tracker:
         torch.manual_seed(0)
         model = CharGPT(GPTConfig(**config))
         trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-4), lm_loss, precision=precision,
