@@ -84,6 +84,20 @@ def test_loss_scaler_grows_after_clean_steps_and_halves_on_overflow():
     assert restored.state_dict() == scaler.state_dict()
 
 
+def test_loss_scaler_finds_a_nan_in_any_gradient_of_any_dtype():
+    scaler = DynamicLossScaler(init_scale=4.0)
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2, dtype=torch.float16)),
+              torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.ones(1))]
+    grads = [torch.full((3,), 8.0), torch.full((2,), 4.0, dtype=torch.float16), torch.full((5,), 2.0), None]
+    for param, grad in zip(params, grads):
+        param.grad = grad
+    assert scaler.unscale_(params) is False
+    assert [p.grad.tolist() for p in params[:3]] == [[2.0] * 3, [1.0] * 2, [0.5] * 5]
+    assert params[1].grad.dtype == torch.float16 and params[3].grad is None
+    params[1].grad[1] = float("nan")  # in the fp16 group only
+    assert scaler.unscale_(params) is True
+
+
 def test_default_scaler_matches_the_issue():
     scaler = build_precision("fp16-mixed").scaler
     assert (scaler.scale_value, scaler.growth_factor, scaler.backoff_factor, scaler.growth_interval) == (

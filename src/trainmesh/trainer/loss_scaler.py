@@ -43,16 +43,21 @@ class DynamicLossScaler:
         return loss * self.scale_value
 
     def unscale_(self, params: Iterable[torch.nn.Parameter]) -> bool:
-        """Divide gradients by the scale in place; return whether any process saw inf/nan."""
-        inv = 1.0 / self.scale_value
-        found = torch.zeros(1, dtype=torch.float32)
+        """Divide gradients by the scale in place; return whether any process saw inf/nan.
+
+        torch's GradScaler kernel does both in one pass per (device, dtype) group and leaves the
+        flag on the device: the host waits once, for the job-wide flag, not once per gradient."""
+        groups: dict[tuple, list[torch.Tensor]] = {}
         for param in params:
-            if param.grad is None:
-                continue
-            grad = _local(param.grad)
-            grad.mul_(inv)
-            if not torch.isfinite(grad).all():
-                found.fill_(1.0)
+            if param.grad is not None:
+                grad = _local(param.grad)
+                groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        found = torch.zeros(1, dtype=torch.float32)
+        for (device, _dtype), grads in groups.items():
+            found_here = torch.zeros(1, dtype=torch.float32, device=device)
+            inverse = torch.full((1,), 1.0 / self.scale_value, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_here, inverse)
+            found = torch.maximum(found, found_here.cpu())
         return self.any_process(found)
 
     @staticmethod
