@@ -287,7 +287,7 @@ def _farthest(values):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK)} only, fewer rounds")
-    parser.add_argument("--rounds", type=int, default=None, help="timed steps per case (default 4 quick, 10 full)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed steps per case (default 8 quick, 10 full; the step figure is a median over them)")
     parser.add_argument("--json", default=None, metavar="PATH")
     parser.add_argument("--no-priority", dest="priority", action="store_false",
                         help="do not raise the measured processes' priority (they then share the CPU with all load)")
@@ -298,7 +298,7 @@ def main() -> int:
     from trainmesh.testing import run_distributed
 
     cases = [c for c in CASES if not args.quick or (c[4] in QUICK and c[0] == 2)]
-    rounds = args.rounds or (4 if args.quick else 10)
+    rounds = args.rounds or (8 if args.quick else 10)
     priority_note = _raise_priority(args.priority)
     print(priority_note)
     hardware = calibrate(save=False)  # this machine now, under its current load; one thread per process
