@@ -73,6 +73,9 @@ class MessageType(str, enum.Enum):
     ERROR = "error"
 
 
+_MESSAGE_TYPES: dict[str, MessageType] = {t.value: t for t in MessageType}
+
+
 @dataclass
 class Message:
     type: MessageType
@@ -83,6 +86,8 @@ class Message:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if type(self.type) is MessageType:  # the usual case: no Enum lookup (a Python call per message)
+            return
         try:
             self.type = MessageType(self.type)
         except ValueError:
@@ -118,7 +123,7 @@ def _is_int(value: Any) -> bool:
 def _tensor_bytes(name: str, tensor: Any) -> tuple[str, torch.Size, memoryview]:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:  # (cheaper than building tensor.device)
         raise ValueError(f"tensor {name!r} is on {tensor.device}; move it to the CPU before encoding")
     if tensor.layout != torch.strided:
         raise ValueError(f"tensor {name!r} has layout {tensor.layout}; send dense values and indices instead")
@@ -159,7 +164,8 @@ def _layout(msg: Message, key: bytes | None, max_bytes: int) -> tuple[bytes, lis
         segments.append((offset, raw))
         offset += _align(raw.nbytes)
 
-    header_obj = {"type": MessageType(msg.type).value, "sender": msg.sender, "seq": msg.seq,
+    kind = msg.type if type(msg.type) is MessageType else MessageType(msg.type)
+    header_obj = {"type": kind.value, "sender": msg.sender, "seq": msg.seq,
                   "version": msg.version, "tensors": specs, "meta": msg.meta}
     try:
         header = _JSON_ENCODER.encode(header_obj).encode("utf-8")
@@ -304,7 +310,8 @@ def decode(data, secret: bytes | str | None = None,
 
     header = _parse_header(parts.read(_PREFIX.size, payload_start)[0])
     tensors = _decode_tensors(header["tensors"], parts, payload_start, body_end, copy)
-    return Message(type=MessageType(header["type"]), sender=header["sender"], seq=header["seq"],
+    # (_parse_header checked the type is a known value: the member is looked up, not called for)
+    return Message(type=_MESSAGE_TYPES[header["type"]], sender=header["sender"], seq=header["seq"],
                    version=header["version"], tensors=tensors, meta=header["meta"])
 
 
@@ -341,7 +348,7 @@ def _parse_header(raw: memoryview) -> dict[str, Any]:
         raise ProtocolError(f"header must be a JSON object, got {type(header).__name__}")
     if set(header) != _HEADER_KEYS:
         raise ProtocolError(f"header keys {sorted(header)} != required {sorted(_HEADER_KEYS)}")
-    if not isinstance(header["type"], str) or header["type"] not in MessageType._value2member_map_:
+    if not isinstance(header["type"], str) or header["type"] not in _MESSAGE_TYPES:
         raise ProtocolError(f"unknown message type {header['type']!r}")
     if not isinstance(header["sender"], str):
         raise ProtocolError(f"sender must be a string, got {header['sender']!r}")
@@ -364,16 +371,23 @@ def _check_spec(spec: Any, expected_offset: int, payload_len: int) -> tuple[str,
         raise ProtocolError(f"tensor name must be a string, got {name!r:.100}")
     if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
         raise ProtocolError(f"tensor {name!r}: dtype {dtype_name!r:.100} not in {sorted(DTYPES)}")
-    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-            or not all(_is_int(d) and d >= 0 for d in shape)):
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
         raise ProtocolError(f"tensor {name!r}: shape must be a list of at most {MAX_NDIM} ints >= 0, "
                             f"got {shape!r:.200}")
-    if math.prod(max(d, 1) for d in shape) > _MAX_ELEMENTS_BOUND:
+    numel = bound = 1  # one loop over the dims, no generator (this runs for every tensor received)
+    for d in shape:
+        if not _is_int(d) or d < 0:
+            raise ProtocolError(f"tensor {name!r}: shape must be a list of at most {MAX_NDIM} ints >= 0, "
+                                f"got {shape!r:.200}")
+        numel *= d
+        if d > 1:
+            bound *= d
+    if bound > _MAX_ELEMENTS_BOUND:
         raise ProtocolError(f"tensor {name!r}: shape {shape} is too large")
     if not _is_int(nbytes) or not _is_int(offset):
         raise ProtocolError(f"tensor {name!r}: offset and nbytes must be ints, got {offset!r}, {nbytes!r}")
     dtype = DTYPES[dtype_name]
-    if nbytes != math.prod(shape) * dtype.itemsize:
+    if nbytes != numel * dtype.itemsize:
         raise ProtocolError(f"tensor {name!r}: nbytes {nbytes} != prod({shape}) * {dtype.itemsize}")
     # Segments are laid out back to back, each at the next 8-byte boundary: anything else
     # (overlap, gap, misalignment) is a malformed frame.
@@ -420,10 +434,12 @@ def _decode_tensors(specs: list[Any], parts: _Parts, payload_start: int, body_en
     # view of it; anything else (small tensors sharing a part, an odd split) is copied alone.
     for name, dtype, shape, offset, nbytes in placed:
         raw, whole = parts.read(payload_start + offset, payload_start + offset + nbytes)
-        base = _view(raw) if whole and nbytes else None
-        if base is None:
+        # Viewed in its own dtype at once (one torch call, not a byte view and then a dtype view).
+        typed = _view(raw, dtype) if whole and nbytes else None
+        if typed is None:
             base = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-        tensors[name] = _typed(base, dtype, shape)
+            typed = _typed(base, dtype, [-1])
+        tensors[name] = typed if len(shape) == 1 else typed.view(shape)
     return tensors
 
 
@@ -436,17 +452,18 @@ def _typed(raw: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Ten
 _readonly_warning_spent = False  # torch's read-only-buffer warning has fired (it fires once per process)
 
 
-def _view(raw: memoryview) -> torch.Tensor | None:
-    """A uint8 tensor over ``raw`` without a copy, or None when its memory is not 8-byte aligned."""
+def _view(raw: memoryview, dtype: torch.dtype = torch.uint8) -> torch.Tensor | None:
+    """A 1-D ``dtype`` tensor over ``raw`` (a whole number of elements) without a copy, or None
+    when its memory is not 8-byte aligned."""
     global _readonly_warning_spent
     if _readonly_warning_spent or not raw.readonly:
-        base = torch.frombuffer(raw, dtype=torch.uint8)
+        base = torch.frombuffer(raw, dtype=dtype)
     else:
         with warnings.catch_warnings():
             # Viewing a read-only frame is the point here (its readers never write to it); torch
             # warns about that once per process, so only the first view needs the filter (a
             # catch_warnings per frame cost more than the rest of the view).
             warnings.simplefilter("ignore", UserWarning)
-            base = torch.frombuffer(raw, dtype=torch.uint8)
+            base = torch.frombuffer(raw, dtype=dtype)
         _readonly_warning_spent = True
     return None if base.data_ptr() % _ALIGN else base

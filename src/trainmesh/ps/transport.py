@@ -222,6 +222,15 @@ class ZmqServerTransport(ServerTransport):
 
     def send(self, peer: bytes, data: bytes | list) -> None:
         self._check_open()
+        if type(data) is bytearray or type(data) is bytes:
+            # One frame (every reply the server encodes): two sends, without send_multipart's
+            # per-part checks. A small frame (an ack) is copied, which costs less than handing
+            # it over; a large one (a pull reply) is handed to ZeroMQ without a memcpy.
+            nbytes = len(data)
+            self._socket.send(peer, self._zmq.SNDMORE)
+            self._socket.send(data, copy=nbytes < ZERO_COPY_MIN_BYTES)
+            self._count_send(nbytes)
+            return
         # copy=False hands large buffers to ZeroMQ without a memcpy (pyzmq still copies parts
         # under its copy_threshold, 64 KiB by default, where that is cheaper).
         parts = list(data) if isinstance(data, (list, tuple)) else [data]
@@ -248,14 +257,19 @@ class ZmqClientTransport(ClientTransport):
 
     def send(self, data: bytes | list) -> None:
         self._check_open()
-        parts = list(data) if isinstance(data, (list, tuple)) else [data]
+        parts = data if isinstance(data, (list, tuple)) else [data]
+        sock, zmq = self._socket, self._zmq
         try:
             # NOBLOCK: with the server gone for long, the queue fills (SNDHWM messages); blocking
             # there would hang the caller, so the message is dropped and counted instead (a
-            # multipart message is queued whole or not at all). copy=False: large parts leave
-            # from the caller's memory (pyzmq copies those under its 64 KiB copy_threshold).
-            self._socket.send_multipart(parts, flags=self._zmq.NOBLOCK, copy=False)
-        except self._zmq.Again:
+            # multipart message is queued whole or not at all: only its first part can meet the
+            # high-water mark). copy=False: large parts leave from the caller's memory (pyzmq
+            # copies those under its 64 KiB copy_threshold). The parts go one send each, as
+            # send_multipart would, without its per-part type checks (parts are buffers here).
+            for part in parts[:-1]:
+                sock.send(part, zmq.NOBLOCK | zmq.SNDMORE, copy=False)
+            sock.send(parts[-1], zmq.NOBLOCK, copy=False)
+        except zmq.Again:
             self.dropped_queue_full += 1
             return
         self._count_send(frame_nbytes(parts))
@@ -268,9 +282,13 @@ class ZmqClientTransport(ClientTransport):
     def recv(self, timeout_s: float | None) -> bytes | None:
         if not _readable(self._socket, self._zmq, _poll_ms(timeout_s)):
             return None
-        frames = self._socket.recv_multipart()
-        data = frames[0] if len(frames) == 1 else frames
-        self._count_recv(frame_nbytes(frames))
+        # Replies are one frame (an ack, a pull reply): read it alone, the rest only if there is more.
+        data = self._socket.recv()
+        if self._socket.rcvmore:
+            data = [data, *self._socket.recv_multipart()]
+            self._count_recv(frame_nbytes(data))
+        else:
+            self._count_recv(len(data))
         return data
 
     def _release(self) -> None:
