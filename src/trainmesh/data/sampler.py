@@ -126,18 +126,18 @@ class GlobalBatchSampler:
         bounds = [(start, start + self.global_batch_size)
                   for start in range(cursor, self.num_samples - self.global_batch_size + 1, self.global_batch_size)]
         tail_start = bounds[-1][1] if bounds else cursor
-        tail = self.num_samples - tail_start
-        if tail > 0 and not self.drop_remainder and tail % self._parts == 0:
+        if self._tail_is_a_step(self.num_samples - tail_start):
             bounds.append((tail_start, self.num_samples))
         return bounds
+
+    def _tail_is_a_step(self, tail: int) -> bool:
+        """Whether the ``tail`` samples left after the last full global batch make one more step."""
+        return tail > 0 and not self.drop_remainder and tail % self._parts == 0
 
     def _has_step_from(self, cursor: int) -> bool:
         """Whether ``global_batches(cursor=cursor)`` is non-empty, in O(1): it is asked after every
         step, and building the rest of the epoch's list there made an epoch quadratic in its steps."""
-        if cursor + self.global_batch_size <= self.num_samples:
-            return True
-        tail = self.num_samples - cursor
-        return tail > 0 and not self.drop_remainder and tail % self._parts == 0
+        return cursor + self.global_batch_size <= self.num_samples or self._tail_is_a_step(self.num_samples - cursor)
 
     @property
     def steps_per_epoch(self) -> int:

@@ -52,12 +52,14 @@ class DynamicLossScaler:
             if param.grad is not None:
                 grad = _local(param.grad)
                 groups.setdefault((grad.device, grad.dtype), []).append(grad)
-        found = torch.zeros(1, dtype=torch.float32)
+        flags: dict[torch.device, torch.Tensor] = {}  # one per device: the kernel only ever sets it
         for (device, _dtype), grads in groups.items():
-            found_here = torch.zeros(1, dtype=torch.float32, device=device)
+            flag = flags.setdefault(device, torch.zeros(1, dtype=torch.float32, device=device))
             inverse = torch.full((1,), 1.0 / self.scale_value, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_here, inverse)
-            found = torch.maximum(found, found_here.cpu())
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inverse)
+        found = torch.zeros(1, dtype=torch.float32)
+        for flag in flags.values():
+            found = torch.maximum(found, flag.cpu())
         return self.any_process(found)
 
     @staticmethod
