@@ -19,8 +19,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .ack_codec import read_ack
 from .errors import PSError, PSTimeoutError
-from .protocol import Message, MessageType, ProtocolError, decode, encode, encode_parts
+from .protocol import Message, MessageType, ProtocolError, _check_secret, decode, encode, encode_parts
 
 log = logging.getLogger(__name__)
 _STOP = object()
@@ -84,6 +85,7 @@ class ClientIO:
                  retry_after_s: float, heartbeat_s: float, request_timeout_s: float, server_names: list[str],
                  clock: Callable[[], int]):
         self.sender, self.secret, self.identity = sender, secret, identity
+        self._key = _check_secret(secret)
         # Seqs restart with every client: the server dedups per (worker, session).
         self.session = identity.decode("ascii", "replace")
         self.retry_after_s, self.heartbeat_s, self.request_timeout_s = retry_after_s, heartbeat_s, request_timeout_s
@@ -263,7 +265,8 @@ class ClientIO:
     def _on_frame(self, index: int, frame: bytes) -> None:
         server = self._servers[index]
         try:
-            reply = decode(frame, self.secret)
+            # A push's ack is read by its own short path; any other frame by the general decoder.
+            reply = read_ack(frame, self._key) or decode(frame, self.secret)
         except ProtocolError as error:
             self._stats["rejected_replies"] += 1
             log.warning("PS client %s: dropped a malformed reply from %s: %s", self.sender, server.name, error)

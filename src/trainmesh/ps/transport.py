@@ -11,11 +11,13 @@ pyzmq is an optional extra: it is imported only when a ZeroMQ transport is creat
 from __future__ import annotations
 
 import abc
+import functools
 import ipaddress
 import queue
 import random
 import threading
 import time
+from typing import NamedTuple
 
 SECRET_ENV = "TRAINMESH_PS_SECRET"  # where servers and workers read the shared secret
 # Frames at least this large travel without a copy (ZeroMQ takes or hands over the buffer);
@@ -145,6 +147,23 @@ def _zmq_socket(kind: str, address: str, **options):
     return zmq, sock
 
 
+class _Flags(NamedTuple):
+    events: int
+    pollin: int
+    rcvmore: int
+    sndmore: int
+    noblock_sndmore: int
+    noblock: int
+
+
+@functools.cache
+def _flags(zmq) -> _Flags:
+    """pyzmq's flags as plain ints: its enum members build a new enum object at every ``|`` and
+    ``&``, microseconds per message on the hot path."""
+    return _Flags(int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE), int(zmq.SNDMORE),
+                  int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.NOBLOCK))
+
+
 def _poll_ms(timeout_s: float | None) -> int | None:
     return None if timeout_s is None else max(0, int(timeout_s * 1000))
 
@@ -153,9 +172,10 @@ def _readable(socket, zmq, timeout_ms: int | None) -> bool:
     """Whether a whole message can be received now, after waiting up to ``timeout_ms`` (None:
     forever). A message already queued needs no poll; only the socket's owner thread receives,
     so a True answer stays true until it does."""
-    if socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+    flags = _flags(zmq)
+    if socket.get(flags.events) & flags.pollin:
         return True
-    return timeout_ms != 0 and bool(socket.poll(timeout_ms, zmq.POLLIN))
+    return timeout_ms != 0 and bool(socket.poll(timeout_ms, flags.pollin))
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -227,7 +247,7 @@ class ZmqServerTransport(ServerTransport):
             # per-part checks. A small frame (an ack) is copied, which costs less than handing
             # it over; a large one (a pull reply) is handed to ZeroMQ without a memcpy.
             nbytes = len(data)
-            self._socket.send(peer, self._zmq.SNDMORE)
+            self._socket.send(peer, _flags(self._zmq).sndmore)
             self._socket.send(data, copy=nbytes < ZERO_COPY_MIN_BYTES)
             self._count_send(nbytes)
             return
@@ -259,6 +279,7 @@ class ZmqClientTransport(ClientTransport):
         self._check_open()
         parts = data if isinstance(data, (list, tuple)) else [data]
         sock, zmq = self._socket, self._zmq
+        flags = _flags(zmq)
         try:
             # NOBLOCK: with the server gone for long, the queue fills (SNDHWM messages); blocking
             # there would hang the caller, so the message is dropped and counted instead (a
@@ -267,8 +288,8 @@ class ZmqClientTransport(ClientTransport):
             # copies those under its 64 KiB copy_threshold). The parts go one send each, as
             # send_multipart would, without its per-part type checks (parts are buffers here).
             for part in parts[:-1]:
-                sock.send(part, zmq.NOBLOCK | zmq.SNDMORE, copy=False)
-            sock.send(parts[-1], zmq.NOBLOCK, copy=False)
+                sock.send(part, flags.noblock_sndmore, copy=False)
+            sock.send(parts[-1], flags.noblock, copy=False)
         except zmq.Again:
             self.dropped_queue_full += 1
             return
@@ -284,7 +305,7 @@ class ZmqClientTransport(ClientTransport):
             return None
         # Replies are one frame (an ack, a pull reply): read it alone, the rest only if there is more.
         data = self._socket.recv()
-        if self._socket.rcvmore:
+        if self._socket.get(_flags(self._zmq).rcvmore):  # (RCVMORE; the rcvmore attribute costs more)
             data = [data, *self._socket.recv_multipart()]
             self._count_recv(frame_nbytes(data))
         else:
