@@ -110,6 +110,7 @@ def worker(cfg: dict) -> dict:
     import torch.distributed as dist
 
     import trainmesh as tm
+    from trainmesh._torch.compile import compiled_mode
 
     rank, out = tm.rank(), {"pairs": {}, "parity": {}}
     for pair in cfg["pairs"]:
@@ -139,7 +140,7 @@ def worker(cfg: dict) -> dict:
                     losses[side].append(step(trainer, data[index * accum:(index + 1) * accum]))
                     times[side].append(time.perf_counter() - started)
         out["pairs"][pair] = {"times": times, "losses": losses, "first_step_s": first,
-                              "compiled": getattr(sides["compiled"][0].unwrapped_model, "_trainmesh_compile", False)}
+                              "compiled": compiled_mode(sides["compiled"][0].unwrapped_model)}
         if pair == "gpt/zero0" and rank == 0:
             from trainmesh.trainer.throughput import count_flops_per_sample, meta_copy
 

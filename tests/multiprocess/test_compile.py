@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainmesh._torch.compile import compile_unavailable_reason
+from trainmesh._torch.compile import compile_unavailable_reason, compiled_mode
 from trainmesh.testing import run_distributed
 
 from residual_net import Net as ResidualNet, data as residual_data
@@ -92,7 +92,7 @@ def train(kind, stage, ac, mode, backend):
     return {"losses": [s["loss"] for s in history.steps], "norms": [s["grad_norm"] for s in history.steps],
             "params": params,
             "names": sorted(n for n, _ in trainer.unwrapped_model.named_parameters()), "graphs": graphs,
-            "compiled": getattr(trainer.unwrapped_model, "_trainmesh_compile", False)}
+            "compiled": compiled_mode(trainer.unwrapped_model)}
 
 
 def _job(cases):
