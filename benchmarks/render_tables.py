@@ -87,9 +87,14 @@ REASONS = {
                               "that theory's (p-1)/(m+p-1) does not count; tiny microbatches make it dominate",
     "interleaved_bubble_vs_1f1b": "interleaving halves the theoretical bubble but doubles the messages, whose fixed "
                                   "cost on gloo/CPU eats the gain at this size",
-    "ps_push_1mb_vs_raw_zmq": "CPU per push: ~1.5 ms (client 0.8 ms over the caller, the PS I/O thread and "
-                              "ZeroMQ's I/O thread; server 0.7 ms: receive, decode, the 1 MB SGD add, the ack) "
-                              "against ~0.6 ms for a raw echo that applies nothing; on 2 shared cores CPU decides",
+    "ps_push_1mb_vs_raw_zmq": "CPU per push, per OS thread on a quiet machine: 1.2-1.9 ms (client: caller 0.1, "
+                              "PS I/O thread 0.25-0.4, ZeroMQ I/O 0.3-0.45, pyzmq's buffer release 0.05; server: "
+                              "receive, decode, the SGD add of the 1 MB just received, the ack 0.35-0.5, ZeroMQ "
+                              "I/O 0.2-0.35) against 0.86 ms for a raw echo that applies nothing; on 2 shared "
+                              "cores CPU decides. Long runs (4 x 150 pushes) read 0.43-0.47",
+    "compiled_vs_eager_step_gpt": "on this CPU the matmuls (~72% of the step) run the same kernels compiled or "
+                                  "not; inductor fuses the rest (norms, GELU, softmax, residuals). Quick runs "
+                                  "(2 rounds x 3 steps) of one commit read 0.88-1.04",
     "demo_mfu_vs_bf16_peak": "4 processes time-share 2 cores with DDP's gloo all-reduce; one process on one thread "
                              "runs the model at ~40% of a core's bf16 peak (small matmuls, casts); measured against "
                              "a ceiling load cannot lower (CPU-time probe)",
