@@ -30,14 +30,18 @@ def test_server_sigkill_loses_no_acknowledged_update_and_applies_in_flight_pushe
             client.push({"w": g}).result(30)
         acked = client.pull(["w"]).result(30)["w"]
 
+        # The server frozen and killed must own some of w's parts: placement hashes the servers'
+        # addresses, whose ports are random, so either one may own all eight.
+        owners = {client.ring.owner(part.shard_id) for part in client.partitioner.dense_shards("w", w0.numel())}
+        victim = next(i for i, address in enumerate(cluster.addresses) if str(address) in owners)
         in_flight = [client.push({"w": g}) for g in grads[10:20]]  # not waited for: some may be applied, unacked
-        # Frozen, server 0 cannot answer the rest: however fast the first ten went through, the kill
+        # Frozen, the victim cannot answer the rest: however fast the first ten went through, the kill
         # below is sure to catch pushes in flight (sent, queued at the server, not acknowledged).
-        os.kill(cluster.processes[0].pid, signal.SIGSTOP)
+        os.kill(cluster.processes[victim].pid, signal.SIGSTOP)
         in_flight += [client.push({"w": g}) for g in grads[20:]]
-        cluster.kill(0)  # SIGKILL while those are on the wire / in its queue
+        cluster.kill(victim)  # SIGKILL while those are on the wire / in its queue
         unacked_at_kill = sum(not f.done() for f in in_flight)
-        cluster.restart(0)  # same address, same WAL directory
+        cluster.restart(victim)  # same address, same WAL directory
         for future in in_flight:
             future.result(60)  # resent with the same seq until the restarted server acks
 
@@ -45,7 +49,7 @@ def test_server_sigkill_loses_no_acknowledged_update_and_applies_in_flight_pushe
         assert torch.allclose(final, w0 - 0.1 * torch.stack(grads).sum(0), atol=1e-5)  # each exactly once
         assert unacked_at_kill >= 10  # the kill really caught pushes in flight (at least the frozen ten)
         stats = client.stats().result(30)
-        restarted = stats["servers"][0]
+        restarted = stats["servers"][victim]
         assert restarted["replayed"] > 0  # its state came back from the log, not from nowhere
         assert stats["resends"] > 0
         assert not torch.equal(acked, final)
