@@ -15,8 +15,8 @@ import hmac
 import json
 import re
 
-from .protocol import (_PREFIX, FLAG_HMAC, FORMAT_VERSION, HMAC_SIZE, MAGIC, Message, MessageType, _align,
-                       _check_secret)
+from .protocol import (_PREFIX, FLAG_HMAC, FORMAT_VERSION, HMAC_SIZE, MAGIC, Message, MessageType, _check_secret,
+                       _pad_header)
 
 # The header AckWriter writes, for a plain sender name (server ids are like "ps-0" or
 # "127.0.0.1:5555"); acks from any other sender are read by the general decoder.
@@ -35,8 +35,7 @@ class AckWriter:
 
     def encode(self, seq: int) -> bytes:
         digits = str(seq).encode("ascii")
-        header = self._head + digits + self._middle + digits + b"}}"
-        header += b" " * (_align(_PREFIX.size + len(header)) - _PREFIX.size - len(header))
+        header = _pad_header(self._head + digits + self._middle + digits + b"}}")
         frame = _PREFIX.pack(MAGIC, FORMAT_VERSION, self._flags, len(header)) + header
         if self.key:
             frame += hmac.new(self.key, frame, hashlib.sha256).digest()

@@ -84,8 +84,8 @@ class ClientIO:
     def __init__(self, endpoints, *, from_addresses: bool, identity: bytes, sender: str, secret,
                  retry_after_s: float, heartbeat_s: float, request_timeout_s: float, server_names: list[str],
                  clock: Callable[[], int]):
-        self.sender, self.secret, self.identity = sender, secret, identity
-        self._key = _check_secret(secret)
+        # The secret checked and as bytes once, not at every encode and decode.
+        self.sender, self.key, self.identity = sender, _check_secret(secret), identity
         # Seqs restart with every client: the server dedups per (worker, session).
         self.session = identity.decode("ascii", "replace")
         self.retry_after_s, self.heartbeat_s, self.request_timeout_s = retry_after_s, heartbeat_s, request_timeout_s
@@ -254,7 +254,7 @@ class ClientIO:
             try:
                 # Large tensors are not copied: ZeroMQ sends them from the caller's memory (a
                 # multipart message; see protocol.encode_parts and PSClient.push).
-                frame = encode_parts(msg, self.secret)
+                frame = encode_parts(msg, self.key)
             except (TypeError, ValueError) as error:
                 gather.fail(error)
                 return
@@ -266,7 +266,7 @@ class ClientIO:
         server = self._servers[index]
         try:
             # A push's ack is read by its own short path; any other frame by the general decoder.
-            reply = read_ack(frame, self._key) or decode(frame, self.secret)
+            reply = read_ack(frame, self.key) or decode(frame, self.key)
         except ProtocolError as error:
             self._stats["rejected_replies"] += 1
             log.warning("PS client %s: dropped a malformed reply from %s: %s", self.sender, server.name, error)
@@ -304,7 +304,7 @@ class ClientIO:
 
     def _heartbeat(self) -> None:
         msg = Message(MessageType.HEARTBEAT, self.sender, 0, meta={"clock": self._clock()})
-        frame = encode(msg, self.secret)
+        frame = encode(msg, self.key)
         for server in self._servers:
             server.transport.send(frame)
 

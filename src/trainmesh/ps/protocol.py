@@ -16,7 +16,6 @@ import enum
 import hashlib
 import hmac
 import json
-import math
 import struct
 import warnings
 from dataclasses import dataclass, field
@@ -139,6 +138,12 @@ def _tensor_bytes(name: str, tensor: Any) -> tuple[str, torch.Size, memoryview]:
     return dtype_name, tensor.shape, memoryview(array.reshape(-1).view("u1"))
 
 
+def _pad_header(header: bytes) -> bytes:
+    """The JSON header padded with spaces (still valid JSON) so the payload after it starts 8-byte
+    aligned in the frame."""
+    return header + b" " * (_align(_PREFIX.size + len(header)) - _PREFIX.size - len(header))
+
+
 def _layout(msg: Message, key: bytes | None, max_bytes: int) -> tuple[bytes, list[tuple[int, memoryview]], int]:
     """(prefix + header, [(payload offset, tensor bytes)], payload length) of ``msg``, checked."""
     if not isinstance(msg, Message):
@@ -172,8 +177,7 @@ def _layout(msg: Message, key: bytes | None, max_bytes: int) -> tuple[bytes, lis
     except (TypeError, ValueError) as exc:
         raise ValueError(f"Message.meta must be plain JSON (str/int/float/bool/None/list/dict, "
                          f"no NaN): {exc}") from exc
-    # Pad the JSON with spaces (still valid JSON) so the payload starts 8-byte aligned in the frame.
-    header += b" " * (_align(_PREFIX.size + len(header)) - _PREFIX.size - len(header))
+    header = _pad_header(header)
     if len(header) > MAX_HEADER_BYTES:
         raise ValueError(f"message header is {len(header)} bytes, over the {MAX_HEADER_BYTES} limit "
                          f"(too many tensors or too large a meta)")

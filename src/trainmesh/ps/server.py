@@ -136,9 +136,7 @@ class ParameterServer:
             else:
                 self.state.log_then(frame, self._prepare(msg))  # a bad push fails before the log
                 self.counters["applied_pushes"] += 1
-            ack = self._acks.encode(msg.seq)  # (what _reply would send for ACK, meta {"seq"}, written directly)
-            self.counters["bytes_out"] += len(ack)
-            self.transport.send(peer, ack)
+            self._send(peer, self._acks.encode(msg.seq))  # (what _reply(ACK, meta {"seq"}) would send)
         elif kind in (MessageType.INIT, MessageType.IMPORT):
             self.state.log_then(frame, self._prepare(msg))
             if self.state.durability == "snapshot":
@@ -258,7 +256,9 @@ class ParameterServer:
     def _reply(self, peer, request: Message, kind: MessageType, tensors: dict | None = None,
                meta: dict | None = None) -> None:
         reply = Message(kind, self.server_id, request.seq, tensors=tensors or {}, meta=meta or {})
-        frame = encode(reply, self.secret, self.max_message_bytes)
+        self._send(peer, encode(reply, self.secret, self.max_message_bytes))
+
+    def _send(self, peer, frame: bytes) -> None:
         self.counters["bytes_out"] += len(frame)
         self.transport.send(peer, frame)
 
