@@ -207,7 +207,11 @@ def _worker(cases, rounds: int, hardware, priority: bool) -> dict:
 
 def _round_hardware(hardware, measured: list[dict], k: int, index: int):
     """Round ``k``'s figures for case ``index``: rank 0's per-op probe, and the core-sharing curve
-    ((1, 1), (2, alone / rate of 2 at once), (n, alone / median rate of n at once before the step))."""
+    ((1, 1), (2, alone / rate of 2 at once), (n, alone / rate of n at once around the step)), each
+    rate of several processes the slowest one's (``calibrate_cores.pace_of``), as in the plan's own
+    calibration: the step waits for its slowest process."""
+    from trainmesh.planner.calibrate_cores import pace_of
+
     from dataclasses import replace
 
     from trainmesh.planner.hardware import Hardware
@@ -216,8 +220,8 @@ def _round_hardware(hardware, measured: list[dict], k: int, index: int):
     alone = measured[0]["shares"][k][1]
     curve = [(1, 1.0)]
     if n > 2:
-        curve.append((2, alone / statistics.median(measured[r]["shares"][k][2] for r in range(2))))
-    curve.append((n, alone / statistics.median(measured[r]["shares"][k]["cases"][index] for r in range(n))))
+        curve.append((2, alone / pace_of([measured[r]["shares"][k][2] for r in range(2)])))
+    curve.append((n, alone / pace_of([measured[r]["shares"][k]["cases"][index] for r in range(n)])))
     probe = Hardware.from_dict(measured[0]["probes"][k])
     return replace(hardware, flops=probe.flops, flops_curve=probe.flops_curve, bandwidth_curve=probe.bandwidth_curve,
                    memory_bandwidth=probe.memory_bandwidth, op_overhead=probe.op_overhead,

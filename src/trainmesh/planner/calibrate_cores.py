@@ -15,7 +15,9 @@ None of this can be read from the core count. ``measure_contention`` measures it
 mix of what a training step does (matmuls of a linear layer's three layouts, memory-bound adds
 over a pool larger than the caches, a tiny model's training step, which is dispatch-bound), for
 the same wall-clock window, all at once; ``slowdown(P)`` is the rate one process got alone over
-the median rate each of the P got. The plan multiplies each process's CPU work by it
+the rate of the slowest of the P: a step ends at a collective every process must reach, so it
+goes at the pace of the slowest process, not of a typical one (the cores of a shared host do not
+serve P processes alike). The plan multiplies each process's CPU work by it
 (``Hardware.contention``). It is measured with the host's load *now*: a plan of a shared host is
 a plan of its load at calibration time (``benchmarks/plan_accuracy.py`` repeats the probe every
 round, beside the steps it prices).
@@ -112,7 +114,13 @@ def measure_contention(processes: tuple[int, ...] = PROCESSES, window: float = W
             if child.is_alive():
                 child.kill()
     alone = statistics.mean(results[1])
-    return tuple((p, alone / statistics.median(results[p])) for p in sorted(set(processes) | {1}))
+    return tuple((p, alone / (statistics.mean(results[p]) if p == 1 else pace_of(results[p])))
+                 for p in sorted(set(processes) | {1}))
+
+
+def pace_of(rates) -> float:
+    """The rate a synchronous step of processes running at ``rates`` goes at: the slowest's."""
+    return min(rates)
 
 
 def slowdown_at(curve: tuple, processes: int) -> float:
@@ -130,4 +138,4 @@ def slowdown_at(curve: tuple, processes: int) -> float:
     return s_last * processes / p_last
 
 
-__all__ = ["measure_contention", "slowdown_at", "probe_work", "run_window", "PROCESSES"]
+__all__ = ["measure_contention", "pace_of", "slowdown_at", "probe_work", "run_window", "PROCESSES"]
