@@ -16,6 +16,8 @@ MLP from the same seed on the same batches:
     (strategy "ddp", accelerator "cpu", devices 2) built inside the same processes, where they
     adopt the process group the harness started. Targets: trainer / Accelerate <= 1.00 and
     trainer / Fabric <= 1.00. Every DDP side gets the same DDP settings (``DDP_KWARGS``, printed).
+    A diagnostic fourth variant runs the Trainer without its per-step non-finite/stop agreement
+    (one small all-reduce per step that the peers do not make), to tell its cost from the rest.
 
 The variants are interleaved: every round runs W warmup + S timed steps of each variant in
 turn, and the order rotates and reverses from round to round, so drift of the machine hits
@@ -59,7 +61,10 @@ DDP_KWARGS = {"gradient_as_bucket_view": True}
 # 1-process group, which is what the Trainer's model is wrapped in; it splits the Trainer's cost
 # into "DDP on one process" and "the Trainer's own loop".
 SINGLE = ("trainmesh", "hand-written", "hand-written-ddp")
-MULTI = ("trainmesh", "accelerate", "fabric")  # part (b), two processes
+# Part (b), two processes. "trainmesh-unchecked" is a diagnostic: the Trainer without its per-step
+# agreement (``nonfinite_loss=None``, the loss reduced once at the end), which the peers do not do;
+# it splits the Trainer's cost into "that one small all-reduce per step" and everything else.
+MULTI = ("trainmesh", "accelerate", "fabric", "trainmesh-unchecked")
 # (numerator, denominator, target or None, role). Headline: the Trainer as users get it (log_every_n_steps=1).
 COMPARISONS = {
     "single": [
@@ -70,6 +75,8 @@ COMPARISONS = {
     "multi": [
         ("trainmesh", "accelerate", 1.00, "headline"),
         ("trainmesh", "fabric", 1.00, "headline"),
+        ("trainmesh", "trainmesh-unchecked", None, "diagnostic"),
+        ("trainmesh-unchecked", "fabric", None, "diagnostic"),
     ],
 }
 
@@ -200,10 +207,13 @@ def worker(cfg: dict, part: str) -> dict:
         for name in variants:
             model = raw[name] = build_model(cfg["seed"])
             if name.startswith("trainmesh"):
-                log_every = 1  # the Trainer as users get it
+                # the Trainer as users get it; the unchecked diagnostic makes no per-step collective (its
+                # loss is reduced at the epoch's last step, one step in all its rounds)
+                options = (dict(nonfinite_loss=None, log_every_n_steps=10**9) if name == "trainmesh-unchecked"
+                           else dict(log_every_n_steps=1))
                 clock = _PhaseClock(warmup, steps, cfg["rounds"])
                 trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=cfg["lr"]), mse, progress=False,
-                                     log_every_n_steps=log_every, callbacks=[clock])
+                                     callbacks=[clock], **options)
                 runners[name] = _TrainerRunner(trainer, clock, (x, y), batch)
             elif name.startswith("hand-written"):  # one process: no wrapper at all (or DDP, the diagnostic)
                 if name == "hand-written-ddp":
