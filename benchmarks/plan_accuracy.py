@@ -210,10 +210,9 @@ def _round_hardware(hardware, measured: list[dict], k: int, index: int):
     ((1, 1), (2, alone / rate of 2 at once), (n, alone / rate of n at once around the step)), each
     rate of several processes the slowest one's (``calibrate_cores.pace_of``), as in the plan's own
     calibration: the step waits for its slowest process."""
-    from trainmesh.planner.calibrate_cores import pace_of
-
     from dataclasses import replace
 
+    from trainmesh.planner.calibrate_cores import pace_of
     from trainmesh.planner.hardware import Hardware
 
     n = len(measured)

@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parts", default="single,multi", help="comma list of parts to run: single, multi")
     parser.add_argument("--json", metavar="PATH", help="write the full results as JSON here")
-    parser.add_argument("--quick", action="store_true", help="a ~45 s smoke run")
+    parser.add_argument("--quick", action="store_true", help="a ~40 s smoke run")
     args = parser.parse_args(argv)
     # 2 rounds of 3 steps (the old quick run) read 0.90 to 1.64 against the same peer on one commit:
     # one slow phase decided the figure. 12 rounds of 4 give each side 48 timed steps.

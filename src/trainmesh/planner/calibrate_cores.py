@@ -114,8 +114,7 @@ def measure_contention(processes: tuple[int, ...] = PROCESSES, window: float = W
             if child.is_alive():
                 child.kill()
     alone = statistics.mean(results[1])
-    return tuple((p, alone / (statistics.mean(results[p]) if p == 1 else pace_of(results[p])))
-                 for p in sorted(set(processes) | {1}))
+    return tuple((p, 1.0 if p == 1 else alone / pace_of(results[p])) for p in sorted(set(processes) | {1}))
 
 
 def pace_of(rates) -> float:
