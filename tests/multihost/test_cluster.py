@@ -128,10 +128,13 @@ def test_packet_loss_drops_that_share_and_tcp_still_delivers_every_byte(netns_cl
     counter = receiver.popen([sys.executable, "-c", UDP_COUNT, receiver.address, "7006"],
                              stdout=subprocess.PIPE, text=True)
     assert counter.stdout.readline().strip() == "ready"
+    dropped_before = sender.dropped_packets()
     sender.run([sys.executable, "-c", UDP_SEND, receiver.address, "7006", "1000"])
     arrived = int(counter.stdout.readline())
-    print(f"{sender.loss_applied:.1f}% loss: {1000 - arrived} of 1000 datagrams lost")
+    dropped = sender.dropped_packets() - dropped_before
+    print(f"{sender.loss_applied:.1f}% loss: {1000 - arrived} of 1000 datagrams lost; the link counted {dropped}")
     assert 800 <= arrived <= 970, arrived  # about 1 in 10 dropped, not none and not all
+    assert dropped == 1000 - arrived  # the link's drop count is what went missing (one-way, no other IPv4)
     _transfer(cluster, 1 << 20, port=7005)  # TCP retransmits: every byte arrives (checked inside)
     sender.unshape()
     assert sender.loss_applied is None

@@ -256,6 +256,16 @@ class Host:
         for netns, dev in ((self.netns, IFACE), (self.cluster.bridge_netns, self.port)):
             _ip("netns", "exec", netns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
 
+    def dropped_packets(self) -> int:
+        """Packets this host's shaping has dropped so far, both directions: the ``dropped`` count
+        ``tc -s`` reports for the root qdisc on the host's ``eth0`` and on the bridge's port toward
+        it (a root counts its children's drops too, so only the root is read)."""
+        total = 0
+        for netns, dev in ((self.netns, IFACE), (self.cluster.bridge_netns, self.port)):
+            shown = _ip("netns", "exec", netns, "tc", "-s", "qdisc", "show", "dev", dev, "root").stdout
+            total += sum(int(n) for n in re.findall(r"dropped (\d+)", shown))
+        return total
+
     def tcp_retransmits(self) -> int:
         """TCP segments retransmitted by this host's processes so far (its namespace's own count)."""
         lines = [line.split() for line in self.run(["cat", "/proc/net/snmp"], timeout=30).stdout.splitlines()
