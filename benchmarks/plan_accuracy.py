@@ -2,7 +2,11 @@
 
 Cases: DP, ZeRO-3, TP, a pipeline (pipe=2) at 2 processes; ZeRO-3 + checkpointing, TP x ZeRO-3 and
 pipe x ZeRO-3 at 4; the full run adds pipe x data x model and TP x ZeRO-3 at 8. The model is a Llama
-from transformers built from a config (no download).
+from transformers built from a config (no download). All on loopback; then the 2-process cases again
+on shaped links (``plan_accuracy_hosts``; skipped with the reason where this is not root, or with
+``--no-shaped``): one process on each of two network-namespace hosts, both links shaped to 1 Gbit/s,
+planned with the link between two such hosts measured first (``trainmesh.planner.calibrate_hosts``,
+what ``trainmesh plan --calibrate --host-link 1gbit`` measures) as the inter-node link.
 
 * planned, before anything runs: this machine is calibrated (``trainmesh.planner.calibrate``: matmul
   and memory-bandwidth curves, per-op and per-DTensor-op overheads of a tiny model's step, loopback
@@ -283,6 +287,77 @@ def _price(case, results: list, hardware) -> dict:
             "flops": [r.flops for r in results], "ops": [r.ops.ops() for r in results]}
 
 
+def _compare(group: list, dry: list, measured: list[dict], hardware, rounds: int, link: str, rows: list, worst: dict,
+             invalid: list) -> None:
+    """Price each case of ``group`` (one world size, measured on ``link``) with ``hardware`` and the figures measured
+    during its rounds, against what its processes measured; rows, worst ratios and INVALID lines are appended."""
+    n = group[0][0]
+    during = _median_hardware(hardware, measured[0]["probes"])
+    print(f"\n{n} processes, {link}; per-op figures measured during the rounds (median of {rounds}):\n"
+          + "\n".join(during.describe().splitlines()[1:4]) + f"\n  external load {during.external_load:.1f} runnable")
+    for index, (case, results) in enumerate(zip(group, dry)):
+        plan = _price(case, results, during)
+        before = _price(case, results, hardware).get("step").seconds
+        round_hw = [_round_hardware(hardware, measured, k, index) for k in range(rounds)]
+        planned = [_price(case, results, hw)["step"] for hw in round_hw]
+        plan["step"] = sorted(planned, key=lambda e: e.seconds)[len(planned) // 2]  # the median round's plan
+        slowdowns = [hw.contention(n) for hw in round_hw]
+        per_round = [max(measured[r]["times"][index][k] for r in range(n)) for k in range(rounds)]
+        median, (low, high) = statistics.median(per_round), ci95(per_round)
+        cpu_used = statistics.median(statistics.median(measured[r]["cpu"][index]) for r in range(n))
+        # Each round's step against the plan priced with that round's figures (measured beside it):
+        # the load moves both together, so the per-round ratio is the plan's error, not the load's.
+        paired = [e.seconds / t for e, t in zip(planned, per_round)]
+        step_ratio = statistics.median(paired)
+        unpaired = plan["step"].seconds / median
+        print(f"  {case[4]:<10} each of {n} processes {statistics.median(slowdowns):.2f}x slower than one alone "
+              f"(rounds {min(slowdowns):.2f}-{max(slowdowns):.2f}); plan/step per round {step_ratio:.2f} "
+              f"(95% {ci95(paired)[0]:.2f}-{ci95(paired)[1]:.2f}); median plan / median step {unpaired:.2f}")
+        worst["step"].append(step_ratio)
+        for rank in range(n):
+            real = measured[rank]
+            tolerance = 0.02 if _is_pipe(case[1]) else 0.0
+            if abs(plan["flops"][rank] - real["flops"][index]) > tolerance * real["flops"][index]:
+                invalid.append(f"{case[4]} n={n} ({link}) rank {rank}: planned {plan['flops'][rank]} and run "
+                               f"{real['flops'][index]} FLOPs differ (not the same work)")
+            socket = statistics.median(real["wire"][index])
+            comm = plan["wire"][rank] / socket if socket > 0 else (1.0 if plan["wire"][rank] == 0 else float("nan"))
+            memory = plan["peaks"][rank] / real["peaks"][index]
+            worst["memory"].append(memory)
+            worst["comm"].append(comm)
+            rows.append({"case": case[4], "n": n, "mesh": case[1], "link": link, "rank": rank,
+                         "plan_peak": plan["peaks"][rank], "peak": real["peaks"][index], "memory_ratio": memory,
+                         "plan_wire": plan["wire"][rank], "socket_bytes": socket, "comm_ratio": comm,
+                         "plan_ops": plan["ops"][rank], "ops": real["ops"][index],
+                         "plan_step": plan["step"].seconds, "step": median, "step_ci95": [low, high], "step_cpu": cpu_used,
+                         "step_ratio": step_ratio, "step_ratio_unpaired": unpaired,
+                         "step_ratio_rounds": paired, "step_slowdown_rounds": slowdowns,
+                         "plan_step_before": before,
+                         "step_ratio_before": before / median, "step_ratio_ci95": list(ci95(paired)),
+                         "plan_parts": {**{k: v for k, v in plan["step"].phases.items()},
+                                        **{f"{a} exposed": v for a, v in plan["step"].exposed.items()}}})
+
+
+def _shaped_group(cases: list, rounds: int, hardware, args, rows: list, worst: dict, invalid: list) -> str:
+    """The two-process cases again, one process on each of two namespace hosts whose links are shaped
+    (``plan_accuracy_hosts``), planned with the link measured between two such hosts as the inter-node link."""
+    from plan_accuracy_hosts import RATE, measure_on_hosts  # this script's directory is on the path
+    from trainmesh.planner.calibrate_hosts import measure_host_link, with_host_link
+    from trainmesh.testing.cluster import ClusterUnavailable
+
+    group = [c for c in cases if c[0] == 2]
+    try:
+        host_hardware = with_host_link(hardware, *measure_host_link(RATE), processes_per_host=1)
+        print("\n" + "\n".join(host_hardware.describe().splitlines()[-5:]))
+        dry = [_dry_run(case) for case in group]
+        measured = measure_on_hosts(group, rounds, host_hardware, args.priority, RATE)
+    except ClusterUnavailable as exc:
+        return f"shaped (netns) links not used: {exc}"
+    _compare(group, dry, measured, host_hardware, rounds, f"hosts at {RATE}", rows, worst, invalid)
+    return (f"shaped links: the two-process cases also ran with one process on each of two network-namespace hosts, "
+            f"links shaped to {RATE} (tbf), planned with the link measured between two such hosts")
+
+
 def _farthest(values):
     return max(values, key=lambda v: abs(v - 1) if v == v else float("inf"), default=1.0)
 
@@ -292,6 +367,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK)} only, fewer rounds")
     parser.add_argument("--rounds", type=int, default=None, help="timed steps per case (default 8 quick, 10 full; the step figure is a median over them)")
     parser.add_argument("--json", default=None, metavar="PATH")
+    parser.add_argument("--no-shaped", dest="shaped", action="store_false",
+                        help="skip the shaped-link group (two-process cases across two network-namespace hosts)")
     parser.add_argument("--no-priority", dest="priority", action="store_false",
                         help="do not raise the measured processes' priority (they then share the CPU with all load)")
     args = parser.parse_args()
@@ -312,66 +389,25 @@ def main() -> int:
         group = [c for c in cases if c[0] == n]
         dry = [_dry_run(case) for case in group]  # planned before anything runs
         measured = run_distributed(_worker, world_size=n, args=(group, rounds, hardware, args.priority), timeout=1200)
-        during = _median_hardware(hardware, measured[0]["probes"])
-        print(f"\n{n} processes; per-op figures measured during the rounds (median of {rounds}):\n"
-              + "\n".join(during.describe().splitlines()[1:4]) + f"\n  external load {during.external_load:.1f} runnable")
-        for index, (case, results) in enumerate(zip(group, dry)):
-            plan = _price(case, results, during)
-            before = _price(case, results, hardware).get("step").seconds
-            round_hw = [_round_hardware(hardware, measured, k, index) for k in range(rounds)]
-            planned = [_price(case, results, hw)["step"] for hw in round_hw]
-            plan["step"] = sorted(planned, key=lambda e: e.seconds)[len(planned) // 2]  # the median round's plan
-            slowdowns = [hw.contention(n) for hw in round_hw]
-            per_round = [max(measured[r]["times"][index][k] for r in range(n)) for k in range(rounds)]
-            median, (low, high) = statistics.median(per_round), ci95(per_round)
-            cpu_used = statistics.median(statistics.median(measured[r]["cpu"][index]) for r in range(n))
-            # Each round's step against the plan priced with that round's figures (measured beside it):
-            # the load moves both together, so the per-round ratio is the plan's error, not the load's.
-            paired = [e.seconds / t for e, t in zip(planned, per_round)]
-            step_ratio = statistics.median(paired)
-            unpaired = plan["step"].seconds / median
-            print(f"  {case[4]:<10} each of {n} processes {statistics.median(slowdowns):.2f}x slower than one alone "
-                  f"(rounds {min(slowdowns):.2f}-{max(slowdowns):.2f}); plan/step per round {step_ratio:.2f} "
-                  f"(95% {ci95(paired)[0]:.2f}-{ci95(paired)[1]:.2f}); median plan / median step {unpaired:.2f}")
-            worst["step"].append(step_ratio)
-            for rank in range(n):
-                real = measured[rank]
-                tolerance = 0.02 if _is_pipe(case[1]) else 0.0
-                if abs(plan["flops"][rank] - real["flops"][index]) > tolerance * real["flops"][index]:
-                    invalid.append(f"{case[4]} n={n} rank {rank}: planned {plan['flops'][rank]} and run "
-                                   f"{real['flops'][index]} FLOPs differ (not the same work)")
-                socket = statistics.median(real["wire"][index])
-                comm = plan["wire"][rank] / socket if socket > 0 else (1.0 if plan["wire"][rank] == 0 else float("nan"))
-                memory = plan["peaks"][rank] / real["peaks"][index]
-                worst["memory"].append(memory)
-                worst["comm"].append(comm)
-                rows.append({"case": case[4], "n": n, "mesh": case[1], "rank": rank,
-                             "plan_peak": plan["peaks"][rank], "peak": real["peaks"][index], "memory_ratio": memory,
-                             "plan_wire": plan["wire"][rank], "socket_bytes": socket, "comm_ratio": comm,
-                             "plan_ops": plan["ops"][rank], "ops": real["ops"][index],
-                             "plan_step": plan["step"].seconds, "step": median, "step_ci95": [low, high], "step_cpu": cpu_used,
-                             "step_ratio": step_ratio, "step_ratio_unpaired": unpaired,
-                             "step_ratio_rounds": paired, "step_slowdown_rounds": slowdowns,
-                             "plan_step_before": before,
-                             "step_ratio_before": before / median, "step_ratio_ci95": list(ci95(paired)),
-                             "plan_parts": {**{k: v for k, v in plan["step"].phases.items()},
-                                            **{f"{a} exposed": v for a, v in plan["step"].exposed.items()}}})
-    print(f"\n{'case':<10}{'n':>2} {'mesh':<22}{'rank':>4} {'plan MiB':>9} {'meas MiB':>9} {'ratio':>6}  "
+        _compare(group, dry, measured, hardware, rounds, "loopback", rows, worst, invalid)
+    shaped_note = _shaped_group(cases, rounds, hardware, args, rows, worst, invalid) if args.shaped else \
+        "shaped (netns) links not used (--no-shaped)"
+    print(f"\n{'case':<10}{'n':>2} {'mesh':<22}{'link':<16}{'rank':>4} {'plan MiB':>9} {'meas MiB':>9} {'ratio':>6}  "
           f"{'plan MB':>8} {'sock MB':>8} {'ratio':>6}  {'plan ops':>8} {'ops':>6}")
     for r in rows:
-        print(f"{r['case']:<10}{r['n']:>2} {r['mesh']:<22}{r['rank']:>4} {r['plan_peak'] / 2**20:>9.1f} "
+        print(f"{r['case']:<10}{r['n']:>2} {r['mesh']:<22}{r['link']:<16}{r['rank']:>4} {r['plan_peak'] / 2**20:>9.1f} "
               f"{r['peak'] / 2**20:>9.1f} {r['memory_ratio']:>6.3f}  {r['plan_wire'] / 1e6:>8.2f} "
               f"{r['socket_bytes'] / 1e6:>8.2f} {r['comm_ratio']:>6.3f}  {r['plan_ops']:>8} {r['ops']:>6}")
     print(f"\nstep time ({rounds} interleaved rounds; measured = slowest rank per step, median and 95% interval; "
           "ratio = median over rounds of the round's plan / the round's step; unpair = median plan / median step; "
           "before = the plan on the figures calibrated before the run / median step)")
-    print(f"{'case':<10}{'n':>2} {'mesh':<22}{'plan ms':>8} {'meas ms':>8} {'95% interval':>16} {'ratio':>6} "
+    print(f"{'case':<10}{'n':>2} {'mesh':<22}{'link':<16}{'plan ms':>8} {'meas ms':>8} {'95% interval':>16} {'ratio':>6} "
           f"{'ratio 95%':>12} {'unpair':>7} {'before':>7} {'cpu ms':>7}  planned parts (ms)")
     for r in rows:
         if r["rank"]:
             continue
         parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in r["plan_parts"].items() if v > 5e-4)
-        print(f"{r['case']:<10}{r['n']:>2} {r['mesh']:<22}{r['plan_step'] * 1e3:>8.1f} {r['step'] * 1e3:>8.1f} "
+        print(f"{r['case']:<10}{r['n']:>2} {r['mesh']:<22}{r['link']:<16}{r['plan_step'] * 1e3:>8.1f} {r['step'] * 1e3:>8.1f} "
               f"{r['step_ci95'][0] * 1e3:>7.1f}-{r['step_ci95'][1] * 1e3:<8.1f} {r['step_ratio']:>6.2f} "
               f"{r['step_ratio_ci95'][0]:>5.2f}-{r['step_ratio_ci95'][1]:<6.2f} {r['step_ratio_unpaired']:>7.2f} {r['step_ratio_before']:>7.2f} {r['step_cpu'] * 1e3:>7.0f}  {parts}")
     figures = {"plan_memory_vs_measured_worst": round(_farthest(worst["memory"]), 4),
@@ -379,12 +415,13 @@ def main() -> int:
                "plan_step_time_vs_measured_worst": round(_farthest(worst["step"]), 4)}
     print(json.dumps(figures))
     print(priority_note)
-    print("comm bytes are counted at the sockets (independent of the planner's dispatcher counter); "
-          "shaped (netns) links not used")
+    print("comm bytes are counted at the sockets (independent of the planner's dispatcher counter)")
+    print(shaped_note)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"figures": figures, "rows": rows, "hardware": hardware.to_dict(), "invalid": invalid,
-                       "rounds": rounds, "priority": priority_note}, f, indent=2)
+                       "rounds": rounds, "priority": priority_note,
+                       "shaped_links": shaped_note}, f, indent=2)
     if invalid:
         print("INVALID: " + "; ".join(invalid))
         return 1

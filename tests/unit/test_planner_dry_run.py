@@ -258,6 +258,41 @@ def test_each_collective_kind_is_priced_with_its_own_measured_figures():
     assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
 
 
+def test_a_measured_host_link_prices_the_axes_that_cross_hosts_and_namespace_hosts_share_the_cores():
+    import json
+    from dataclasses import replace
+
+    from trainmesh.planner.calibrate_hosts import with_host_link
+    from trainmesh.planner.collectives import CollectiveLog
+    from trainmesh.planner.hardware import Hardware, Link, axis_seconds
+
+    loop = Link("loopback", 1e-4, 2e9)
+    one_machine = Hardware(name="calibrated", source="calibrated: test", flops=1e11, devices_per_node=1 << 30,
+                           intra=loop, inter=loop, backend="gloo", cores=2,
+                           collective_costs=(("all_reduce", 2e-4, 1e9),), contention_curve=((1, 1.0), (4, 2.5)))
+    # all-reduce measured as a curve (wire bytes of one call -> seconds); all-gather only as a fit
+    measured = (("all_reduce", ((4096, 3e-3), (2**20, 8e-3), (2**23, 70e-3))),)
+    hosts = with_host_link(one_machine, Link("hosts at 1gbit", 3e-3, 150e6),
+                           (("all_reduce", 3e-3, 150e6), ("all_gather", 4e-4, 140e6)), measured, processes_per_host=2)
+    log = CollectiveLog(group_sizes={"data": 2})
+    log.add("data", "all_reduce", 2 * 3 * 2**20, 2)  # two calls of 3 MiB (two ranks: 3 MiB on the wire each)
+    log.add("data", "all_gather", 10**6, 1)
+    within = 2 * 2e-4 + 6 * 2**20 / 1e9 + 1e-4 + 10**6 / 2 / 2e9  # loopback: the kind's own, else the link's
+    on_curve = 8e-3 + (70e-3 - 8e-3) * (3 * 2**20 - 2**20) / (2**23 - 2**20)  # between the measured points
+    across = 2 * on_curve + 4e-4 + 10**6 / 2 / 140e6  # between hosts: the curve, else the kind's own fit
+    assert axis_seconds(log, hosts, {"data": 1})["data"] == pytest.approx(within, rel=1e-9)
+    assert axis_seconds(log, hosts, {"data": 2})["data"] == pytest.approx(across, rel=1e-9)
+    # outside the measured sizes: the smallest's latency below, the last segment's slope above
+    assert hosts.collective_seconds("all_reduce", hosts.inter, 1, 100) == pytest.approx(3e-3)
+    assert hosts.collective_seconds("all_reduce", hosts.inter, 1, 2**24) == pytest.approx(
+        70e-3 + (70e-3 - 8e-3) * (2**24 - 2**23) / (2**23 - 2**20))
+    # the namespace hosts are one machine: all 4 processes of 2 hosts share its cores
+    assert hosts.processes_per_node(4) == 4 and hosts.contention(4) == pytest.approx(2.5)
+    assert replace(hosts, nodes_share_cores=False).processes_per_node(4) == 2
+    assert "hosts at 1gbit" in hosts.source and "2 process(es) each" in hosts.source
+    assert Hardware.from_dict(json.loads(json.dumps(hosts.to_dict()))) == hosts
+
+
 @pytest.mark.timeout(240)
 def test_calibration_measures_each_collective_kind_between_two_processes():
     from trainmesh.planner.calibrate import KINDS, calibrate_collectives

@@ -7,6 +7,7 @@ Two forms, one planner underneath (``trainmesh.planner``: dry runs of trainmesh'
         --zero 3 --activation-checkpointing full --micro-batch 1 --seq 4096 --device-memory 80GB
     trainmesh plan --world-size 64 --model llama-7b --seq 4096 --device-memory 80GB --search
     trainmesh plan --calibrate [--json hw.json]          # this machine's FLOP rate and link alpha/beta
+    trainmesh plan --calibrate --host-link 1gbit        # ... and a shaped link between namespace hosts
     trainmesh plan mypkg.models:build_gpt --world-size 8 --micro-batch 4 --seq-len 2048 --budget 80GiB
 
 The last form (a ``MODULE:FACTORY`` positional, no ``--mesh``/``--model``) prints the
@@ -56,6 +57,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="published figures (h100) or a JSON file written by --calibrate")
     parser.add_argument("--search", action="store_true", help="rank meshes x ZeRO x checkpointing that fit")
     parser.add_argument("--calibrate", action="store_true", help="measure this machine's FLOP rate and links")
+    parser.add_argument("--host-link", default=None, metavar="RATE",
+                        help="with --calibrate: also measure the link between two network-namespace hosts of this "
+                             "machine shaped to RATE (e.g. 1gbit; needs root), the plan's inter-node link")
+    parser.add_argument("--processes-per-host", type=int, default=1, metavar="N",
+                        help="with --host-link: processes on each host (axes within a host use loopback)")
     parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                         help="write JSON to PATH (no PATH: print JSON instead of the table)")
     return parser
@@ -90,7 +96,15 @@ def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.calibrate:
         from trainmesh.planner.calibrate import calibrate
 
-        hardware = calibrate()
+        from trainmesh.testing.cluster import ClusterUnavailable
+
+        if args.processes_per_host < 1:
+            parser.error(f"--processes-per-host must be at least 1. Received: {args.processes_per_host}")
+        try:
+            hardware = calibrate(host_link=args.host_link, processes_per_host=args.processes_per_host)
+        except ClusterUnavailable as exc:
+            parser.error(f"--host-link {args.host_link} needs network-namespace hosts, and this machine cannot make "
+                         f"them: {exc}")
         _emit(args, hardware.describe(), hardware.to_dict())
         return 0
     if args.world_size is None:

@@ -15,10 +15,13 @@
   at once than one alone (``calibrate_cores``: the host's other load, the scheduler, shared caches and
   memory bus; ``Hardware.contention``).
 
-The result is a ``Hardware`` (backend gloo, intra- and inter-node links both the measured one: one
-machine), cached per machine, torch version and thread count (``--hardware calibrated`` reads the
-cache), and written with ``--json PATH`` for ``--hardware PATH``. Not measured: links between hosts
-(a plan over several hosts takes their figures from a JSON file).
+* Between hosts, with ``--host-link RATE`` (``calibrate_hosts``): the same collectives between two
+  network-namespace hosts of this machine whose links are shaped to RATE; the plan's inter-node link.
+
+The result is a ``Hardware`` (backend gloo; intra- and inter-node links both loopback unless a host link
+was measured), cached per machine, torch version and thread count (``--hardware calibrated`` reads the
+cache), and written with ``--json PATH`` for ``--hardware PATH``. Real machines' links between hosts
+are not measured here: a plan over them takes their figures from a JSON file or published figures.
 """
 
 from __future__ import annotations
@@ -141,10 +144,13 @@ def _key() -> str:
     return f"{platform.node()}|{platform.machine()}|torch {torch.__version__}|threads={torch.get_num_threads()}"
 
 
-def calibrate(n: int = 1024, *, link: bool = True, save: bool = True, contention: bool = True) -> "CalibratedHardware":
+def calibrate(n: int = 1024, *, link: bool = True, save: bool = True, contention: bool = True,
+              host_link: str | None = None, processes_per_host: int = 1) -> "CalibratedHardware":
     """Measure this machine (about a minute): per-op cost curves and overheads (``calibrate_ops``) on the
     threads this process has, the loopback link's alpha/beta between two gloo processes, and how much
-    slower each of 1-8 processes runs at once (``calibrate_cores``; ``contention=False`` skips it)."""
+    slower each of 1-8 processes runs at once (``calibrate_cores``; ``contention=False`` skips it).
+    With ``host_link`` (a rate, "1gbit"), also the link between two namespace hosts shaped to it
+    (``calibrate_hosts``): the inter-node link of hosts of ``processes_per_host`` processes each."""
     from .calibrate_ops import measure_compute, measure_dtensor_overhead, measure_fsdp_overhead
 
     loop, costs = calibrate_collectives() if link else (Link("loopback", 0.0, float("inf")), ())
@@ -163,6 +169,10 @@ def calibrate(n: int = 1024, *, link: bool = True, save: bool = True, contention
         from .calibrate_cores import measure_contention
 
         hardware = replace(hardware, contention_curve=measure_contention())
+    if host_link:
+        from .calibrate_hosts import measure_host_link, with_host_link
+
+        hardware = with_host_link(hardware, *measure_host_link(host_link), processes_per_host)
     if save:
         _save(hardware)
     return hardware
@@ -207,4 +217,9 @@ class CalibratedHardware(Hardware):
                    + " slower each than one alone (run at once)\n" if self.contention_curve else "")
                 + f"  {self.intra.name:<11} alpha {self.intra.alpha * 1e6:.1f} us, beta {self.intra.beta / 1e9:.2f} GB/s"
                 + "".join(f"\n  {kind:<15} alpha {alpha * 1e6:.1f} us, beta {beta / 1e9:.2f} GB/s (of wire bytes)"
-                          for kind, alpha, beta in self.collective_costs))
+                          for kind, alpha, beta in self.collective_costs)
+                + (f"\n  {self.inter.name:<11} alpha {self.inter.alpha * 1e6:.1f} us, beta {self.inter.beta / 1e9:.3f} GB/s "
+                   f"(between namespace hosts of {self.devices_per_node} process(es))"
+                   + "".join(f"\n    {kind:<13} alpha {alpha * 1e6:.1f} us, beta {beta / 1e9:.3f} GB/s (of wire bytes)"
+                             for kind, alpha, beta in self.inter_collective_costs)
+                   if self.inter != self.intra else ""))

@@ -71,18 +71,37 @@ class Hardware:
     # roofline misprices (``op_costs.op_kind``): attention by FLOPs (FLOP/s), arithmetic-bound element-wise
     # ops by bytes moved (bytes/s). A kind not in it is priced by the matmul curve or the bandwidth curve.
     op_kind_curves: tuple = ()
+    # Measured (calibrate_hosts.measure_host_link): ((kind, alpha, beta), ...) on the inter-node link, and
+    # ((kind, ((wire bytes of one call, seconds), ...)), ...): a shaped link's time per call is not a line
+    # (bursts pass at line speed, bulk transfers slow as queues fill), so where a kind has a curve, calls of
+    # it across nodes are priced on the curve at their mean size instead of by alpha and beta.
+    inter_collective_costs: tuple = ()
+    inter_collective_curves: tuple = ()
+    # The nodes are emulated on one machine (network-namespace hosts, calibrate_hosts): every process of
+    # the job shares its cores, whichever node it is on.
+    nodes_share_cores: bool = False
 
     def link_for(self, *, stride: int, size: int) -> Link:
         return self.intra if stride * size <= self.devices_per_node else self.inter
 
     def alpha_beta(self, kind: str, link: Link) -> tuple[float, float]:
-        """(alpha, beta) of one ``kind`` of collective on ``link``: the kind's own measured figures on the
-        intra-node link where calibrated, else the link's."""
-        if link == self.intra:
-            for measured, alpha, beta in self.collective_costs:
-                if measured == kind:
-                    return alpha, beta
+        """(alpha, beta) of one ``kind`` of collective on ``link``: the kind's own measured figures on that
+        link where calibrated, else the link's."""
+        for on, costs in ((self.intra, self.collective_costs), (self.inter, self.inter_collective_costs)):
+            if link == on:
+                for measured, alpha, beta in costs:
+                    if measured == kind:
+                        return alpha, beta
         return link.alpha, link.beta
+
+    def collective_seconds(self, kind: str, link: Link, calls: int, wire: float) -> float:
+        """Seconds of ``calls`` collectives of ``kind`` that put ``wire`` bytes on ``link`` in all."""
+        if link == self.inter and calls > 0:
+            curve = dict(self.inter_collective_curves).get(kind)
+            if curve:
+                return calls * _interpolate(curve, wire / calls)
+        alpha, beta = self.alpha_beta(kind, link)
+        return calls * alpha + wire / beta
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -91,14 +110,15 @@ class Hardware:
     def from_dict(cls, data: dict) -> "Hardware":
         data = dict(data)
         data["intra"], data["inter"] = Link(**data["intra"]), Link(**data["inter"])
-        for key in ("flops_curve", "bandwidth_curve", "contention_curve", "collective_costs"):
+        for key in ("flops_curve", "bandwidth_curve", "contention_curve", "collective_costs", "inter_collective_costs"):
             data[key] = tuple(tuple(point) for point in data.get(key, ()))
-        data["op_kind_curves"] = tuple((kind, tuple(tuple(point) for point in curve))
-                                       for kind, curve in data.get("op_kind_curves", ()))
+        for key in ("op_kind_curves", "inter_collective_curves"):
+            data[key] = tuple((kind, tuple(tuple(point) for point in curve)) for kind, curve in data.get(key, ()))
         return cls(**data)
 
     def processes_per_node(self, world_size: int) -> int:
-        return min(world_size, self.devices_per_node)
+        """The job's processes that share one machine's cores (all of them where the nodes are emulated on one)."""
+        return world_size if self.nodes_share_cores else min(world_size, self.devices_per_node)
 
     def cpu_share(self, processes: int) -> float:
         """The fraction of a core each of ``processes`` gets on a CPU host shared with its external load."""
@@ -175,7 +195,19 @@ def axis_seconds(log: CollectiveLog, hardware: Hardware, strides: dict[str, int]
     for row in log.rows():
         axis, size = row["axis"], max(row["group_size"], 1)
         link = hardware.link_for(stride=strides.get(axis, hardware.devices_per_node), size=size)
-        alpha, beta = hardware.alpha_beta(row["kind"], link)
-        seconds = row["count"] * alpha + wire_bytes(row["kind"], row["bytes"], size, hardware.backend) / beta
+        seconds = hardware.collective_seconds(row["kind"], link, row["count"],
+                                              wire_bytes(row["kind"], row["bytes"], size, hardware.backend))
         out[axis] = out.get(axis, 0.0) + (seconds if size > 1 else 0.0)
     return out
+
+
+def _interpolate(curve: tuple, x: float) -> float:
+    """``curve`` (ascending ``(x, y)`` points) at ``x``: linear between points, the first point's y below
+    them (a message smaller than the smallest measured costs at least its latency), the last segment's
+    slope above them."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1 or (x1, y1) == curve[-1]:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return curve[-1][1]
