@@ -291,7 +291,8 @@ def figures_used(hw: Hardware, spec: MeshSpec) -> str:
     if hw.cores:
         p = hw.processes_per_node(spec.world_size)
         how = "measured: that many processes running at once" if hw.contention_curve else "core count's fair share"
-        parts.append(f"{p} processes per node on {hw.cores} cores: each {hw.contention(spec.world_size):.2f}x slower "
+        where = "on this machine (its namespace hosts share them)" if hw.nodes_share_cores else "per node"
+        parts.append(f"{p} processes {where} on {hw.cores} cores: each {hw.contention(spec.world_size):.2f}x slower "
                      f"than one alone ({how})")
     return f"figures used ({kind}): " + "; ".join(parts)
 
