@@ -2,11 +2,12 @@
 
 Cases: DP, ZeRO-3, TP, a pipeline (pipe=2) at 2 processes; ZeRO-3 + checkpointing, TP x ZeRO-3 and
 pipe x ZeRO-3 at 4; the full run adds pipe x data x model and TP x ZeRO-3 at 8. The model is a Llama
-from transformers built from a config (no download). All on loopback; then the 2-process cases again
-on shaped links (``plan_accuracy_hosts``; skipped with the reason where this is not root, or with
-``--no-shaped``): one process on each of two network-namespace hosts, both links shaped to 1 Gbit/s,
-planned with the link between two such hosts measured first (``trainmesh.planner.calibrate_hosts``,
-what ``trainmesh plan --calibrate --host-link 1gbit`` measures) as the inter-node link.
+from transformers built from a config (no download). All on loopback; then on shaped links
+(``plan_accuracy_hosts``; skipped with the reason where this is not root, or with ``--no-shaped``):
+two network-namespace hosts, both links shaped to 1 Gbit/s, the 2-process cases with a process on
+each host and (full run) TP x ZeRO-3 and pipe x ZeRO-3 at 4 with 2 per host, planned with the link
+between two such hosts measured first (``trainmesh.planner.calibrate_hosts``, what ``trainmesh plan
+--calibrate --host-link 1gbit`` measures) as the inter-node link.
 
 * planned, before anything runs: this machine is calibrated (``trainmesh.planner.calibrate``: matmul
   and memory-bandwidth curves, per-op and per-DTensor-op overheads of a tiny model's step, loopback
@@ -338,24 +339,34 @@ def _compare(group: list, dry: list, measured: list[dict], hardware, rounds: int
                                         **{f"{a} exposed": v for a, v in plan["step"].exposed.items()}}})
 
 
+# Across hosts: the 2-process cases (a process per host), and at 4 processes (2 hosts x 2, full run only) the
+# layouts whose axes split between the link inside a host and the link between hosts.
+ACROSS_HOSTS_4 = ("TPxZeRO-3", "PPxZeRO-3")
+
+
 def _shaped_group(cases: list, rounds: int, hardware, args, rows: list, worst: dict, invalid: list) -> str:
-    """The two-process cases again, one process on each of two namespace hosts whose links are shaped
-    (``plan_accuracy_hosts``), planned with the link measured between two such hosts as the inter-node link."""
+    """The cases again on two namespace hosts whose links are shaped (``plan_accuracy_hosts``), planned with
+    the link measured between two such hosts as the inter-node link and hosts of n / 2 processes."""
     from plan_accuracy_hosts import RATE, measure_on_hosts  # this script's directory is on the path
     from trainmesh.planner.calibrate_hosts import measure_host_link, with_host_link
     from trainmesh.testing.cluster import ClusterUnavailable
 
-    group = [c for c in cases if c[0] == 2]
+    groups = [[c for c in cases if c[0] == 2], [c for c in cases if c[0] == 4 and c[4] in ACROSS_HOSTS_4]]
     try:
-        host_hardware = with_host_link(hardware, *measure_host_link(RATE), processes_per_host=1)
-        print("\n" + "\n".join(host_hardware.describe().splitlines()[-5:]))
-        dry = [_dry_run(case) for case in group]
-        measured = measure_on_hosts(group, rounds, host_hardware, args.priority, RATE)
+        link = measure_host_link(RATE)
     except ClusterUnavailable as exc:
         return f"shaped (netns) links not used: {exc}"
-    _compare(group, dry, measured, host_hardware, rounds, f"hosts at {RATE}", rows, worst, invalid)
-    return (f"shaped links: the two-process cases also ran with one process on each of two network-namespace hosts, "
-            f"links shaped to {RATE} (tbf), planned with the link measured between two such hosts")
+    for group in [g for g in groups if g]:
+        per_host = group[0][0] // 2
+        host_hardware = with_host_link(hardware, *link, processes_per_host=per_host)
+        if per_host == 1:
+            print("\n" + "\n".join(host_hardware.describe().splitlines()[-5:]))
+        dry = [_dry_run(case) for case in group]
+        measured = measure_on_hosts(group, rounds, host_hardware, args.priority, RATE, processes_per_host=per_host)
+        _compare(group, dry, measured, host_hardware, rounds, f"2 hosts at {RATE}", rows, worst, invalid)
+    return (f"shaped links: the two-process cases (a process per host) and, in the full run, "
+            f"{' and '.join(ACROSS_HOSTS_4)} at 4 (2 per host) also ran on two network-namespace hosts, links "
+            f"shaped to {RATE} (tbf), planned with the link measured between two such hosts")
 
 
 def _farthest(values):

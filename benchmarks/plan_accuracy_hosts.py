@@ -1,4 +1,4 @@
-"""plan_accuracy's shaped-link group: its cases run with one process on each of two hosts.
+"""plan_accuracy's shaped-link groups: its cases run on two hosts, one or two processes on each.
 
 The hosts are network namespaces of this machine (``trainmesh.testing.cluster``: 198.18.0.0/24, no
 default route), both links shaped to the same rate (``tbf``), and each process joins the job over
@@ -26,12 +26,15 @@ PORT = 29613
 
 
 def measure_on_hosts(group: list, rounds: int, hardware, priority: bool, rate: str = RATE,
-                     timeout: float = 1800) -> list[dict]:
-    """Each rank's ``_worker`` result for ``group`` (one world size), one process per namespace host."""
+                     processes_per_host: int = 1, timeout: float = 1800) -> list[dict]:
+    """Each rank's ``_worker`` result for ``group`` (one world size), ``processes_per_host`` processes on
+    each namespace host, ranks numbered host by host (as torchrun numbers nodes)."""
     from trainmesh.testing.cluster import IFACE, Cluster
 
     n = group[0][0]
-    with Cluster(n) as cluster, tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
+    if n % processes_per_host:
+        raise ValueError(f"{n} processes do not split into hosts of {processes_per_host}")
+    with Cluster(n // processes_per_host) as cluster, tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
         cluster.wait_reachable()
         for host in cluster.hosts:
             host.shape(rate=rate)
@@ -42,10 +45,13 @@ def measure_on_hosts(group: list, rounds: int, hardware, priority: bool, rate: s
         coordinator = f"{cluster.hosts[0].address}:{PORT}"
         env = {"GLOO_SOCKET_IFNAME": IFACE, "OMP_NUM_THREADS": "1", "TRAINMESH_TIMEOUT_S": "900"}
         with open(log, "w") as sink:
-            procs = [host.popen([sys.executable, __file__, "--spec", str(spec), "--rank", str(host.index),
+            # two processes of one host talk over its own address, which stays inside the namespace
+            # (unshaped, like loopback); only traffic between hosts crosses the shaped links
+            procs = [host.popen([sys.executable, __file__, "--spec", str(spec),
+                                 "--rank", str(host.index * processes_per_host + local),
                                  "--coordinator", coordinator, "--out", tmp],
                                 env=env, stdout=sink, stderr=subprocess.STDOUT)
-                     for host in cluster.hosts]
+                     for host in cluster.hosts for local in range(processes_per_host)]
             try:
                 for proc in procs:
                     proc.wait(timeout=timeout)
