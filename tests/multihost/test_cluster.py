@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import os
 import subprocess
 import sys
 import time
@@ -175,3 +176,12 @@ def test_without_net_admin_it_refuses_before_touching_anything(monkeypatch):
     assert "CAP_NET_ADMIN" in cluster_mod.unavailable_reason()
     with pytest.raises(cluster_mod.ClusterUnavailable, match="CAP_NET_ADMIN"):
         cluster_mod.Cluster(2)
+
+
+def test_a_host_process_gets_its_own_session_unless_asked_to_stay_in_ours(netns_cluster):
+    host = netns_cluster(1).hosts[0]
+    show = [sys.executable, "-c", "import os; print(os.getsid(0))"]
+    own = host.popen(show, stdout=subprocess.PIPE, text=True)
+    ours = host.popen(show, stdout=subprocess.PIPE, text=True, new_session=False)
+    assert int(own.communicate(timeout=30)[0]) == own.pid  # a session of its own (killpg reaches its children)
+    assert int(ours.communicate(timeout=30)[0]) == os.getsid(0)  # the caller's (one autogroup with it)

@@ -114,7 +114,8 @@ def time_host_link(rate: str, *, repeats: int = 5, sizes: list[int] | None = Non
         procs = [host.popen([sys.executable, "-m", __name__, "--rank", str(host.index), "--master", master,
                              "--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats),
                              "--kinds", ",".join(kinds), "--out", out],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            new_session=False)  # this session, as the loopback calibration's processes
                  for host in cluster.hosts]
         logs = []
         for proc in procs:

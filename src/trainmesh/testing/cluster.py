@@ -143,14 +143,18 @@ class Host:
     def _argv(self, cmd: Sequence[str]) -> list[str]:
         return ["ip", "netns", "exec", self.netns, *cmd]
 
-    def popen(self, cmd: Sequence[str], env: Mapping[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    def popen(self, cmd: Sequence[str], env: Mapping[str, str] | None = None, *, new_session: bool = True,
+              **kwargs) -> subprocess.Popen:
         """Start ``cmd`` in this host. ``env`` is *added* to this process's environment.
 
         The process gets a session of its own, so :meth:`Popen.send_signal` on its group
         (``os.killpg``) reaches its children too; :meth:`kill` reaches all of them anyway.
+        ``new_session=False`` keeps it in the caller's session: where Linux autogroup is on, the
+        scheduler shares the cores between sessions first, so processes of one job that are timed
+        against each other (or against processes on loopback) belong in one session.
         """
         full_env = {**os.environ, **(env or {})}
-        proc = subprocess.Popen(self._argv(cmd), env=full_env, start_new_session=True, **kwargs)
+        proc = subprocess.Popen(self._argv(cmd), env=full_env, start_new_session=new_session, **kwargs)
         self._procs.append(proc)
         return proc
 
