@@ -3,7 +3,7 @@
 Cases: DP, ZeRO-3, TP, a pipeline (pipe=2) at 2 processes; ZeRO-3 + checkpointing, TP x ZeRO-3 and
 pipe x ZeRO-3 at 4; the full run adds pipe x data x model and TP x ZeRO-3 at 8. The model is a Llama
 from transformers built from a config (no download). All on loopback; then on shaped links
-(``plan_accuracy_hosts``; skipped with the reason where this is not root, or with ``--no-shaped``):
+(``testing.host_jobs``; skipped with the reason where this is not root, or with ``--no-shaped``):
 two network-namespace hosts, both links shaped to 1 Gbit/s, the 2-process cases with a process on
 each host and (full run) TP x ZeRO-3 and pipe x ZeRO-3 at 4 with 2 per host, planned with the link
 between two such hosts measured first (``trainmesh.planner.calibrate_hosts``, what ``trainmesh plan
@@ -342,14 +342,16 @@ def _compare(group: list, dry: list, measured: list[dict], hardware, rounds: int
 # Across hosts: the 2-process cases (a process per host), and at 4 processes (2 hosts x 2, full run only) the
 # layouts whose axes split between the link inside a host and the link between hosts.
 ACROSS_HOSTS_4 = ("TPxZeRO-3", "PPxZeRO-3")
+RATE = "1gbit"  # the rate benchmarks/multihost.py shapes its hosts to
 
 
 def _shaped_group(cases: list, rounds: int, hardware, args, rows: list, worst: dict, invalid: list) -> str:
-    """The cases again on two namespace hosts whose links are shaped (``plan_accuracy_hosts``), planned with
-    the link measured between two such hosts as the inter-node link and hosts of n / 2 processes."""
-    from plan_accuracy_hosts import RATE, measure_on_hosts  # this script's directory is on the path
+    """The cases again on two namespace hosts whose links are shaped (``testing.host_jobs.run_on_hosts``: this
+    file's ``_worker`` on each rank), planned with the link measured between two such hosts as the inter-node
+    link and hosts of n / 2 processes."""
     from trainmesh.planner.calibrate_hosts import measure_host_link, with_host_link
     from trainmesh.testing.cluster import ClusterUnavailable
+    from trainmesh.testing.host_jobs import run_on_hosts
 
     groups = [[c for c in cases if c[0] == 2], [c for c in cases if c[0] == 4 and c[4] in ACROSS_HOSTS_4]]
     try:
@@ -362,7 +364,9 @@ def _shaped_group(cases: list, rounds: int, hardware, args, rows: list, worst: d
         if per_host == 1:
             print("\n" + "\n".join(host_hardware.describe().splitlines()[-5:]))
         dry = [_dry_run(case) for case in group]
-        measured = measure_on_hosts(group, rounds, host_hardware, args.priority, RATE, processes_per_host=per_host)
+        measured = run_on_hosts("plan_accuracy:_worker", (group, rounds, host_hardware, args.priority), group[0][0],
+                                processes_per_host=per_host, rate=RATE, path=[os.path.dirname(os.path.abspath(__file__))],
+                                env={"TRAINMESH_TIMEOUT_S": "900"})
         _compare(group, dry, measured, host_hardware, rounds, f"2 hosts at {RATE}", rows, worst, invalid)
     return (f"shaped links: the two-process cases (a process per host) and, in the full run, "
             f"{' and '.join(ACROSS_HOSTS_4)} at 4 (2 per host) also ran on two network-namespace hosts, links "

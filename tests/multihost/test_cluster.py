@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import signal
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from trainmesh.testing.cluster import ShapingUnsupported, _ip
+from trainmesh.testing.cluster import ShapingUnsupported, _ip, unavailable_reason
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -185,3 +185,16 @@ def test_a_host_process_gets_its_own_session_unless_asked_to_stay_in_ours(netns_
     ours = host.popen(show, stdout=subprocess.PIPE, text=True, new_session=False)
     assert int(own.communicate(timeout=30)[0]) == own.pid  # a session of its own (killpg reaches its children)
     assert int(ours.communicate(timeout=30)[0]) == os.getsid(0)  # the caller's (one autogroup with it)
+
+
+@pytest.mark.timeout(180)
+def test_run_on_hosts_returns_every_rank_of_a_job_spread_over_hosts():
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no network-namespace cluster: {reason}")
+    from trainmesh.testing.host_jobs import run_on_hosts
+
+    assert run_on_hosts("torch.distributed:get_rank", (), 4, processes_per_host=2, rate="1gbit") == [0, 1, 2, 3]
+    assert run_on_hosts("torch.distributed:get_world_size", (), 2) == [2, 2]
+    with pytest.raises(ValueError, match="does not split"):
+        run_on_hosts("torch.distributed:get_rank", (), 3, processes_per_host=2)

@@ -95,7 +95,6 @@ def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Print the plan; exit 0, 2 on bad usage, 3 when a plan does not fit ``--device-memory``."""
     if args.calibrate:
         from trainmesh.planner.calibrate import calibrate
-
         from trainmesh.testing.cluster import ClusterUnavailable
 
         if args.processes_per_host < 1:

@@ -4,8 +4,9 @@ Loopback (``calibrate.calibrate_collectives``) is what processes on one machine 
 machines the link is slower and its alpha larger, and a plan that crosses hosts has to be priced
 with it. Here the hosts are two network namespaces of this machine (``trainmesh.testing.cluster``,
 198.18.0.0/24, no default route), their links shaped to ``RATE`` in both directions (``tbf``), and
-one gloo process in each: the same collectives as on loopback (all-reduce, all-gather,
-reduce-scatter, a point-to-point ping-pong), timed the same way (``calibrate._collective_times``),
+one gloo process in each (``testing.host_jobs.run_on_hosts``): the same collectives as on loopback
+(all-reduce, all-gather, reduce-scatter, a point-to-point ping-pong), timed the same way
+(``calibrate._collective_times``),
 each kind fitted on its own against the wire bytes gloo's algorithms send: alpha from the smallest
 message, beta from the messages past tbf's burst (``fit_shaped``).
 
@@ -19,38 +20,15 @@ Needs root (CAP_NET_ADMIN) and iproute2; where they are missing, ``measure_host_
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from dataclasses import replace
-from pathlib import Path
 
-from .calibrate import KINDS, SIZES, _collective_times
+from .calibrate import KINDS, SIZES
 from .hardware import Hardware, Link
 
 # Up to 32 MiB: an FSDP2 unit's gather or a DP bucket crosses the link in messages of 10-40 MB, and a
 # shaped link's tbf passes its first 256 KB at line speed, so the large sizes are the ones that set beta.
 HOST_SIZES = SIZES + [2**25]
 BULK = 2**20
-PORT = 29391
-
-
-def _worker(rank: int, master: str, sizes: list[int], repeats: int, kinds: tuple, out: str) -> None:
-    """One of the two processes (run in a namespace host): join the group over the shaped link and time."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=2)
-    try:
-        times = _collective_times(sizes, repeats, kinds)
-        if rank == 0:
-            Path(out).write_text(json.dumps({kind: {str(s): t for s, t in by.items()} for kind, by in times.items()}))
-    finally:
-        dist.destroy_process_group()
 
 
 def measure_host_link(rate: str = "1gbit", *, repeats: int = 5, sizes: list[int] | None = None,
@@ -99,36 +77,12 @@ def fit_host_link(rate: str, times: dict[str, dict[int, float]]) -> tuple[Link, 
 
 def time_host_link(rate: str, *, repeats: int = 5, sizes: list[int] | None = None, kinds: tuple = KINDS,
                    timeout: float = 300) -> dict[str, dict[int, float]]:
-    """Median seconds of one call of each kind per full-buffer size, between two namespace hosts at ``rate``."""
-    from trainmesh.testing.cluster import IFACE, Cluster
+    """Median seconds of one call of each kind per full-buffer size, between two namespace hosts at ``rate``
+    (one process in each, ``testing.host_jobs.run_on_hosts``)."""
+    from trainmesh.testing.host_jobs import run_on_hosts
 
-    sizes = sizes or HOST_SIZES
-    with Cluster(2) as cluster, tempfile.TemporaryDirectory(prefix="trainmesh-link-") as tmp:
-        cluster.wait_reachable()
-        for host in cluster.hosts:
-            host.shape(rate=rate)
-        out = os.path.join(tmp, "times.json")
-        master = f"{cluster.hosts[0].address}:{PORT}"
-        # gloo binds to the namespace's own interface (its host name does not resolve there)
-        env = {"GLOO_SOCKET_IFNAME": IFACE, "OMP_NUM_THREADS": "1"}
-        procs = [host.popen([sys.executable, "-m", __name__, "--rank", str(host.index), "--master", master,
-                             "--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats),
-                             "--kinds", ",".join(kinds), "--out", out],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            new_session=False)  # this session, as the loopback calibration's processes
-                 for host in cluster.hosts]
-        logs = []
-        for proc in procs:
-            try:
-                logs.append(proc.communicate(timeout=timeout)[0])
-            except subprocess.TimeoutExpired:
-                cluster.close()
-                raise TimeoutError(f"timing the {rate} link between two hosts took over {timeout} s") from None
-        if any(p.returncode != 0 for p in procs) or not os.path.exists(out):
-            raise RuntimeError(f"timing the {rate} link between two hosts failed "
-                               f"(exit codes {[p.returncode for p in procs]}): {logs[0][-2000:]}{logs[1][-2000:]}")
-        measured = json.loads(Path(out).read_text())
-    return {kind: {int(s): t for s, t in measured[kind].items()} for kind in kinds}
+    return run_on_hosts("trainmesh.planner.calibrate:_collective_times", (sizes or HOST_SIZES, repeats, kinds), 2,
+                        rate=rate, timeout=timeout)[0]
 
 
 def with_host_link(hardware: Hardware, link: Link, costs: tuple, measured: tuple, processes_per_host: int) -> Hardware:
@@ -141,20 +95,3 @@ def with_host_link(hardware: Hardware, link: Link, costs: tuple, measured: tuple
                    source=f"{hardware.source}; between hosts: network-namespace hosts of this machine, "
                    f"{processes_per_host} process(es) each, {link.name} (measured: {per_kind}; calls priced on each "
                    "kind's measured curve)")
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="one process of the host-link calibration (run in a namespace)")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--master", required=True)
-    parser.add_argument("--sizes", required=True)
-    parser.add_argument("--repeats", type=int, required=True)
-    parser.add_argument("--kinds", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    _worker(args.rank, args.master, [int(s) for s in args.sizes.split(",")], args.repeats,
-            tuple(args.kinds.split(",")), args.out)
-
-
-if __name__ == "__main__":
-    main()
