@@ -339,9 +339,9 @@ def _compare(group: list, dry: list, measured: list[dict], hardware, rounds: int
                                         **{f"{a} exposed": v for a, v in plan["step"].exposed.items()}}})
 
 
-# Across hosts: the 2-process cases (a process per host), and at 4 processes (2 hosts x 2, full run only) the
-# layouts whose axes split between the link inside a host and the link between hosts.
-ACROSS_HOSTS_4 = ("TPxZeRO-3", "PPxZeRO-3")
+# Across hosts: the 2-process cases (a process per host), and at 4 processes (2 hosts x 2) and 8 (2 hosts x 4),
+# full run only, the layouts whose axes split between the link inside a host and the link between hosts.
+ACROSS_HOSTS = {4: ("TPxZeRO-3", "PPxZeRO-3"), 8: ("3-D", "TPxZeRO-3")}
 RATE = "1gbit"  # the rate benchmarks/multihost.py shapes its hosts to
 
 
@@ -353,7 +353,8 @@ def _shaped_group(cases: list, rounds: int, hardware, args, rows: list, worst: d
     from trainmesh.testing.cluster import ClusterUnavailable
     from trainmesh.testing.host_jobs import run_on_hosts
 
-    groups = [[c for c in cases if c[0] == 2], [c for c in cases if c[0] == 4 and c[4] in ACROSS_HOSTS_4]]
+    groups = [[c for c in cases if c[0] == 2]] + [[c for c in cases if c[0] == n and c[4] in labels]
+                                                   for n, labels in ACROSS_HOSTS.items()]
     try:
         link = measure_host_link(RATE)
     except ClusterUnavailable as exc:
@@ -368,9 +369,10 @@ def _shaped_group(cases: list, rounds: int, hardware, args, rows: list, worst: d
                                 processes_per_host=per_host, rate=RATE, path=[os.path.dirname(os.path.abspath(__file__))],
                                 env={"TRAINMESH_TIMEOUT_S": "900"})
         _compare(group, dry, measured, host_hardware, rounds, f"2 hosts at {RATE}", rows, worst, invalid)
-    return (f"shaped links: the two-process cases (a process per host) and, in the full run, "
-            f"{' and '.join(ACROSS_HOSTS_4)} at 4 (2 per host) also ran on two network-namespace hosts, links "
-            f"shaped to {RATE} (tbf), planned with the link measured between two such hosts")
+    beyond_two = "; ".join(f"{', '.join(labels)} at {n} ({n // 2} per host)" for n, labels in ACROSS_HOSTS.items())
+    return (f"shaped links: the two-process cases (a process per host) and, in the full run, {beyond_two} "
+            f"also ran on two network-namespace hosts, links shaped to {RATE} (tbf), planned with the link measured "
+            f"between two such hosts")
 
 
 def _farthest(values):
@@ -382,6 +384,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK)} only, fewer rounds")
     parser.add_argument("--rounds", type=int, default=None, help="timed steps per case (default 8 quick, 10 full; the step figure is a median over them)")
     parser.add_argument("--json", default=None, metavar="PATH")
+    parser.add_argument("--cases", default=None, metavar="LABEL,...",
+                        help="run only the cases with these labels (e.g. 3-D,DP), at every size that has them")
     parser.add_argument("--no-shaped", dest="shaped", action="store_false",
                         help="skip the shaped-link group (two-process cases across two network-namespace hosts)")
     parser.add_argument("--no-priority", dest="priority", action="store_false",
@@ -393,6 +397,13 @@ def main() -> int:
     from trainmesh.testing import run_distributed
 
     cases = [c for c in CASES if not args.quick or (c[4] in QUICK and c[0] == 2)]
+    if args.cases:
+        wanted = set(args.cases.split(","))
+        unknown = wanted - {c[4] for c in CASES}
+        if unknown:
+            parser.error(f"--cases: no case labelled {', '.join(sorted(unknown))}; "
+                         f"the labels are {', '.join(dict.fromkeys(c[4] for c in CASES))}")
+        cases = [c for c in cases if c[4] in wanted]
     rounds = args.rounds or (8 if args.quick else 10)
     priority_note = _raise_priority(args.priority)
     print(priority_note)

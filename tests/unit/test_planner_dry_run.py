@@ -281,7 +281,13 @@ def test_a_measured_host_link_prices_the_axes_that_cross_hosts_and_namespace_hos
     on_curve = 8e-3 + (70e-3 - 8e-3) * (3 * 2**20 - 2**20) / (2**23 - 2**20)  # between the measured points
     across = 2 * on_curve + 4e-4 + 10**6 / 2 / 140e6  # between hosts: the curve, else the kind's own fit
     assert axis_seconds(log, hosts, {"data": 1})["data"] == pytest.approx(within, rel=1e-9)
-    assert axis_seconds(log, hosts, {"data": 2})["data"] == pytest.approx(across, rel=1e-9)
+    own_links = replace(hosts, inter_link_per_node=False)
+    assert axis_seconds(log, own_links, {"data": 2})["data"] == pytest.approx(across, rel=1e-9)
+    # a host has one link: at stride 2 its 2 processes belong to 2 data groups whose rings both cross it
+    shared_curve = 8e-3 + (70e-3 - 8e-3) * (6 * 2**20 - 2**20) / (2**23 - 2**20)
+    shared = 2 * shared_curve + 4e-4 + 2 * 10**6 / 2 / 140e6
+    assert axis_seconds(log, hosts, {"data": 2})["data"] == pytest.approx(shared, rel=1e-9)
+    assert axis_seconds(log, hosts, {"data": 2}, all_intra=True)["data"] == pytest.approx(within, rel=1e-9)
     # outside the measured sizes: the smallest's latency below, the last segment's slope above
     assert hosts.collective_seconds("all_reduce", hosts.inter, 1, 100) == pytest.approx(3e-3)
     assert hosts.collective_seconds("all_reduce", hosts.inter, 1, 2**24) == pytest.approx(
@@ -291,6 +297,37 @@ def test_a_measured_host_link_prices_the_axes_that_cross_hosts_and_namespace_hos
     assert replace(hosts, nodes_share_cores=False).processes_per_node(4) == 2
     assert "hosts at 1gbit" in hosts.source and "2 process(es) each" in hosts.source
     assert Hardware.from_dict(json.loads(json.dumps(hosts.to_dict()))) == hosts
+
+
+def test_waiting_on_a_link_between_hosts_is_not_stretched_by_the_core_share():
+    """Processes that share cores ask them for the CPU cost of their traffic (its price on the link inside
+    a node), stretched by the core share; what the slower link between hosts adds is waiting, added once."""
+    from trainmesh.planner.calibrate_hosts import with_host_link
+    from trainmesh.planner.collectives import CollectiveLog
+    from trainmesh.planner.dry_run import RankResult
+    from trainmesh.planner.hardware import Hardware, Link, axis_seconds
+    from trainmesh.planner.mesh_spec import MeshSpec
+    from trainmesh.planner.parallel import estimate_step
+
+    loop = Link("loopback", 1e-4, 2e9)
+    one_machine = Hardware(name="calibrated", source="calibrated: test", flops=1e10, devices_per_node=1 << 30,
+                           intra=loop, inter=loop, backend="gloo", cores=2, contention_curve=((1, 1.0), (2, 1.0), (4, 2.5)))
+    hosts = with_host_link(one_machine, Link("hosts at 1gbit", 3e-3, 100e6), (), (), processes_per_host=2)
+    spec = MeshSpec.parse("data=2,model=2", 4)  # data stride 2: each data group has a rank on each host
+    log = CollectiveLog(group_sizes={"data": 2, "model": 2})
+    log.add("data", "all_reduce", 8 * 10**6, 1)
+    log.add("model", "all_reduce", 10**6, 4)
+    rank = RankResult(rank=0, coords={"data": 0, "model": 0}, params=0, grads=0, optimizer=0, activations=0,
+                      buffers=0, flops=3 * 10**9, collectives=log, num_parameters_local=0, seconds=0.0)
+    step = estimate_step([rank], spec, hosts, tokens_per_rank=None, shape={})
+    strides = {"data": 2, "model": 1}
+    on_links, cpu = axis_seconds(log, hosts, strides), axis_seconds(log, hosts, strides, all_intra=True)
+    assert on_links["data"] > 20 * cpu["data"] and on_links["model"] == cpu["model"]  # only data crosses hosts
+    compute = 3 * 10**9 / 1e10
+    slowdown = hosts.contention(4)  # 2.5, against 1.0 for the 2 processes that measured the links
+    expected = compute * slowdown + sum(cpu.values()) * slowdown + (on_links["data"] - cpu["data"])
+    assert step.seconds == pytest.approx(expected, rel=1e-9)
+    assert step.exposed["cores shared"] == pytest.approx(expected - compute - sum(on_links.values()), rel=1e-9)
 
 
 @pytest.mark.timeout(240)

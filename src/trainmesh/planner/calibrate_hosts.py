@@ -91,7 +91,7 @@ def with_host_link(hardware: Hardware, link: Link, costs: tuple, measured: tuple
     every host's processes sharing this machine's cores."""
     per_kind = "; ".join(f"{kind} alpha {a * 1e6:.0f} us, beta {b / 1e6:.0f} MB/s" for kind, a, b in costs)
     return replace(hardware, inter=link, inter_collective_costs=costs, inter_collective_curves=measured,
-                   devices_per_node=processes_per_host, nodes_share_cores=True,
+                   devices_per_node=processes_per_host, nodes_share_cores=True, inter_link_per_node=True,
                    source=f"{hardware.source}; between hosts: network-namespace hosts of this machine, "
                    f"{processes_per_host} process(es) each, {link.name} (measured: {per_kind}; calls priced on each "
                    "kind's measured curve)")

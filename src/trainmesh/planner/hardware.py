@@ -4,7 +4,9 @@ A collective on an axis costs ``calls * alpha + wire_bytes / beta`` (``collectiv
 ring algorithms), with the link's alpha and beta, or the collective kind's own where calibration
 measured each kind (``collective_costs``). An axis uses the intra-node link when its whole process
 group fits in one node (``stride * size <= devices_per_node``, ranks numbered row-major as torchrun does), else the
-inter-node link, whose per-device bandwidth is the bottleneck of a ring that crosses nodes.
+inter-node link, whose per-device bandwidth is the bottleneck of a ring that crosses nodes. Where a
+node has one such link for all its processes (``inter_link_per_node``), the rings of every group
+that crosses it share it (``link_sharers``).
 
 Figures come from one of two places, and the output names which:
 
@@ -80,6 +82,9 @@ class Hardware:
     # The nodes are emulated on one machine (network-namespace hosts, calibrate_hosts): every process of
     # the job shares its cores, whichever node it is on.
     nodes_share_cores: bool = False
+    # One link between nodes per node, which the flows of all its processes share (the namespace hosts: one
+    # shaped veth each). False: each device has its own way out (published figures: one NIC per GPU).
+    inter_link_per_node: bool = False
 
     def link_for(self, *, stride: int, size: int) -> Link:
         return self.intra if stride * size <= self.devices_per_node else self.inter
@@ -189,14 +194,28 @@ def resolve_hardware(value: str | Hardware | None) -> Hardware:
                      f"Received: hardware={value!r}")
 
 
-def axis_seconds(log: CollectiveLog, hardware: Hardware, strides: dict[str, int]) -> dict[str, float]:
-    """Seconds each axis's collectives take on ``hardware`` (``strides``: axis -> rank stride)."""
+def link_sharers(hardware: Hardware, stride: int) -> int:
+    """How many groups of an axis with rank ``stride`` put a flow through one node's link at once, where a
+    node has one link (``inter_link_per_node``): its ``devices_per_node`` consecutive ranks hold members of
+    ``min(stride, devices_per_node)`` different groups, and each group's ring enters and leaves the node once."""
+    return max(1, min(stride, hardware.devices_per_node)) if hardware.inter_link_per_node else 1
+
+
+def axis_seconds(log: CollectiveLog, hardware: Hardware, strides: dict[str, int], *,
+                 all_intra: bool = False) -> dict[str, float]:
+    """Seconds each axis's collectives take on ``hardware`` (``strides``: axis -> rank stride).
+
+    ``all_intra``: every axis priced on the intra-node link, as if its group sat in one node. On a CPU host
+    that is what the processes' own cores spend on the traffic; a slower link between nodes adds waiting."""
     out: dict[str, float] = {}
     for row in log.rows():
         axis, size = row["axis"], max(row["group_size"], 1)
-        link = hardware.link_for(stride=strides.get(axis, hardware.devices_per_node), size=size)
-        seconds = hardware.collective_seconds(row["kind"], link, row["count"],
-                                              wire_bytes(row["kind"], row["bytes"], size, hardware.backend))
+        stride = strides.get(axis, hardware.devices_per_node)
+        link = hardware.intra if all_intra else hardware.link_for(stride=stride, size=size)
+        wire = wire_bytes(row["kind"], row["bytes"], size, hardware.backend)
+        if link == hardware.inter:
+            wire *= link_sharers(hardware, stride)
+        seconds = hardware.collective_seconds(row["kind"], link, row["count"], wire)
         out[axis] = out.get(axis, 0.0) + (seconds if size > 1 else 0.0)
     return out
 

@@ -20,7 +20,8 @@ adds up and prices what was measured:
   for times how much slower each of the node's processes runs when all run at once than one alone
   (``Hardware.contention``: measured by ``calibrate_cores`` where calibrated; the output names it;
   a pipeline's bubble and the work done beside another stage's bubble at the slowdown of the
-  processes that run then);
+  processes that run then). Traffic counts there at its CPU cost, its price on the link inside a
+  node; what a slower link between nodes adds is waiting, added once, not stretched by the share;
 * MFU = model FLOPs (6N + 12·L·H·T per token, the convention torchtitan and Megatron-LM report)
   per step over world size x step time x peak.
 
@@ -204,7 +205,11 @@ def estimate_step(ranks: list[RankResult], spec: MeshSpec, hardware: Hardware, *
             slowdown = hardware.contention(spec.world_size)
             # the link figures were measured by 2 processes at once: their share is already in them
             comm_slowdown = slowdown / max(hardware.contention(2), 1e-9) if hardware.contention_curve else slowdown
-            busy = compute * slowdown + sum(axes.values()) * max(comm_slowdown, 1.0)
+            # Communication asks the cores for what it costs on the link inside a node (memory copies); what a
+            # slower link between nodes adds on top is waiting, which the core share does not stretch.
+            cpu_axes = {a: t * accum for a, t in axis_seconds(r.collectives, hardware, strides, all_intra=True).items()}
+            link_wait = sum(max(0.0, exposed[a] - cpu_axes.get(a, 0.0)) for a in axes)
+            busy = compute * slowdown + sum(cpu_axes.values()) * max(comm_slowdown, 1.0)
             bubble = exposed.get(f"{spec.pipe_axis} bubble", 0.0)
             if bubble:
                 # A pipeline's stages do not all run at once: while this stage idles in the bubble the
@@ -217,7 +222,8 @@ def estimate_step(ranks: list[RankResult], spec: MeshSpec, hardware: Hardware, *
                 p = spec.size(spec.pipe_axis)
                 fewer = hardware.contention(spec.world_size * (p - 1) // p)
                 busy = (max(compute - bubble, 0.0) * slowdown + 2 * bubble * fewer
-                        + sum(axes.values()) * max(comm_slowdown, 1.0))
+                        + sum(cpu_axes.values()) * max(comm_slowdown, 1.0))
+            busy += link_wait
             if hardware.shares_cores(spec.world_size) and busy > path:
                 exposed["cores shared"] = busy - path
                 seconds = busy
