@@ -1,6 +1,6 @@
 """Compiled vs eager steps, and the demo's MFU, on 4 gloo processes.
 
-    python benchmarks/throughput.py [--rounds R] [--steps S] [--quick] [--json PATH]
+    python benchmarks/throughput.py [--rounds R] [--steps S] [--quick] [--json PATH] [--device cpu|cuda] [--processes N]
 
 Models: the demo's character GPT (its default size and step, read from ``DemoSettings.full()``:
 one micro-batch of 32 windows of 64 per process) and a Llama-style transformers ``LlamaForCausalLM`` built from a small
@@ -23,7 +23,9 @@ as ``trainmesh demo`` decides it): bf16-mixed where bf16 matmuls are native (AMX
 fp32 on a CPU without them (AVX2 only: bf16 matmuls there run ~45x slower than fp32, and no one
 would train in them). Both sides of every pair use it. In fp32 the MFU figure is named for the
 peak it divides by, ``demo_mfu_vs_fp32_peak``: an fp32 run against a bf16 ceiling it never uses
-would say nothing. ``--precision`` forces one.
+would say nothing. ``--precision`` forces one. ``--device cuda`` runs the same per-process steps with one
+process per GPU (NCCL), in the GPU's precision (bf16-mixed), against the GPU's measured peak: its figures
+describe that GPU, and the goals above are this benchmark's CPU goals.
 Exit 1 and INVALID when the two sides of a pair did not do the same work (different step counts,
 or losses apart by more than mixed-precision noise).
 """
@@ -75,12 +77,17 @@ def shapes() -> dict[str, tuple[int, int]]:
     return {"gpt": (s.global_batch_for(WORLD) // (s.grad_accum_steps * WORLD), s.grad_accum_steps), "llama": (16, 2)}
 
 
-def batches(vocab: int, n: int, rows: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(vocab: int, n: int, rows: int, seed: int, device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` batches of token windows, made on the host from ``seed`` and placed on ``device`` ahead of the
+    timed steps (on a GPU, this process's own)."""
+    import trainmesh as tm
+
+    place = torch.device("cuda", tm.local_rank()) if device == "cuda" else torch.device("cpu")
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         ids = torch.randint(0, vocab, (rows, SEQ + 1), generator=g)
-        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+        out.append((ids[:, :-1].contiguous().to(place), ids[:, 1:].contiguous().to(place)))
     return out
 
 
@@ -120,7 +127,7 @@ def worker(cfg: dict) -> dict:
         sides = {"eager": make_trainer(model_name, stage, False, cfg["precision"]),
                  "compiled": make_trainer(model_name, stage, "regional", cfg["precision"])}
         vocab = sides["eager"][1]
-        data = batches(vocab, accum * (cfg["rounds"] * cfg["steps"] + 1), micro, seed=1000 + rank)
+        data = batches(vocab, accum * (cfg["rounds"] * cfg["steps"] + 1), micro, seed=1000 + rank, device=cfg["device"])
         times = {side: [] for side in sides}
         losses = {side: [] for side in sides}
         first = {}
@@ -157,7 +164,7 @@ def worker(cfg: dict) -> dict:
             # SGD: the parameters then differ by what the gradients differ by; Adam's normalisation would
             # blow a 1e-9 difference in a near-zero gradient up to a full lr-sized step.
             trainer, vocab = make_trainer(model_name, stage, mode, "fp32", torch.optim.SGD, 0.1)
-            for batch in batches(vocab, 4, micro, seed=2000 + rank):
+            for batch in batches(vocab, 4, micro, seed=2000 + rank, device=cfg["device"]):
                 step(trainer, [batch])
             params[side] = trainer.state_dict()["model"]
         if rank == 0:
@@ -195,7 +202,7 @@ def summarize(results: list[dict], cfg: dict, peak: float) -> dict:
         flops = results[0].get("gpt_flops_per_sample")
         demo = report["pairs"]["gpt/zero0"]
         seconds = demo["eager_ms"] / 1e3  # the demo's default path (eager: see benchmarks/README.md)
-        samples = math.prod(cfg["shape"]["gpt"]) * WORLD
+        samples = math.prod(cfg["shape"]["gpt"]) * cfg["world"]
         report["demo_model_flops_per_s"] = flops * samples / seconds if flops else None
         if flops and peak:
             figures[f"demo_mfu_vs_{_peak_dtype_name(cfg['precision'])}_peak"] = report["demo_model_flops_per_s"] / peak
@@ -206,7 +213,8 @@ def summarize(results: list[dict], cfg: dict, peak: float) -> dict:
         figures["compiled_vs_eager_step_llama_zero3"] = report["pairs"]["llama/zero3"]["ratio"]
     if results[0]["parity"]:
         figures["compiled_parity_max_abs_diff"] = max(results[0]["parity"].values())
-    report.update(figures=figures, parity=results[0]["parity"], precision=cfg["precision"],
+    report.update(figures=figures, parity=results[0]["parity"], precision=cfg["precision"], device=cfg["device"],
+                  processes=cfg["world"],
                   peak_dtype=_peak_dtype_name(cfg["precision"]), peak_flops=peak, valid=valid)
     return report
 
@@ -219,22 +227,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the report (with a top-level 'figures') here")
     parser.add_argument("--precision", choices=("auto", "fp32", "bf16-mixed"), default="auto",
                         help="both sides' precision (default auto: what the demo picks on this machine)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo processes of one thread; cuda: one process per GPU, NCCL (the same per-process "
+                             "steps; the figures then describe that GPU, not this benchmark's CPU goals)")
+    parser.add_argument("--processes", type=int, help=f"processes (default {WORLD} on cpu, one per GPU on cuda)")
     args = parser.parse_args(argv)
+    world = args.processes or (torch.cuda.device_count() if args.device == "cuda" else WORLD)
+    if world < 1:
+        parser.error(f"--processes must be >= 1 (with --device cuda, a GPU must be visible); got {world}")
     pairs = ["gpt/zero0"] if args.quick else ["gpt/zero0", "gpt/zero3", "llama/zero0", "llama/zero3"]
     parity = ["gpt/zero0"] if args.quick else ["gpt/zero0", "llama/zero3"]
     cfg = {"pairs": pairs, "parity": parity, "rounds": args.rounds or (2 if args.quick else 6),
-           "steps": args.steps or (3 if args.quick else 5), "shape": shapes()}
+           "steps": args.steps or (3 if args.quick else 5), "shape": shapes(), "world": world, "device": args.device}
     from trainmesh.trainer.precision import fastest_precision
     from trainmesh.trainer.throughput import measure_peak_flops
 
-    precision, why = (args.precision, "--precision") if args.precision != "auto" else fastest_precision("cpu")
+    precision, why = (args.precision, "--precision") if args.precision != "auto" else fastest_precision(args.device)
     cfg["precision"] = precision
     peak_dtype = compute_dtype(precision)
-    peak = measure_peak_flops(peak_dtype, seconds=3.0, save=False)  # the node, before the workers start
-    results = run_distributed(worker, world_size=WORLD, args=(cfg,), timeout=3000, collective_timeout=900)
+    # the node's (a CPU's cores; on cuda one GPU's, times the GPUs used), before the workers start
+    peak = measure_peak_flops(peak_dtype, device_type=args.device, seconds=3.0, save=False)
+    peak *= world if args.device == "cuda" else 1
+    results = run_distributed(worker, world_size=world, args=(cfg,), timeout=3000, collective_timeout=900,
+                              device=args.device)
     report = summarize(results, cfg, peak)
     name = _peak_dtype_name(precision)
-    print(f"{WORLD} processes, 1 thread each; precision {precision} ({why}); {name} matmul peak of this node "
+    where = f"{world} processes, 1 thread each" if args.device == "cpu" else \
+        f"{world} process(es), one per GPU ({torch.cuda.get_device_name()})"
+    print(f"{where}; precision {precision} ({why}); {name} matmul peak of the processes' devices "
           f"{peak / 1e9:.0f} GFLOP/s")
     print(f"both sides: {precision}, fused AdamW (foreach on ZeRO-3 shards), the same batches; rows x micro-batches "
           "per process and step: " + ", ".join(f"{m} {r} x {k}" for m, (r, k) in cfg["shape"].items()))
