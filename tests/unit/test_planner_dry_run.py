@@ -85,6 +85,8 @@ def test_a_3d_pipe_x_data_x_model_plan_runs_the_pipeline_split():
     # stage 0 sends one (1, 32, 256) fp32 activation per microbatch forward
     assert pipe["send_recv"]["count"] == 4 and pipe["send_recv"]["bytes"] == 4 * 32 * 256 * 4
     assert "pipe bubble" in plan.step.exposed
+    for r in plan.ranks:  # 1F1B interleaves the microbatches' forwards and backwards: each op keeps its own phase
+        assert 1.5 < r.ops.flops("backward") / r.ops.flops("forward") < 2.5, (r.ops.flops("forward"), r.ops.flops("backward"))
 
 
 def test_alpha_beta_fit_and_calibrated_hardware_round_trip(tmp_path):

@@ -298,7 +298,7 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
         if runner is None:
             _loss(outputs[0]).backward()
         elif fsdp is not None:  # every microbatch, in the schedule's order, as torch's stage drives FSDP
-            run_fsdp_schedule(runner, fsdp, outputs, args, kwargs, boundary, microbatches, schedule, autocast)
+            run_fsdp_schedule(runner, fsdp, outputs, args, kwargs, boundary, microbatches, schedule, autocast, ops)
         else:
             stage_backwards(runner, outputs)
     recompute.close()
