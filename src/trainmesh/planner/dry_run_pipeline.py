@@ -106,7 +106,7 @@ def schedule_order(stage_index: int, num_stages: int, microbatches: int, schedul
 
 
 def run_fsdp_schedule(runner, stage, first_output, args: tuple, kwargs: dict, boundary, microbatches: int,
-                      schedule: str, autocast, ops=None) -> None:
+                      schedule: str, autocast, ops) -> None:
     """Run the rest of a step's microbatches on an FSDP stage in the schedule's order, with the FSDP
     settings torch's stage applies (the first microbatch's forward has run: ``first_output``). ``ops``
     (an ``op_costs.OpProfile``) files each microbatch's ops under its own phase, forward or backward,
@@ -115,8 +115,7 @@ def run_fsdp_schedule(runner, stage, first_output, args: tuple, kwargs: dict, bo
 
     outputs = {0: first_output}
     for kind, k in schedule_order(runner.indices[0], runner.num_stages, microbatches, schedule)[1:]:
-        if ops is not None:
-            ops.phase = "forward" if kind == "F" else "backward"
+        ops.phase = "forward" if kind == "F" else "backward"
         if kind == "F":
             with autocast:
                 outputs[k] = stage_forwards(runner, args, kwargs, boundary)[0]
@@ -125,8 +124,7 @@ def run_fsdp_schedule(runner, stage, first_output, args: tuple, kwargs: dict, bo
         stage.set_reshard_after_backward(False)
         stage.set_requires_gradient_sync(False)
         stage_backwards(runner, outputs.pop(k))
-    if ops is not None:
-        ops.phase = "backward"  # the final reduce-scatter's work
+    ops.phase = "backward"  # the final reduce-scatter's work
     stage.set_is_last_backward(True)
     stage.set_reshard_after_backward(True)
     stage.set_requires_gradient_sync(True)

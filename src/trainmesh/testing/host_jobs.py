@@ -20,6 +20,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -48,9 +49,10 @@ def run_on_hosts(target: str, args: tuple, world_size: int, *, processes_per_hos
             procs = [host.popen([sys.executable, "-m", __name__, str(spec), str(host.index * processes_per_host + local),
                                  tmp], env=rank_env, stdout=sink, stderr=subprocess.STDOUT, new_session=False)
                      for host in cluster.hosts for local in range(processes_per_host)]
+            deadline = time.monotonic() + timeout  # for the whole job, not for each rank in turn
             try:
                 for proc in procs:
-                    proc.wait(timeout=timeout)
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 cluster.close()
                 raise TimeoutError(f"{target} on {world_size} ranks over hosts ran over {timeout} s; its log ends:\n"
