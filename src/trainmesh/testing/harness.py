@@ -62,8 +62,24 @@ def _worker(fn, rank, world_size, init_file, result_dir, args, kwargs, collectiv
                 dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         outcome = _Outcome(ok=False, error=traceback.format_exc())
-    with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as fh:
+    # Written whole, then renamed: the parent reads it while this process may still be exiting.
+    path = _result_path(result_dir, rank)
+    with open(path + ".tmp", "wb") as fh:
         pickle.dump(outcome, fh)
+    os.replace(path + ".tmp", path)
+
+
+def _result_path(result_dir: str, rank: int) -> str:
+    return os.path.join(result_dir, f"rank{rank}.pkl")
+
+
+def _finished_its_work(result_dir: str, rank: int) -> bool:
+    """Whether ``rank`` left a successful result (its function returned), whatever its exit code."""
+    try:
+        with open(_result_path(result_dir, rank), "rb") as fh:
+            return pickle.load(fh).ok
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return False
 
 
 def run_distributed(
@@ -126,17 +142,21 @@ def run_distributed(
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
             else:
                 os.environ["CUDA_VISIBLE_DEVICES"] = hidden
-        _wait(procs, timeout)
+        _wait(procs, timeout, tmp)
         return _collect(tmp, procs)
 
 
-def _wait(procs, timeout: float) -> None:
+def _wait(procs, timeout: float, result_dir: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         codes = [p.exitcode for p in procs]
         if all(code is not None for code in codes):
             return
-        if any(code not in (None, 0) for code in codes):
+        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+        # A rank that returned its result and then died at interpreter exit (a C++ thread torn down
+        # with a collective still pending on a stalled peer aborts the process) has done its part;
+        # its peers must not be cut short for it.
+        if any(not _finished_its_work(result_dir, rank) for rank in failed):
             # One process failed: its peers may be blocked in a collective with it. Give them
             # a moment to write their own error, then stop them.
             time.sleep(2.0)
@@ -155,7 +175,7 @@ def _wait(procs, timeout: float) -> None:
 def _collect(result_dir: str, procs) -> list[Any]:
     results, errors = [], []
     for rank, proc in enumerate(procs):
-        path = os.path.join(result_dir, f"rank{rank}.pkl")
+        path = _result_path(result_dir, rank)
         if not os.path.exists(path):
             errors.append(f"rank {rank}: exited with code {proc.exitcode} and left no result")
             continue

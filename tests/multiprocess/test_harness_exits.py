@@ -1,0 +1,59 @@
+"""The test harness's handling of ranks that end badly.
+
+A rank that returned its result and then aborted at interpreter exit (as a process does when a C++
+thread is torn down with a collective still pending on a stalled peer) has done its part: its
+peers keep running to the end. A rank that dies before returning stops its peers.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from trainmesh.testing import run_distributed
+from trainmesh.testing.harness import DistributedTestError
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
+
+LATE_S = 5.0  # how long rank 1 keeps working after rank 0 has aborted; more than the harness's 2 s grace
+
+
+def _rank0_aborts_after_returning() -> dict:
+    import atexit
+    import os
+
+    import trainmesh as tm
+
+    started = time.monotonic()
+    if tm.rank() == 0:
+        atexit.register(os.abort)  # SIGABRT after the result is written
+    else:
+        time.sleep(LATE_S)
+    return {"rank": tm.rank(), "after_s": time.monotonic() - started}
+
+
+def _rank0_dies_before_returning() -> dict:
+    import os
+
+    import trainmesh as tm
+
+    if tm.rank() == 0:
+        os.abort()
+    time.sleep(60)
+    return {"rank": tm.rank()}
+
+
+def test_a_rank_that_aborts_after_returning_does_not_cut_its_peer_short():
+    results = run_distributed(_rank0_aborts_after_returning, world_size=2, timeout=60)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert results[1]["after_s"] >= LATE_S
+
+
+def test_a_rank_that_dies_before_returning_stops_its_peers():
+    started = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_rank0_dies_before_returning, world_size=2, timeout=60)
+    assert "rank 0: exited with code" in str(info.value) and "left no result" in str(info.value)
+    assert "rank 1: exited with code" in str(info.value)  # stopped, not waited for
+    assert time.monotonic() - started < 30
