@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
-        args.rounds, args.steps = 3, 8
+        args.rounds, args.steps = 6, 8  # 3 rounds read 0.053 where the full run read 0.038
     torch.set_num_threads(1)
     n = args.batch * args.steps * args.rounds * 2 + args.batch * 4
     data = DecodeAugment(n)

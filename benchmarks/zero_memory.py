@@ -673,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=4, help="processes (world size), default 4")
     parser.add_argument("--rounds", type=int, default=1, help="times each variant is run (fresh processes), default 1")
-    parser.add_argument("--steps", type=int, help="timed steps per variant (default 3)")
+    parser.add_argument("--steps", type=int, help="timed steps per variant (default 3; --quick 5)")
     parser.add_argument("--mem-steps", type=int, default=2, help="instrumented steps for memory (default 2)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps between memory and timed steps")
     parser.add_argument("--batch", type=int, help="global batch in sequences (default 2 per process)")
@@ -693,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
             worker(json.load(fh), args.worker, args.out)
         return 0
 
-    cfg = {"nproc": args.nproc, "rounds": args.rounds, "steps": args.steps or (2 if args.quick else 3),
+    cfg = {"nproc": args.nproc, "rounds": args.rounds, "steps": args.steps or (5 if args.quick else 3),
            "mem_steps": args.mem_steps, "warmup": args.warmup, "batch": args.batch or 2 * args.nproc,
            "seed": args.seed, "quick": args.quick, "model": QUICK_MODEL if args.quick else FULL_MODEL}
     cfg["precision"], cfg["precision_why"] = choose_precision(args.precision)
