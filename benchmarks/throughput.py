@@ -1,6 +1,7 @@
 """Compiled vs eager steps, and the demo's MFU, on 4 gloo processes.
 
     python benchmarks/throughput.py [--rounds R] [--steps S] [--quick] [--json PATH] [--device cpu|cuda] [--processes N]
+                                     [--compile-mode MODE]
 
 Models: the demo's character GPT (its default size and step, read from ``DemoSettings.full()``:
 one micro-batch of 32 windows of 64 per process) and a Llama-style transformers ``LlamaForCausalLM`` built from a small
@@ -96,14 +97,16 @@ def batches(vocab: int, n: int, rows: int, seed: int, device: str = "cpu") -> li
     return out
 
 
-def make_trainer(model_name: str, stage: int, mode, precision: str, optimizer=torch.optim.AdamW, lr=1e-3):
+def make_trainer(model_name: str, stage: int, mode, precision: str, optimizer=torch.optim.AdamW, lr=1e-3,
+                 compile_mode: str | None = None):
     import trainmesh as tm
 
     model, loss_fn, vocab = build(model_name)
     # The demo's optimizer kernels (fused AdamW; FSDP2's DTensor shards get foreach) on both sides.
     trainer = tm.Trainer(model, optimizer(model.parameters(), lr=lr), loss_fn,
                          distribution=tm.DataParallel(zero_stage=stage), precision=precision, compile=mode,
-                         optimizer_implementation="fused", progress=False)
+                         optimizer_implementation="fused", progress=False,
+                         compile_mode=compile_mode if mode else None)
     return trainer, vocab
 
 
@@ -130,7 +133,8 @@ def worker(cfg: dict) -> dict:
         micro, accum = cfg["shape"][model_name]
         stage = int(stage.removeprefix("zero"))
         sides = {"eager": make_trainer(model_name, stage, False, cfg["precision"]),
-                 "compiled": make_trainer(model_name, stage, "regional", cfg["precision"])}
+                 "compiled": make_trainer(model_name, stage, "regional", cfg["precision"],
+                                          compile_mode=cfg["compile_mode"])}
         vocab = sides["eager"][1]
         data = batches(vocab, accum * (cfg["rounds"] * cfg["steps"] + 1), micro, seed=1000 + rank, device=cfg["device"])
         times = {side: [] for side in sides}
@@ -168,7 +172,8 @@ def worker(cfg: dict) -> dict:
         for side, mode in (("eager", False), ("compiled", "regional")):
             # SGD: the parameters then differ by what the gradients differ by; Adam's normalisation would
             # blow a 1e-9 difference in a near-zero gradient up to a full lr-sized step.
-            trainer, vocab = make_trainer(model_name, stage, mode, "fp32", torch.optim.SGD, 0.1)
+            trainer, vocab = make_trainer(model_name, stage, mode, "fp32", torch.optim.SGD, 0.1,
+                                          compile_mode=cfg["compile_mode"])
             for batch in batches(vocab, 4, micro, seed=2000 + rank, device=cfg["device"]):
                 step(trainer, [batch])
             params[side] = trainer.state_dict()["model"]
@@ -218,7 +223,8 @@ def summarize(results: list[dict], cfg: dict, peak: float) -> dict:
         figures["compiled_parity_max_abs_diff"] = max(results[0]["parity"].values())
     report.update(figures=figures, parity=results[0]["parity"], precision=cfg["precision"], device=cfg["device"],
                   processes=cfg["world"],
-                  peak_dtype=cfg["peak_dtype"], peak_flops=peak, peaks_measured=cfg["peaks"], valid=valid)
+                  peak_dtype=cfg["peak_dtype"], peak_flops=peak, compile_mode=cfg["compile_mode"],
+                  peaks_measured=cfg["peaks"], valid=valid)
     return report
 
 
@@ -234,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: gloo processes of one thread; cuda: one process per GPU, NCCL (the same per-process "
                              "steps; the figures then describe that GPU, not this benchmark's CPU goals)")
+    parser.add_argument("--compile-mode", help="torch.compile's mode for the compiled side (default: torch's; "
+                                               "'reduce-overhead' replays CUDA graphs)")
     parser.add_argument("--processes", type=int, help=f"processes (default {WORLD} on cpu, one per GPU on cuda)")
     args = parser.parse_args(argv)
     world = args.processes or (torch.cuda.device_count() if args.device == "cuda" else WORLD)
@@ -242,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     pairs = ["gpt/zero0", "llama/zero3"] if args.quick else ["gpt/zero0", "gpt/zero3", "llama/zero0", "llama/zero3"]
     parity = ["gpt/zero0", "llama/zero3"]
     cfg = {"pairs": pairs, "parity": parity, "rounds": args.rounds or (2 if args.quick else 6),
-           "steps": args.steps or (3 if args.quick else 5), "shape": shapes(), "world": world, "device": args.device}
+           "steps": args.steps or (3 if args.quick else 5), "shape": shapes(), "world": world, "device": args.device,
+           "compile_mode": args.compile_mode}
     from trainmesh.trainer.precision import fastest_precision
     from trainmesh.trainer.throughput import measure_peak_flops
 
@@ -264,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{where}; precision {precision} ({why}); matmul peaks of the processes' devices: "
           + ", ".join(f"{d} {v / 1e9:.0f} GFLOP/s" for d, v in cfg["peaks"].items())
           + f"; the MFU divides by the higher ({name})")
+    if cfg["compile_mode"]:
+        print(f"compiled side: torch.compile mode {cfg['compile_mode']!r}")
     print(f"both sides: {precision}, fused AdamW (foreach on ZeRO-3 shards), the same batches; rows x micro-batches "
           "per process and step: " + ", ".join(f"{m} {r} x {k}" for m, (r, k) in cfg["shape"].items()))
     header = f"{'pair':<14}{'eager ms':>10}{'compiled ms':>13}{'ratio':>8}{'95% CI':>16}{'compile s':>11}{'same work':>11}"

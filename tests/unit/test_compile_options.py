@@ -64,3 +64,34 @@ def test_regional_compiles_each_repeated_block_in_place():
     flat = torch.nn.Linear(2, 2)  # no repeated blocks: compiled whole
     tm_compile.apply_compile(flat, "regional", backend="eager")
     assert tm_compile.is_compiled_in_place(flat) and tm_compile.compiled_mode(flat) is True
+
+
+def test_bad_compile_mode_raises_naming_it():
+    with pytest.raises(ValueError, match="Received: compile_mode='fastest'"):
+        TrainerConfig(compile="regional", compile_mode="fastest")
+    with pytest.raises(ValueError, match="inductor backend only.*compile_backend='aot_eager'"):
+        TrainerConfig(compile="regional", compile_backend="aot_eager", compile_mode="max-autotune")
+    assert TrainerConfig(compile="regional", compile_mode="reduce-overhead").compile_mode == "reduce-overhead"
+
+
+def test_compile_mode_reaches_torch_compile(monkeypatch):
+    import trainmesh as tm
+
+    seen = []
+    real_compile = torch.compile
+
+    def recording_compile(fn, **kwargs):  # what the Trainer asked for, then a cheap real compile
+        seen.append(kwargs)
+        return real_compile(fn, backend="eager")
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.MSELoss(), compile="regional",
+                         compile_mode="max-autotune-no-cudagraphs", progress=False)
+    assert seen and all(kw["mode"] == "max-autotune-no-cudagraphs" and kw["backend"] == "inductor" for kw in seen)
+    assert len(seen) == 2  # one per block: regional
+    trainer.fit((torch.randn(8, 4), torch.randn(8, 4)), epochs=1, batch_size=4)
+    model = torch.nn.Linear(4, 4)
+    seen.clear()
+    tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.MSELoss(), compile=True, progress=False)
+    assert [kw["mode"] for kw in seen] == [None]  # unset: torch's default

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["COMPILE_MODES", "apply_compile", "check_compile_mode", "compile_unavailable_reason", "compiled_mode",
-           "is_compiled_in_place"]
+__all__ = ["COMPILE_MODES", "apply_compile", "check_compile_mode", "check_inductor_mode", "compile_unavailable_reason",
+           "compiled_mode", "is_compiled_in_place"]
 
 COMPILE_MODES = (False, True, "regional")
 _MARK = "_trainmesh_compile"
@@ -42,6 +42,24 @@ def check_compile_mode(mode: Any) -> Any:
         raise ValueError(f"compile must be False, True (the whole model) or 'regional' (each repeated block). "
                          f"Received: compile={mode!r}")
     return mode
+
+
+def check_inductor_mode(inductor_mode: str | None, backend: str = "inductor") -> str | None:
+    """``inductor_mode`` (torch.compile's ``mode``: "default", "reduce-overhead" (CUDA graphs),
+    "max-autotune", ...) if inductor knows it and the backend is inductor; ValueError otherwise.
+    Other backends take no mode: torch would hand it to them as an argument they do not accept."""
+    if inductor_mode is None:
+        return None
+    from torch._inductor import list_mode_options
+
+    known = list(list_mode_options())
+    if not isinstance(inductor_mode, str) or inductor_mode not in known:
+        raise ValueError(f"compile_mode must be None or one of torch.compile's modes {known}. "
+                         f"Received: compile_mode={inductor_mode!r}")
+    if backend != "inductor":
+        raise ValueError(f"compile_mode applies to the inductor backend only (torch.compile passes no mode to other "
+                         f"backends). Received: compile_mode={inductor_mode!r}, compile_backend={backend!r}")
+    return inductor_mode
 
 
 def _cxx_compiler() -> str | None:
@@ -94,15 +112,19 @@ def compiled_mode(model: nn.Module) -> Any:
 
 
 def apply_compile(model: nn.Module, mode: Any, *, backend: str = "inductor", fullgraph: bool = False,
-                  device_type: str = "cpu") -> nn.Module:
+                  device_type: str = "cpu", inductor_mode: str | None = None) -> nn.Module:
     """Compile ``model`` (``True``) or each of its repeated blocks (``"regional"``) in place; returns it.
 
     Call it after tensor layouts and activation checkpointing, before DDP / FSDP2 (see
     ``parallelize``). A model without repeated blocks is compiled whole under "regional".
 
+    ``inductor_mode`` is torch.compile's ``mode`` (None: its default; "reduce-overhead" replays
+    CUDA graphs, for steps made of many small kernel launches).
+
     >>> model = apply_compile(MyTransformer(), "regional")   # doctest: +SKIP
     """
     check_compile_mode(mode)
+    check_inductor_mode(inductor_mode, backend)
     if mode is False:
         return model
     if not isinstance(backend, str) or not backend:
@@ -117,6 +139,6 @@ def apply_compile(model: nn.Module, mode: Any, *, backend: str = "inductor", ful
     paths = _block_paths(model) if mode == "regional" else []
     targets = [modules[path] for path in paths] or [model]
     for module in targets:
-        module.forward = torch.compile(module.forward, backend=backend, fullgraph=fullgraph)
+        module.forward = torch.compile(module.forward, backend=backend, fullgraph=fullgraph, mode=inductor_mode)
     setattr(model, _MARK, "regional" if paths else True)
     return model

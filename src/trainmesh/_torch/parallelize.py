@@ -40,7 +40,7 @@ def resolve_memory_options(distribution, *, zero_stage: int | None = None, cpu_o
 def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None,
                 activation_checkpointing: Any = None, cpu_offload: bool | None = None,
                 mixed_precision: torch.dtype | None = None, ddp_options: dict | None = None,
-                compile: Any = False, compile_backend: str = "inductor") -> nn.Module:
+                compile: Any = False, compile_backend: str = "inductor", compile_mode: str | None = None) -> nn.Module:
     """Apply ``distribution`` to ``model``; returns the module to train.
 
     ``mixed_precision`` is the compute dtype of a mixed-precision run (FSDP2 gathers parameters
@@ -59,7 +59,8 @@ def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None
         # A user's own Distribution subclass: its distribute_model decides, after checkpointing.
         if activation_checkpointing is not None:
             model = apply_activation_checkpointing(model, activation_checkpointing)
-        model = apply_compile(model, compile, backend=compile_backend, device_type=runtime.torch_device_type())
+        model = apply_compile(model, compile, backend=compile_backend, device_type=runtime.torch_device_type(),
+                              inductor_mode=compile_mode)
         return distribution.distribute_model(model)
     is_tp = isinstance(distribution, ModelParallel)
     if is_tp and options.zero_stage == 1:
@@ -77,9 +78,9 @@ def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None
 
         return apply_pipeline(model, distribution, options, lambda stage: _apply_layers(
             stage, distribution, options, activation_checkpointing, mixed_precision, ddp_options, pipelined=True,
-            compile=compile, compile_backend=compile_backend))
+            compile=compile, compile_backend=compile_backend, compile_mode=compile_mode))
     return _apply_layers(model, distribution, options, activation_checkpointing, mixed_precision, ddp_options,
-                         compile=compile, compile_backend=compile_backend)
+                         compile=compile, compile_backend=compile_backend, compile_mode=compile_mode)
 
 
 def _refuse_meta_tensors(model: nn.Module) -> None:
@@ -97,7 +98,8 @@ def _refuse_meta_tensors(model: nn.Module) -> None:
 
 def _apply_layers(model: nn.Module, distribution, options: MemoryOptions, activation_checkpointing: Any,
                   mixed_precision: torch.dtype | None, ddp_options: dict | None, *, pipelined: bool = False,
-                  compile: Any = False, compile_backend: str = "inductor") -> nn.Module:
+                  compile: Any = False, compile_backend: str = "inductor",
+                  compile_mode: str | None = None) -> nn.Module:
     """Steps 1-3 on a whole model or one pipeline stage. A stage's gradients over the batch axis are
     reduced by FSDP2 (ZeRO 2-3) or by the pipeline runner after its schedule, never by DDP or TP hooks,
     which would communicate once per microbatch."""
@@ -114,7 +116,8 @@ def _apply_layers(model: nn.Module, distribution, options: MemoryOptions, activa
     if activation_checkpointing is not None:
         model = apply_activation_checkpointing(model, activation_checkpointing, model_mechanism=not pipelined)
     # 3. compile: each repeated block (or the whole model) in place, before DDP / FSDP2 wrap them
-    model = apply_compile(model, compile, backend=compile_backend, device_type=runtime.torch_device_type())
+    model = apply_compile(model, compile, backend=compile_backend, device_type=runtime.torch_device_type(),
+                          inductor_mode=compile_mode)
     if pipelined and options.zero_stage < 2:
         model.to(runtime.local_torch_device())
         model._trainmesh_memory = {"zero_stage": options.zero_stage, "cpu_offload": "off"}

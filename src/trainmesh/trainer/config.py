@@ -45,9 +45,11 @@ class TrainerConfig:
     cpu_offload: bool = False
     activation_checkpointing: str | None = None  # None | "full" | "selective" | "every:K" | a regex on module paths
     # torch.compile (see trainmesh._torch.compile): False, True (the whole model), "regional" (each repeated
-    # block, torchtitan-style); compile_backend is torch.compile's backend ("inductor"; "aot_eager" traces only)
+    # block, torchtitan-style); compile_backend is torch.compile's backend ("inductor"; "aot_eager" traces only);
+    # compile_mode is its mode (None: torch's default; "reduce-overhead": CUDA graphs; "max-autotune", ...)
     compile: bool | str = False
     compile_backend: str = "inductor"
+    compile_mode: str | None = None
     # torch's optimizer kernels: "fused", "foreach", "for-loop"; None = as the optimizer was built
     optimizer_implementation: str | None = None
     # The hardware's FLOP/s for MFU (per node on CPU, per GPU): None = the cached `trainmesh env --peak` probe
@@ -93,12 +95,13 @@ class TrainerConfig:
                 get_compressor(self.compression)
             except (TypeError, ValueError) as error:
                 raise ValueError(f"compression: {error} Received: compression={self.compression!r}") from error
-        from trainmesh._torch.compile import check_compile_mode
+        from trainmesh._torch.compile import check_compile_mode, check_inductor_mode
 
         check_compile_mode(self.compile)
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise ValueError(f"compile_backend must be a torch.compile backend name. "
                              f"Received: compile_backend={self.compile_backend!r}")
+        check_inductor_mode(self.compile_mode, self.compile_backend)
         from .step import OPTIMIZER_IMPLEMENTATIONS
 
         if self.optimizer_implementation not in OPTIMIZER_IMPLEMENTATIONS:

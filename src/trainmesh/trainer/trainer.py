@@ -88,7 +88,8 @@ class Trainer:
                                      activation_checkpointing=self.config.activation_checkpointing,
                                      cpu_offload=self.config.cpu_offload or None,
                                      mixed_precision=getattr(self.precision, "dtype", None),
-                                     compile=self.config.compile, compile_backend=self.config.compile_backend)
+                                     compile=self.config.compile, compile_backend=self.config.compile_backend,
+                                     compile_mode=self.config.compile_mode)
         self.communication = install_communication(self.model, self.config)  # compression, hierarchical
         self.optimizer = self._bind_optimizer(optimizer, names_before)
         set_optimizer_implementation(self.optimizer, self.config.optimizer_implementation)  # fused / foreach kernels
