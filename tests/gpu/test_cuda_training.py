@@ -11,7 +11,8 @@ run every kernel, hook and stream of DDP, FSDP2, DTensor and DCP on the device).
   ("full" and "selective") equals the same model without it within 1e-5;
 * bf16-mixed and fp16-mixed (dynamic loss scaling) train: finite, falling losses, near fp32's;
 * ``compile="regional"`` with inductor (Triton kernels) equals eager within 1e-5 (8 SGD steps)
-  and compiles nothing new after step 2;
+  and compiles nothing new after step 2, with torch's default mode and with ``compile_mode=
+  "reduce-overhead"`` (CUDA graphs replayed);
 * a ZeRO-3 sharded checkpoint saved asynchronously from the GPU resumes on a CPU process and
   ends where an uninterrupted GPU run ends;
 * the matmul peak probe and MFU on CUDA; two processes on one GPU are refused with a clear error.
@@ -80,7 +81,7 @@ def lm_loss(outputs, targets):
 
 
 def train(*, zero=0, precision="fp32", compile=False, offload=False, ac=None, model="net", epochs=EPOCHS,
-          callbacks=(), resume=False, peak_flops=None, optimizer="adam"):
+          callbacks=(), resume=False, peak_flops=None, optimizer="adam", compile_mode=None):
     """Train the seeded model; return losses, parameters (on the CPU), graphs compiled per step."""
     import torch._dynamo
 
@@ -109,7 +110,8 @@ def train(*, zero=0, precision="fp32", compile=False, offload=False, ac=None, mo
     # an lr-sized step (an H200 read 6.9e-6 on one run and 1.7e-5 on the next with Adam).
     opt = (torch.optim.SGD if optimizer == "sgd" else torch.optim.Adam)(net.parameters(), lr=1e-2)
     trainer = tm.Trainer(net, opt, loss, distribution=distribution,
-                         zero_stage=zero, precision=precision, compile=compile, cpu_offload=offload,
+                         zero_stage=zero, precision=precision, compile=compile, compile_mode=compile_mode,
+                         cpu_offload=offload,
                          activation_checkpointing=ac, max_grad_norm=1.0, peak_flops=peak_flops,
                          callbacks=[CountGraphs(), *callbacks], progress=False)
     history = trainer.fit(data, epochs=epochs, batch_size=BATCH, shuffle=False, resume=resume)
@@ -144,6 +146,7 @@ def gpu():
         "zero3_offload": {"zero": 3, "offload": True},
         "bf16": {"precision": "bf16-mixed"}, "fp16": {"precision": "fp16-mixed"},
         "sgd": {"optimizer": "sgd"}, "compiled": {"compile": "regional", "optimizer": "sgd"},
+        "cudagraphs": {"compile": "regional", "optimizer": "sgd", "compile_mode": "reduce-overhead"},
         "llama": {"model": "llama"}, "llama_ac_full": {"model": "llama", "ac": "full"},
         "llama_ac_selective": {"model": "llama", "ac": "selective"},
         "mfu": {"peak_flops": 1e12},
@@ -188,13 +191,14 @@ def test_mixed_precision_trains(gpu, name):
         assert gpu[name]["scaler"] is not None  # dynamic loss scaling ran
 
 
-def test_regional_compile_with_inductor_equals_eager(gpu):
+@pytest.mark.parametrize("case", ["compiled", "cudagraphs"])
+def test_regional_compile_with_inductor_equals_eager(gpu, case):
     from trainmesh._torch.compile import compile_unavailable_reason
 
     reason = compile_unavailable_reason("inductor", "cuda")
     if reason:
         pytest.skip(reason)
-    compiled, eager = gpu["compiled"], gpu["sgd"]
+    compiled, eager = gpu[case], gpu["sgd"]
     diff = max_diff(compiled["params"], eager["params"])
     print(f"compiled (inductor, Triton) vs eager: {diff:.3g}; graphs per step {compiled['graphs']}")
     assert compiled["compiled"] == "regional"  # compile was applied, block by block
