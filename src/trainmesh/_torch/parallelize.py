@@ -40,7 +40,8 @@ def resolve_memory_options(distribution, *, zero_stage: int | None = None, cpu_o
 def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None,
                 activation_checkpointing: Any = None, cpu_offload: bool | None = None,
                 mixed_precision: torch.dtype | None = None, ddp_options: dict | None = None,
-                compile: Any = False, compile_backend: str = "inductor", compile_mode: str | None = None) -> nn.Module:
+                compile: Any = False, compile_backend: str = "inductor",
+                compile_mode: str | None = None) -> nn.Module:
     """Apply ``distribution`` to ``model``; returns the module to train.
 
     ``mixed_precision`` is the compute dtype of a mixed-precision run (FSDP2 gathers parameters

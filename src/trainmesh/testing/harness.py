@@ -148,15 +148,17 @@ def run_distributed(
 
 def _wait(procs, timeout: float, result_dir: str) -> None:
     deadline = time.monotonic() + timeout
+    returned = set()  # ranks that failed at exit after returning (their result read once)
     while time.monotonic() < deadline:
         codes = [p.exitcode for p in procs]
         if all(code is not None for code in codes):
             return
-        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0) and rank not in returned]
+        returned.update(rank for rank in failed if _finished_its_work(result_dir, rank))
         # A rank that returned its result and then died at interpreter exit (a C++ thread torn down
         # with a collective still pending on a stalled peer aborts the process) has done its part;
         # its peers must not be cut short for it.
-        if any(not _finished_its_work(result_dir, rank) for rank in failed):
+        if any(rank not in returned for rank in failed):
             # One process failed: its peers may be blocked in a collective with it. Give them
             # a moment to write their own error, then stop them.
             time.sleep(2.0)
