@@ -74,6 +74,7 @@ def test_bad_compile_mode_raises_naming_it():
     assert TrainerConfig(compile="regional", compile_mode="reduce-overhead").compile_mode == "reduce-overhead"
 
 
+@pytest.mark.usefixtures("no_process_group_left_behind")  # the Trainer starts a one-process group
 def test_compile_mode_reaches_torch_compile(monkeypatch):
     import trainmesh as tm
 
