@@ -73,13 +73,13 @@ def _result_path(result_dir: str, rank: int) -> str:
     return os.path.join(result_dir, f"rank{rank}.pkl")
 
 
-def _finished_its_work(result_dir: str, rank: int) -> bool:
-    """Whether ``rank`` left a successful result (its function returned), whatever its exit code."""
+def _read_outcome(result_dir: str, rank: int) -> _Outcome | None:
+    """What ``rank`` left (whole: it is renamed into place), or None when it left nothing."""
     try:
         with open(_result_path(result_dir, rank), "rb") as fh:
-            return pickle.load(fh).ok
-    except (OSError, EOFError, pickle.UnpicklingError):
-        return False
+            return pickle.load(fh)
+    except FileNotFoundError:
+        return None
 
 
 def run_distributed(
@@ -154,7 +154,7 @@ def _wait(procs, timeout: float, result_dir: str) -> None:
         if all(code is not None for code in codes):
             return
         failed = [rank for rank, code in enumerate(codes) if code not in (None, 0) and rank not in returned]
-        returned.update(rank for rank in failed if _finished_its_work(result_dir, rank))
+        returned.update(rank for rank in failed if getattr(_read_outcome(result_dir, rank), "ok", False))
         # A rank that returned its result and then died at interpreter exit (a C++ thread torn down
         # with a collective still pending on a stalled peer aborts the process) has done its part;
         # its peers must not be cut short for it.
@@ -177,13 +177,10 @@ def _wait(procs, timeout: float, result_dir: str) -> None:
 def _collect(result_dir: str, procs) -> list[Any]:
     results, errors = [], []
     for rank, proc in enumerate(procs):
-        path = _result_path(result_dir, rank)
-        if not os.path.exists(path):
+        outcome = _read_outcome(result_dir, rank)
+        if outcome is None:
             errors.append(f"rank {rank}: exited with code {proc.exitcode} and left no result")
-            continue
-        with open(path, "rb") as fh:
-            outcome: _Outcome = pickle.load(fh)
-        if outcome.ok:
+        elif outcome.ok:
             results.append(outcome.value)
         else:
             errors.append(f"rank {rank} raised:\n{outcome.error}")
