@@ -102,20 +102,27 @@ def train_pipelined(family: str, mesh_shape, axes, schedule: str, *, microbatche
 
 @contextlib.contextmanager
 def count_reduce_scatters():
-    """How many reduce-scatters FSDP2 issues inside the block (it calls ``reduce_scatter_single``)."""
+    """How many reduce-scatters FSDP2 issues inside the block (it calls ``reduce_scatter_single``, or on
+    gloo trainmesh's ``AllReduceScatter``, which carries it by an all-reduce)."""
     import torch.distributed as dist
 
-    count, original = [0], dist.reduce_scatter_single
+    from trainmesh.comm.allreduce_scatter import AllReduceScatter
+
+    count, original, carried = [0], dist.reduce_scatter_single, AllReduceScatter.__call__
 
     def counted(*args, **kwargs):
         count[0] += 1
         return original(*args, **kwargs)
 
-    dist.reduce_scatter_single = counted
+    def counted_carried(self, *args, **kwargs):
+        count[0] += 1
+        return carried(self, *args, **kwargs)
+
+    dist.reduce_scatter_single, AllReduceScatter.__call__ = counted, counted_carried
     try:
         yield count
     finally:
-        dist.reduce_scatter_single = original
+        dist.reduce_scatter_single, AllReduceScatter.__call__ = original, carried
 
 
 def fsdp_groups(model: torch.nn.Module) -> int:

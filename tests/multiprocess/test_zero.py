@@ -109,6 +109,30 @@ def _resume(stage: int, directory: str) -> dict:
     return resumed
 
 
+def _all_reduce_scatter(world: int, rank: int) -> dict:
+    """``AllReduceScatter`` against gloo's own reduce-scatter on the same rows (fp32 and bf16), and
+    which reduce-scatter a ZeRO-2 model's FSDP units were given."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    import trainmesh as tm
+    from trainmesh.comm.allreduce_scatter import AllReduceScatter
+
+    g = torch.Generator().manual_seed(rank)
+    diffs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = torch.randn(world * 1001, generator=g).to(dtype)
+        want, got = torch.empty(1001, dtype=dtype), torch.empty(1001, dtype=dtype)
+        dist.reduce_scatter_single(want, rows.clone())
+        AllReduceScatter()(got, rows.clone(), dist.group.WORLD, dist.ReduceOp.SUM)
+        diffs[str(dtype)] = (got.float() - want.float()).abs().max().item() / want.float().abs().max().item()
+    model = tm.DataParallel(zero_stage=2).distribute_model(Net())
+    # torch keeps a unit's reduce-scatter on its parameter group (no public getter)
+    comms = [type(group._reduce_scatter_comm).__name__ for m in model.modules() if isinstance(m, FSDPModule)
+             for group in m._get_fsdp_state()._fsdp_param_groups]
+    return {"relative_diff": diffs, "unit_comms": comms}
+
+
 def _job(directory: str) -> dict:
     import warnings
 
@@ -119,6 +143,7 @@ def _job(directory: str) -> dict:
     out["accum"] = {stage: train(stage, accum=2)[0] for stage in (1, 2, 3)}
     out["fp16"] = {stage: _fp16_overflow(rank, stage) for stage in (2, 3)}
     out["resume"] = {stage: _resume(stage, directory) for stage in (1, 3)}
+    out["all_reduce_scatter"] = _all_reduce_scatter(tm.world_size(), rank)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = tm.DataParallel(zero_stage=3, cpu_offload=True).distribute_model(Net())
@@ -222,6 +247,18 @@ def test_checkpoint_resume_equals_uninterrupted(world, request):
         resumed = results[0]["resume"][stage]
         _same_params(resumed["params"], uninterrupted["params"], tol=1e-6)
         np.testing.assert_allclose(resumed["val_loss"], uninterrupted["val_loss"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("world", ["two", "four"])
+def test_gloo_units_reduce_scatter_through_an_all_reduce(world, request):
+    """Every FSDP unit on gloo carries its reduce-scatter by an all-reduce (``comm/allreduce_scatter.py``),
+    and that gives this rank the same rows as gloo's own reduce-scatter (to bf16 rounding: the sums'
+    order differs). The parity of the stages above is with it in place."""
+    for result in request.getfixturevalue(world):
+        checked = result["all_reduce_scatter"]
+        assert checked["unit_comms"] and set(checked["unit_comms"]) == {"AllReduceScatter"}, checked
+        assert checked["relative_diff"]["torch.float32"] <= 1e-6, checked
+        assert checked["relative_diff"]["torch.bfloat16"] <= 1e-2, checked
 
 
 def test_cpu_offload_on_cpu_is_an_accepted_reported_no_op(two):

@@ -26,6 +26,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from trainmesh.comm.allreduce_scatter import carrying_reduce_scatter
+
 # op name (without namespace/overload) -> (kind, index of the "full buffer" argument or "out"/"in" rule)
 _KINDS = {
     "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
@@ -157,6 +159,8 @@ class CollectiveCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
             kind = _KINDS.get(func._opname)
+            if kind == "all_reduce" and carrying_reduce_scatter():
+                kind = "reduce_scatter"  # FSDP2's, carried by an all-reduce on gloo (comm/allreduce_scatter.py)
             if kind is not None:
                 self.log.add(*self._record(kind, args, out), 1)
         return out
