@@ -51,15 +51,31 @@ class AllReduceScatter(ReduceScatter):
         if input_tensor.numel() != rows * output_tensor.numel():
             raise ValueError(f"A reduce-scatter over {rows} processes needs an input {rows}x its output; "
                              f"received {input_tensor.numel()} and {output_tensor.numel()} elements")
-        _carrying.active = True
-        try:
-            dist.all_reduce(input_tensor, op=op, group=group)
-        finally:
-            _carrying.active = False
-        row = output_tensor.numel()
-        start = dist.get_rank(group) * row
-        output_tensor.view(-1).copy_(input_tensor.view(-1)[start : start + row])
+        all_reduce_rows(output_tensor, input_tensor, group, op)
         return None
+
+
+def all_reduce_rows(output: torch.Tensor, rows: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM) -> None:
+    """This rank's row of ``rows`` (``N`` equal rows, flat) summed over ``group``, into ``output``,
+    by an all-reduce of ``rows`` in place (``rows`` is then the reduced whole)."""
+    _carrying.active = True
+    try:
+        dist.all_reduce(rows, op=op, group=group)
+    finally:
+        _carrying.active = False
+    row = output.numel()
+    start = dist.get_rank(group) * row
+    output.view(-1).copy_(rows.view(-1)[start : start + row])
+
+
+def reduce_scatter_rows(output: torch.Tensor, rows: torch.Tensor, group: dist.ProcessGroup,
+                        op=dist.ReduceOp.SUM) -> None:
+    """A reduce-scatter of ``rows`` (may be overwritten) into ``output``, by :func:`all_reduce_rows`
+    where gloo carries it, else by the backend's own ``reduce_scatter_single``."""
+    if carries_reduce_scatter_by_all_reduce(group, rows.device):
+        all_reduce_rows(output, rows, group, op)
+    else:
+        dist.reduce_scatter_single(output, rows, op=op, group=group)
 
 
 def carries_reduce_scatter_by_all_reduce(group: dist.ProcessGroup, device: torch.device) -> bool:

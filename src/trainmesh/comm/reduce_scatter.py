@@ -30,6 +30,7 @@ except ImportError:  # an older torch: install_compressed_reduce_scatter says so
 from trainmesh.compression.base import Compressed, Compressor
 
 from .accounting import ByteCounter
+from .allreduce_scatter import reduce_scatter_rows
 from .ddp_hooks import KeepStateIfNonFinite, _nbytes, _pack, _unpack
 
 KEY_MARK = "/shard "  # residual keys of this module contain it (world-size dependent)
@@ -79,7 +80,7 @@ class CompressedReduceScatter(ReduceScatter):
         for name in names:
             parts = [p.tensors[name].reshape(-1) for p in payloads]
             out = torch.empty_like(parts[rank])
-            dist.reduce_scatter_tensor(out, torch.cat(parts), op=dist.ReduceOp.SUM, group=group)
+            reduce_scatter_rows(out, torch.cat(parts), group)  # an all-reduce of the rows on gloo (see there)
             reduced[name] = out.view(payloads[rank].tensors[name].shape)
         return self.compressor.decompress(Compressed(reduced, payloads[rank].meta)).to(torch.float32)
 
