@@ -14,9 +14,10 @@ the full gradient. The stages differ in two places:
   gradients are partitioned at every moment after their bucket's backward).
 * resharding: stages 1-2 use ``reshard_after_forward=False``: a unit's parameters stay
   gathered from its forward through its backward (no second all-gather); stage 3 uses
-  ``reshard_after_forward=True``: gathered before use, freed after, again in backward; the
-  next unit is prefetched (explicitly, in execution order, where we know it; FSDP2's implicit
-  prefetch otherwise) so communication overlaps compute.
+  ``reshard_after_forward=True``: gathered before use, freed after, again in backward. At every
+  stage the next unit is prefetched (explicitly, in execution order, where we know it; FSDP2's
+  implicit prefetch otherwise) so communication overlaps compute: in forward, and at stage 3
+  in backward too.
 
 Stage 1 thus shards a superset of what ZeRO-1 promises (optimizer state): parameters between
 steps and gradients at the step as well. It moves the same bytes per step as DeepSpeed's stage 1
@@ -169,6 +170,14 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, zero_stage: int, shard_unit=None,
     fully_shard(model, **options)
     if carries_reduce_scatter_by_all_reduce(group, runtime.local_torch_device()):
         install_all_reduce_scatter(model)  # gloo's own reduce-scatter: same bytes, 3x the time (see module)
+    if zero_stage < 3 and ordered and units:
+        # Stages 1-2 gather each unit once per step, in forward: start unit i+1's gather (gloo runs it on
+        # its own thread; a GPU on its stream) while unit i computes, the first one while the root's
+        # own layers run. Nothing is freed before backward at these stages, so the peak is unchanged
+        # (measured at 4 processes, bf16: 0.170-0.175 s/step against 0.180-0.181 without).
+        model.set_modules_to_forward_prefetch([units[0]])
+        for current, following in zip(units, units[1:]):
+            current.set_modules_to_forward_prefetch([following])
     if zero_stage == 3 and ordered and len(units) > 1:
         # Gather unit i+1 while unit i computes (forward), and unit i-1 while unit i's backward runs.
         for current, following in zip(units, units[1:]):
