@@ -68,6 +68,7 @@ import torch.distributed as torch_dist
 from torch import nn
 from torch.nn import functional as F
 
+from trainmesh.runtime.host_allocator import host_malloc_setting
 from trainmesh.testing.memory import LiveTensorBytes
 from trainmesh.testing.stats import ci95
 
@@ -111,9 +112,14 @@ class GPT(nn.Module):
 # What this benchmark changes from DeepSpeed's defaults, and why (printed with the results). Everything
 # else, overlap_comm and contiguous_gradients included, is DeepSpeed's default for the stage
 # (overlap_comm: off at stages 1-2, on at stage 3; the effective value is recorded per run).
+# Both sides' processes run with the glibc malloc settings trainmesh.initialize applies on a CPU run
+# (``trainmesh/runtime/host_allocator.py``: freed tensor memory is reused, not faulted in again each
+# step); the DeepSpeed worker applies the same call before it starts, so the allocator is a setting
+# both sides share, like the thread count. Recorded per variant as ``host_malloc``.
+HOST_MALLOC = "the same glibc malloc settings on both sides (trainmesh/runtime/host_allocator.py)"
 DS_CHANGES = {
     "reduce_bucket_size / allgather_bucket_size / stage3_prefetch_bucket_size":
-        "set to trainmesh's largest FSDP unit: the 5e8-element defaults would allocate a 1 GB bf16 (2 GB fp32) "
+        "set to trainmesh's largest FSDP unit of blocks at the stage (stages 1-2: blocks grouped up to 25 MB): the 5e8-element defaults would allocate a 1 GB bf16 (2 GB fp32) "
         "bucket per rank, 10x this model, and charge DeepSpeed's peak for an oversized buffer",
     "zero_allow_untested_optimizer": "the same torch.optim.Adam object trainmesh gets (not DeepSpeed's FusedAdam)",
 }
@@ -172,13 +178,21 @@ def deepspeed_config(cfg: dict, stage: int, bucket: int) -> dict:
     }
 
 
-def ds_bucket_elements(model: nn.Module) -> int:
+def ds_bucket_elements(model: nn.Module, stage: int) -> int:
     """DeepSpeed's reduce / all-gather / prefetch bucket size, in elements. Its defaults (5e8) would
     allocate a 1 GB bf16 reduce bucket per rank at stage 3 (and in backward at stages 1-2), 10x this
-    model; we give it the size of trainmesh's largest FSDP unit (a block, or the embedding), the
-    amount FSDP2 reduce-scatters or gathers at once, so neither side is charged for an oversized buffer."""
-    block = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
-    return int(max(block, max(p.numel() for p in model.parameters())))
+    model; we give it the size of trainmesh's largest FSDP unit of blocks at that stage (a block at
+    stage 3; at stages 1-2 on CPU processes trainmesh groups consecutive blocks up to 25 MB, see
+    ``trainmesh._torch.zero.group_for_blocking_collectives``), or the largest single parameter if that
+    is larger: the amount trainmesh reduce-scatters or gathers at once, so both sides reduce in
+    buckets of the same size and neither is charged for an oversized buffer."""
+    from trainmesh._torch.zero import group_for_blocking_collectives
+
+    units = list(model.blocks)
+    groups = group_for_blocking_collectives(units) if stage in (1, 2) else units
+    numel = lambda unit: sum(p.numel() for m in (unit if isinstance(unit, list) else [unit])  # noqa: E731
+                             for p in m.parameters())
+    return int(max(max(numel(g) for g in groups), max(p.numel() for p in model.parameters())))
 
 
 def build_model(model_cfg: dict, seed: int) -> nn.Module:
@@ -387,11 +401,14 @@ def worker(cfg: dict, variant: str, out_path: str) -> None:
     else:
         import deepspeed
 
+        from trainmesh.runtime.host_allocator import keep_freed_host_memory
+
+        keep_freed_host_memory()  # the malloc settings tm.initialize gives trainmesh's side (see HOST_MALLOC)
         torch_dist.init_process_group("gloo")
         deepspeed.init_distributed(dist_backend="gloo")
         rank, world = torch_dist.get_rank(), torch_dist.get_world_size()
         base = make_optimizer(model)
-        ds_config = deepspeed_config(cfg, stage, ds_bucket_elements(model))
+        ds_config = deepspeed_config(cfg, stage, ds_bucket_elements(model, stage))
         info["ds_config"] = ds_config
         engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=base, config=ds_config)
         info["wrapped"] = type(engine).__name__
@@ -447,6 +464,7 @@ def worker(cfg: dict, variant: str, out_path: str) -> None:
         "model_state": state, "model_state_bytes": sum(v for k, v in state.items() if k != "other"),
         "step_times_s": step_times, "step_cpu_s": cpu_times, "losses": losses,
         "wrapped": info.get("wrapped"), "optimizer": info.get("optimizer"), "ds_config": info.get("ds_config"),
+        "host_malloc": host_malloc_setting(),
         "deepspeed_version": info.get("deepspeed_version"),
         "ds_overlap_comm_effective": info.get("ds_overlap_comm_effective"),
         "ds_contiguous_gradients_effective": info.get("ds_contiguous_gradients_effective"),
@@ -620,6 +638,8 @@ def print_report(report: dict) -> None:
         comm = {n: v[0][0].get("ds_communication_data_type") for n, v in report["raw_per_rank"].items()
                 if n.startswith("deepspeed")}
         print(f"  communication_data_type (DeepSpeed's default for the precision, effective): {comm}")
+        malloc = sorted({r.get("host_malloc") for v in report["raw_per_rank"].values() for r in v[0]} - {None})
+        print(f"both sides: {HOST_MALLOC}; effective: {malloc}")
     for c in report["comparisons"]:
         if not c["same_work"]:
             print(f"INVALID stage {c['stage']}: first losses differ ({c['first_loss_trainmesh']:.6f} vs "
