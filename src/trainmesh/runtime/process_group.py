@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .cluster_env import ClusterEnv, detect_cluster_env
+from .host_allocator import keep_freed_host_memory
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -104,6 +105,8 @@ def initialize(
                 dist.init_process_group(chosen_backend, init_method=cluster.init_method, rank=cluster.rank,
                                         world_size=cluster.world_size, timeout=td)
         _state.update(cluster=cluster, timeout=td, owned=True)
+        if not torch.cuda.is_available():
+            keep_freed_host_memory()  # CPU training: reuse freed tensor memory instead of faulting in fresh pages
         if not _state.get("exit_hook"):  # once per process: initialize() may run again after shutdown()
             atexit.register(_release_at_exit)
             _state["exit_hook"] = True
