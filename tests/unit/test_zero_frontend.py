@@ -90,3 +90,19 @@ def test_a_meta_device_model_is_refused_naming_a_tensor_before_any_collective(ze
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     with pytest.raises(ValueError, match=r"meta device \(first: '0.weight'\)"):
         tm.DataParallel(zero_stage=zero_stage).distribute_model(model)
+
+
+def test_blocks_grouped_for_blocking_collectives_up_to_the_bucket():
+    from trainmesh._torch.zero import group_for_blocking_collectives
+
+    block_bytes = 2 * (16 * 16 + 16) * 4  # two Linear(16, 16) in fp32
+    blocks = [Block() for _ in range(5)]
+    # two blocks fit a bucket of 2.5 blocks, a third does not: groups of 2, 2, 1 (the last alone is the module)
+    groups = group_for_blocking_collectives(blocks, max_bytes=int(2.5 * block_bytes))
+    assert groups == [blocks[0:2], blocks[2:4], blocks[4]]
+    # the default bucket (25 MB) takes all five; a bucket smaller than a block leaves each alone
+    assert group_for_blocking_collectives(blocks) == [blocks]
+    assert group_for_blocking_collectives(blocks, max_bytes=block_bytes - 1) == blocks
+    big = Block(width=1024)  # 8 MB: larger than the bucket below, it stays a unit of its own
+    assert group_for_blocking_collectives([blocks[0], big, blocks[1]], max_bytes=4 * block_bytes) == \
+        [blocks[0], big, blocks[1]]
