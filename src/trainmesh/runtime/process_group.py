@@ -88,6 +88,7 @@ def initialize(
                     f"{current.rank} of {current.world_size}; initialize() was called again with "
                     f"rank {cluster.rank} of {cluster.world_size}. Call shutdown() first."
                 )
+            _tune_host_allocator()
             return current
         td = _resolve_timeout(timeout)
         chosen_backend = _resolve_backend(backend)
@@ -105,12 +106,17 @@ def initialize(
                 dist.init_process_group(chosen_backend, init_method=cluster.init_method, rank=cluster.rank,
                                         world_size=cluster.world_size, timeout=td)
         _state.update(cluster=cluster, timeout=td, owned=True)
-        if not torch.cuda.is_available():
-            keep_freed_host_memory()  # CPU training: reuse freed tensor memory instead of faulting in fresh pages
+        _tune_host_allocator()
         if not _state.get("exit_hook"):  # once per process: initialize() may run again after shutdown()
             atexit.register(_release_at_exit)
             _state["exit_hook"] = True
         return cluster
+
+
+def _tune_host_allocator() -> None:
+    # A CPU run (a started group adopted too): reuse freed tensor memory instead of faulting in fresh pages.
+    if not torch.cuda.is_available():
+        keep_freed_host_memory()
 
 
 def _check_gpu_per_process(backend: str, cluster: ClusterEnv) -> None:
