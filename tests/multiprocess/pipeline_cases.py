@@ -126,10 +126,15 @@ def count_reduce_scatters():
 
 
 def fsdp_groups(model: torch.nn.Module) -> int:
-    """FSDP2 units holding parameters on this process: each reduce-scatters its gradients."""
+    """FSDP2 units holding parameters on this process: each reduce-scatters its gradients. A unit
+    may span several modules (stages 1-2 on CPU group consecutive blocks), which share one state.
+    A module of an FSDP class without a state of its own (a pipeline stage's copy of the sharded
+    root; the state lives on the stage's model) stands for its unit."""
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fully_shard import _get_module_fsdp_state
 
-    return sum(1 for m in model.modules() if isinstance(m, FSDPModule))
+    units = {id(_get_module_fsdp_state(m) or m) for m in model.modules() if isinstance(m, FSDPModule)}
+    return len(units)
 
 
 def merge(results: list[dict]) -> dict:
