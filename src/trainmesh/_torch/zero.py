@@ -225,5 +225,21 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, zero_stage: int, shard_unit=None,
     return model
 
 
+def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """One ``(name, module)`` per FSDP2 unit of ``model``, in module order: a unit of several modules
+    (stages 1-2 on CPU group consecutive blocks, ``group_for_blocking_collectives``) shares one state,
+    and is named by its first module. A module of an FSDP class without a state (a pipeline stage's
+    copy of a sharded root) is no unit of this model."""
+    from torch.distributed.fsdp._fully_shard._fully_shard import _get_module_fsdp_state
+
+    units, seen = [], set()
+    for name, module in model.named_modules():
+        state = _get_module_fsdp_state(module) if isinstance(module, FSDPModule) else None
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
+            units.append((name, module))
+    return units
+
+
 def is_fsdp_model(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)

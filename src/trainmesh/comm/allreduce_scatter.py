@@ -87,11 +87,9 @@ def carries_reduce_scatter_by_all_reduce(group: dist.ProcessGroup, device: torch
 
 def install_all_reduce_scatter(model: torch.nn.Module) -> int:
     """Give every FSDP unit of ``model`` an :class:`AllReduceScatter`; returns how many."""
-    from torch.distributed.fsdp import FSDPModule
+    from trainmesh._torch.zero import fsdp_units  # (zero.py imports this module)
 
-    units = 0
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_custom_reduce_scatter(AllReduceScatter())
-            units += 1
-    return units
+    units = fsdp_units(model)
+    for _, module in units:
+        module.set_custom_reduce_scatter(AllReduceScatter())
+    return len(units)

@@ -109,9 +109,9 @@ def install_compressed_reduce_scatter(model: torch.nn.Module, compressor: Compre
     if ReduceScatter is object or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
         raise ValueError(f"Compression at ZeRO stages 2-3 needs FSDP2's custom reduce-scatter, which torch "
                          f"{torch.__version__} lacks. Use zero_stage 0 or 1 with compression.")
-    units = 0
-    for name, module in model.named_modules():
-        if isinstance(module, FSDPModule):
-            module.set_custom_reduce_scatter(CompressedReduceScatter(compressor, name, counter))
-            units += 1
-    return units
+    from trainmesh._torch.zero import fsdp_units
+
+    units = fsdp_units(model)
+    for name, module in units:
+        module.set_custom_reduce_scatter(CompressedReduceScatter(compressor, name, counter))
+    return len(units)

@@ -132,16 +132,13 @@ def _unsharded_buffers(model: nn.Module, zero_stage: int, accumulating: bool = F
     schedule keeps every group gathered between microbatches and accumulates every group's unsharded
     gradient until the step's one reduce-scatter.
     """
+    from trainmesh._torch.zero import fsdp_units
+
     notes: list[str] = []
     groups = []
-    seen: set[int] = set()  # a unit of several modules (stages 1-2 on CPU group blocks) shares one group
-    for module in model.modules():
-        state = getattr(module, "_get_fsdp_state", None)
-        if state is None:
-            continue
-        group = state()._fsdp_param_group
-        if group is not None and id(group) not in seen:
-            seen.add(id(group))
+    for _, module in fsdp_units(model):
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is not None:
             # this rank's unsharded piece: the padded shard times the shard group (a tensor-parallel
             # parameter's piece is its model-axis shard, not the global tensor)
             numels = [p._sharded_param_data.numel() * p.mesh_info.shard_mesh_size for p in group.fsdp_params]
