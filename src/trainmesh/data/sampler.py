@@ -176,11 +176,17 @@ class GlobalBatchSampler:
     # --- iteration ------------------------------------------------------------------------
     def iter_steps(self) -> Iterator[list[list[int]]]:
         """Per optimizer step, this rank's ``micro_batches`` lists of indices."""
+        for micro in self.iter_step_arrays():
+            yield [m.tolist() for m in micro]
+
+    def iter_step_arrays(self) -> Iterator[list[np.ndarray]]:
+        """As ``iter_steps``, the indices as int64 arrays (what slicing tensors takes, with no
+        round trip through Python lists)."""
         for cursor, micro in self.plan():
             # Advance before yielding: once the consumer holds the step, it counts as consumed
             # (a checkpoint taken inside the loop body must not replay it).
             self.advance(cursor)
-            yield [m.tolist() for m in micro]
+            yield micro
 
     def __iter__(self) -> Iterator[list[int]]:
         for micro in self.iter_steps():

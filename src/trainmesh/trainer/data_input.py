@@ -67,7 +67,7 @@ class TrainSteps:
         self.data_index = distribution.data_index() if distribution.auto_shard_dataset else 0
         self.sampler: GlobalBatchSampler | None = None
         self.loader: DataLoader | None = None
-        self.last_indices: list[int] = []  # this process's samples of the step last handed out
+        self._last_micro: list = []  # this process's micro-batches' indices, of the step last handed out
         self.data = data
         self.num_samples = None
         if is_map_style(data):
@@ -117,6 +117,12 @@ class TrainSteps:
         if self.loader is not None:
             self.loader.close()
 
+    @property
+    def last_indices(self) -> list[int]:
+        """This process's samples of the step last handed out (in-memory tensors only); flattened
+        when asked for (a sample log), not at every step."""
+        return [int(i) for m in self._last_micro for i in m]
+
     def __iter__(self) -> Iterator[list[Any]]:
         if self.loader is not None:
             return self._loader_steps()
@@ -127,8 +133,8 @@ class TrainSteps:
         return self._global_batch_steps()
 
     def _tensor_steps(self) -> Iterator[list[Any]]:
-        for micro in self.sampler.iter_steps():
-            self.last_indices = [i for m in micro for i in m]
+        for micro in self.sampler.iter_step_arrays():
+            self._last_micro = micro
             # In-memory tensors: slice them (a view when contiguous), no loader needed.
             yield [self.distribution._batch_to_global(fetch(self.dataset, np.asarray(m, dtype=np.int64)))
                    for m in micro]

@@ -80,10 +80,10 @@ class LossAccumulator:
     def _check_vector(self, stop_local: bool, grad_square: torch.Tensor | None) -> torch.Tensor:
         # One float64 tensor from Python floats (each value crosses to the host once anyway): cheaper
         # per step than stacking a scalar tensor per entry.
-        step_value = float(_to_cpu_double(self._step_sum))
+        step_value = _host_float(self._step_sum)
         finite = math.isfinite(step_value)
         return torch.tensor([
-            float(_to_cpu_double(self._local_sum)), float(self._local_samples),
+            _host_float(self._local_sum), float(self._local_samples),
             step_value if finite else 0.0, float(self._step_samples if finite else 0),
             1.0 if stop_local else 0.0, 0.0 if finite else 1.0,
             *(float(rider.local_value()) for rider in _RIDERS),
@@ -135,6 +135,11 @@ class LossAccumulator:
         samples = self._global_samples + reduced[1]
         self._local_sum, self._local_samples, self._global_sum, self._global_samples = 0.0, 0, 0.0, 0.0
         return (total / samples if samples else math.nan), samples, reduced[2] > 0
+
+
+def _host_float(value: torch.Tensor | float) -> float:
+    """A float64 sum (a 0-d tensor on any device, or a float) as a Python float: one read."""
+    return value.item() if torch.is_tensor(value) else float(value)
 
 
 def _f64(value: float) -> torch.Tensor:
