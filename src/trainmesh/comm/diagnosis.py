@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 import torch.distributed as dist
@@ -65,15 +66,33 @@ def _default_store():
 
 
 class ProgressBeacon:
-    """``mark(step)`` once per step (one store write), ``phase = ...`` as the step goes on (local
-    only), ``diagnose(error)`` after a collective failed."""
+    """``mark(step)`` once per step, ``phase = ...`` as the step goes on (local only),
+    ``diagnose(error)`` after a collective failed, ``close()`` when training ends.
 
-    def __init__(self) -> None:
-        self.enabled = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self.store = _default_store() if self.enabled else None
-        self.rank = dist.get_rank() if self.enabled else 0
-        self.world_size = dist.get_world_size() if self.enabled else 1
+    The note goes to the store from a writer thread, at most once per ``WRITE_INTERVAL_S`` (the
+    newest note; the ones in between are never needed): a step does not wait for a round trip
+    to the rendezvous host, and that host's store serves at most a few writes per second per
+    rank, however short the steps. ``diagnose`` first waits long enough for every live rank's
+    newest note to be written.
+    """
+
+    WRITE_INTERVAL_S = 0.25
+
+    def __init__(self, store=None, rank: int | None = None, world_size: int | None = None) -> None:
+        """The job's own store, rank and size by default; ``store``, ``rank``, ``world_size`` stand
+        in for them (tests: a dict-backed store)."""
+        if store is not None:
+            self.enabled, self.store, self.rank, self.world_size = True, store, rank, world_size
+        else:
+            self.enabled = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            self.store = _default_store() if self.enabled else None
+            self.rank = dist.get_rank() if self.enabled else 0
+            self.world_size = dist.get_world_size() if self.enabled else 1
         self.step, self.phase, self.since = -1, "start", time.time()
+        self._note: str | None = None  # the newest note, not yet written
+        self._noted = threading.Event()
+        self._writer: threading.Thread | None = None
+        self._closed = False
         if self.store is not None:
             try:
                 self.store.set(_HOST_KEY.format(self.rank), "|".join(map(str, host_identity())))
@@ -82,11 +101,38 @@ class ProgressBeacon:
 
     def mark(self, step: int, phase: str = "step") -> None:
         self.step, self.phase, self.since = step, phase, time.time()
-        if self.store is not None:
-            try:
-                self.store.set(_KEY.format(self.rank), f"{step}|{phase}|{self.since:.3f}")
-            except Exception:  # noqa: BLE001 - a beacon must never break training
-                self.store = None
+        if self.store is not None and not self._closed:
+            self._note = f"{step}|{phase}|{self.since:.3f}"
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_notes, name=f"trainmesh-beacon-{self.rank}",
+                                                daemon=True)
+                self._writer.start()
+            self._noted.set()
+
+    def _write_notes(self) -> None:
+        key, written = _KEY.format(self.rank), None
+        while True:
+            self._noted.wait()
+            self._noted.clear()
+            note = self._note  # (notes differ by their time: an unchanged one was written already)
+            if note is not None and note != written:
+                try:
+                    self.store.set(key, note)
+                except Exception:  # noqa: BLE001 - a beacon must never break training (the store is gone)
+                    self.store = None
+                    return
+                written = note
+            if self._closed:
+                return
+            time.sleep(self.WRITE_INTERVAL_S)  # notes made meanwhile: only the newest is written next
+
+    def close(self) -> None:
+        """Write the last note and stop the writer (the end of ``fit``)."""
+        self._closed = True
+        if self._writer is not None:
+            self._noted.set()
+            self._writer.join(timeout=5)
+            self._writer = None
 
     def _read(self) -> dict[int, tuple[int, str, float] | None]:
         seen: dict[int, tuple[int, str, float] | None] = {}
@@ -130,6 +176,8 @@ class ProgressBeacon:
         """The error to raise instead of ``error``, or None when nothing more can be said."""
         if not self.enabled or self.store is None:
             return None
+        # Every live rank writes its newest note within one write interval (and a round trip).
+        time.sleep(2 * self.WRITE_INTERVAL_S + 0.1)
         seen = self._read()
         now = time.time()
         # Behind: never reported, or still at an earlier step than this process.

@@ -178,6 +178,7 @@ class Trainer:
                 self._agree_on_stop()
         finally:
             steps.close()
+            self._beacon.close()
             if writer:
                 writer.close()
         self.callbacks.on_train_end(self.history.last_epoch())
