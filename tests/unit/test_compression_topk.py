@@ -86,3 +86,59 @@ def test_bad_options_are_rejected():
                          ({"warmup_steps": -1}, "warmup_steps"), ({"values": "int8"}, "values")]:
         with pytest.raises(ValueError, match=word):
             TopKCompressor(**kwargs)
+
+
+@pytest.mark.parametrize("numel,ratio", [(200_000, 0.01), (1_000_003, 0.001), (300_000, 0.05), (70_000, 0.2)])
+def test_sampled_selection_finds_the_same_set_as_torch_topk(numel, ratio):
+    from trainmesh.compression.topk import largest_magnitudes
+
+    generator = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=generator) * torch.rand(numel, generator=generator) ** 4  # heavy tails
+    k = math.ceil(ratio * numel)
+    got = largest_magnitudes(x, k, torch.Generator().manual_seed(1))
+    assert got.numel() == k and got.unique().numel() == k
+    assert set(got.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
+
+
+def test_sampled_selection_falls_back_when_the_sample_misjudges(monkeypatch):
+    from trainmesh.compression import topk
+
+    x = torch.randn(400_000, generator=torch.Generator().manual_seed(5))
+    k = 4000
+    sizes = []
+    real_topk = torch.topk
+
+    def recording_topk(values, *args, **kwargs):
+        sizes.append(values.numel())
+        return real_topk(values, *args, **kwargs)
+
+    monkeypatch.setattr(topk.torch, "topk", recording_topk)
+    monkeypatch.setattr(topk, "CANDIDATE_MARGIN", 0.5)  # a threshold that keeps about k / 2 candidates
+    got = topk.largest_magnitudes(x, k, torch.Generator().manual_seed(0))
+    assert sizes == [400_000]  # the whole tensor, once: the fallback
+    assert set(got.tolist()) == set(real_topk(x.abs(), k).indices.tolist())
+    monkeypatch.setattr(topk, "CANDIDATE_MARGIN", 1.25)
+    sizes.clear()
+    x[7] = float("nan")  # torch.topk ranks a NaN largest; the candidates keep it
+    assert 7 in set(topk.largest_magnitudes(x, k, torch.Generator().manual_seed(0)).tolist())
+    assert sizes and sizes[0] < 400_000  # (the sampled path, not the fallback)
+
+
+@pytest.mark.parametrize("values", ["same", "fp16"])
+def test_error_feedback_residual_is_what_was_not_sent(values):
+    generator = torch.Generator().manual_seed(3)
+    compressor = TopKCompressor(0.01, values=values)
+    total_in = torch.zeros(300, 1000)
+    total_sent = torch.zeros(300, 1000)
+    for _ in range(5):
+        g = torch.randn(300, 1000, generator=generator)
+        before = compressor.residuals.get("w", torch.zeros_like(g)).clone()
+        sent = compressor.compress(g, key="w")
+        dense = compressor.decompress(sent)
+        assert torch.equal(compressor.residuals["w"], (g + before) - dense)  # the formula, bit for bit
+        accumulated = torch.zeros(300_000)
+        compressor.add_to(accumulated, sent)  # what an all-gather adds: the same as the dense form
+        assert torch.equal(accumulated.view(300, 1000), dense)
+        total_in += g
+        total_sent += dense
+    assert torch.allclose(total_sent + compressor.residuals["w"], total_in, atol=1e-5)

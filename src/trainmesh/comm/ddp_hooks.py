@@ -261,7 +261,7 @@ def _gathered(state: CompressionHookState, keys: list[str], grads: list[torch.Te
                           device=g.device) for g in grads]
     for buffer in gathered:
         for total, payload in zip(totals, _unpack(buffer, layout, payloads)):
-            total += compressor.decompress(payload).to(total.dtype)
+            compressor.add_to(total, payload)
     dense = sum(_nbytes(g) for g in grads)
     # A ring all-gather: every peer's payload passes through (and on from) this rank once.
     state.counter.add(sent=sum(p.nbytes() for p in payloads), dense=dense,

@@ -97,7 +97,7 @@ class CompressedReduceScatter(ReduceScatter):
         for source in range(world):
             chunk = received[source * size : (source + 1) * size]
             (payload,) = _unpack(chunk, layout, [payloads[rank]])
-            total += self.compressor.decompress(payload).reshape(-1).to(torch.float32)
+            self.compressor.add_to(total, payload)
         return total
 
 

@@ -88,7 +88,7 @@ def two_phase_all_reduce(flat: torch.Tensor, group, compressor: Compressor, key:
     total = torch.zeros(row, dtype=torch.float32, device=flat.device)
     for source in range(world):
         (payload,) = unpack(received[source * size:(source + 1) * size], layout, [payloads[rank]])
-        total += compressor.decompress(payload).reshape(-1).to(torch.float32)
+        compressor.add_to(total, payload)
     # Phase 2: compress this rank's summed row again and all-gather it.
     mine = compressor.compress(total, key=f"{key}|sum/{world}")
     own, own_layout = pack([mine])

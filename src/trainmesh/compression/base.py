@@ -90,6 +90,12 @@ class Compressor(abc.ABC):
     def decompress(self, compressed: Compressed) -> torch.Tensor:
         """Dense tensor of the original shape and dtype."""
 
+    def add_to(self, total: torch.Tensor, compressed: Compressed) -> None:
+        """``total += decompress(compressed)``, ``total`` of the same number of elements (any shape, in
+        its own dtype): how an all-gather or all-to-all sums the payloads it received. A sparse
+        compressor adds only the entries it sent."""
+        total += self.decompress(compressed).reshape(total.shape).to(total.dtype)
+
     # ---- error feedback ------------------------------------------------------------------
     def _check_input(self, tensor: torch.Tensor, key: str) -> None:
         if not isinstance(tensor, torch.Tensor):

@@ -23,6 +23,39 @@ WARMUP_START_RATIO = 0.25
 VALUE_DTYPES = ("same", "fp16")
 
 
+# Below this many entries, or above this fraction kept, torch.topk over everything is as fast.
+SMALL_NUMEL, LARGE_FRACTION = 1 << 16, 0.1
+# The threshold aims at this many times k candidates (enough that a sample's error rarely
+# leaves fewer than k), estimated from one entry in SAMPLE_EVERY (at least MIN_SAMPLE).
+CANDIDATE_MARGIN, SAMPLE_EVERY, MIN_SAMPLE = 1.25, 100, 4096
+
+
+def largest_magnitudes(flat: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Indices (int64, unordered) of the ``k`` largest ``|flat|``: the same set as
+    ``torch.topk(flat.abs(), k)`` (up to the choice among equal magnitudes), found faster.
+
+    Deep Gradient Compression's selection (Lin et al. 2018): a threshold estimated from a random
+    sample keeps slightly more than k candidates, and the exact top-k is taken among those
+    (on 16.8M entries, k = 1%: ~60 ms against ~290 ms for ``torch.topk``). Every entry at or
+    above the k-th largest is a candidate whenever at least k are, so the result is exact; when
+    the sample misjudged and fewer than k are, it falls back to ``torch.topk`` over everything.
+    A NaN compares as a candidate (as ``torch.topk`` ranks it largest).
+    """
+    magnitudes = flat.abs()
+    numel = magnitudes.numel()
+    if numel < SMALL_NUMEL or k > LARGE_FRACTION * numel:
+        # sorted=False: the order does not matter to the receiver and sorting costs k log k.
+        return torch.topk(magnitudes, k, sorted=False).indices
+    size = min(numel, max(MIN_SAMPLE, numel // SAMPLE_EVERY))
+    sample = magnitudes[torch.randint(0, numel, (size,), generator=generator, device="cpu").to(flat.device)]
+    keep = min(size, math.ceil(CANDIDATE_MARGIN * k * size / numel))
+    threshold = torch.kthvalue(sample, size - keep + 1).values
+    candidates = (~(magnitudes < threshold)).nonzero().squeeze(1)
+    if candidates.numel() < k:
+        return torch.topk(magnitudes, k, sorted=False).indices
+    return candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices]
+
+
 class TopKCompressor(Compressor):
     """Keep the ``ratio`` fraction of largest |entries| (at least one) of each tensor."""
 
@@ -58,6 +91,7 @@ class TopKCompressor(Compressor):
         self.warmup_steps, self.values = warmup_steps, values
         self.momentum_buffers: dict[str, torch.Tensor] = {}  # DGC's u, per key
         self.steps: dict[str, int] = {}  # compress calls per key, for the warm-up
+        self._sampler = torch.Generator().manual_seed(0)  # picks the entries the selection threshold is estimated on
 
     def current_ratio(self, key: str = "") -> float:
         """The ratio the next ``compress(..., key)`` uses (warm-up aware)."""
@@ -90,8 +124,7 @@ class TopKCompressor(Compressor):
         numel = flat.numel()
         k = min(numel, max(1, math.ceil(self.current_ratio(key) * numel))) if numel else 0
         self.steps[key] = self.steps.get(key, 0) + 1
-        # sorted=False: the order does not matter to the receiver and sorting costs k log k.
-        indices = torch.topk(flat.abs(), k, sorted=False).indices
+        indices = largest_magnitudes(flat, k, self._sampler)
         index_dtype = torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
         value_dtype = torch.float16 if self.values == "fp16" else dtype
         if self.momentum > 0.0:
@@ -101,15 +134,35 @@ class TopKCompressor(Compressor):
         meta["k"] = k
         return Compressed({"indices": indices.to(index_dtype), "values": flat[indices].to(value_dtype)}, meta)
 
+    def _keep_residual(self, key: str, corrected: torch.Tensor, compressed: Compressed) -> None:
+        # ``corrected - decompress(compressed)`` without a dense temporary: ``corrected`` is this
+        # compress call's own tensor (``_add_residual`` made it), so the sent entries are set in place.
+        if self.error_feedback:
+            indices, values = self._sent(compressed)
+            corrected = corrected.contiguous()  # (already is: a fresh sum; a view below must write into it)
+            flat = corrected.view(-1)
+            flat[indices] = flat[indices] - values.to(dtype_from_name(compressed.meta["dtype"])).to(flat.dtype)
+            self.residuals[key] = corrected
+
     def decompress(self, compressed: Compressed) -> torch.Tensor:
         meta = compressed.meta
+        dense = torch.zeros(meta["numel"], dtype=dtype_from_name(meta["dtype"]),
+                            device=compressed.tensors["values"].device)
+        self.add_to(dense, compressed)
+        return dense.reshape(meta["shape"])
+
+    def add_to(self, total: torch.Tensor, compressed: Compressed) -> None:
+        # k entries, not a dense tensor of zeros around them (the all-gather adds one payload per rank)
+        indices, values = self._sent(compressed)
+        values = values.to(dtype_from_name(compressed.meta["dtype"])).to(total.dtype)
+        total.view(-1).index_add_(0, indices, values)
+
+    @staticmethod
+    def _sent(compressed: Compressed) -> tuple[torch.Tensor, torch.Tensor]:
         indices, values = compressed.tensors["indices"], compressed.tensors["values"]
         if indices.numel() != values.numel():
             raise ValueError(f"topk: {indices.numel()} indices but {values.numel()} values in a compressed tensor")
-        dtype = dtype_from_name(meta["dtype"])
-        dense = torch.zeros(meta["numel"], dtype=dtype, device=values.device)
-        dense.index_add_(0, indices.to(torch.int64), values.to(dtype))
-        return dense.reshape(meta["shape"])
+        return indices.to(torch.int64), values
 
     def state_dict(self) -> dict:
         state = super().state_dict()
