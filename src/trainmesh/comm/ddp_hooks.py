@@ -178,12 +178,10 @@ def _reduce_parts(state: CompressionHookState, parts: list) -> list[torch.Tensor
         merged = _two_phase(state, keys, flat)
     elif compressor.name == "powersgd" and hasattr(compressor, "matrix_shape"):
         merged = _powersgd(state, keys, grads, flat)
+    elif compressor.summable:
+        merged = torch.cat([a.reshape(-1).to(flat.dtype) for a in _summable(state, keys, grads)])
     else:
-        if compressor.summable:
-            averaged = _summable(state, keys, grads)
-        else:
-            averaged = _gathered(state, keys, grads)
-        merged = torch.cat([a.reshape(-1).to(flat.dtype) for a in averaged])
+        merged = _gathered(state, keys, grads, out=flat)
     guard.restore()  # (a no-op on a finite step) the collectives ran as usual: every rank stays in step
     return list(merged.to(flat.dtype).split([b.numel() for b in buffers]))
 
@@ -250,23 +248,33 @@ def _check_same_layout(state: CompressionHookState, keys: list[str], size: int) 
     state._checked_layouts.add(signature)
 
 
-def _gathered(state: CompressionHookState, keys: list[str], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+def _gathered(state: CompressionHookState, keys: list[str], grads: list[torch.Tensor],
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """The average of every rank's decompressed ``grads``, flat in their order (a bucket's layout).
+
+    ``out`` (the bucket's own buffer, which ``grads`` view) receives it when its dtype is the sum's:
+    the payloads are packed first, so the gradients are read by then, and DDP then has nothing to copy back."""
     compressor = state.compressor
     payloads = [compressor.compress(g, key=k) for k, g in zip(keys, grads)]
     packed, layout = _pack(payloads)
     _check_same_layout(state, keys, packed.numel())
     gathered = [torch.empty_like(packed) for _ in range(state.world_size)]
     dist.all_gather(gathered, packed, group=state.process_group)
-    totals = [torch.zeros(g.shape, dtype=torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else g.dtype,
-                          device=g.device) for g in grads]
+    dtype = torch.float32 if grads[0].dtype in (torch.float16, torch.bfloat16) else grads[0].dtype
+    numels = [g.numel() for g in grads]
+    if out is not None and out.dtype == dtype and out.is_contiguous() and out.numel() == sum(numels):
+        total = out.view(-1).zero_()
+    else:
+        total = torch.zeros(sum(numels), dtype=dtype, device=grads[0].device)
+    pieces = total.split(numels)
     for buffer in gathered:
-        for total, payload in zip(totals, _unpack(buffer, layout, payloads)):
-            compressor.add_to(total, payload)
+        for piece, payload in zip(pieces, _unpack(buffer, layout, payloads)):
+            compressor.add_to(piece, payload)
     dense = sum(_nbytes(g) for g in grads)
     # A ring all-gather: every peer's payload passes through (and on from) this rank once.
     state.counter.add(sent=sum(p.nbytes() for p in payloads), dense=dense,
                       wire=(state.world_size - 1) * packed.numel(), dense_wire=state.allreduce_wire(dense))
-    return [(t / state.world_size).to(g.dtype) for t, g in zip(totals, grads)]
+    return total.div_(state.world_size)
 
 
 # --- PowerSGD: two all-reduces (P, then Q) per bucket; across hosts only when hierarchical ------
