@@ -9,6 +9,11 @@ with a momentum-free optimizer step, as DGC does, since the momentum is applied 
 Warm-up (``warmup_steps > 0``): the ratio falls exponentially from 25% to ``ratio`` over the
 first ``warmup_steps`` compress calls of each key, so early, fast-changing gradients are
 sent nearly whole.
+
+The k entries are found as DGC finds them (``largest_magnitudes``: a sampled threshold, then an
+exact top-k among the few candidates), several times faster than ``torch.topk`` over a large
+tensor and the same set. Receivers add the k entries into their sum (``add_to``), never a dense
+tensor of zeros per sender.
 """
 
 from __future__ import annotations
