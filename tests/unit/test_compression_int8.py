@@ -83,3 +83,26 @@ def test_bad_options_are_rejected():
     compressed.meta["numel"] = 11
     with pytest.raises(ValueError, match="numel"):
         Int8Compressor().decompress(compressed)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("numel", [8192, 8191])  # whole chunks (a view, no copy) and a short last chunk
+def test_payload_is_the_textbook_formula_bit_for_bit(rounding, numel):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(2)) * 5
+    x[:2048] = 0.0  # an all-zero chunk: scale +0, values 0
+    x[3000] = -40.0  # a chunk whose largest magnitude is negative
+    compressed = Int8Compressor(rounding=rounding, seed=3).compress(x)
+    # the reference: pad, |x| max per chunk, scale, round (or floor(x/s + u)), clamp
+    padded = torch.nn.functional.pad(x, (0, -numel % 2048)).view(-1, 2048)
+    scale = padded.abs().amax(dim=1) / 127
+    scaled = padded * torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))[:, None]
+    if rounding == "nearest":
+        rounded = torch.round(scaled)
+    else:
+        rounded = torch.floor(scaled + torch.rand(scaled.shape, generator=torch.Generator().manual_seed(3)))
+    values = rounded.clamp(-127, 127).to(torch.int8).reshape(-1)[:numel]
+    assert torch.equal(compressed.tensors["values"], values)
+    assert torch.equal(compressed.tensors["scale"].view(torch.int32), scale.view(torch.int32))  # bits: +0 is not -0
+    dense = Int8Compressor().decompress(compressed)
+    expected = (torch.nn.functional.pad(values.float(), (0, -numel % 2048)).view(-1, 2048) * scale[:, None]).reshape(-1)[:numel]
+    assert torch.equal(dense.view(torch.int32), expected.view(torch.int32))

@@ -55,17 +55,21 @@ class Int8Compressor(Compressor):
         flat = corrected.reshape(-1)
         numel, chunk = flat.numel(), self._chunk(flat.numel())
         chunks = math.ceil(numel / chunk)
-        padded = torch.nn.functional.pad(flat, (0, chunks * chunk - numel)).view(chunks, chunk)
-        scale = padded.abs().amax(dim=1).to(torch.float32) / _QMAX
+        # Whole chunks are a view (no padded copy); a short last chunk is padded with zeros.
+        padded = (flat.view(chunks, chunk) if chunks * chunk == numel
+                  else torch.nn.functional.pad(flat, (0, chunks * chunk - numel)).view(chunks, chunk))
+        # max |x| per chunk without an |x| copy (amax and amin: ~4x faster than abs().amax() on CPU;
+        # torch.aminmax is slower still); abs: +0 rather than -0 for a zero chunk
+        scale = torch.maximum(-padded.amin(dim=1), padded.amax(dim=1)).abs().to(torch.float32) / _QMAX
         # An all-zero chunk has scale 0: its values are sent as 0 rather than 0/0.
         inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale)).to(padded.dtype)
-        scaled = padded * inverse[:, None]
+        scaled = padded * inverse[:, None]  # a new tensor: rounded in place from here on
         if self.rounding == "nearest":
-            rounded = torch.round(scaled)
+            scaled.round_()
         else:
             noise = torch.rand(scaled.shape, generator=self.generator, dtype=scaled.dtype).to(scaled.device)
-            rounded = torch.floor(scaled + noise)
-        values = rounded.clamp_(-_QMAX, _QMAX).to(torch.int8).reshape(-1)[:numel]
+            scaled.add_(noise).floor_()
+        values = scaled.clamp_(-_QMAX, _QMAX).to(torch.int8).reshape(-1)[:numel]
         meta = tensor_meta(corrected, dtype)
         meta["chunk"] = chunk
         return Compressed({"values": values, "scale": scale}, meta)
@@ -80,8 +84,10 @@ class Int8Compressor(Compressor):
                 f"int8: compressed tensors do not match their meta (numel={numel}, chunk={chunk}). "
                 f"Received: values.numel()={values.numel()}, scale.numel()={chunks}"
             )
-        padded = torch.nn.functional.pad(values.to(torch.float32), (0, chunks * chunk - numel)).view(chunks, chunk)
-        dense = (padded * scale[:, None]).reshape(-1)[:numel]
+        padded = torch.empty(chunks * chunk, dtype=torch.float32, device=values.device)
+        padded[:numel] = values  # (int8 -> fp32 in the copy)
+        padded[numel:] = 0
+        dense = padded.view(chunks, chunk).mul_(scale[:, None]).view(-1)[:numel]
         return dense.to(dtype_from_name(meta["dtype"])).reshape(meta["shape"])
 
     def state_dict(self) -> dict:
