@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trainmesh._torch.flat_collectives import all_gather_flat, reduce_scatter_flat
+
 NODE_AXIS, LOCAL_AXIS = "node", "local"
 _OPS = {dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MIN, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT}
 
@@ -124,9 +126,9 @@ def hierarchical_all_reduce_(tensor: torch.Tensor, *, intra_group, inter_group, 
         dist.all_reduce(flat, op=reduce_op, group=inter_group)
     else:
         shard = torch.empty(shard_len, dtype=tensor.dtype, device=tensor.device)
-        dist.reduce_scatter_tensor(shard, flat, op=reduce_op, group=intra_group)
+        reduce_scatter_flat(shard, flat, op=reduce_op, group=intra_group)
         dist.all_reduce(shard, op=reduce_op, group=inter_group)
-        dist.all_gather_into_tensor(flat, shard, group=intra_group)
+        all_gather_flat(flat, shard, group=intra_group)
     with torch.no_grad():
         if average:  # (true division, then cast back: integer tensors truncate as they did)
             flat.copy_(flat / (local_size * dist.get_world_size(inter_group)))

@@ -35,6 +35,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from trainmesh._torch.flat_collectives import all_gather_flat, reduce_scatter_flat
 from trainmesh.compression.base import Compressor
 
 from .packing import pack, unpack
@@ -93,7 +94,7 @@ def two_phase_all_reduce(flat: torch.Tensor, group, compressor: Compressor, key:
     mine = compressor.compress(total, key=f"{key}|sum/{world}")
     own, own_layout = pack([mine])
     gathered = torch.empty(world * own.numel(), dtype=torch.uint8, device=flat.device)
-    dist.all_gather_into_tensor(gathered, own, group=group)
+    all_gather_flat(gathered, own, group=group)
     out = torch.empty(world * row, dtype=torch.float32, device=flat.device)
     for source in range(world):
         (payload,) = unpack(gathered[source * own.numel():(source + 1) * own.numel()], own_layout, [mine])
@@ -119,7 +120,7 @@ def _gathered_all_reduce(flat: torch.Tensor, group, compressor: Compressor, key:
     mine = compressor.compress(flat.reshape(-1).to(torch.float32), key=exchange_keys(key, 2)[0])
     own, layout = pack([mine])
     gathered = torch.empty(2 * own.numel(), dtype=torch.uint8, device=flat.device)
-    dist.all_gather_into_tensor(gathered, own, group=group)
+    all_gather_flat(gathered, own, group=group)
     parts = [compressor.decompress(payload).reshape(-1).to(torch.float32)
              for source in range(2)
              for payload in unpack(gathered[source * own.numel():(source + 1) * own.numel()], layout, [mine])]
@@ -145,12 +146,12 @@ def hierarchical_compressed_all_reduce(flat: torch.Tensor, intra_group, inter_gr
         padded[:numel] = flat.reshape(-1)
     if local > 1:
         shard = torch.empty(shard_len, dtype=torch.float32, device=flat.device)
-        dist.reduce_scatter_tensor(shard, padded, op=dist.ReduceOp.SUM, group=intra_group)
+        reduce_scatter_flat(shard, padded, op=dist.ReduceOp.SUM, group=intra_group)
     else:
         shard = padded
     summed, payload, wire = two_phase_all_reduce(shard, inter_group, compressor, key)
     if local > 1:
-        dist.all_gather_into_tensor(padded, summed.contiguous(), group=intra_group)
+        all_gather_flat(padded, summed.contiguous(), group=intra_group)
     else:
         padded = summed
     return padded[:numel], payload, wire

@@ -66,6 +66,8 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 def _issue(kind: str, buffer: torch.Tensor, shard: torch.Tensor) -> None:
     import torch.distributed as dist
 
+    from trainmesh._torch.flat_collectives import all_gather_flat, reduce_scatter_flat
+
     if kind == "all_reduce":
         dist.all_reduce(buffer)
     elif kind == "send_recv":  # a round trip between the first two ranks (the others idle)
@@ -76,10 +78,10 @@ def _issue(kind: str, buffer: torch.Tensor, shard: torch.Tensor) -> None:
         elif rank == 1:
             dist.recv(buffer, 0)
             dist.send(buffer, 0)
-    elif kind == "all_gather":  # the calls FSDP2 makes (the older names where torch has no others)
-        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(buffer, shard)
+    elif kind == "all_gather":  # the calls FSDP2 makes
+        all_gather_flat(buffer, shard)
     else:
-        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(shard, buffer)
+        reduce_scatter_flat(shard, buffer)
 
 
 def _collective_times(sizes: list[int], repeats: int, kinds: tuple = ("all_reduce",)) -> dict[str, dict[int, float]]:
