@@ -14,9 +14,9 @@ would wrap, without touching the model). Policies:
   outputs of compute-heavy ops (matmuls, attention, reduce-scatter) are saved, the cheap
   rest (norms, activations, elementwise) is recomputed.
 
-A model with its own mechanism (a transformers ``PreTrainedModel``: ``gradient_checkpointing_enable``)
-gets it for "full" and "selective" (non-reentrant; "selective" passes the same op policy as
-``context_fn``), which also switches its KV cache off in training. For the other policies the
+A model with its own mechanism (a transformers ``PreTrainedModel``: ``activation_checkpointing_enable``,
+``gradient_checkpointing_enable`` in older releases) gets it for "full" and "selective"
+(non-reentrant; "selective" passes the same op policy as ``context_fn``), which also switches its KV cache off in training. For the other policies the
 hooks below are used and ``config.use_cache`` is switched off.
 - any other string: a regex, ``re.fullmatch``-ed against ``named_modules()`` paths of the
   submodules; every matching module is checkpointed (of nested matches only the outermost).
@@ -219,11 +219,15 @@ def apply_activation_checkpointing(model: nn.Module, policy, *, model_mechanism:
         return model
     context_fn = partial(create_selective_checkpoint_contexts, _selective_policy) if kind == "selective" else None
     if kind in ("full", "selective") and model_mechanism and _uses_own_mechanism(model):
-        # The model's own checkpointing (transformers' gradient_checkpointing_enable) knows its
+        # The model's own checkpointing (transformers' activation_checkpointing_enable) knows its
         # layers' call conventions and switches its KV cache off while training; recomputing a
         # layer that appends to a cache would append twice.
         kwargs = {"use_reentrant": False, **({"context_fn": context_fn} if context_fn else {})}
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        # newer transformers call it activation_checkpointing_enable (the old name warns, and goes in v6)
+        if callable(getattr(model, "activation_checkpointing_enable", None)):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         setattr(model, _MARK, policy)
         return model
     _switch_off_cache(model)
@@ -239,7 +243,8 @@ def apply_activation_checkpointing(model: nn.Module, policy, *, model_mechanism:
 
 
 def _uses_own_mechanism(model: nn.Module) -> bool:
-    return callable(getattr(model, "gradient_checkpointing_enable", None)) and bool(
+    return (callable(getattr(model, "activation_checkpointing_enable", None))
+            or callable(getattr(model, "gradient_checkpointing_enable", None))) and bool(
         getattr(model, "supports_gradient_checkpointing", False))
 
 
