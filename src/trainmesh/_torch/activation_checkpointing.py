@@ -16,8 +16,9 @@ would wrap, without touching the model). Policies:
 
 A model with its own mechanism (a transformers ``PreTrainedModel``: ``activation_checkpointing_enable``,
 ``gradient_checkpointing_enable`` in older releases) gets it for "full" and "selective"
-(non-reentrant; "selective" passes the same op policy as ``context_fn``), which also switches its KV cache off in training. For the other policies the
-hooks below are used and ``config.use_cache`` is switched off.
+(non-reentrant; "selective" passes the same op policy as ``context_fn``), which also switches
+its KV cache off in training. For the other policies the hooks below are used and
+``config.use_cache`` is switched off.
 - any other string: a regex, ``re.fullmatch``-ed against ``named_modules()`` paths of the
   submodules; every matching module is checkpointed (of nested matches only the outermost).
 
