@@ -219,16 +219,12 @@ def apply_activation_checkpointing(model: nn.Module, policy, *, model_mechanism:
     if not paths:
         return model
     context_fn = partial(create_selective_checkpoint_contexts, _selective_policy) if kind == "selective" else None
-    if kind in ("full", "selective") and model_mechanism and _uses_own_mechanism(model):
+    enable_own = _own_mechanism(model) if kind in ("full", "selective") and model_mechanism else None
+    if enable_own is not None:
         # The model's own checkpointing (transformers' activation_checkpointing_enable) knows its
         # layers' call conventions and switches its KV cache off while training; recomputing a
         # layer that appends to a cache would append twice.
-        kwargs = {"use_reentrant": False, **({"context_fn": context_fn} if context_fn else {})}
-        # newer transformers call it activation_checkpointing_enable (the old name warns, and goes in v6)
-        if callable(getattr(model, "activation_checkpointing_enable", None)):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        enable_own({"use_reentrant": False, **({"context_fn": context_fn} if context_fn else {})})
         setattr(model, _MARK, policy)
         return model
     _switch_off_cache(model)
@@ -243,10 +239,18 @@ def apply_activation_checkpointing(model: nn.Module, policy, *, model_mechanism:
     return model
 
 
-def _uses_own_mechanism(model: nn.Module) -> bool:
-    return (callable(getattr(model, "activation_checkpointing_enable", None))
-            or callable(getattr(model, "gradient_checkpointing_enable", None))) and bool(
-        getattr(model, "supports_gradient_checkpointing", False))
+def _own_mechanism(model: nn.Module):
+    """``enable(checkpoint_kwargs)`` switching on the model's own checkpointing, or None when it has none.
+    Newer transformers call it ``activation_checkpointing_enable`` (the old name warns, and goes in v6)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        return None
+    current = getattr(model, "activation_checkpointing_enable", None)
+    if callable(current):
+        return lambda kwargs: current(activation_checkpointing_kwargs=kwargs)
+    older = getattr(model, "gradient_checkpointing_enable", None)
+    if callable(older):
+        return lambda kwargs: older(gradient_checkpointing_kwargs=kwargs)
+    return None
 
 
 def _switch_off_cache(model: nn.Module) -> None:
