@@ -12,6 +12,8 @@ Per bucket, by kind of compressor:
 * summable (fp16, bf16): the compressed tensors are flattened and all-reduced (SUM; optionally
   hierarchically), decompressed and divided by N. As torch's ``fp16_compress_hook``, gradients
   are divided by N *before* the cast, so a half-precision sum of N gradients cannot overflow.
+  Without error feedback (a cast keeps no state then), the whole bucket is cast in one call and
+  the average written back into DDP's buffer (``_summable_bucket``): the same bits, fewer copies.
 * PowerSGD: the exact distributed algorithm (Vogels et al. 2019, as torch's ``powerSGD_hook``):
   all-reduce ``P = M Q``, orthogonalize, all-reduce ``Q = M^T P``; residual ``M - P Q^T``. The
   compressor holds the residuals and warm-start ``Q`` by parameter name, so they checkpoint.
@@ -173,6 +175,9 @@ def _reduce_parts(state: CompressionHookState, parts: list) -> list[torch.Tensor
     buffers = [part[2] for part in parts]
     compressor = state.compressor
     flat = buffers[0] if len(buffers) == 1 else torch.cat([b.reshape(-1) for b in buffers])
+    if compressor.summable and compressor.elementwise and not compressor.error_feedback:
+        # A cast with no state: no residual to protect from a non-finite step, nothing per gradient.
+        return list(_summable_bucket(state, grads, flat).split([b.numel() for b in buffers]))
     guard = KeepStateIfNonFinite(compressor, _all_keys(state, keys, flat), flat)
     if state.two_phase:
         merged = _two_phase(state, keys, flat)
@@ -230,6 +235,20 @@ def _summable(state: CompressionHookState, keys: list[str], grads: list[torch.Te
     sent, dense = sum(p.nbytes() for p in payloads), sum(_nbytes(g) for g in grads)
     state.counter.add(sent=sent, dense=dense, wire=state.allreduce_wire(sent), dense_wire=state.allreduce_wire(dense))
     return out
+
+
+def _summable_bucket(state: CompressionHookState, grads: list[torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
+    """An elementwise, stateless summable compressor (fp16, bf16 without error feedback): the whole
+    flat bucket compressed in one call, all-reduced, and the average written back into ``flat`` (the
+    bucket's own buffer when unmerged, so DDP has nothing to copy). The same values, bit for bit, as
+    :func:`_summable` gradient by gradient, without a compress, decompress and copy per gradient."""
+    payload = state.compressor.compress(flat / state.world_size)
+    for tensor in payload.tensors.values():
+        state.all_reduce(tensor)
+    flat.copy_(state.compressor.decompress(payload).reshape(flat.shape))
+    sent, dense = payload.nbytes(), sum(_nbytes(g) for g in grads)
+    state.counter.add(sent=sent, dense=dense, wire=state.allreduce_wire(sent), dense_wire=state.allreduce_wire(dense))
+    return flat
 
 
 # --- everything else: all-gather each rank's payload ------------------------------------------

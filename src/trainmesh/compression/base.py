@@ -60,6 +60,10 @@ class Compressor(abc.ABC):
 
     name: str = ""
     summable: bool = False
+    # True when compressing each tensor equals compressing their concatenation and the compressor
+    # keeps no per-key state (without error feedback): a DDP hook may then compress a whole bucket
+    # in one call. Cast compressors are; top-k (k per tensor), int8 (chunks) and PowerSGD are not.
+    elementwise: bool = False
     error_feedback: bool = False
     # State fields (dicts keyed by tensor key) that are averaged over ranks when the world size
     # changes (see resize_residuals); every other dict field is per-rank bookkeeping.

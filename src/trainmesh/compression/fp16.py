@@ -16,6 +16,7 @@ class CastCompressor(Compressor):
     """Send the tensor cast to ``wire_dtype``; decompress casts back."""
 
     summable = True
+    elementwise = True
     wire_dtype: torch.dtype = torch.float16
 
     def _encode(self, corrected: torch.Tensor, key: str, dtype: torch.dtype) -> Compressed:

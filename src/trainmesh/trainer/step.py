@@ -66,7 +66,7 @@ def forward_backward(model: torch.nn.Module, micro_batches: list, loss_fn: Calla
             if not torch.is_tensor(loss) or loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a scalar tensor. Received: {type(loss).__name__} "
                                  f"with shape {tuple(getattr(loss, 'shape', ()))}")
-            scaled = loss.float() / k
+            scaled = loss.float() / k if k > 1 else loss.float()  # x / 1 == x: no extra node for backward
             if precision.scaler is not None:
                 scaled = precision.scaler.scale(scaled)
             losses.add(loss, batch_rows(targets))
