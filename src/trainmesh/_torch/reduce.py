@@ -44,6 +44,16 @@ def all_reduce_small_async(values: torch.Tensor, op=dist.ReduceOp.SUM):
     return wait
 
 
+def all_reduce_floats_async(values: list[float]):
+    """As :func:`all_reduce_small_async` for a short list of Python floats (summed in float64):
+    ``wait() -> list of floats``. On one process the list itself comes back, with no tensor made:
+    the Trainer's per-step check runs this every step."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return lambda: values
+    wait = all_reduce_small_async(torch.tensor(values, dtype=torch.float64))
+    return lambda: wait().tolist()
+
+
 def gather_batches(local_outputs: list, distribution) -> list[torch.Tensor]:
     """Every batch's full outputs, in order, on every process.
 

@@ -152,12 +152,16 @@ class CoveringBatches:
             yield rows, indices, fetch(self.dataset, indices)
 
 
+def slice_rows(dataset: TensorDataset, start: int, rows: int) -> tuple:
+    """Samples ``start .. start + rows - 1`` of a tensor dataset: a view of each tensor, no copy."""
+    return tuple(t[start : start + rows] for t in dataset.tensors)
+
+
 def fetch(dataset: Dataset, indices: np.ndarray):
     """Collate ``dataset[indices]``; tensor datasets are sliced in one go."""
     if isinstance(dataset, TensorDataset):
         if len(indices) and indices[-1] - indices[0] == len(indices) - 1 and (np.diff(indices) == 1).all():
-            start = int(indices[0])  # a contiguous run (no shuffle): a view, no copy
-            return tuple(t[start : start + len(indices)] for t in dataset.tensors)
+            return slice_rows(dataset, int(indices[0]), len(indices))  # a contiguous run (no shuffle)
         index = torch.as_tensor(indices, dtype=torch.long)
         return tuple(t[index] for t in dataset.tensors)
     if len(indices) == 0:

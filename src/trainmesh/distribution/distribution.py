@@ -153,12 +153,13 @@ class Distribution(abc.ABC):
             to_global=self._batch_to_global,
         )
 
-    def _batch_to_global(self, local_batch):
+    def _batch_to_global(self, local_batch, device=None):
         """This process's share of a batch as its model takes it: on the model's device (a GPU's;
-        unchanged on CPU). A hook for subclasses whose models take global (DTensor) batches."""
+        unchanged on CPU; ``device``: that device, when the caller has it already). A hook for
+        subclasses whose models take global (DTensor) batches."""
         from trainmesh.runtime import to_local_device
 
-        return to_local_device(local_batch)
+        return to_local_device(local_batch, device)
 
     def _batch_to_global_rows(self, local_batch, global_rows: int):
         """As ``_batch_to_global``, for unequal shares of a batch of ``global_rows`` rows."""

@@ -47,12 +47,13 @@ def torch_device_type() -> str:
     return local_torch_device().type
 
 
-def to_local_device(batch):
-    """``batch`` (tensors, possibly nested in tuples, lists, dicts) on this process's device.
+def to_local_device(batch, device: torch.device | None = None):
+    """``batch`` (tensors, possibly nested in tuples, lists, dicts) on this process's device
+    (``device``, when the caller looked it up once for many batches).
 
     The Trainer's batches come from host memory (arrays, datasets, DataLoaders); on a GPU the
     model's parameters are on the device, so every batch must follow them. On CPU: the identity."""
-    device = local_torch_device()
+    device = device or local_torch_device()
     if device.type == "cpu":
         return batch
     from trainmesh.data.prefetch import map_tensors

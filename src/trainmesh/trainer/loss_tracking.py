@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from trainmesh._torch.reduce import all_reduce_small, all_reduce_small_async
+from trainmesh._torch.reduce import all_reduce_floats_async, all_reduce_small
 
 # Riders: objects with ``local_value() -> float`` and ``receive(total: float)``, summed over every
 # process in the per-step all-reduce. Every process must register the same riders in the same
@@ -61,7 +61,10 @@ class LossAccumulator:
     def add(self, loss: torch.Tensor, samples: int) -> None:
         value = loss.detach()
         value = value.full_tensor() if hasattr(value, "full_tensor") else value
-        self._step_sum = self._step_sum + value.double() * samples
+        # On the CPU as a Python float (reading it costs no device sync; the same float64 arithmetic
+        # as on a tensor, cheaper per step); on an accelerator summed there, with no host sync.
+        value = value.item() if value.device.type == "cpu" else value.double()
+        self._step_sum = self._step_sum + value * samples
         self._step_samples += samples
 
     @property
@@ -75,20 +78,20 @@ class LossAccumulator:
         the device's queue before backward, so the check stays after backward there."""
         if self._launched is not None:
             raise RuntimeError("start_check called twice in one step")
-        self._launched = all_reduce_small_async(self._check_vector(stop_local, None))
+        self._launched = all_reduce_floats_async(self._check_vector(stop_local, None))
 
-    def _check_vector(self, stop_local: bool, grad_square: torch.Tensor | None) -> torch.Tensor:
-        # One float64 tensor from Python floats (each value crosses to the host once anyway): cheaper
-        # per step than stacking a scalar tensor per entry.
+    def _check_vector(self, stop_local: bool, grad_square: torch.Tensor | None) -> list[float]:
+        # Python floats (each value crosses to the host once anyway), summed as one float64 tensor
+        # when there are other processes: cheaper per step than stacking a scalar tensor per entry.
         step_value = _host_float(self._step_sum)
         finite = math.isfinite(step_value)
-        return torch.tensor([
+        return [
             _host_float(self._local_sum), float(self._local_samples),
             step_value if finite else 0.0, float(self._step_samples if finite else 0),
             1.0 if stop_local else 0.0, 0.0 if finite else 1.0,
             *(float(rider.local_value()) for rider in _RIDERS),
             *([float(grad_square.detach().double().cpu())] if grad_square is not None else []),
-        ], dtype=torch.float64)
+        ]
 
     def end_step(self, *, check: bool, stop_local: bool, grad_square: torch.Tensor | None = None) -> tuple[bool, bool]:
         """Fold the step in. Returns ``(non-finite on some process, stop requested somewhere)``,
@@ -108,9 +111,8 @@ class LossAccumulator:
             self._step_sum, self._step_samples = 0.0, 0
             return False, False
         if launched is None:
-            reduced = all_reduce_small(self._check_vector(stop_local, grad_square)).tolist()
-        else:
-            reduced = launched().tolist()
+            launched = all_reduce_floats_async(self._check_vector(stop_local, grad_square))
+        reduced = list(launched())  # (a copy: the no-op reduction of one process hands back its input)
         self._step_sum, self._step_samples = 0.0, 0
         if grad_square is not None:
             self.grad_norm = math.sqrt(max(reduced.pop(), 0.0))
