@@ -46,3 +46,17 @@ def test_the_unshuffled_fast_path_follows_a_resumed_cursor():
     steps.load_state_dict({**steps.state_dict(), "cursor": 8})
     assert [mb[0][1].tolist() for mb in steps] == [[12, 13, 14, 15], [20, 21, 22, 23]]
     assert np.array_equal(np.asarray(steps.last_indices), [20, 21, 22, 23])
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_distributed_batches_hand_out_the_sampler_rows_as_views_when_unshuffled(shuffle):
+    from trainmesh.distribution.dataset import DistributedBatches
+
+    x, y = torch.arange(64, dtype=torch.float32).reshape(32, 2), torch.arange(32)
+    for index in range(2):
+        batches = DistributedBatches((x, y), global_batch_size=8, data_parallel_size=2, data_index=index,
+                                     shuffle=shuffle, seed=5, drop_remainder=False)
+        expected = [np.concatenate(m) for _, m in batches.sampler.local_steps(0)]
+        got = list(batches)
+        assert [yb.tolist() for _, yb in got] == [e.tolist() for e in expected]
+        assert all((yb._base is y) == (not shuffle) for _, yb in got)
