@@ -7,8 +7,9 @@ Two modes:
   optimizer step, carries [loss since the last sync, samples, this step's loss and samples (when
   finite here), stop request, non-finite flag]. Every process then takes the same decision
   from the same numbers; a step that was non-finite anywhere is left out of the reported loss.
-* unchecked (``nonfinite_loss=None``): loss x samples is summed on the device, with no host sync,
-  and reduced only every ``log_every_n_steps`` steps (with the stop request).
+* unchecked (``nonfinite_loss=None``): loss x samples is summed on the device, with no host sync
+  (on the CPU, where reading it costs none, as Python floats), and reduced only every
+  ``log_every_n_steps`` steps (with the stop request).
 
 A DTensor loss counts as its global value times this process's rows; processes that share a
 data index then contribute equally to numerator and denominator, so the ratio stays exact.
