@@ -32,7 +32,7 @@ def all_reduce_small_async(values: torch.Tensor, op=dist.ReduceOp.SUM):
     goes on. The one place that knows a pure-NCCL group needs it on the GPU (a mixed
     "cpu:gloo,cuda:nccl" group takes it as it is). A no-op on one process.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _one_process():
         return lambda: values
     tensor = values.cuda() if dist.get_backend() == "nccl" else values
     work = dist.all_reduce(tensor, op=op, async_op=True)
@@ -48,10 +48,15 @@ def all_reduce_floats_async(values: list[float]):
     """As :func:`all_reduce_small_async` for a short list of Python floats (summed in float64):
     ``wait() -> list of floats``. On one process the list itself comes back, with no tensor made:
     the Trainer's per-step check runs this every step."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _one_process():
         return lambda: values
     wait = all_reduce_small_async(torch.tensor(values, dtype=torch.float64))
     return lambda: wait().tolist()
+
+
+def _one_process() -> bool:
+    """No process group, or one of one process: a reduction is the value itself."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
 
 
 def gather_batches(local_outputs: list, distribution) -> list[torch.Tensor]:

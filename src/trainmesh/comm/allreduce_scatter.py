@@ -22,6 +22,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from trainmesh._torch.flat_collectives import reduce_scatter_flat
+
 try:  # FSDP2's custom-comm interface; not exported publicly, hence the private path
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 except ImportError:  # an older torch: FSDP2 keeps its default reduce-scatter
@@ -71,11 +73,11 @@ def all_reduce_rows(output: torch.Tensor, rows: torch.Tensor, group: dist.Proces
 def reduce_scatter_rows(output: torch.Tensor, rows: torch.Tensor, group: dist.ProcessGroup,
                         op=dist.ReduceOp.SUM) -> None:
     """A reduce-scatter of ``rows`` (may be overwritten) into ``output``, by :func:`all_reduce_rows`
-    where gloo carries it, else by the backend's own ``reduce_scatter_single``."""
+    where gloo carries it, else by the backend's own reduce-scatter."""
     if carries_reduce_scatter_by_all_reduce(group, rows.device):
         all_reduce_rows(output, rows, group, op)
     else:
-        dist.reduce_scatter_single(output, rows, op=op, group=group)
+        reduce_scatter_flat(output, rows, op=op, group=group)
 
 
 def carries_reduce_scatter_by_all_reduce(group: dist.ProcessGroup, device: torch.device) -> bool:

@@ -113,6 +113,13 @@ class GlobalBatchSampler:
     def local_batch_size(self) -> int:
         return self.global_batch_size // self.data_parallel_size
 
+    @property
+    def ascending_runs(self) -> bool:
+        """Whether every micro-batch this sampler hands out is a run of consecutive, ascending
+        indices: unshuffled, the epoch's order is 0..n-1 cut into consecutive pieces. Its rows of an
+        in-memory tensor are then a slice from the first index (``fetch(..., ascending_run=True)``)."""
+        return not self.shuffle
+
     def global_order(self, epoch: int) -> np.ndarray:
         """Sample indices of one epoch, the same on every process (as ``DistributedBatches``)."""
         if not self.shuffle:

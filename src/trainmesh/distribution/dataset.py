@@ -99,7 +99,7 @@ class DistributedBatches:
             yield micro[0] if len(micro) == 1 else np.concatenate(micro)
 
     def _fetch(self, indices: np.ndarray):
-        return fetch(self.dataset, indices, ascending_run=not self.sampler.shuffle)
+        return fetch(self.dataset, indices, ascending_run=self.sampler.ascending_runs)
 
     def __iter__(self) -> Iterator[Any]:
         epoch = self._next_epoch()

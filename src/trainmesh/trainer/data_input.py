@@ -140,9 +140,8 @@ class TrainSteps:
         return self.distribution._batch_to_global(batch, device)
 
     def _tensor_steps(self, device) -> Iterator[list[Any]]:
-        # In-memory tensors: slice them, no loader needed. Unshuffled, the epoch's order is 0..n-1 cut
-        # into consecutive pieces: every micro-batch is an ascending run, a view of the data.
-        ascending = not self.sampler.shuffle
+        # In-memory tensors: slice them, no loader needed (unshuffled, as views of the data).
+        ascending = self.sampler.ascending_runs
         for micro in self.sampler.iter_step_arrays():
             self._last_micro = micro
             yield [self._to_model(fetch(self.dataset, m, ascending_run=ascending), device) for m in micro]
