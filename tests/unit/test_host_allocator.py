@@ -19,7 +19,7 @@ if sys.argv[1] == "adopt":  # a group the program started itself (as torchrun sc
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 tm.initialize()
 faults = []
-for _ in range(10):
+for _ in range(20):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     x = torch.ones(64 * 2**20 // 4)
     del x
@@ -47,9 +47,13 @@ def test_initialize_reuses_freed_tensor_pages_on_cpu():
     assert adopted["setting"] == tuned["setting"], adopted
     assert default["setting"] == "glibc defaults", default
     # glibc's defaults: every allocation maps and faults in all of its pages again
-    assert min(default["faults"][-3:]) > 0.9 * PAGES, default
-    # tuned: after the first allocations warm the heap, the pages are reused
-    assert max(tuned["faults"][-3:]) < 0.05 * PAGES, tuned
+    assert min(default["faults"][-10:]) > 0.9 * PAGES, default
+    # tuned: after the first allocations warm the heap, the pages are reused. The median of the
+    # last ten, not their maximum: one CI run saw eight allocations in a row fault in every page
+    # before reuse set in (not reproduced here in 50 runs, under memory churn or not); glibc's
+    # defaults fault on every one, which this still tells apart.
+    steady = sorted(tuned["faults"][-10:])
+    assert steady[len(steady) // 2] < 0.05 * PAGES, tuned
 
 
 def test_a_wrong_setting_is_named():
