@@ -11,11 +11,15 @@ Interleaved 1F1B (2 virtual stages per process) with M microbatches of 8 sequenc
 (``--rows-per-microbatch``, ``--seq``), rounds interleaved, the order rotating. Theory counts only
 fill and drain; every send, receive and schedule step outside the compute calls is idle here too,
 so microbatches must carry enough work (~0.1 s each here) for the comparison to mean anything: with
-2 sequences of 32 tokens per microbatch the fixed per-message costs alone doubled the idle share. A process's busy time is the time it spends inside its stages' compute calls (torch's
-``forward_one_chunk`` / ``backward_one_chunk``, timed in place); idle fraction = 1 - busy / step
-time, the median over rounds, the mean over the two processes. Theory
-for GPipe and 1F1B: (p - 1) / (M + p - 1). Interleaving with v stages per process divides the
-bubble by v in theory (Narayanan et al. 2021), at the price of v times the messages.
+2 sequences of 32 tokens per microbatch the fixed per-message costs alone doubled the idle share.
+A process's busy time is the time it spends inside its stages' compute calls (torch's
+``forward_one_chunk`` / ``backward_one_chunk``, timed in place, less any wait for a receive inside
+them); idle fraction = 1 - busy / step time, the median over rounds, the mean over the two
+processes. Theory for GPipe and 1F1B: (p - 1) / (M + p - 1). Interleaving with v stages per process
+divides the bubble by v in theory (Narayanan et al. 2021), at the price of v times the messages.
+On CPU trainmesh posts a step's receives when the step starts
+(``pipeline_receives``); the same GPipe with each receive posted when its microbatch is due, as
+torch's schedules do, runs in the same rounds for context (``gpipe_receives_when_due``).
 
 Activations: the peak bytes of tensors saved for backward (``saved_tensors_hooks``: packed minus
 unpacked) during one step on each process; GPipe holds every microbatch's, 1F1B at most p.
@@ -39,6 +43,9 @@ from trainmesh.testing.stats import ci95
 
 VOCAB, SEQ, BATCH, STEPS = 64, 32, 8, 3
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# For context, in the same rounds: GPipe with each receive posted when its microbatch is due, as
+# torch's schedules post it (trainmesh posts a step's receives when it starts on CPU).
+VARIANTS = SCHEDULES + ("gpipe_receives_when_due",)
 
 
 def gpt(n_layer: int, d_model: int, seq: int = SEQ):
@@ -125,14 +132,25 @@ class SavedBytes:
 class BusyClock:
     """Seconds this process spends inside its stages' compute during a step: torch's schedules call
     ``forward_one_chunk`` / ``backward_one_chunk`` (and ``backward_weight_one_chunk`` for zero-bubble)
-    for the work of one microbatch; sends and receives are waited on outside them."""
+    for the work of one microbatch. Sends and receives are waited on outside them, except a receive
+    posted when the step started (on CPU: ``pipeline_receives``), which the stage
+    waits for inside them and counts in ``receive_wait_s``: that wait is idle, and is taken out."""
 
     def __init__(self, runner):
         self.seconds = 0.0
+        self.stages = runner.stages
         for stage in runner.stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 if hasattr(stage, name):
                     setattr(stage, name, self._timed(getattr(stage, name)))
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+        for stage in self.stages:
+            stage.receive_wait_s = 0.0
+
+    def busy(self) -> float:
+        return self.seconds - sum(stage.receive_wait_s for stage in self.stages)
 
     def _timed(self, method):
         def timed(*args, **kwargs):
@@ -154,26 +172,30 @@ def _bubble_job(rounds: int, microbatches: int, n_layer: int, d_model: int, rows
     precision = build_precision("fp32", "cpu")
     mesh = tm.DeviceMesh((2, 1), ["pipe", "data"], devices=tm.list_devices())
     runners = {}
-    for schedule in SCHEDULES:
+    for variant in VARIANTS:
+        schedule = variant.removesuffix("_receives_when_due")
         pipeline = tm.Pipeline(axis="pipe", schedule=schedule, microbatches=microbatches)
         model = tm.DataParallel(device_mesh=mesh, pipeline=pipeline).distribute_model(gpt(n_layer, d_model, seq))
-        runners[schedule] = model._trainmesh_pipeline
+        runners[variant] = model._trainmesh_pipeline
+        if variant != schedule:
+            runners[variant].receive_plan = None
     x, y = tokens(1, rows_per_micro * microbatches, seq)
     clocks = {s: BusyClock(r) for s, r in runners.items()}
-    busy = {s: [] for s in SCHEDULES}
-    steps = {s: [] for s in SCHEDULES}
+    busy = {s: [] for s in VARIANTS}
+    steps = {s: [] for s in VARIANTS}
     peaks = {}
     for round_index in range(rounds):
-        order = SCHEDULES[round_index % 3:] + SCHEDULES[:round_index % 3]
+        shift = round_index % len(VARIANTS)
+        order = VARIANTS[shift:] + VARIANTS[:shift]
         for schedule in order:
             runner = runners[schedule]
             dist.barrier()
-            clocks[schedule].seconds = 0.0
+            clocks[schedule].reset()
             start = time.perf_counter()
             with SavedBytes() as saved:
                 runner.forward_backward([(x, y)], lm_loss, precision, LossAccumulator())
             own = time.perf_counter() - start
-            busy[schedule].append(clocks[schedule].seconds / own)  # this process's busy share of its step
+            busy[schedule].append(clocks[schedule].busy() / own)  # this process's busy share of its step
             elapsed = torch.tensor([own], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest process
             steps[schedule].append(elapsed.item())
@@ -204,13 +226,14 @@ def main() -> int:
                             timeout=900)
     p, m = 2, args.microbatches
     theory = (p - 1) / (m + p - 1)
-    rows, idle = [], {}
-    for schedule in SCHEDULES:
+    rows, idle, step_s = [], {}, {}
+    for schedule in VARIANTS:
         step = statistics.median(max(r["step_s"][schedule][i] for r in ranks) for i in range(args.rounds))
         per_rank = [1 - statistics.median(r["busy_share"][schedule]) for r in ranks]
         idle[schedule] = statistics.mean(per_rank)
         lo, hi = ci95([max(r["step_s"][schedule][i] for r in ranks) for i in range(args.rounds)])
         peak = max(r["peak_saved_bytes"][schedule] for r in ranks)
+        step_s[schedule] = step
         rows.append((schedule, step * 1e3, lo * 1e3, hi * 1e3, idle[schedule], peak / 2**20))
         idle[schedule + "_peak"] = peak
     figures = {
@@ -219,12 +242,15 @@ def main() -> int:
         "gpipe_bubble_vs_theory": idle["gpipe"] / theory,
         "interleaved_bubble_vs_1f1b": idle["interleaved_1f1b"] / idle["1f1b"] if idle["1f1b"] > 0 else float("inf"),
         "1f1b_peak_activations_vs_gpipe": idle["1f1b_peak"] / idle["gpipe_peak"],
+        # context, no target: the same GPipe with each receive posted when due (torch's way)
+        "gpipe_receives_when_due_bubble_vs_theory": idle["gpipe_receives_when_due"] / theory,
+        "gpipe_step_vs_receives_when_due": step_s["gpipe"] / step_s["gpipe_receives_when_due"],
     }
     print(f"pipeline, p = {p} processes, M = {m} microbatches, {args.layers} blocks of width {args.d_model}, "
           f"{args.rounds} interleaved rounds; load {os.getloadavg()[0]:.1f}")
-    print(f"{'schedule':<18}{'step ms':>10}{'95% range':>20}{'idle':>8}{'saved MiB':>11}")
+    print(f"{'schedule':<25}{'step ms':>10}{'95% range':>20}{'idle':>8}{'saved MiB':>11}")
     for schedule, step, lo, hi, frac, mib in rows:
-        print(f"{schedule:<18}{step:>10.1f}{f'[{lo:.1f}, {hi:.1f}]':>20}{frac:>8.3f}{mib:>11.2f}")
+        print(f"{schedule:<25}{step:>10.1f}{f'[{lo:.1f}, {hi:.1f}]':>20}{frac:>8.3f}{mib:>11.2f}")
     print(f"theory (GPipe, 1F1B): idle {theory:.3f}")
     for name, value in figures.items():
         print(f"  {name} = {value:.4g}")

@@ -92,7 +92,8 @@ def train_pipelined(family: str, mesh_shape, axes, schedule: str, *, microbatche
     with count_reduce_scatters() as reduce_scatters:
         history = trainer.fit(data(steps), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
     out = {"params": local_full_params(trainer.model), "loss": history.history["loss"][-1],
-           "reduce_scatters": reduce_scatters[0], "fsdp_groups": fsdp_groups(trainer.model), "steps": steps}
+           "reduce_scatters": reduce_scatters[0], "fsdp_groups": fsdp_groups(trainer.model), "steps": steps,
+           "steps_posted_ahead": [stage.steps_posted_ahead for stage in trainer.model._trainmesh_pipeline.stages]}
     if evaluate:
         logs = trainer.evaluate(data(1), batch_size=GLOBAL_BATCH)
         out["eval_loss"], out["eval_accuracy"] = logs["loss"], logs["accuracy"]

@@ -10,6 +10,8 @@
   all-reduce per dtype after the schedule (no per-microbatch traffic);
 * a weight shared by the first and last stage (a tied embedding and head) lives on both; their
   gradients are summed after each step so the two copies stay equal;
+* on CPU (gloo), each step's receives are posted when it starts (``pipeline_receives``), not
+  when each microbatch is due;
 * evaluation and prediction pass activations stage to stage with plain send/recv, one
   microbatch, no schedule (batches there may be uneven or empty);
 * the loss exists on the last stage; the Trainer's loss all-reduce reports it everywhere.
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .pipeline_receives import ReceivePlan, posts_receives_ahead
 from .pipeline_split import KeyedBlocks, assign_blocks, build_stage_model, merge_stage_models, split_at
 from .pipeline_stage import StageModule, make_pipeline_stage  # noqa: F401 - StageModule is imported from here too
 
@@ -91,6 +94,7 @@ class PipelineRunner:
                        for module, index in zip(self.modules, indices)]
         self._loss_fn: list[Callable | None] = [None]
         self.schedule = self._build_schedule()
+        self.receive_plan = ReceivePlan(self.stages) if posts_receives_ahead(self.stages, pipe_group) else None
 
     @property
     def holds_first(self) -> bool:
@@ -147,8 +151,12 @@ class PipelineRunner:
             self.pipeline.validate(self.pipe_size, batch_rows(targets))
             step_losses: list[torch.Tensor] = []
             args = (inputs,) if self.holds_first else ()
+            if self.receive_plan is not None:
+                self.receive_plan.before_step(self.schedule)
             outputs = self.schedule.step(*args, target=targets if self.holds_last else None, losses=step_losses,
                                          return_outputs=on_outputs is not None and self.holds_last)
+            if self.receive_plan is not None:
+                self.receive_plan.after_step()
             if self.holds_last:
                 total = torch.stack([l.detach().float() for l in step_losses]).sum()
                 unscaled = total * k / (scaler.scale_value if scaler is not None else 1.0)

@@ -93,7 +93,9 @@ def make_pipeline_stage(module: StageModule, index: int, num_stages: int, device
     stage model inside (see the module docstring)."""
     from torch.distributed.pipelining import PipelineStage
 
-    class _Stage(PipelineStage):
+    from .pipeline_receives import ReceivesPostedAhead
+
+    class _Stage(ReceivesPostedAhead, PipelineStage):
         def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
             with _fsdp_seen(self):
                 return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
