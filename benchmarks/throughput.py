@@ -31,7 +31,8 @@ dtype). ``--precision`` forces one. ``--device cuda`` runs the same per-process 
 process per GPU (NCCL), in the GPU's precision (bf16-mixed), against the GPU's measured peak: its figures
 describe that GPU, and the goals above are this benchmark's CPU goals.
 ``--quick`` runs the two pairs the figures come from (GPT under DataParallel, Llama under ZeRO-3)
-with fewer rounds and steps.
+with fewer rounds and steps (4 rounds of 3: with 2, one commit's Llama ZeRO-3 pair read 1.006 and
+0.925, a median of two rounds being their mean).
 Exit 1 and INVALID when the two sides of a pair did not do the same work (different step counts,
 or losses apart by more than mixed-precision noise).
 """
@@ -231,7 +232,7 @@ def summarize(results: list[dict], cfg: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, help="alternating rounds per pair (default 6; --quick 2)")
+    parser.add_argument("--rounds", type=int, help="alternating rounds per pair (default 6; --quick 4)")
     parser.add_argument("--steps", type=int, help="timed steps per side per round (default 5; --quick 3)")
     parser.add_argument("--quick", action="store_true",
                         help="only the figures' pairs (GPT under DataParallel, Llama under ZeRO-3), few steps")
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--processes must be >= 1 (with --device cuda, a GPU must be visible); got {world}")
     pairs = ["gpt/zero0", "llama/zero3"] if args.quick else ["gpt/zero0", "gpt/zero3", "llama/zero0", "llama/zero3"]
     parity = ["gpt/zero0", "llama/zero3"]
-    cfg = {"pairs": pairs, "parity": parity, "rounds": args.rounds or (2 if args.quick else 6),
+    cfg = {"pairs": pairs, "parity": parity, "rounds": args.rounds or (4 if args.quick else 6),
            "steps": args.steps or (3 if args.quick else 5), "shape": shapes(), "world": world, "device": args.device,
            "compile_mode": args.compile_mode}
     from trainmesh.trainer.precision import fastest_precision
