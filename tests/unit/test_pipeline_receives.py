@@ -64,6 +64,12 @@ class Schedule:
             (s.forward_one_chunk if kind == "fwd" else s.backward_one_chunk)(chunk)
 
 
+def run_step(plan, schedule):
+    plan.before_step(schedule)
+    schedule.step()
+    plan.after_step()
+
+
 @pytest.fixture
 def log(monkeypatch):
     entries = []
@@ -80,9 +86,7 @@ def log(monkeypatch):
 def test_later_steps_post_the_first_steps_receives_in_its_order_before_the_schedule_runs(log):
     stages = [Stage(0, 3, log), Stage(2, 3, log)]
     plan, schedule = ReceivePlan(stages), Schedule(stages, log)
-    plan.before_step(schedule)
-    schedule.step()
-    plan.after_step()
+    run_step(plan, schedule)
     first = list(log)
     asked = [entry[1] for entry in first if entry[0] == "post"]
     assert asked == ["recv act s2 mb0", "recv act s2 mb1", "recv grad s0 mb1", "recv grad s0 mb0"], asked
@@ -110,9 +114,7 @@ def test_later_steps_post_the_first_steps_receives_in_its_order_before_the_sched
 def test_nothing_is_posted_before_the_schedule_has_made_its_buffers(log):
     stages = [Stage(0, 3, log), Stage(2, 3, log)]
     plan = ReceivePlan(stages)
-    plan.before_step(Schedule(stages, log))
-    Schedule(stages, log).step()
-    plan.after_step()
+    run_step(plan, Schedule(stages, log))
     log.clear()
     uninitialized = Schedule(stages, log, initialized=False)  # e.g. remade after a switch to forward-only
     plan.before_step(uninitialized)
@@ -124,9 +126,7 @@ def test_nothing_is_posted_before_the_schedule_has_made_its_buffers(log):
 def test_a_step_that_left_posted_receives_unconsumed_is_named_before_the_next(log):
     stages = [Stage(0, 3, log), Stage(2, 3, log)]
     plan, schedule = ReceivePlan(stages), Schedule(stages, log)
-    plan.before_step(schedule)
-    schedule.step()
-    plan.after_step()
+    run_step(plan, schedule)
     plan.before_step(schedule)  # posted, then the step fails before consuming them
     with pytest.raises(RuntimeError, match="4 pipeline receive\\(s\\) of the last step were never consumed"):
         plan.before_step(schedule)
