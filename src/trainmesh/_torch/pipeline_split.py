@@ -211,24 +211,7 @@ def _copy_holding_only(model: nn.Module, container: str, blocks: list[str], befo
     keep = {id(p) for module in kept for p in module.parameters()}
     memo = {id(p): nn.Parameter(torch.empty(0, device="meta", dtype=p.dtype), requires_grad=p.requires_grad)
             for p in model.parameters() if id(p) not in keep}
-    memo.update(_fake_copies(model, keep))
     return copy.deepcopy(model, memo)
-
-
-def _fake_copies(model: nn.Module, keep: set[int]) -> dict:
-    """Copies of the fake tensors (the planner's dry run builds models under ``FakeTensorMode``) that
-    ``copy.deepcopy`` is not to make itself: torch's ``Tensor.__deepcopy__`` reads the data pointer
-    of a tensor subclass, which a fake tensor warns about (and will refuse)."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    copies = {}
-    for p in model.parameters():
-        if id(p) in keep and is_fake(p):
-            copies[id(p)] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        if is_fake(b):
-            copies[id(b)] = b.detach().clone()
-    return copies
 
 
 def merge_stage_models(stages: list[nn.Module]) -> nn.Module:
