@@ -7,13 +7,19 @@ import torch.distributed as dist
 
 from trainmesh.comm import probe
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_process_group_left_behind")]
+pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
 def one_process_group():
-    if not dist.is_initialized():
+    """A one-process gloo group for the probe's barriers and all-reduce, destroyed after the test
+    (the planner's tests after this one start a fake group and need none)."""
+    started = not dist.is_initialized()
+    if started:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if started:
+        dist.destroy_process_group()
 
 
 def test_candidates_run_interleaved_in_rotated_order_and_report_medians(one_process_group, monkeypatch):
