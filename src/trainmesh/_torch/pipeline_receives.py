@@ -46,8 +46,11 @@ class ReceivesPostedAhead:
     def _post(self, kind: str, chunk: int) -> None:
         from torch.distributed.pipelining.schedules import _batch_p2p
 
-        ops = super().get_fwd_recv_ops(chunk) if kind == "fwd" else super().get_bwd_recv_ops(chunk)
-        self._posted_ops()[(kind, chunk)] = _batch_p2p(ops)
+        self._posted_ops()[(kind, chunk)] = _batch_p2p(self._torch_recv_ops(kind, chunk))
+
+    def _torch_recv_ops(self, kind: str, chunk: int) -> list:
+        """torch's own receive ops for activations (``"fwd"``) or gradients (``"bwd"``)."""
+        return super().get_fwd_recv_ops(chunk) if kind == "fwd" else super().get_bwd_recv_ops(chunk)
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int):
         return self._recv_ops("fwd", fwd_chunk_id)
@@ -66,7 +69,7 @@ class ReceivesPostedAhead:
     def _recv_ops(self, kind: str, chunk: int) -> list:
         if (kind, chunk) in self._posted_ops():
             return []
-        ops = super().get_fwd_recv_ops(chunk) if kind == "fwd" else super().get_bwd_recv_ops(chunk)
+        ops = self._torch_recv_ops(kind, chunk)
         if ops and self._recording is not None:
             self._recording.append((self, kind, chunk))
         return ops
@@ -92,6 +95,7 @@ class ReceivePlan:
     def __init__(self, stages: list) -> None:
         self.stages = stages
         self.order: list[tuple] | None = None
+        self._recording: list | None = None  # the step being recorded (its stages append to it)
 
     def before_step(self, schedule) -> None:
         leftover = sum(len(stage._posted_ops()) for stage in self.stages)
@@ -104,16 +108,15 @@ class ReceivePlan:
             for stage in self.stages:
                 stage.steps_posted_ahead += 1
             return
-        recording: list = []
+        self._recording = []
         for stage in self.stages:
-            stage._recording = recording
+            stage._recording = self._recording
 
     def after_step(self) -> None:
-        recording = self.stages[0]._recording
         for stage in self.stages:
             stage._recording = None
-        if recording is not None:
-            self.order = recording
+        if self._recording is not None:
+            self.order, self._recording = self._recording, None
 
 
 def _initialized(schedule) -> bool:

@@ -71,22 +71,13 @@ class CommPlan:
 def _time(fn, reps: int, *, barrier: bool = True) -> float:
     """Median seconds of ``fn`` over ``reps`` runs (after one warm-up), the max over ranks;
     ``barrier``: the ranks start each run together (a collective's timing needs it)."""
-    fn()
-    samples = []
-    for _ in range(reps):
-        if barrier:
-            dist.barrier()
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    value = torch.tensor([statistics.median(samples)], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value)
+    return _time_interleaved({"fn": fn}, reps, barrier=barrier)["fn"]
 
 
-def _time_interleaved(fns: dict, reps: int) -> dict:
-    """As :func:`_time` for several callables at once, their runs interleaved: rep r runs every one
-    once, in an order rotated by r. Load that comes and goes on shared CPUs then lands on every
+def _time_interleaved(fns: dict, reps: int, *, barrier: bool = True) -> dict:
+    """Median seconds of each callable over ``reps`` runs (after one warm-up each), the max over
+    ranks; ``barrier``: the ranks start each run together (a collective's timing needs it). The runs
+    are interleaved: rep r runs every callable once, in an order rotated by r. Load that comes and goes on shared CPUs then lands on every
     candidate alike; timed one after the other, a burst during one candidate's block decided the
     choice (on an unshaped link int8 timed 23.8 ms against fp32's 31.1 ms on 2 MB, while training
     steps took 86 ms with it against 47 without). Name -> median seconds, the max over ranks."""
@@ -97,7 +88,8 @@ def _time_interleaved(fns: dict, reps: int) -> dict:
     for r in range(reps):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
-            dist.barrier()
+            if barrier:
+                dist.barrier()
             start = time.perf_counter()
             fns[name]()
             samples[name].append(time.perf_counter() - start)
