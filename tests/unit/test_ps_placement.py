@@ -127,41 +127,6 @@ def test_sparse_split_into_row_ranges():
     assert sum(s.rows for s in specs) == 10_000
 
 
-def test_group_rows_round_trip():
-    part = Partitioner(rows_per_shard=10)
-    rows = 35
-    ids = torch.tensor([34, 0, 12, 9, 12, 30, 10, 5, 34])
-    groups = part.group_rows("emb", rows, ids)
-    assert [g[0] for g in groups] == ["emb#0", "emb#1", "emb#3"]
-    specs = {s.shard_id: s for s in part.sparse_shards("emb", rows, 4)}
-    seen = torch.zeros(len(ids), dtype=torch.int64)
-    table = torch.arange(rows * 4, dtype=torch.float32).view(rows, 4)
-    gathered = torch.empty(len(ids), 4)
-    for sid, local, positions in groups:
-        spec = specs[sid]
-        assert local.dtype == torch.int64 and int(local.max()) < spec.rows
-        assert torch.equal(ids[positions], local + spec.row_start)
-        seen[positions] += 1
-        gathered[positions] = table[spec.row_start : spec.row_stop][local]  # a shard's reply
-    assert torch.equal(seen, torch.ones(len(ids), dtype=torch.int64))
-    assert torch.equal(gathered, table[ids])
-
-
-def test_group_rows_edge_cases_and_errors():
-    part = Partitioner(rows_per_shard=4)
-    assert part.group_rows("t", 8, torch.empty(0, dtype=torch.long)) == []
-    (sid, local, pos), = part.group_rows("t", 8, torch.tensor([5, 6], dtype=torch.int32))
-    assert sid == "t#1" and local.tolist() == [1, 2] and pos.tolist() == [0, 1]
-    with pytest.raises(ValueError, match=r"row id 8 .*'t'.* 8 rows"):
-        part.group_rows("t", 8, torch.tensor([1, 8, 9]))
-    with pytest.raises(ValueError, match="row id -1"):
-        part.group_rows("t", 8, torch.tensor([-1]))
-    with pytest.raises(TypeError, match="integer"):
-        part.group_rows("t", 8, torch.tensor([1.0]))
-    with pytest.raises(ValueError, match="1-D"):
-        part.group_rows("t", 8, torch.tensor([[1]]))
-
-
 def test_partitioner_rejects_bad_sizes():
     with pytest.raises(ValueError, match="part_numel.*0"):
         Partitioner(part_numel=0)

@@ -165,29 +165,3 @@ def test_from_state_rejects_inconsistent_state():
     with pytest.raises(ValueError, match=r"expected tensors"):
         # optimizer changed to one with other state
         Shard.from_state(tensors, {**meta, "optimizer": {"name": "sgd", "lr": 0.1}})
-
-
-@pytest.mark.parametrize("optimizer", [{"name": "sgd", "lr": 0.1, "momentum": 0.9},
-                                       {"name": "adam", "lr": 0.01}, {"name": "adagrad", "lr": 0.1}])
-def test_apply_rows_many_equals_one_step_per_range(optimizer):
-    """The batched update across row ranges gives exactly the per-range updates."""
-    torch.manual_seed(0)
-    batched = [Shard.sparse(f"t#{i}", 16, 4, optimizer) for i in range(3)]
-    single = [Shard.sparse(f"t#{i}", 16, 4, optimizer) for i in range(3)]
-    for step in range(3):
-        locals_ = [torch.tensor([0, 5, 15]), torch.tensor([3]), torch.tensor([1, 2] if step % 2 else [9])]
-        grads = [torch.randn(len(local), 4) for local in locals_]
-        Shard.apply_rows_many(list(zip(batched, locals_)), torch.cat(grads), lr=0.05 if step == 2 else None)
-        for shard, local, grad in zip(single, locals_, grads):
-            shard.apply_rows(local, grad, lr=0.05 if step == 2 else None)
-    for a, b in zip(batched, single):
-        assert a.version == b.version == 3
-        assert torch.equal(a.value, b.value)
-        assert all(torch.equal(a.state[k], b.state[k]) for k in b.state)
-
-
-def test_apply_rows_many_refuses_ranges_of_different_tables():
-    parts = [(Shard.sparse("a#0", 4, 2, {"name": "sgd", "lr": 0.1}), torch.tensor([0])),
-             (Shard.sparse("b#0", 4, 3, {"name": "sgd", "lr": 0.1}), torch.tensor([1]))]
-    with pytest.raises(ValueError, match="not ranges of one table"):
-        Shard.apply_rows_many(parts, torch.zeros(2, 2))

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from .client_io import ClientIO
-from .placement import HashRing, Partitioner
+from .placement import HashRing, Partitioner, shard_id
 from .protocol import Message, MessageType
 
 MODES = ("sync", "ssp", "async")
@@ -80,6 +80,7 @@ class PSClient:
         self._index = {sid: i for i, sid in enumerate(self.server_ids)}
         self._owner_cache: dict[str, int] = {}  # the ring never changes for a client: hash each shard once
         self._shard_cache: dict[tuple[str, int], list] = {}  # (name, numel) -> partitioner parts
+        self._range_owners: dict[str, torch.Tensor] = {}  # table -> server index per row range (-1: not hashed yet)
         identity = f"w{self.worker_id}-{uuid.uuid4().hex[:10]}".encode()
         self.io = ClientIO(endpoints, from_addresses=servers is not None, identity=identity, sender=self.worker_id,
                            secret=secret, retry_after_s=retry_after_s, heartbeat_s=heartbeat_s,
@@ -328,11 +329,19 @@ class PSClient:
         for row in (int(unique[0]), int(unique[-1])):  # unique is sorted: its ends bound every id
             if not 0 <= row < rows:
                 raise ValueError(f"row id {row} out of range for table {name!r} with {rows} rows")
-        # Vectorised: one owner lookup per touched range, then one mask per server (not per range).
-        ranges, range_of_row = torch.unique(unique // rows_per_shard, return_inverse=True)
-        owners = torch.tensor([self._owner(f"{name}#{r}") for r in ranges.tolist()], dtype=torch.int64)
-        server_of_row = owners[range_of_row]
-        return [(server, (server_of_row == server).nonzero().reshape(-1)) for server in sorted(set(owners.tolist()))]
+        # Vectorised: owners are hashed once per range and kept in a tensor per table (a push into
+        # a big table touches hundreds of ranges), then one mask per server (not per range).
+        owner_of_range = self._range_owners.get(name)
+        if owner_of_range is None:
+            owner_of_range = self._range_owners[name] = torch.full((-(-rows // rows_per_shard),), -1)
+        ranges = unique // rows_per_shard
+        server_of_row = owner_of_range[ranges]
+        if bool((server_of_row < 0).any()):
+            new = torch.unique(ranges[server_of_row < 0]).tolist()
+            owner_of_range[new] = torch.tensor([self._owner(shard_id(name, r)) for r in new], dtype=torch.int64)
+            server_of_row = owner_of_range[ranges]
+        owners = torch.unique(server_of_row).tolist()
+        return [(server, (server_of_row == server).nonzero().reshape(-1)) for server in owners]
 
     def _batches(self, items):
         """Group ``(server, tensors, info)`` per server into messages of at most ``batch_bytes``."""

@@ -10,7 +10,6 @@ import bisect
 import hashlib
 from typing import Iterable, NamedTuple, Sequence
 
-import torch
 
 __all__ = [
     "DenseShardSpec",
@@ -173,37 +172,3 @@ class Partitioner:
             RowShardSpec(shard_id(name, i), start, min(start + self.rows_per_shard, rows))
             for i, start in enumerate(range(0, rows, self.rows_per_shard))
         ]
-
-    def group_rows(
-        self, name: str, rows: int, ids: torch.Tensor
-    ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-        """Group global row ids by shard.
-
-        Returns ``[(shard_id, local_rows, positions)]`` in shard order, where
-        ``ids[positions] == local_rows + row_start``; a caller scatters a shard's reply back
-        with ``out[positions] = reply``. Duplicate ids are kept (the optimizer sums them).
-        """
-        _check_name(name, "table name")
-        _check_count(rows, f"rows of table {name!r}", 1)
-        if not isinstance(ids, torch.Tensor):
-            raise TypeError(f"row ids for table {name!r} must be a torch.Tensor, got {type(ids).__name__}")
-        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-            raise TypeError(f"row ids for table {name!r} must be an integer tensor, got dtype {ids.dtype}")
-        if ids.dim() != 1:
-            raise ValueError(f"row ids for table {name!r} must be 1-D, got shape {tuple(ids.shape)}")
-        ids = ids.to(device="cpu", dtype=torch.int64)
-        if ids.numel() == 0:
-            return []
-        bad = (ids < 0) | (ids >= rows)
-        if bool(bad.any()):
-            offending = int(ids[bad.nonzero()[0, 0]])
-            raise ValueError(f"row id {offending} out of range for table {name!r} with {rows} rows")
-        shard_index = ids // self.rows_per_shard
-        # A stable sort keeps each shard's ids in input order (deterministic messages).
-        order = torch.sort(shard_index, stable=True).indices
-        indices, counts = torch.unique_consecutive(shard_index[order], return_counts=True)
-        groups = []
-        for index, positions in zip(indices.tolist(), torch.split(order, counts.tolist())):
-            local = ids[positions] - index * self.rows_per_shard
-            groups.append((shard_id(name, index), local, positions))
-        return groups

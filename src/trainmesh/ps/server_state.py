@@ -16,8 +16,9 @@ from typing import Any, Callable
 import torch
 
 from .optimizers import make_optimizer
-from .placement import Partitioner
+from .placement import shard_id
 from .protocol import Message
+from .row_store import RowStore
 from .shard import Shard
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class ServerState:
         self.shards: dict[str, Shard] = {}
         self.dedup = DedupTable()
         self._decompressors: dict[str, Any] = {}
+        self._row_stores: dict[str, RowStore] = {}  # sparse table -> the ranges held here, packed
         self.store = None
         if durability != "none":
             from .durability import DurableStore
@@ -175,24 +177,31 @@ class ServerState:
             raise KeyError(f"this server holds no dense shard {sid!r}")
         return shard
 
-    def row_groups(self, table: str, ids: torch.Tensor) -> list[tuple[Shard, torch.Tensor, torch.Tensor]]:
-        """``[(shard, local rows, positions in ids)]``, creating untouched row ranges on first use."""
+    def _table_rows(self, table: str, ids: torch.Tensor) -> tuple[RowStore, Callable[[int], Shard]]:
+        """The table's row store on this server, and ``shard_of(range index)`` (which creates an
+        untouched range on first use, identically wherever it lands); ``ids`` are checked first."""
         spec = self.spec_of(table)
         if spec["kind"] != "sparse" or spec["name"] != table:
             raise ValueError(f"{table!r} is not a sparse table")
         rows, dim = spec["shape"]
-        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
-            raise TypeError(f"row ids for {table!r} must be an int64 tensor")
-        groups = []
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
+            raise TypeError(f"row ids for {table!r} must be a 1-D int64 tensor")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+            bad = ids[(ids < 0) | (ids >= rows)][0]
+            raise ValueError(f"row id {int(bad)} out of range for table {table!r} with {rows} rows")
         rows_per_shard = spec["rows_per_shard"]
-        for sid, local, positions in Partitioner(rows_per_shard=rows_per_shard).group_rows(table, rows, ids):
+        store = self._row_stores.get(table)
+        if store is None:
+            store = self._row_stores[table] = RowStore(table, rows, rows_per_shard)
+
+        def shard_of(index: int) -> Shard:
+            sid = shard_id(table, index)
             shard = self.shards.get(sid)
             if shard is None:
-                index = int(sid.rpartition("#")[2])
                 count = min(rows_per_shard, rows - index * rows_per_shard)
                 shard = self.shards[sid] = Shard.sparse(sid, count, dim, spec["optimizer"], spec["init"])
-            groups.append((shard, local, positions))
-        return groups
+            return shard
+        return store, shard_of
 
     # -- push and pull -----------------------------------------------------------------------
 
@@ -218,15 +227,14 @@ class ServerState:
                                  f"{(ids.numel(), dim)}")
             if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
                 raise TypeError(f"row ids for {table!r} must be an int64 tensor")
-            # Sum duplicate ids once for the whole push (sorted unique ids: each range's rows are a
-            # contiguous run), then update every touched range in one batched optimizer step.
+            # Sum duplicate ids once for the whole push, then update every touched range in one
+            # optimizer step over the table's packed rows (row_store.py).
             unique, inverse = torch.unique(ids, return_inverse=True)
             summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, grads.float())
-            groups = self.row_groups(table, unique)
-            if groups:
-                in_order = summed[torch.cat([positions for _, _, positions in groups])]
-                parts = [(shard, local) for shard, local, _ in groups]
-                updates.append(lambda parts=parts, g=in_order: Shard.apply_rows_many(parts, g, lr=lr))
+            store, shard_of = self._table_rows(table, unique)
+            if unique.numel():
+                updates.append(lambda store=store, shard_of=shard_of, ids=unique, g=summed:
+                               store.apply(ids, g, shard_of, lr=lr))
         return updates
 
     def _decompress(self, msg: Message, sid: str, info: dict) -> torch.Tensor:
@@ -255,13 +263,11 @@ class ServerState:
             tensors[sid], versions[sid] = shard.value, shard.version
         for table, ids_name in (msg.meta.get("rows") or {}).items():
             ids = msg.tensors[ids_name]
-            out = torch.empty(ids.numel(), self.spec_of(table)["shape"][1])
-            groups = self.row_groups(table, ids)  # checks the ids; local rows are in range
-            if groups:
-                out[torch.cat([positions for _, _, positions in groups])] = torch.cat(
-                    [shard.value[local] for shard, local, _ in groups])
-            tensors[table] = out
-            versions[table] = max((shard.version for shard, _, _ in groups), default=0)
+            store, shard_of = self._table_rows(table, ids)  # checks the ids
+            if ids.numel():
+                tensors[table], versions[table] = store.read(ids, shard_of)
+            else:
+                tensors[table], versions[table] = torch.empty(0, self.spec_of(table)["shape"][1]), 0
         return tensors, versions
 
     # -- rebalancing --------------------------------------------------------------------------
@@ -281,6 +287,9 @@ class ServerState:
                 tensors.update({f"{sid}|{k}": t for k, t in own.items()})  # live: encoded before any update
             if meta.get("remove"):
                 del self.shards[sid]
+                table, _, index = sid.rpartition("#")
+                if table in self._row_stores:
+                    self._row_stores[table].forget(int(index))
         return tensors, {"shards": shard_meta, "params": self.params}
 
     def prepare_import(self, msg: Message) -> Callable[[], None]:

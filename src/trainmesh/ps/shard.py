@@ -124,36 +124,6 @@ class Shard:
         self.optimizer.step_rows(self.value, local_rows, grads, self.state, lr=lr)
         self.version += 1
 
-    @staticmethod
-    def apply_rows_many(parts: list[tuple["Shard", torch.Tensor]], grads: torch.Tensor,
-                        lr: float | None = None) -> None:
-        """Apply one push's gradients to several row ranges of a table in one optimizer step.
-
-        ``parts`` are ``(shard, local rows)`` with no row repeated; ``grads`` holds their rows in
-        that order. The touched rows (and their state) are gathered, updated together and
-        scattered back, so the cost per range is a few index ops, not a whole optimizer step.
-        The result equals ``apply_rows`` per range: every update is row-wise."""
-        if len(parts) == 1:
-            parts[0][0].apply_rows(parts[0][1], grads, lr=lr)
-            return
-        first = parts[0][0]
-        for shard, local in parts:
-            shard._require("sparse", "apply")
-            if shard.optimizer.spec != first.optimizer.spec or shard.value.shape[1:] != first.value.shape[1:]:
-                raise ValueError(f"shards {first.shard_id!r} and {shard.shard_id!r} are not ranges of one table "
-                                 f"(optimizer {first.optimizer.spec} vs {shard.optimizer.spec})")
-        values = torch.cat([shard.value[local] for shard, local in parts])
-        state = {key: torch.cat([shard.state[key][local] for shard, local in parts]) for key in first.state}
-        first.optimizer.step_rows(values, torch.arange(values.shape[0]), grads, state, lr=lr)
-        start = 0
-        for shard, local in parts:
-            end = start + local.numel()
-            shard.value[local] = values[start:end]
-            for key, tensor in state.items():
-                shard.state[key][local] = tensor[start:end]
-            shard.version += 1
-            start = end
-
     def read(self) -> torch.Tensor:
         """A copy of the whole value (safe to hold while later updates land)."""
         return self.value.clone()
