@@ -21,7 +21,7 @@ Variants:
 * ``hier``: fp32 hierarchical all-reduce over the discovered hosts (trainmesh's default on >1 host):
   the baseline of the step-time and loss figures (the stronger fp32 side);
 * ``int8``: two-phase int8 across hosts (fp32 inside); ``topk1``: top-k 1% (all-gather of
-  (int32, fp32) pairs); ``powersgd``: PowerSGD rank 2 (fp32 sum within a host, P and Q
+  fp32 values with 16-bit block offsets); ``powersgd``: PowerSGD rank 2 (fp32 sum within a host, P and Q
   exchanged between the hosts' leaders only, factors sent back within each host);
 * ``auto``: ``communication="auto"`` (probe, then its choice among flat, hier and int8).
 

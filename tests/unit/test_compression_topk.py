@@ -20,11 +20,14 @@ def test_keeps_exactly_the_k_largest_magnitudes():
     compressor = TopKCompressor(0.013, error_feedback=False)
     compressed = compressor.compress(x)
     k = math.ceil(0.013 * 10_000)
-    assert compressed.meta["k"] == k == compressed.tensors["indices"].numel()
-    assert compressed.tensors["indices"].dtype == torch.int32 and compressed.tensors["values"].dtype == torch.float32
-    assert compressed.nbytes() == k * 8
-    expected = set(torch.argsort(x.reshape(-1).abs(), descending=True)[:k].tolist())
-    assert set(compressed.tensors["indices"].tolist()) == expected
+    # One block (10,000 <= 65536 entries): 16-bit offsets (two bytes each) and no counts.
+    assert sorted(compressed.tensors) == ["offsets", "values"]
+    assert compressed.meta["k"] == k == compressed.tensors["offsets"].shape[0] == compressed.tensors["values"].numel()
+    assert compressed.tensors["offsets"].dtype == torch.uint8 and compressed.tensors["values"].dtype == torch.float32
+    assert compressed.nbytes() == k * 6
+    expected = torch.argsort(x.reshape(-1).abs(), descending=True)[:k].sort().values
+    offsets = compressed.tensors["offsets"].long()
+    assert torch.equal(offsets[:, 0] + 256 * offsets[:, 1], expected)  # sorted by index, low byte first
     dense = compressor.decompress(compressed)
     kept = dense != 0
     assert int(kept.sum()) == k and torch.equal(dense[kept], x[kept])
@@ -33,7 +36,7 @@ def test_keeps_exactly_the_k_largest_magnitudes():
 def test_fp16_values_option_and_half_gradients():
     x = torch.randn(1000, dtype=torch.float16)
     compressed = TopKCompressor(0.1, values="fp16").compress(torch.randn(1000))
-    assert compressed.tensors["values"].dtype == torch.float16 and compressed.nbytes() == 100 * 6
+    assert compressed.tensors["values"].dtype == torch.float16 and compressed.nbytes() == 100 * 4
     half = TopKCompressor(0.1).compress(x)
     assert half.tensors["values"].dtype == torch.float16
     assert TopKCompressor(0.1).decompress(half).dtype == torch.float16
@@ -142,3 +145,165 @@ def test_error_feedback_residual_is_what_was_not_sent(values):
         total_in += g
         total_sent += dense
     assert torch.allclose(total_sent + compressor.residuals["w"], total_in, atol=1e-5)
+
+
+# --- wire format: block offsets ----------------------------------------------------------------
+BLOCK = 65536
+# Kept entries of a 3 * BLOCK + 17 tensor: 6 in the first block, 3 in the short last one, none
+# between (9 entries: 18 bytes of offsets and 16 of counts, fewer than 36 of int32 indices).
+FIRST_AND_LAST = [0, 1, 3, 255, 256, BLOCK - 1, 3 * BLOCK, 3 * BLOCK + 1, 3 * BLOCK + 16]
+
+
+def _planted(numel: int, positions: list[int], seed: int = 0) -> torch.Tensor:
+    """Small noise, and entries of magnitude >= 100 at ``positions``: the top-len(positions)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.rand(numel, generator=generator) * 2 - 1
+    signs = torch.where(torch.rand(len(positions), generator=generator) < 0.5, -1.0, 1.0)
+    x[torch.tensor(positions)] = (100.0 + torch.arange(len(positions), dtype=torch.float32)) * signs
+    return x
+
+
+def _ratio_for(k: int, numel: int) -> float:
+    return (k - 0.5) / numel  # ceil(ratio * numel) == k, whatever the rounding of the division
+
+
+@pytest.mark.parametrize("numel, positions, counts", [
+    (1000, [0, 7, 999], None),                                            # below one block
+    (BLOCK, [0, 255, 256, BLOCK - 1], None),                              # exactly one block
+    (3 * BLOCK + 17, FIRST_AND_LAST, [6, 0, 0, 3]),                       # empty blocks between
+])
+@pytest.mark.parametrize("values", ["same", "fp16"])
+def test_block_offsets_round_trip_exactly(numel, positions, counts, values):
+    x = _planted(numel, positions)
+    compressor = TopKCompressor(_ratio_for(len(positions), numel), values=values)
+    compressed = compressor.compress(x, "w")
+    k = len(positions)
+    assert compressed.meta["k"] == k
+    assert compressed.tensors["offsets"].dtype == torch.uint8 and compressed.tensors["offsets"].shape == (k, 2)
+    if counts is None:
+        assert "counts" not in compressed.tensors  # one block: its count is k
+    else:
+        assert compressed.tensors["counts"].dtype == torch.int32
+        assert compressed.tensors["counts"].tolist() == counts
+    indices, sent = TopKCompressor._sent(compressed)
+    assert indices.dtype == torch.int64 and indices.tolist() == positions  # sorted by index
+    value_dtype = torch.float16 if values == "fp16" else torch.float32
+    assert torch.equal(sent, x[positions].to(value_dtype))  # the values follow the indices' order
+    expected = torch.zeros(numel)
+    expected[positions] = x[positions].to(value_dtype).float()
+    assert torch.equal(compressor.decompress(compressed), expected)
+    total = torch.ones(numel)
+    compressor.add_to(total, compressed)
+    assert torch.equal(total, torch.ones(numel) + expected)
+    assert torch.equal(compressor.residuals["w"], x - expected)  # error feedback: exactly what was not sent
+
+
+def test_payload_layout_depends_on_the_size_only():
+    # An all-gather unpacks every rank's payload with its own layout.
+    compressor = TopKCompressor(0.01, error_feedback=False)
+    layouts = {tuple((name, t.dtype, tuple(t.shape)) for name, t in compressor.compress(x).tensors.items())
+               for x in (torch.randn(3 * BLOCK + 17), torch.zeros(3 * BLOCK + 17), _planted(3 * BLOCK + 17, [0]))}
+    assert len(layouts) == 1
+
+
+@pytest.mark.parametrize("values, at_most", [("same", 6.1), ("fp16", 4.1)])
+def test_one_percent_of_a_million_entries_costs_about_six_bytes_per_kept_entry(values, at_most):
+    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(1))
+    compressed = TopKCompressor(0.01, values=values).compress(x)
+    k = compressed.meta["k"]
+    assert k == math.ceil(0.01 * (1 << 20))
+    nbytes = sum(t.nbytes for t in compressed.tensors.values())
+    assert nbytes == compressed.nbytes() and nbytes / k <= at_most
+    assert x.nbytes / nbytes >= 66.0 if values == "same" else x.nbytes / nbytes >= 99.0
+
+
+def test_flat_indices_where_counts_would_cost_more_than_offsets_save():
+    from trainmesh.compression.topk import sends_offsets
+
+    # 1 entry of 3 blocks: 2 bytes of offset + 12 of counts > a 4-byte index.
+    numel = 3 * BLOCK + 17
+    x = _planted(numel, [2 * BLOCK + 5])
+    compressor = TopKCompressor(_ratio_for(1, numel), error_feedback=False)
+    compressed = compressor.compress(x)
+    assert sorted(compressed.tensors) == ["indices", "values"] and compressed.tensors["indices"].dtype == torch.int32
+    assert compressed.tensors["indices"].tolist() == [2 * BLOCK + 5] and compressed.nbytes() == 8
+    assert torch.equal(compressor.decompress(compressed)[2 * BLOCK + 5], x[2 * BLOCK + 5])
+    # Never larger than int32 indices, whatever the size and k.
+    for n in (1, 1000, BLOCK, BLOCK + 1, 10 * BLOCK, 10**7):
+        for k in sorted({1, 2, 5, 19, 20, 21, 1000, n // 100, n} - {0}):
+            k = min(k, n)
+            offsets = 2 * k + (4 * -(-n // BLOCK) if n > BLOCK else 0)
+            assert sends_offsets(n, k) == (offsets <= 4 * k), (n, k)
+
+
+def _valid_payload(numel: int = 3 * BLOCK + 17, positions: list[int] = FIRST_AND_LAST):
+    from trainmesh.compression import Compressed
+
+    compressor = TopKCompressor(_ratio_for(len(positions), numel), error_feedback=False)
+    compressed = compressor.compress(_planted(numel, positions))
+    assert "offsets" in compressed.tensors
+
+    def changed(**tensors):
+        fresh = {name: t.clone() for name, t in compressed.tensors.items()}
+        fresh.update(tensors)
+        return Compressed({name: t for name, t in fresh.items() if t is not None}, compressed.meta)
+
+    return compressor, compressed, changed
+
+
+@pytest.mark.parametrize("case, match", [
+    ("counts add up to more", "add up to"),
+    ("counts add up to less", "add up to"),
+    ("a negative count", "negative"),
+    ("an offset past the last block's end", "past"),
+    ("an entry moved into the short last block", "past"),
+    ("no counts", "no 'counts'"),
+    ("counts of the wrong length", "'counts' must be"),
+    ("int64 counts", "'counts' must be"),
+    ("an offset missing", "'offsets' must be"),
+    ("int16 offsets", "'offsets' must be"),
+    ("no offsets", "neither"),
+])
+def test_a_malformed_block_payload_is_rejected_with_a_value_error(case, match):
+    compressor, good, changed = _valid_payload()
+    counts, offsets = good.tensors["counts"], good.tensors["offsets"]
+    bad = {
+        "counts add up to more": lambda: changed(counts=counts + torch.tensor([0, 0, 0, 1], dtype=torch.int32)),
+        "counts add up to less": lambda: changed(counts=counts - torch.tensor([1, 0, 0, 0], dtype=torch.int32)),
+        "a negative count": lambda: changed(counts=torch.tensor([7, -1, 0, 3], dtype=torch.int32)),
+        "an offset past the last block's end": lambda: changed(
+            offsets=torch.cat([offsets[:-1], torch.tensor([[17, 0]], dtype=torch.uint8)])),
+        # Counts still add up to k, but the sixth entry (offset 65535) now lies in the 17-entry block.
+        "an entry moved into the short last block": lambda: changed(
+            counts=torch.tensor([5, 0, 0, 4], dtype=torch.int32)),
+        "no counts": lambda: changed(counts=None),
+        "counts of the wrong length": lambda: changed(counts=counts[:3]),
+        "int64 counts": lambda: changed(counts=counts.long()),
+        "an offset missing": lambda: changed(offsets=offsets[:-1]),
+        "int16 offsets": lambda: changed(offsets=offsets.to(torch.int16)),
+        "no offsets": lambda: changed(offsets=None, counts=None),
+    }[case]()
+    compressor.decompress(good)  # (the unchanged payload decodes)
+    with pytest.raises(ValueError, match=match):
+        compressor.decompress(bad)
+    with pytest.raises(ValueError, match=match):
+        compressor.add_to(torch.zeros(good.meta["numel"]), bad)
+
+
+def test_a_malformed_single_block_or_flat_payload_is_rejected_with_a_value_error():
+    from trainmesh.compression import Compressed
+
+    compressor, good, changed = _valid_payload(1000, [5, 999])
+    compressor.decompress(good)
+    with pytest.raises(ValueError, match="past its 1000 entries"):
+        compressor.decompress(changed(offsets=torch.tensor([[0, 0], [232, 3]], dtype=torch.uint8)))  # 1000
+    with pytest.raises(ValueError, match="'offsets' must be"):
+        compressor.decompress(changed(values=torch.ones(3)))
+    # Flat indices (what a tensor with too few kept entries per block sends, and the old format).
+    meta = {"shape": [1000], "dtype": "float32", "numel": 1000, "k": 2}
+    ok = Compressed({"indices": torch.tensor([998, 3], dtype=torch.int32), "values": torch.tensor([1.0, 2.0])}, meta)
+    assert compressor.decompress(ok)[[3, 998]].tolist() == [2.0, 1.0]
+    for indices, match in [([1000, 3], "outside"), ([-1, 3], "outside"), ([1, 2, 3], "'indices' must be")]:
+        with pytest.raises(ValueError, match=match):
+            compressor.decompress(Compressed({"indices": torch.tensor(indices, dtype=torch.int32),
+                                              "values": torch.tensor([1.0, 2.0])}, meta))

@@ -23,8 +23,9 @@ Per bucket, by kind of compressor:
   its parameter's name (residuals follow the parameter, not DDP's bucket layout), the bucket's
   payload packed into one byte buffer and all-gathered; each rank decompresses every rank's
   payload and averages. Honest bytes: each rank sends ``(N-1) x payload`` (ring all-gather),
-  against ``2 (N-1)/N x 4 x numel`` for fp32, so top-k with ``(int32, fp32)`` pairs beats dense
-  on the wire only when ``ratio < 1/N`` (``1/1.5N`` with fp16 values): 1% wins up to N = 100.
+  against ``2 (N-1)/N x 4 x numel`` for fp32, so top-k, ~6 bytes per kept entry (16-bit block
+  offset, fp32 value), beats dense on the wire only when ``ratio < 4/(3N)`` (``2/N`` with fp16
+  values, 4 bytes per entry): 1% wins up to N = 133 (200).
 
 The collectives run on a background thread (:class:`~trainmesh.comm.bucket_worker.BucketWorker`)
 and the hook returns a pending future, so communication overlaps the rest of backward. A
