@@ -394,8 +394,10 @@ def main(argv: list[str] | None = None) -> int:
                                   "dim": DIM}, "torch": torch.__version__,
                        "load_average": os.getloadavg(),
                        # push throughput / raw ZeroMQ loopback for the same 1 MB messages, both with
-                       # --window in flight (higher is better)
-                       "figures": ({"ps_push_1mb_vs_raw_zmq": transport["sizes"]["1 MB"]["push_to_loopback"]}
+                       # --window in flight (higher is better); the same for a push of 1024 random rows
+                       # of a 1M-row table (context, no target)
+                       "figures": ({"ps_push_1mb_vs_raw_zmq": transport["sizes"]["1 MB"]["push_to_loopback"],
+                                    "ps_sparse_push_vs_raw_zmq": transport["sizes"]["sparse"]["push_to_loopback"]}
                                    if transport else {})}, fh, indent=1)
     if transport and not transport["same_work"]:
         print(f"INVALID: the PS and raw ZeroMQ sides did not do the same work: {transport['problems']}", file=sys.stderr)
