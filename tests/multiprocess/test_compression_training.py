@@ -179,10 +179,10 @@ def test_bytes_accounting_shows_the_compression_ratio(runs):
     params = sum(v.numel() for v in four[0]["none"]["params"].values())
     for rank in range(4):
         assert all(b == (None, None) for b in four[rank]["none"]["bytes"])  # no compression: no hook, no figure
-        # top-k sends (int32 index, value) pairs: 8 bytes per kept fp32 entry caps 1% at 50x, and
-        # k = ceil(1% of numel) per tensor costs a little more on this tiny model's biases; fp16
-        # values (6 bytes per entry) clear 50x.
-        for spec, at_least in (("int8", 3.9), ("topk:0.01", 45.0), ("topk_fp16_values", 50.0), ("fp16", 2.0),
+        # top-k sends a value and a 16-bit block offset per kept entry (6 bytes with fp32 values, 4
+        # with fp16: 66.7x and 100x at 1%); k = ceil(1% of numel) per tensor costs a little more on
+        # this tiny model's biases (65.1x and 97.7x for its payloads alone).
+        for spec, at_least in (("int8", 3.9), ("topk:0.01", 60.0), ("topk_fp16_values", 90.0), ("fp16", 2.0),
                                ("powersgd:2", 4.0)):
             for sent, dense in four[rank][spec]["bytes"]:
                 assert dense == params * 4  # fp32 gradients, every parameter, once per optimizer step
@@ -197,7 +197,7 @@ def test_zero1_with_compression_trains_like_stage_2(runs):
         torch.testing.assert_close(four[0]["zero1_int8"]["params"][name], value, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("spec, at_least", [("int8", 3.9), ("topk:0.01", 45.0), ("fp16", 2.0)])
+@pytest.mark.parametrize("spec, at_least", [("int8", 3.9), ("topk:0.01", 60.0), ("fp16", 2.0)])
 def test_zero2_compressed_reduce_scatter_trains_within_2_percent(runs, spec, at_least):
     four, _, _ = runs
     reference = four[0]["none"]["final_loss"]
