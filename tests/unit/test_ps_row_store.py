@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trainmesh.ps import row_store
 from trainmesh.ps.row_store import RowStore
 from trainmesh.ps.shard import Shard
 
 pytestmark = pytest.mark.timeout(60)
 
-ROWS, PER_RANGE, DIM = 166, 16, 4  # 11 ranges, the last one 6 rows: more than the store's first 8 slots
+ROWS, PER_RANGE, DIM = 166, 16, 4  # 11 ranges, the last one 6 rows
+SLOT_BYTES = PER_RANGE * DIM * 4
 OPTIMIZERS = [{"name": "sgd", "lr": 0.1, "momentum": 0.9}, {"name": "adam", "lr": 0.01},
               {"name": "adagrad", "lr": 0.1}]
 
@@ -28,13 +30,20 @@ def _per_range_apply(shards: dict[int, Shard], ids: torch.Tensor, grads: torch.T
         shards[index].apply_rows(ids[mask] - index * PER_RANGE, grads[mask], lr=lr)
 
 
+def _storages(store: RowStore) -> set[int]:
+    return {t.untyped_storage().data_ptr() for page in store.pages for t in (page.value, *page.state.values())}
+
+
+@pytest.mark.parametrize("slots_per_page", [4, None], ids=["pages of 4 slots", "one page"])
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o["name"])
-def test_packed_update_equals_one_update_per_range(optimizer):
+def test_packed_update_equals_one_update_per_range(optimizer, slots_per_page, monkeypatch):
+    if slots_per_page:
+        monkeypatch.setattr(row_store, "PAGE_BYTES", slots_per_page * SLOT_BYTES)
     packed, reference = _ranges(optimizer), _ranges(optimizer)
     store = RowStore("t", ROWS, PER_RANGE)
     gen = torch.Generator().manual_seed(0)
-    # Ranges are first touched out of order and a few at a time, so slots are not range order and
-    # the store grows (8 -> 16 slots) with ranges already packed: they must keep their values.
+    # Ranges are first touched out of order and a few at a time, so slots are not in range order and
+    # pages are added while ranges are already packed: those must keep their values.
     touches = [[9, 3], [0, 10, 4], [1, 2, 5, 6, 7, 8], list(range(11))]
     for step, ranges in enumerate(touches * 2):
         ids = torch.cat([r * PER_RANGE + torch.randperm(min(PER_RANGE, ROWS - r * PER_RANGE), generator=gen)[:3]
@@ -43,14 +52,15 @@ def test_packed_update_equals_one_update_per_range(optimizer):
         lr = 0.05 if step == 5 else None
         store.apply(ids, grads, packed.__getitem__, lr=lr)
         _per_range_apply(reference, ids, grads, lr)
-    assert store.value.shape[0] == 16 * PER_RANGE
+    assert [p.value.shape[0] for p in store.pages] == ([4 * PER_RANGE] * 3 if slots_per_page else [11 * PER_RANGE])
     for index, shard in packed.items():
         want = reference[index]
         assert shard.version == want.version > 0
         assert torch.equal(shard.value, want.value), index
         assert all(torch.equal(shard.state[k], want.state[k]) for k in want.state)
         # The shard's tensors are views of its slot: what a snapshot or an export sends is live.
-        assert shard.value.untyped_storage().data_ptr() == store.value.untyped_storage().data_ptr()
+        assert shard.value.untyped_storage().data_ptr() in _storages(store)
+        assert all(t.untyped_storage().data_ptr() in _storages(store) for t in shard.state.values())
     ids = torch.tensor([165, 0, 17, 0, 80])
     got, version = store.read(ids, packed.__getitem__)
     assert torch.equal(got, torch.stack([reference[i // PER_RANGE].value[i % PER_RANGE] for i in ids.tolist()]))
@@ -88,7 +98,7 @@ def test_a_forgotten_range_keeps_its_data_and_frees_its_slot():
     leaving = shards[1]
     kept = leaving.value.clone()
     store.forget(1)
-    assert leaving.value.untyped_storage().data_ptr() != store.value.untyped_storage().data_ptr()
+    assert leaving.value.untyped_storage().data_ptr() not in _storages(store)
     store.apply(torch.tensor([32]), torch.full((1, DIM), 5.0), shards.__getitem__)  # takes the freed slot
     assert int(store.slot_of_range[2]) == 1
     assert torch.equal(leaving.value, kept)

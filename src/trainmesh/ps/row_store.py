@@ -1,17 +1,21 @@
-"""The row ranges one server holds of one sparse table, packed into one tensor per field.
+"""The row ranges one server holds of one sparse table, packed into a few large tensors.
 
 A table is split into row ranges of ``rows_per_shard`` rows (``Shard``s, placed by hashing), so a
 push of 1024 random ids into a 1M-row table touches a hundred or more ranges on each server. Done
 range by range, every range costs a few small tensor ops and their Python around them: the
 server spent ~2 ms of a 2.7 ms push on that alone. Here the ranges a server holds live side by
-side in slots of one ``value`` tensor (and one tensor per optimizer-state field), and every
-``Shard`` keeps working on views of its slot. A push is then one gather, one optimizer update and
-one scatter over the whole table, whatever the number of ranges it touches.
+side in slots of a few *pages* (one tensor per field per page: the value and each optimizer-state
+field), and every ``Shard`` keeps working on views of its slot. A push is then one gather, one
+optimizer update and one scatter per page it touches, whatever the number of ranges.
 
-``ServerState.shards`` stays the one source of truth: a range created, imported, restored or
-removed there is noticed here on the next push or pull that touches it (``_slots``), when the
-store compares each touched range with the shard it packed for it. A shard met for the first
-time is copied into a slot and re-pointed at it.
+Pages have a fixed size (about ``PAGE_BYTES`` of values) and are added as ranges arrive, so what
+is packed is never copied again and memory grows by one page at a time: no re-allocation that
+would hold the table twice while it is copied.
+
+``ServerState.shards`` stays the one source of truth: a range created, imported or restored there
+is noticed here on the next push or pull that touches it (``_slot_for``), when the store compares
+each touched range with the shard it packed for it. A shard met for the first time is copied into
+a slot and re-pointed at it; one removed is released with ``forget``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,17 @@ import torch
 
 from .shard import Shard
 
-_FIRST_SLOTS = 8  # slots allocated at first; then the store doubles (amortised copies)
+PAGE_BYTES = 64 << 20  # values per page; optimizer state adds its own tensors of the same rows
+
+
+class _Page:
+    """``slots`` slots of ``rows_per_shard`` rows: the value and each optimizer-state field."""
+
+    def __init__(self, slots: int, rows_per_shard: int, like: Shard):
+        n = slots * rows_per_shard
+        # empty, not zeros: a slot's pages are touched only when a range is packed into it
+        self.value = torch.empty((n, *like.value.shape[1:]), dtype=like.value.dtype)
+        self.state = {k: torch.empty((n, *t.shape[1:]), dtype=t.dtype) for k, t in like.state.items()}
 
 
 class RowStore:
@@ -30,8 +44,8 @@ class RowStore:
 
     def __init__(self, table: str, rows: int, rows_per_shard: int):
         self.table, self.rows, self.rows_per_shard = table, rows, rows_per_shard
-        self.value: torch.Tensor | None = None  # (slots * rows_per_shard, dim)
-        self.state: dict[str, torch.Tensor] = {}  # optimizer-state field -> (slots * rows_per_shard, ...)
+        self.pages: list[_Page] = []
+        self.slots_per_page = 0  # set by the first range packed (from its row size)
         ranges = -(-rows // rows_per_shard)
         self.slot_of_range = torch.full((ranges,), -1, dtype=torch.int64)  # -1: not packed here
         self.packed: dict[int, Shard] = {}  # range -> the shard whose tensors are views of its slot
@@ -42,27 +56,48 @@ class RowStore:
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, shard_of: Callable[[int], Shard],
               lr: float | None = None) -> None:
-        """Update rows ``ids`` (sorted, unique, in range) with ``grads`` (one row each), as one
-        optimizer step over every touched range; each touched range's version advances once."""
+        """Update rows ``ids`` (unique, in range) with ``grads`` (one row each): one optimizer step
+        per page touched; each touched range's version advances once."""
         rows, touched = self._rows(ids, shard_of)
-        touched[0].optimizer.step_rows(self.value, rows, grads, self.state, lr=lr)
+        step_rows = touched[0].optimizer.step_rows
+        for page, where, local in self._by_page(rows):
+            step_rows(page.value, local, grads if where is None else grads[where], page.state, lr=lr)
         for shard in touched:
             shard.version += 1
 
     def read(self, ids: torch.Tensor, shard_of: Callable[[int], Shard]) -> tuple[torch.Tensor, int]:
         """``(a copy of rows ids, the newest version among their ranges)``; ids in range."""
         rows, touched = self._rows(ids, shard_of)
-        return self.value[rows], max(shard.version for shard in touched)
+        parts = self._by_page(rows)
+        if len(parts) == 1:
+            page, _, local = parts[0]
+            out = page.value[local]
+        else:
+            out = torch.empty((ids.numel(), *self.pages[0].value.shape[1:]), dtype=self.pages[0].value.dtype)
+            for page, where, local in parts:
+                out[where] = page.value[local]
+        return out, max(shard.version for shard in touched)
 
     # -- slots ---------------------------------------------------------------------------
 
     def _rows(self, ids: torch.Tensor, shard_of: Callable[[int], Shard]) -> tuple[torch.Tensor, list[Shard]]:
-        """Where rows ``ids`` (non-empty) live in the packed tensors, and the touched shards."""
+        """Where rows ``ids`` (non-empty) live (slot * rows_per_shard + row), and the touched shards."""
         ranges = ids // self.rows_per_shard
-        touched_ranges = torch.unique(ranges).tolist()
-        touched = [self._slot_for(r, shard_of(r)) for r in touched_ranges]
+        touched = [self._slot_for(r, shard_of(r)) for r in torch.unique(ranges).tolist()]
         rows = self.slot_of_range[ranges] * self.rows_per_shard + (ids - ranges * self.rows_per_shard)
         return rows, touched
+
+    def _by_page(self, rows: torch.Tensor) -> list[tuple[_Page, torch.Tensor | None, torch.Tensor]]:
+        """``[(page, positions in rows or None for all, rows within the page)]``."""
+        page_rows = self.slots_per_page * self.rows_per_shard
+        if len(self.pages) == 1:
+            return [(self.pages[0], None, rows)]
+        page_of_row = rows // page_rows
+        out = []
+        for index in torch.unique(page_of_row).tolist():
+            where = (page_of_row == index).nonzero().reshape(-1)
+            out.append((self.pages[index], where, rows[where] - index * page_rows))
+        return out
 
     def _slot_for(self, index: int, shard: Shard) -> Shard:
         """Make sure range ``index`` is packed from ``shard`` (the server's current one)."""
@@ -87,40 +122,23 @@ class RowStore:
             self.slot_of_range[index] = -1
 
     def _new_slot(self, shard: Shard) -> int:
-        if self.value is None:
-            self._allocate(_FIRST_SLOTS, shard)
-        elif self._slots_used * self.rows_per_shard == self.value.shape[0]:
-            self._allocate(2 * self._slots_used, shard)
+        if not self.pages:  # pages of about PAGE_BYTES, never more slots than the table has ranges
+            slot_bytes = self.rows_per_shard * shard.value[0].numel() * shard.value.element_size()
+            self.slots_per_page = max(1, min(self.slot_of_range.numel(), PAGE_BYTES // slot_bytes))
+        if self._slots_used == len(self.pages) * self.slots_per_page:
+            self.pages.append(_Page(self.slots_per_page, self.rows_per_shard, shard))
         self._slots_used += 1
         return self._slots_used - 1
 
-    def _allocate(self, slots: int, shard: Shard) -> None:
-        """(Re)allocate room for ``slots`` slots, keep what is packed, re-point its shards."""
-        n = slots * self.rows_per_shard
-        old_value, old_state = self.value, self.state
-        # empty, not zeros: pages of slots never used are never touched
-        self.value = torch.empty((n, *shard.value.shape[1:]), dtype=shard.value.dtype)
-        self.state = {k: torch.empty((n, *t.shape[1:]), dtype=t.dtype) for k, t in shard.state.items()}
-        if old_value is not None:
-            used = old_value.shape[0]
-            self.value[:used] = old_value
-            for key, tensor in self.state.items():
-                tensor[:used] = old_state[key]
-            for index, packed in self.packed.items():
-                packed.value, packed.state = self._slot_views(int(self.slot_of_range[index]), packed)
-
     def _pack(self, slot: int, shard: Shard) -> None:
-        if shard.state.keys() != self.state.keys() or shard.value.shape[1:] != self.value.shape[1:]:
+        page = self.pages[slot // self.slots_per_page]
+        if shard.state.keys() != page.state.keys() or shard.value.shape[1:] != page.value.shape[1:]:
             raise ValueError(f"range {shard.shard_id!r} does not fit table {self.table!r}'s other ranges "
-                             f"(state {sorted(shard.state)} vs {sorted(self.state)})")
-        value, state = self._slot_views(slot, shard)
+                             f"(state {sorted(shard.state)} vs {sorted(page.state)})")
+        start = (slot % self.slots_per_page) * self.rows_per_shard
+        stop = start + shard.value.shape[0]  # the table's last range may be shorter
+        value, state = page.value[start:stop], {k: t[start:stop] for k, t in page.state.items()}
         value.copy_(shard.value)
         for key, tensor in state.items():
             tensor.copy_(shard.state[key])
         shard.value, shard.state = value, state
-
-    def _slot_views(self, slot: int, shard: Shard) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Views of ``slot`` sized for ``shard`` (the table's last range may be shorter)."""
-        start = slot * self.rows_per_shard
-        stop = start + shard.value.shape[0]
-        return self.value[start:stop], {k: t[start:stop] for k, t in self.state.items()}
