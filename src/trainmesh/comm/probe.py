@@ -75,12 +75,13 @@ def _time(fn, reps: int, *, barrier: bool = True) -> float:
 
 
 def _time_interleaved(fns: dict, reps: int, *, barrier: bool = True) -> dict:
-    """Median seconds of each callable over ``reps`` runs (after one warm-up each), the max over
-    ranks; ``barrier``: the ranks start each run together (a collective's timing needs it). The runs
-    are interleaved: rep r runs every callable once, in an order rotated by r. Load that comes and goes on shared CPUs then lands on every
-    candidate alike; timed one after the other, a burst during one candidate's block decided the
-    choice (on an unshaped link int8 timed 23.8 ms against fp32's 31.1 ms on 2 MB, while training
-    steps took 86 ms with it against 47 without). Name -> median seconds, the max over ranks."""
+    """Name -> median seconds of each callable over ``reps`` runs (after one warm-up each), the max
+    over ranks; ``barrier``: the ranks start each run together (a collective's timing needs it).
+
+    The runs are interleaved: rep r runs every callable once, in an order rotated by r. Load that
+    comes and goes on shared CPUs then lands on every candidate alike; timed one after the other,
+    a burst during one candidate's block decided the choice (on an unshaped link int8 timed 23.8 ms
+    against fp32's 31.1 ms on 2 MB, while training steps took 86 ms with it against 47 without)."""
     names = list(fns)
     for name in names:
         fns[name]()

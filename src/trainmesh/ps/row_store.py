@@ -43,7 +43,7 @@ class RowStore:
     """Slots of ``rows_per_shard`` rows holding one table's ranges on this server."""
 
     def __init__(self, table: str, rows: int, rows_per_shard: int):
-        self.table, self.rows, self.rows_per_shard = table, rows, rows_per_shard
+        self.table, self.rows_per_shard = table, rows_per_shard
         self.pages: list[_Page] = []
         self.slots_per_page = 0  # set by the first range packed (from its row size)
         ranges = -(-rows // rows_per_shard)
