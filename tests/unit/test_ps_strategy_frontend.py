@@ -16,7 +16,8 @@ from trainmesh.distribution import Distribution, distribution
 from trainmesh.ps.strategy import PSDistribution, current_strategy, parse_mode
 from trainmesh.ps.worker_optimizer import PSOptimizer, server_optimizer_spec
 
-pytestmark = [pytest.mark.timeout(90)]
+# The Trainer on a PS strategy starts a one-process group; the planner's tests need none after it.
+pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("no_process_group_left_behind")]
 
 
 def test_parse_mode_and_per_parameter_patterns():
