@@ -307,3 +307,20 @@ def test_a_malformed_single_block_or_flat_payload_is_rejected_with_a_value_error
         with pytest.raises(ValueError, match=match):
             compressor.decompress(Compressed({"indices": torch.tensor(indices, dtype=torch.int32),
                                               "values": torch.tensor([1.0, 2.0])}, meta))
+
+
+def test_a_payload_whose_count_or_size_disagrees_with_its_meta_is_rejected():
+    from trainmesh.compression import Compressed
+
+    compressor, good, _ = _valid_payload(1000, [5, 999])
+    # values and offsets agree with each other (three entries), the meta says two were kept
+    three = Compressed({"offsets": torch.tensor([[5, 0], [6, 0], [231, 3]], dtype=torch.uint8),
+                        "values": torch.ones(3)}, good.meta)
+    assert good.meta["k"] == 2
+    with pytest.raises(ValueError, match="says it keeps 2 entries but carries 3"):
+        compressor.decompress(three)
+    with pytest.raises(ValueError, match="cannot be added to a tensor of 999"):
+        compressor.add_to(torch.zeros(999), good)
+    total = torch.zeros(1000)
+    compressor.add_to(total, good)  # the right size: the two entries land
+    assert total.count_nonzero().item() == 2

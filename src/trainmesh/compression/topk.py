@@ -257,6 +257,9 @@ class TopKCompressor(Compressor):
     def add_to(self, total: torch.Tensor, compressed: Compressed) -> None:
         # k entries, not a dense tensor of zeros around them (the all-gather adds one payload per rank)
         indices, values = self._sent(compressed)
+        if total.numel() != int(compressed.meta["numel"]):
+            raise ValueError(f"topk: a compressed tensor of {compressed.meta['numel']} entries cannot be added to a "
+                             f"tensor of {total.numel()}")
         values = values.to(dtype_from_name(compressed.meta["dtype"])).to(total.dtype)
         total.view(-1).index_add_(0, indices, values)
 
@@ -267,7 +270,12 @@ class TopKCompressor(Compressor):
         if values is None or values.dim() != 1:
             raise ValueError("topk: a compressed tensor needs a 1-D 'values' tensor. "
                              f"Received: {None if values is None else tuple(values.shape)}")
-        return decode_indices(compressed.tensors, int(compressed.meta["numel"]), values.numel()), values
+        indices = decode_indices(compressed.tensors, int(compressed.meta["numel"]), values.numel())
+        k = compressed.meta.get("k")  # the sender's count, when it says (every payload made here does)
+        if k is not None and k != values.numel():
+            raise ValueError(f"topk: a compressed tensor says it keeps {k} entries but carries {values.numel()} "
+                             "values and indices")
+        return indices, values
 
     def state_dict(self) -> dict:
         state = super().state_dict()
