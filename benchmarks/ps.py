@@ -5,7 +5,7 @@
 Part 1 (one client process, 2 local server processes): dense push throughput and pull latency
 p50/p99 for 1 MB and 16 MB tensors, and for sparse rows (1024 rows x 64 of a 1M-row table),
 interleaved round by round with raw ZeroMQ for the same message size and count, measured two
-ways: ``trainmesh.ps.transport.loopback_bandwidth`` (client and echo server are threads of this
+ways: ``trainmesh.ps.loopback_bandwidth`` (client and echo server are threads of this
 process) and a plain pyzmq DEALER -> ROUTER echo in a separate process (the shape of a push:
 payload out, a 3-byte ack back, across processes). Every side sends its messages with up to W in
 flight (pipelined equally; and again one at a time) and waits for one ack per message. The
@@ -39,7 +39,7 @@ from torch import nn
 import trainmesh as tm
 from trainmesh.ps.client import PSClient
 from trainmesh.ps.cluster import LocalCluster
-from trainmesh.ps.transport import loopback_bandwidth
+from trainmesh.ps.loopback_bandwidth import loopback_bandwidth
 from trainmesh.testing import run_distributed
 
 from trainmesh.testing.stats import ci95

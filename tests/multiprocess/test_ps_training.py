@@ -77,7 +77,8 @@ def run_workers(fn, argss: list[tuple], timeout: float = 60.0) -> list:
 def _client(rank, addresses, fault=None, **kwargs) -> PSClient:
     if fault is None:
         return PSClient(servers=addresses, worker_id=rank, part_numel=32, **kwargs)
-    from trainmesh.ps.transport import FaultInjectingTransport, ZmqClientTransport
+    from trainmesh.ps.inprocess_transport import FaultInjectingTransport
+    from trainmesh.ps.transport import ZmqClientTransport
 
     transports = [FaultInjectingTransport(ZmqClientTransport(a, f"w{rank}-{i}".encode()), seed=rank * 7 + i, **fault)
                   for i, a in enumerate(addresses)]

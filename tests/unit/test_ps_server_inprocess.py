@@ -13,7 +13,7 @@ from trainmesh.ps.errors import PSError, PSTimeoutError
 from trainmesh.ps.protocol import Message, MessageType, encode
 from trainmesh.ps.server import ParameterServer
 from trainmesh.ps.shard import init_rows
-from trainmesh.ps.transport import FaultInjectingTransport, InProcessHub
+from trainmesh.ps.inprocess_transport import FaultInjectingTransport, InProcessHub
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,9 +9,10 @@ import time
 
 import pytest
 
-from trainmesh.ps.transport import (ClientTransport, FaultInjectingTransport, InProcessHub, ServerTransport,
-                                    ZmqClientTransport, ZmqServerTransport, check_bind_address,
-                                    loopback_bandwidth, normalize_address)
+from trainmesh.ps.inprocess_transport import FaultInjectingTransport, InProcessHub
+from trainmesh.ps.loopback_bandwidth import loopback_bandwidth
+from trainmesh.ps.transport import (ClientTransport, ServerTransport, ZmqClientTransport, ZmqServerTransport,
+                                    check_bind_address, normalize_address)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -297,8 +298,9 @@ def test_fault_injector_validates_its_arguments(kwargs, match):
 def test_module_imports_without_pyzmq_and_zmq_classes_name_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "zmq", None)  # makes `import zmq` raise ImportError
     monkeypatch.delitem(sys.modules, "trainmesh.ps.transport")
+    monkeypatch.delitem(sys.modules, "trainmesh.ps.inprocess_transport")
     transport = importlib.import_module("trainmesh.ps.transport")
-    hub = transport.InProcessHub()
+    hub = importlib.import_module("trainmesh.ps.inprocess_transport").InProcessHub()
     hub.server("s").close()
     with pytest.raises(ImportError, match=r"pip install 'trainmesh\[ps\]'"):
         transport.ZmqServerTransport()

@@ -1,11 +1,12 @@
-"""Byte transports between PS clients and servers: ZeroMQ, in-process, and fault-injecting.
+"""Byte transports between PS clients and servers: the interface and ZeroMQ's.
 
 A transport moves opaque frames (see `protocol.py`); it knows nothing about messages.
 Server side: ZeroMQ ROUTER (replies are routed by the client's identity); client side: DEALER.
 Each transport object is used by ONE thread at a time (ZeroMQ sockets are not thread-safe; a
-transport may be created in one thread and handed to another). The in-process hub may be
-shared by many threads, each owning its own transports.
+transport may be created in one thread and handed to another).
 pyzmq is an optional extra: it is imported only when a ZeroMQ transport is created.
+The in-memory and fault-injecting transports of tests are in `inprocess_transport.py`; the
+raw ZeroMQ ceiling the benchmark compares pushes with is in `loopback_bandwidth.py`.
 """
 
 from __future__ import annotations
@@ -13,9 +14,6 @@ from __future__ import annotations
 import abc
 import functools
 import ipaddress
-import queue
-import random
-import threading
 import time
 from typing import NamedTuple
 
@@ -314,204 +312,3 @@ class ZmqClientTransport(ClientTransport):
 
     def _release(self) -> None:
         self._socket.close(linger=0)
-
-
-class InProcessHub:
-    """In-memory stand-in for ZeroMQ in unit tests: servers and clients in threads of one process.
-
-    Like ZeroMQ: a client may send before its server exists (frames queue), frames queued to a
-    closed server are lost, replies to an unknown peer are dropped, and a server created again
-    under the same name is reached by the existing clients."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._inboxes: dict[str, queue.Queue] = {}  # server name -> (peer, frame)
-        self._outboxes: dict[tuple[str, bytes], queue.Queue] = {}  # (server name, peer) -> frame
-        self._bound: set[str] = set()
-
-    def server(self, name: str) -> InProcessServerTransport:
-        with self._lock:
-            if name in self._bound:
-                raise ValueError(f"in-process server {name!r} is already bound")
-            self._bound.add(name)
-        return InProcessServerTransport(self, name)
-
-    def client(self, name: str, identity: bytes) -> InProcessClientTransport:
-        if not isinstance(identity, bytes) or not identity:
-            raise ValueError(f"identity must be non-empty bytes, got {identity!r}")
-        replies: queue.Queue = queue.Queue()
-        with self._lock:
-            self._outboxes[(name, identity)] = replies  # a reconnect under the same identity takes over
-        return InProcessClientTransport(self, name, identity, replies)
-
-    def _inbox(self, name: str) -> queue.Queue:
-        with self._lock:
-            return self._inboxes.setdefault(name, queue.Queue())
-
-
-def _queue_get(box: queue.Queue, timeout_s: float | None):
-    try:
-        return box.get(timeout=timeout_s)  # timeout 0 polls, None waits forever
-    except queue.Empty:
-        return None
-
-
-class InProcessServerTransport(ServerTransport):
-    def __init__(self, hub: InProcessHub, name: str) -> None:
-        super().__init__()
-        self._hub, self._name, self._inbox = hub, name, hub._inbox(name)
-
-    @property
-    def address(self) -> str:
-        return self._name
-
-    def recv(self, timeout_s: float | None) -> tuple[bytes, bytes] | None:
-        item = _queue_get(self._inbox, timeout_s)
-        if item is not None:
-            self._count_recv(len(item[1]))
-        return item
-
-    def send(self, peer: bytes, data: bytes | list) -> None:
-        self._check_open()
-        data = joined(data)  # snapshot: the receiver must not see later changes to a mutable buffer
-        with self._hub._lock:
-            box = self._hub._outboxes.get((self.address, peer))
-        if box is not None:
-            box.put(data)
-        self._count_send(len(data))
-
-    def _release(self) -> None:
-        with self._hub._lock:  # frames still queued for this server are lost, as with ZeroMQ
-            self._hub._bound.discard(self._name)
-            if self._hub._inboxes.get(self._name) is self._inbox:
-                del self._hub._inboxes[self._name]
-
-
-class InProcessClientTransport(ClientTransport):
-    def __init__(self, hub: InProcessHub, name: str, identity: bytes, replies: queue.Queue) -> None:
-        super().__init__()
-        self._hub, self.address, self.identity, self._replies = hub, name, identity, replies
-
-    def send(self, data: bytes | list) -> None:
-        self._check_open()
-        data = joined(data)
-        self._hub._inbox(self.address).put((self.identity, data))
-        self._count_send(len(data))
-
-    def recv(self, timeout_s: float | None) -> bytes | None:
-        data = _queue_get(self._replies, timeout_s)
-        if data is not None:
-            self._count_recv(len(data))
-        return data
-
-    def _release(self) -> None:
-        with self._hub._lock:
-            if self._hub._outboxes.get((self.address, self.identity)) is self._replies:
-                del self._hub._outboxes[(self.address, self.identity)]
-
-
-class FaultInjectingTransport(ClientTransport):
-    """Wraps a client transport and loses, duplicates or delays frames at random (seeded).
-
-    `dropped_sends`, `dropped_recvs`, `duplicated_sends` count what it did; the byte counters
-    are the inner transport's (what really went over the wire)."""
-
-    def __init__(self, inner: ClientTransport, drop_send: float = 0.0, drop_recv: float = 0.0,
-                 duplicate_send: float = 0.0, delay_s: tuple[float, float] = (0.0, 0.0),
-                 seed: int | None = None) -> None:
-        if not isinstance(inner, ClientTransport):
-            raise TypeError(f"inner must be a ClientTransport, got {type(inner).__name__}")
-        self.inner, self.address = inner, getattr(inner, "address", None)
-        for name, value in (("drop_send", drop_send), ("drop_recv", drop_recv), ("duplicate_send", duplicate_send)):
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
-        self.drop_send, self.drop_recv, self.duplicate_send = drop_send, drop_recv, duplicate_send
-        low, high = delay_s
-        if not 0.0 <= low <= high:
-            raise ValueError(f"delay_s must be (low, high) with 0 <= low <= high, got {delay_s!r}")
-        self.delay_s = (float(low), float(high))
-        self._rng = random.Random(seed)
-        self.dropped_sends = self.dropped_recvs = self.duplicated_sends = 0
-        self._closed = False
-
-    bytes_sent = property(lambda self: self.inner.bytes_sent)
-    bytes_received = property(lambda self: self.inner.bytes_received)
-    messages_sent = property(lambda self: self.inner.messages_sent)
-    messages_received = property(lambda self: self.inner.messages_received)
-
-    def send(self, data: bytes) -> None:
-        # Draw all random numbers up front so the fault sequence depends only on the seed.
-        drop, dup = self._rng.random() < self.drop_send, self._rng.random() < self.duplicate_send
-        delay = self._rng.uniform(*self.delay_s)
-        if drop:
-            self.dropped_sends += 1
-            return
-        if delay:
-            time.sleep(delay)
-        self.inner.send(data)
-        if dup:
-            self.duplicated_sends += 1
-            self.inner.send(data)
-
-    def recv(self, timeout_s: float | None) -> bytes | None:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            data = self.inner.recv(_remaining(deadline))
-            if data is None or self._rng.random() >= self.drop_recv:
-                return data
-            self.dropped_recvs += 1  # lost in transit: keep waiting for the next frame
-
-    def _release(self) -> None:
-        self.inner.close()
-
-
-def loopback_bandwidth(nbytes: int, repeats: int = 10, warmup: int = 2, window: int = 1) -> dict[str, float]:
-    """Raw ZeroMQ loopback throughput: send `nbytes` (from one buffer, without a copy), a 3-byte
-    ack back for each message, `repeats` times (after `warmup` rounds), with up to `window`
-    messages in flight. The PS benchmark compares dense push throughput with this ceiling."""
-    if nbytes < 1 or repeats < 1 or warmup < 0 or window < 1:
-        raise ValueError(f"need nbytes >= 1, repeats >= 1, warmup >= 0, window >= 1; "
-                         f"got {nbytes}, {repeats}, {warmup}, {window}")
-    ready: queue.Queue = queue.Queue()
-
-    def echo_ack() -> None:
-        server = ZmqServerTransport()  # created in the thread that uses it
-        ready.put(server.address)
-        try:
-            for _ in range(warmup + repeats):
-                if (got := server.recv(timeout_s=30.0)) is None:
-                    return
-                server.send(got[0], b"ack")
-        finally:
-            server.close()
-
-    thread = threading.Thread(target=echo_ack, name="loopback-bandwidth-server", daemon=True)
-    thread.start()
-    client, payload = ZmqClientTransport(ready.get(timeout=30.0), b"bandwidth-client"), bytes(nbytes)
-    acked = 0
-
-    def wait_ack() -> None:
-        nonlocal acked
-        if client.recv(timeout_s=30.0) is None:
-            raise TimeoutError("loopback bandwidth server did not answer within 30 s")
-        acked += 1
-
-    try:
-        for _ in range(warmup):
-            client.send(payload)
-            wait_ack()
-        start, in_flight = time.perf_counter(), 0
-        for _ in range(repeats):
-            client.send(payload)
-            in_flight += 1
-            if in_flight >= window:
-                wait_ack()
-                in_flight -= 1
-        for _ in range(in_flight):
-            wait_ack()
-        seconds = time.perf_counter() - start
-    finally:
-        client.close()
-        thread.join(timeout=30.0)
-    return {"nbytes": nbytes, "repeats": repeats, "window": window, "seconds": seconds, "acked": acked - warmup,
-            "seconds_per_message": seconds / repeats, "bytes_per_s": nbytes * repeats / seconds}
