@@ -358,3 +358,19 @@ def test_fsdp2_hooks_are_priced_per_gather_and_reduce_scatter_call():
     ddp = plan_parallel("tiny-llama", world_size=4, mesh="data=4", zero_stage=0, micro_batch=1, seq_len=32,
                         precision="fp32")
     assert "fsdp hooks" not in estimate_step(ddp.ranks, ddp.mesh, hooked, tokens_per_rank=None, shape={}).phases
+
+
+def test_a_dry_run_keeps_torchs_false_alarms_out_of_the_planners_output():
+    """A pipe x ZeRO-3 dry run of a transformers Llama deep-copies fake tensors into its stages and
+    returns a view (the logits) from an FSDP2 root: torch warns about both, neither applies to a
+    dry run. They are filtered there alone; a warning of any other kind still gets through."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan_parallel("tiny-llama", world_size=4, mesh="pipe=2,data=2", zero_stage=3, micro_batch=1, seq_len=32,
+                      precision="fp32", microbatches=2)
+        warnings.warn("a warning of another kind", UserWarning)
+    texts = [str(w.message) for w in caught]
+    assert not [t for t in texts if "data pointer of FakeTensor" in t or "returned a view tensor" in t], texts
+    assert "a warning of another kind" in texts

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import time
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,15 @@ from .dry_run_pipeline import fsdp_stage, pipeline_traffic, run_fsdp_schedule, s
 from .mesh_spec import MeshSpec
 
 _MIXED = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+# torch warnings a dry run sets off that do not apply to it, kept out of the planner's output:
+# * ``copy.deepcopy`` of a FakeTensor (the pipeline split copies the fake model into its stages)
+#   reads the fake's data pointer inside torch's own ``Tensor.__deepcopy__``; the copy is right;
+# * FSDP2 warns when the root module returns a view (a transformers model's logits under fake
+#   tensors), because an in-place op on it would skip the all-gather; the dry run's loss
+#   (``_loss``, or the model's own) is out of place.
+_FALSE_ALARMS = (r"Accessing the data pointer of FakeTensor is deprecated",
+                 r"FSDP2-wrapped module \(.*\) returned a view tensor")
 
 
 @dataclass
@@ -210,10 +220,13 @@ def run_rank(meta_model: nn.Module, spec: MeshSpec, rank: int, *, zero_stage: in
             args, kwargs = (args if isinstance(args, tuple) else (args,)), {}
         else:
             args, kwargs = _default_batch(model, micro_batch, seq_len, mode)
-        result = measure_step(model, spec, rank, args, kwargs, zero_stage=zero_stage,
-                              activation_checkpointing=activation_checkpointing, precision=precision,
-                              optimizer=optimizer, microbatches=microbatches, schedule=schedule, mode=mode,
-                              boundary=boundary)
+        with warnings.catch_warnings():
+            for message in _FALSE_ALARMS:
+                warnings.filterwarnings("ignore", message=message, category=UserWarning)
+            result = measure_step(model, spec, rank, args, kwargs, zero_stage=zero_stage,
+                                  activation_checkpointing=activation_checkpointing, precision=precision,
+                                  optimizer=optimizer, microbatches=microbatches, schedule=schedule, mode=mode,
+                                  boundary=boundary)
         result.seconds = time.perf_counter() - start
         return result
     finally:
