@@ -13,7 +13,8 @@ from torch import nn
 
 import trainmesh as tm
 from trainmesh.distribution import Distribution, distribution
-from trainmesh.ps.strategy import PSDistribution, current_strategy, parse_mode
+from trainmesh.ps.param_entries import parse_mode
+from trainmesh.ps.strategy import PSDistribution, current_strategy
 from trainmesh.ps.worker_optimizer import PSOptimizer, server_optimizer_spec
 
 # The Trainer on a PS strategy starts a one-process group; the planner's tests need none after it.

@@ -21,10 +21,10 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from .client_io import ClientIO
+from .param_entries import normalize_entry
 from .placement import HashRing, Partitioner, shard_id
 from .protocol import Message, MessageType
 
-MODES = ("sync", "ssp", "async")
 DEFAULT_OPTIMIZER = {"name": "sgd", "lr": 0.01}
 
 
@@ -110,7 +110,7 @@ class PSClient:
             if isinstance(params, Mapping) else list(params)
         specs, parts = [], []
         for entry in entries:
-            spec, value = _normalize_entry(entry, optimizer or DEFAULT_OPTIMIZER, mode, staleness,
+            spec, value = normalize_entry(entry, optimizer or DEFAULT_OPTIMIZER, mode, staleness,
                                            self.partitioner.rows_per_shard, self.seed)
             specs.append(spec)
             if value is not None:
@@ -395,50 +395,3 @@ def _check_ids(name: str, ids: Any) -> torch.Tensor:
     if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise TypeError(f"row ids for {name!r} must be an integer tensor, got {ids!r:.80}")
     return ids.reshape(-1).to("cpu", torch.int64)
-
-
-def _normalize_entry(entry: Mapping[str, Any], optimizer: dict, mode: str, staleness: int | None,
-                     rows_per_shard: int, seed: int) -> tuple[dict, torch.Tensor | None]:
-    """The JSON spec of one init entry, and its dense value (None for tables)."""
-    name, kind = entry.get("name"), entry.get("kind", "dense")
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"init entry needs a non-empty str 'name', got {entry!r:.200}")
-    mode = entry.get("mode") or mode
-    staleness = entry.get("staleness", staleness) if entry.get("mode") else staleness
-    if mode not in MODES:
-        raise ValueError(f"init {name!r}: mode must be one of {MODES}, got {mode!r}")
-    if mode == "sync":
-        staleness = 0
-    elif mode == "async":
-        staleness = None
-    elif not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
-        raise ValueError(f"init {name!r}: mode 'ssp' needs an int staleness >= 0, got {staleness!r}")
-    spec = {"name": name, "kind": kind, "optimizer": dict(entry.get("optimizer") or optimizer),
-            "mode": mode, "staleness": staleness}
-    if kind == "dense":
-        value = entry.get("value")
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-            raise TypeError(f"init {name!r}: a dense entry needs a floating-point tensor 'value', got {value!r:.80}")
-        spec["shape"] = list(value.shape)
-        return spec, value.detach().to("cpu", torch.float32)
-    if kind != "sparse":
-        raise ValueError(f"init {name!r}: kind must be 'dense' or 'sparse', got {kind!r}")
-    shape = entry.get("shape")
-    if (not isinstance(shape, (list, tuple)) or len(shape) != 2
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape)):
-        raise ValueError(f"init {name!r}: a sparse table needs shape (rows, dim) of ints >= 1, got {shape!r}")
-    spec.update(shape=list(shape), init=_table_init(entry.get("init"), int(entry.get("seed", seed))),
-                rows_per_shard=rows_per_shard)
-    return spec, None
-
-
-
-def _table_init(init: Any, seed: int) -> dict:
-    """Accept ``{"std": s}`` / ``{"zeros": True}`` shorthands for the shard's ``{"kind": ...}`` form."""
-    if init is None or (isinstance(init, dict) and init.get("zeros")):
-        return {"kind": "zeros"}
-    if not isinstance(init, dict):
-        raise TypeError(f"table init must be a dict like {{'std': 0.01}} or {{'zeros': True}}, got {init!r}")
-    if "kind" in init:
-        return {"seed": seed, **init} if init["kind"] == "normal" else dict(init)
-    return {"kind": "normal", "std": init.get("std", 0.01), "seed": seed}

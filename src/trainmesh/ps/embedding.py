@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .param_entries import MODES, register_table
+
 
 class PSEmbedding(nn.Module):
     """``nn.Embedding(num_embeddings, embedding_dim)`` with its table on the parameter servers.
@@ -42,8 +44,6 @@ class PSEmbedding(nn.Module):
             raise ValueError(f"PSEmbedding needs a non-empty string name (its key on the servers). Received: name={name!r}")
         if not isinstance(init_std, (int, float)) or not math.isfinite(init_std) or init_std < 0:
             raise ValueError(f"PSEmbedding init_std must be a finite number >= 0. Received: init_std={init_std!r}")
-        from .strategy import MODES  # late: strategy imports this module
-
         if mode is not None and mode not in MODES:
             raise ValueError(f"PSEmbedding mode must be 'sync', 'ssp', 'async' or None. Received: mode={mode!r}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -76,8 +76,6 @@ class PSEmbedding(nn.Module):
                 f"PSEmbedding {self.name!r} has no parameter-server client: pass client=..., build it inside "
                 "ParameterServerStrategy.scope(), or distribute its model with the strategy.")
         if not self._registered:
-            from .strategy import register_table
-
             register_table(self._client, self)
             self._registered = True
         return self._client

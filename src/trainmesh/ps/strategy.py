@@ -50,41 +50,18 @@ from trainmesh.runtime.cluster_env import split_job_addresses
 
 from .dense_cache import DenseCache
 from .embedding import PSEmbedding
+from .param_entries import dense_param, parse_mode, table_param
 from .durability import DURABILITY
 from .transport import SECRET_ENV
 from .worker_optimizer import PSOptimizer, server_optimizer_spec
 
 SERVERS_ENV = "TRAINMESH_PS_SERVERS"
-MODES = ("sync", "ssp", "async")
 _open_scopes: list["ParameterServerStrategy"] = []
 
 
 def current_strategy() -> "ParameterServerStrategy | None":
     """The strategy whose ``scope()`` is open (innermost), if any."""
     return _open_scopes[-1] if _open_scopes else None
-
-
-def parse_mode(value: Any, staleness: int | None) -> tuple[str, int | None]:
-    """``"sync"`` / ``"async"`` / ``"ssp"`` / ``"ssp:K"`` -> (mode, staleness)."""
-    if isinstance(value, str) and value.startswith("ssp:"):
-        value, staleness = "ssp", _parse_staleness(value[4:], value)
-    if value not in MODES:
-        raise ValueError(f"mode must be one of {MODES} (or 'ssp:K'). Received: mode={value!r}")
-    if value == "ssp":
-        if staleness is None:
-            raise ValueError("mode='ssp' needs a staleness bound: staleness=K or mode='ssp:K'. Received: staleness=None")
-        return value, _parse_staleness(staleness, staleness)
-    return value, (0 if value == "sync" else None)
-
-
-def _parse_staleness(raw: Any, shown: Any) -> int:
-    try:
-        value = int(raw)
-    except (TypeError, ValueError):
-        value = -1
-    if isinstance(raw, bool) or value < 0 or (isinstance(raw, float) and raw != value):
-        raise ValueError(f"staleness must be an int >= 0. Received: {shown!r}")
-    return value
 
 
 class PSDistribution(Distribution):
@@ -391,27 +368,3 @@ class ParameterServerStrategy:
     def __repr__(self) -> str:
         return (f"<ParameterServerStrategy workers={self.num_workers}, mode={self._modes!r}, "
                 f"servers={self.servers or self.num_servers}>")
-
-
-def dense_param(name: str, value: torch.Tensor, optimizer: dict, mode: str, staleness: int | None) -> dict:
-    """The ``init`` entry of a dense parameter."""
-    return {"name": name, "kind": "dense", "shape": list(value.shape), "value": value.float().contiguous(),
-            "optimizer": optimizer, "mode": mode, "staleness": staleness}
-
-
-def table_param(table: PSEmbedding, strategy: ParameterServerStrategy | None) -> dict:
-    """The ``init`` entry of an embedding table (rows are drawn on the servers)."""
-    if table.mode is not None:
-        mode, staleness = parse_mode(table.mode, table.staleness)
-    elif strategy is not None:
-        mode, staleness = strategy.mode_of(table.name)
-    else:
-        mode, staleness = "async", None
-    init = {"std": table.init_std} if table.init_std > 0 else {"zeros": True}
-    return {"name": table.name, "kind": "sparse", "shape": [table.num_embeddings, table.embedding_dim],
-            "optimizer": table.server_optimizer, "init": init, "mode": mode, "staleness": staleness}
-
-
-def register_table(client: Any, table: PSEmbedding) -> None:
-    """Create ``table`` on the servers of an explicitly given client (no strategy)."""
-    client.init([table_param(table, None)])
