@@ -15,7 +15,7 @@ For a representative rank ``r``:
    observers: ``CollectiveCounter`` (collectives per axis), ``op_costs.OpProfile`` (every op with
    its FLOPs, by ``flops.LocalFlops``'s formulas on the local shards, and bytes) and saved-tensor
    hooks (bytes autograd keeps for backward; with checkpointing, the checkpointed modules'
-   inputs and the largest re-run in backward, ``_RecomputeBytes``). A pipeline stage runs its
+   inputs and the largest re-run in backward, ``recompute.RecomputeBytes``). A pipeline stage runs its
    ``StageModule`` on one microbatch (``dry_run_pipeline.py``).
 
 ``measure_step`` is steps 3-4 alone: on a real process group with real tensors it measures a
@@ -33,6 +33,7 @@ Two things are bridged, each for a reason in torch, not in trainmesh (see ``_bri
 
 from __future__ import annotations
 
+import contextlib
 import time
 import types
 import warnings
@@ -41,13 +42,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .op_costs import OpProfile
 from .collectives import CollectiveCounter, CollectiveLog, group_axes
 from .dry_run_pipeline import fsdp_stage, pipeline_traffic, run_fsdp_schedule, stage_backwards, stage_forwards
 from .mesh_spec import MeshSpec
+from .recompute import RecomputeBytes, checkpointed_modules
 
 _MIXED = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
@@ -253,11 +254,11 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
     from .model_states import resolve_optimizer
 
     fake = mode is not None
-    mode = mode if fake else _null()
+    mode = mode if fake else contextlib.nullcontext()
     distribution = spec.distribution(model, zero_stage=zero_stage, microbatches=microbatches, schedule=schedule)
     torch_mesh = to_torch_mesh(distribution.device_mesh)  # built outside the fake mode (real rank tensors)
     axis_of = group_axes(torch_mesh)
-    regions = _checkpointed_modules(model, activation_checkpointing)
+    regions = checkpointed_modules(model, activation_checkpointing)
     model = parallelize(model, distribution, zero_stage=zero_stage, activation_checkpointing=activation_checkpointing,
                         mixed_precision=_MIXED.get(precision) if zero_stage >= 1 else None)
     model.train()
@@ -284,15 +285,15 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
             lambda m, _: weights.update(getattr(p, "_local_tensor", p).untyped_storage()._cdata
                                         for p in m.parameters(recurse=False))))
     is_ddp = hasattr(model, "_get_ddp_logging_data")
-    sync = model.no_sync() if is_ddp and fake else _null()
-    autocast = (torch.autocast("cpu", dtype=_MIXED[precision]) if precision in _MIXED else _null())
+    sync = model.no_sync() if is_ddp and fake else contextlib.nullcontext()
+    autocast = (torch.autocast("cpu", dtype=_MIXED[precision]) if precision in _MIXED else contextlib.nullcontext())
     ops = OpProfile()
-    recompute = _RecomputeBytes(regions, saved)
+    recompute = RecomputeBytes(regions, saved)
     runner = getattr(model, "_trainmesh_pipeline", None)
     if runner is not None:  # the stages are copies: their own checkpointed modules
         recompute.close()
-        regions = [m for stage in runner.stage_models for m in _checkpointed_modules(stage, activation_checkpointing)]
-        recompute = _RecomputeBytes(regions, saved)
+        regions = [m for stage in runner.stage_models for m in checkpointed_modules(stage, activation_checkpointing)]
+        recompute = RecomputeBytes(regions, saved)
     with mode, counter, ops, sync, recompute:
         with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if runner is None:
@@ -356,62 +357,3 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
                       microbatches=microbatches if runner is not None else 1,
                       in_flight=in_flight if runner is not None else 1,
                       boundary=boundary if runner is not None else None, ops=ops)
-
-
-def _checkpointed_modules(model: nn.Module, policy: Any) -> list[nn.Module]:
-    """The modules ``policy`` checkpoints (outermost only), asked of the checkpointing module itself."""
-    if policy is None:
-        return []
-    from trainmesh._torch.activation_checkpointing import checkpointed_module_paths
-
-    paths = list(checkpointed_module_paths(model, policy))
-    paths = [p for p in paths if not any(p.startswith(q + ".") for q in paths if q != p)]
-    return [model.get_submodule(p) for p in paths]
-
-
-class _RecomputeBytes(TorchDispatchMode):
-    """Activation checkpointing, measured: in forward a checkpointed module keeps only its inputs
-    (added to ``saved``); in backward it is run again, and the bytes its re-run creates are alive
-    together until its backward is done: the largest such re-run is the recompute transient."""
-
-    def __init__(self, regions: list[nn.Module], saved: dict[int, int]):
-        super().__init__()
-        self.saved, self.backward, self.peak = saved, False, 0
-        self.current: dict[int, int] | None = None
-        self.handles = []
-        for module in regions:
-            self.handles.append(module.register_forward_pre_hook(self._enter))
-            self.handles.append(module.register_forward_hook(self._exit))
-
-    def _enter(self, module, inputs):
-        if not self.backward:
-            for t in tree_leaves(inputs):
-                if isinstance(t, torch.Tensor):
-                    self.saved.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
-        else:
-            self.current = {}
-
-    def _exit(self, module, inputs, output):
-        if self.backward and self.current is not None:
-            self.peak = max(self.peak, sum(self.current.values()))
-            self.current = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if self.current is not None:
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self.current.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
-        return out
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
