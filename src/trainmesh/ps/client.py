@@ -111,7 +111,7 @@ class PSClient:
         specs, parts = [], []
         for entry in entries:
             spec, value = normalize_entry(entry, optimizer or DEFAULT_OPTIMIZER, mode, staleness,
-                                           self.partitioner.rows_per_shard, self.seed)
+                                          self.partitioner.rows_per_shard, self.seed)
             specs.append(spec)
             if value is not None:
                 for part in self.partitioner.dense_shards(spec["name"], value.numel()):

@@ -25,7 +25,8 @@ def parse_mode(value: Any, staleness: int | None) -> tuple[str, int | None]:
         raise ValueError(f"mode must be one of {MODES} (or 'ssp:K'). Received: mode={value!r}")
     if value == "ssp":
         if staleness is None:
-            raise ValueError("mode='ssp' needs a staleness bound: staleness=K or mode='ssp:K'. Received: staleness=None")
+            raise ValueError("mode='ssp' needs a staleness bound: staleness=K or mode='ssp:K'. "
+                             "Received: staleness=None")
         return value, _parse_staleness(staleness, staleness)
     return value, (0 if value == "sync" else None)
 
@@ -73,7 +74,6 @@ def normalize_entry(entry: Mapping[str, Any], optimizer: dict, mode: str, stalen
     spec.update(shape=list(shape), init=table_init(entry.get("init"), int(entry.get("seed", seed))),
                 rows_per_shard=rows_per_shard)
     return spec, None
-
 
 
 def table_init(init: Any, seed: int) -> dict:
