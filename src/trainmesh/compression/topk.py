@@ -195,6 +195,9 @@ class TopKCompressor(Compressor):
         self.momentum_buffers: dict[str, torch.Tensor] = {}  # DGC's u, per key
         self.steps: dict[str, int] = {}  # compress calls per key, for the warm-up
         self._sampler = torch.Generator().manual_seed(0)  # picks the entries the selection threshold is estimated on
+        # key -> the indices ``_encode`` just chose, for the ``_keep_residual`` of the same compress
+        # call: the sender never decodes (and re-validates) its own payload
+        self._chosen: dict[str, torch.Tensor] = {}
 
     def current_ratio(self, key: str = "") -> float:
         """The ratio the next ``compress(..., key)`` uses (warm-up aware)."""
@@ -235,13 +238,15 @@ class TopKCompressor(Compressor):
             self.momentum_buffers[key].reshape(-1)[indices] = 0
         meta = tensor_meta(corrected, dtype)
         meta["k"] = k
+        self._chosen[key] = indices
         return Compressed({**encode_indices(indices, numel), "values": flat[indices].to(value_dtype)}, meta)
 
     def _keep_residual(self, key: str, corrected: torch.Tensor, compressed: Compressed) -> None:
         # ``corrected - decompress(compressed)`` without a dense temporary: ``corrected`` is this
         # compress call's own tensor (``_add_residual`` made it), so the sent entries are set in place.
+        indices = self._chosen.pop(key)
         if self.error_feedback:
-            indices, values = self._sent(compressed)
+            values = compressed.tensors["values"]
             corrected = corrected.contiguous()  # (already is: a fresh sum; a view below must write into it)
             flat = corrected.view(-1)
             flat[indices] = flat[indices] - values.to(dtype_from_name(compressed.meta["dtype"])).to(flat.dtype)
