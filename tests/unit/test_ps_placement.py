@@ -138,3 +138,11 @@ def test_partitioner_rejects_bad_sizes():
         Partitioner().sparse_shards("e", 10, 0)
     with pytest.raises(ValueError, match="parameter name"):
         Partitioner().dense_shards("", 3)
+
+
+def test_split_shard_id_inverts_shard_id():
+    from trainmesh.ps.placement import shard_id, split_shard_id
+
+    assert split_shard_id(shard_id("emb.weight", 12)) == ("emb.weight", 12)
+    assert split_shard_id(shard_id("a#b", 0)) == ("a#b", 0)  # the last '#' separates the index
+    assert split_shard_id("w#x") == ("w", None) and split_shard_id("w") == ("", None)

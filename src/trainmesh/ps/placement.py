@@ -19,6 +19,7 @@ __all__ = [
     "moved_shards",
     "ring_hash",
     "shard_id",
+    "split_shard_id",
 ]
 
 
@@ -30,6 +31,13 @@ def ring_hash(key: str) -> int:
 def shard_id(name: str, index: int) -> str:
     """The id of part ``index`` of parameter ``name``."""
     return f"{name}#{index}"
+
+
+def split_shard_id(sid: str) -> tuple[str, int | None]:
+    """``(name, index)`` of a ``shard_id``; index None where ``sid`` is not ``name#<digits>``
+    (name ``""`` where it has no ``#``)."""
+    name, sep, index = sid.rpartition("#")
+    return name, (int(index) if sep and index.isdigit() else None)
 
 
 def _check_name(name: object, what: str) -> str:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from .optimizers import make_optimizer
-from .placement import shard_id
+from .placement import shard_id, split_shard_id
 from .protocol import Message
 from .row_store import RowStore
 from .shard import Shard
@@ -151,7 +151,7 @@ class ServerState:
                                  f"{known} != {spec}")
         new_shards = {}
         for sid, value in msg.tensors.items():
-            name = sid.rpartition("#")[0]
+            name = split_shard_id(sid)[0]
             spec = next((s for s in specs if s["name"] == name), None)
             if spec is None or spec["kind"] != "dense":
                 raise ValueError(f"init tensor {sid!r} is not a part of a dense parameter in this init")
@@ -166,7 +166,7 @@ class ServerState:
         return apply
 
     def spec_of(self, shard_or_table: str) -> dict:
-        spec = self.params.get(shard_or_table) or self.params.get(shard_or_table.rpartition("#")[0])
+        spec = self.params.get(shard_or_table) or self.params.get(split_shard_id(shard_or_table)[0])
         if spec is None:
             raise KeyError(f"unknown parameter for {shard_or_table!r} (not created by init on this server)")
         return spec
@@ -287,9 +287,9 @@ class ServerState:
                 tensors.update({f"{sid}|{k}": t for k, t in own.items()})  # live: encoded before any update
             if meta.get("remove"):
                 del self.shards[sid]
-                table, _, index = sid.rpartition("#")
+                table, index = split_shard_id(sid)
                 if table in self._row_stores:
-                    self._row_stores[table].forget(int(index))
+                    self._row_stores[table].forget(index)
         return tensors, {"shards": shard_meta, "params": self.params}
 
     def prepare_import(self, msg: Message) -> Callable[[], None]:

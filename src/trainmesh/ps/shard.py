@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .optimizers import ServerOptimizer, make_optimizer
+from .placement import split_shard_id
 
 __all__ = ["Shard", "DEFAULT_INIT", "init_rows"]
 
@@ -100,11 +101,11 @@ class Shard:
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"sparse shard {shard_id!r}: {what} must be an int >= 1, got {n!r}")
         if name is None or index is None:
-            parsed_name, sep, parsed_index = shard_id.rpartition("#")
-            if not sep or not parsed_name or not parsed_index.isdigit():
+            parsed_name, parsed_index = split_shard_id(shard_id)
+            if not parsed_name or parsed_index is None:
                 raise ValueError(f"sparse shard id {shard_id!r} is not 'name#index'; pass name= and index=")
             name = parsed_name if name is None else name
-            index = int(parsed_index) if index is None else index
+            index = parsed_index if index is None else index
         init = _normalize_init(DEFAULT_INIT if init is None else init)
         optimizer = make_optimizer(optimizer_spec)
         value = init_rows(rows, dim, init, name, index)
