@@ -138,7 +138,7 @@ def transport_part(rounds: int, repeats: int, window: int) -> dict:
     problems: list[str] = []
     echo = ProcessLoopback()
     with LocalCluster(2, num_workers=1) as cluster, PSClient(servers=cluster.addresses, worker_id=0,
-                                                               num_workers=1) as client:
+                                                               num_workers=1, secret=cluster.secret) as client:
         # lr 1 and integer gradients: the servers' values after the run are exactly -pushes * grad.
         sgd = {"name": "sgd", "lr": 1.0}
         grads = {label: _int_grad((size // 4,), i) for i, (label, size) in enumerate(DENSE_SIZES.items())}
@@ -213,7 +213,8 @@ def compression_part() -> dict:
     grad = torch.randn(16 * MB // 4)
     with LocalCluster(1, num_workers=1) as cluster:
         for spec in COMPRESSIONS:
-            with PSClient(servers=cluster.addresses, worker_id=0, num_workers=1, compression=spec) as client:
+            with PSClient(servers=cluster.addresses, worker_id=0, num_workers=1, compression=spec,
+                          secret=cluster.secret) as client:
                 name = f"w-{spec}"
                 client.init([{"name": name, "kind": "dense", "value": torch.zeros_like(grad),
                               "optimizer": {"name": "sgd", "lr": 1.0}}])

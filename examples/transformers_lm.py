@@ -2,6 +2,7 @@
 
     trainmesh run -n 4 examples/transformers_lm.py --model llama --layout tp+fsdp --steps 20
     trainmesh run -n 4 examples/transformers_lm.py --model llama --layout dp --resume --epochs 2  # continues it
+    trainmesh run -n 4 examples/transformers_lm.py --model gpt2 --layout pp --schedule zbv
 
 Layouts, on N processes:
   dp       DataParallel (DDP)                    every process holds the whole model
@@ -9,6 +10,11 @@ Layouts, on N processes:
   tp       ModelParallel on a 1 x N mesh         LayoutMap.auto: the model's own plan (Llama) or a
                                                  derived one (GPT-2's Conv1D), printed at start
   tp+fsdp  ModelParallel on a 2 x N/2 mesh, ZeRO-3 over "data"
+  pp       Pipeline over N stages (pipe N x data 1), --schedule, --microbatches
+  3d       pipe 2 x data N/4 x model 2: a pipeline whose stages are laid out over "model" (N divisible by 4)
+
+The loss function is the same under every layout: it reads ``outputs.logits`` of the model's own
+output, which a pipeline's last stage rebuilds around its logits.
 
 The text is the Python standard library's own sources, character-level (as the demo). Each run
 prints its loss and tokens/s and saves a sharded checkpoint (DCP) that any layout resumes.
@@ -24,7 +30,8 @@ import torch
 import trainmesh as tm
 from trainmesh.demo.corpus import CharVocab, CharWindows, read_sources, select_sources, stdlib_dir
 
-LAYOUTS = ("dp", "fsdp", "tp", "tp+fsdp")
+LAYOUTS = ("dp", "fsdp", "tp", "tp+fsdp", "pp", "3d")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv")
 
 
 def build_model(family: str, vocab_size: int, block: int) -> torch.nn.Module:
@@ -42,8 +49,11 @@ def build_model(family: str, vocab_size: int, block: int) -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(config)
 
 
-def build_distribution(layout: str, model: torch.nn.Module) -> tm.Distribution:
+def build_distribution(layout: str, model: torch.nn.Module, schedule: str = "1f1b",
+                       microbatches: int = 4) -> tm.Distribution:
     world = tm.world_size()
+    if layout in ("pp", "3d"):
+        return build_pipeline(layout, model, world, tm.Pipeline(schedule=schedule, microbatches=microbatches))
     if layout == "dp":
         return tm.DataParallel()
     if layout == "fsdp":
@@ -52,6 +62,18 @@ def build_distribution(layout: str, model: torch.nn.Module) -> tm.Distribution:
     mesh = tm.DeviceMesh((data, world // data), ["data", "model"], devices=tm.list_devices())
     layout_map = tm.LayoutMap.auto(model, mesh)
     return tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", zero_stage=3 if layout == "tp+fsdp" else 0)
+
+
+def build_pipeline(layout: str, model: torch.nn.Module, world: int, pipeline: tm.Pipeline) -> tm.Distribution:
+    if layout == "pp":
+        mesh = tm.DeviceMesh((world, 1), ["pipe", "data"], devices=tm.list_devices())
+        return tm.DataParallel(device_mesh=mesh, pipeline=pipeline)
+    if world % 4:
+        raise ValueError(f"--layout 3d is pipe 2 x data N/4 x model 2 and needs a multiple of 4 processes. "
+                         f"Received: {world} processes")
+    mesh = tm.DeviceMesh((2, world // 4, 2), ["pipe", "data", "model"], devices=tm.list_devices())
+    layout_map = tm.LayoutMap.auto(model, mesh, model_axis="model")
+    return tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", pipeline=pipeline)
 
 
 def lm_loss(outputs, targets: torch.Tensor) -> torch.Tensor:
@@ -63,6 +85,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("gpt2", "llama"), default="llama")
     parser.add_argument("--layout", choices=LAYOUTS, default="dp")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (pp, 3d)")
+    parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches per step (pp, 3d)")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per epoch")
     parser.add_argument("--epochs", type=int, default=1, help="epochs in all (a resumed run continues to it)")
     parser.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
@@ -79,7 +103,7 @@ def main() -> None:
     subset = torch.utils.data.Subset(data, range(samples))
 
     model = build_model(args.model, len(vocab), args.block)
-    distribution = build_distribution(args.layout, model)
+    distribution = build_distribution(args.layout, model, args.schedule, args.microbatches)
     trainer = tm.Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), lm_loss, distribution=distribution,
                          max_grad_norm=1.0, callbacks=[tm.ShardedCheckpoint(args.out, async_save=False)])
     start = time.perf_counter()

@@ -19,6 +19,7 @@ from .distribution import (
     distribution,
     set_distribution,
 )
+from .checkpoint.hf_save import save_pretrained
 from .planner import plan
 from .runtime import (
     barrier,
@@ -104,6 +105,7 @@ __all__ = [
     "TensorLayout",
     "barrier",
     "plan",
+    "save_pretrained",
     "distribution",
     "initialize",
     "is_main_process",

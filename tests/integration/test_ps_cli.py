@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -98,14 +99,16 @@ def test_ps_server_command_serves_a_client_until_sigterm(tmp_path: Path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    secret = "documented-manual-path-secret"
     server = subprocess.Popen([sys.executable, "-m", "trainmesh", "ps-server", "--bind", f"127.0.0.1:{port}",
-                               "--num-workers", "1"], env=clean_env(), stdout=subprocess.PIPE, text=True)
+                               "--num-workers", "1"], env=clean_env(TRAINMESH_PS_SECRET=secret),
+                              stdout=subprocess.PIPE, text=True)
     try:
         ready = server.stdout.readline().strip()
         assert ready == f"READY tcp://127.0.0.1:{port}"
         from trainmesh.ps.client import PSClient
 
-        with PSClient(servers=[f"tcp://127.0.0.1:{port}"], worker_id=0, num_workers=1) as client:
+        with PSClient(servers=[f"tcp://127.0.0.1:{port}"], worker_id=0, num_workers=1, secret=secret) as client:
             client.init([{"name": "w", "kind": "dense", "value": torch.ones(3),
                           "optimizer": {"name": "sgd", "lr": 0.5}}])
             client.push({"w": torch.tensor([1.0, 2.0, 3.0])}).result()
@@ -116,6 +119,44 @@ def test_ps_server_command_serves_a_client_until_sigterm(tmp_path: Path):
         if server.poll() is None:
             server.kill()
             server.wait(30)
+
+
+def test_a_default_loopback_server_makes_a_private_secret_and_refuses_a_strangers_shutdown(tmp_path, monkeypatch):
+    """``python -m trainmesh.ps`` with no secret: it makes one, in a 0600 file it names; a stranger's
+    SHUTDOWN is refused at once, naming authentication; the job's processes read the file."""
+    from trainmesh.ps.cluster import AdminConnection
+    from trainmesh.ps.errors import PSAuthError
+    from trainmesh.ps.protocol import MessageType
+
+    monkeypatch.delenv("TRAINMESH_PS_SECRET", raising=False)
+    monkeypatch.delenv("TRAINMESH_PS_SECRET_FILE", raising=False)
+    log = tmp_path / "server.log"
+    with open(log, "w") as err:
+        server = subprocess.Popen([sys.executable, "-m", "trainmesh.ps", "--bind", "127.0.0.1:0"], env=clean_env(),
+                                  stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        address = server.stdout.readline().strip().removeprefix("READY ")
+        path = log.read_text().split("give it to the job's processes as TRAINMESH_PS_SECRET_FILE=")[1].split()[0]
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        for secret in (None, "a-guess"):
+            started = time.monotonic()
+            with AdminConnection([address], secret, timeout_s=60) as stranger:
+                with pytest.raises(PSAuthError, match="authentication failed"):
+                    stranger.ask(0, MessageType.SHUTDOWN)
+            assert time.monotonic() - started < 5.0
+        assert server.poll() is None  # still serving
+        monkeypatch.setenv("TRAINMESH_PS_SECRET_FILE", path)
+        with AdminConnection([address], timeout_s=30) as owner:
+            assert owner.ask(0, MessageType.STATS).meta["unauthenticated"] >= 2
+            assert owner.ask(0, MessageType.SHUTDOWN).type is MessageType.OK
+        assert server.wait(30) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(30)
+        if "path" in locals():
+            os.remove(path)
+            os.rmdir(os.path.dirname(path))
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -14,7 +14,7 @@ import os
 import torch
 
 from trainmesh.ps.client import PSClient
-from trainmesh.ps.errors import PSTimeoutError
+from trainmesh.ps.errors import PSAuthError, PSTimeoutError
 
 SGD = {"name": "sgd", "lr": 0.1}
 NUMEL = 64  # 8 parts of 8 over the servers
@@ -36,6 +36,8 @@ def intrude(servers: list[str], secret: str) -> str:
         client.init({"w": torch.zeros(NUMEL)}, optimizer=SGD).result(30)
         client.close()
         return "accepted"
+    except PSAuthError:
+        return "refused"
     except PSTimeoutError:
         return "timed out"
 

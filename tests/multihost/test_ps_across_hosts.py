@@ -2,8 +2,8 @@
 
 * Off loopback a secret is required: binding 198.18.0.1 without one is refused before anything
   listens (the transport's own check, unit-tested in tests/unit/test_ps_transport.py), and
-  a client signing with another secret is never answered (its frames fail the HMAC check and
-  are counted as rejected).
+  a client signing with another secret is refused (its frames fail the HMAC check, are counted
+  as rejected, and it is told so: an authentication error, not a timeout).
 * The workers' links drop packets (`Host.shape(loss=...)`): every push is applied exactly once,
   so the servers end at exactly w0 - lr x (sum of every worker's gradients).
 * Every process of the server host is SIGKILLed while pushes are in flight, and the servers are
@@ -107,7 +107,8 @@ def test_ps_across_hosts_secret_loss_and_server_host_kill(netns_cluster, tmp_pat
     # reads the drops, not one side's retransmissions.
     assert sum(lost) > 0
 
-    # Another secret: the servers never answer it, count its frames as rejected, and change nothing.
-    assert result["intruder"] == "timed out"
+    # Another secret: the servers refuse it (a bare rejection, which the client reports as an
+    # authentication failure), count its frames as rejected, and change nothing.
+    assert result["intruder"] == "refused"
     assert sum(s["rejected"] for s in result["servers_after"]) > sum(s["rejected"] for s in result["servers"])
     torch.testing.assert_close(torch.tensor(result["w_after"]), expected, rtol=0, atol=1e-5)

@@ -40,7 +40,38 @@ def data(steps: int = STEPS):
 
 def lm_loss(outputs, targets):
     logits = outputs.logits if hasattr(outputs, "logits") else outputs
+    return _cross_entropy(logits, targets)
+
+
+def _cross_entropy(logits, targets):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+LOSS_INPUTS: list[str] = []  # this process: the type of every output its loss function was handed
+
+
+def model_output_loss(outputs, targets):
+    """As a user writes it for a transformers model, with or without a pipeline: ``outputs.logits``;
+    ``outputs[0]`` (a loss written for tuples) must read the same tensor."""
+    LOSS_INPUTS.append(type(outputs).__name__)
+    assert outputs[0] is outputs.logits, type(outputs)
+    return _cross_entropy(outputs.logits, targets)
+
+
+def tensor_loss(outputs, targets):
+    """For a model that returns its logits as a tensor (the project's GPT)."""
+    LOSS_INPUTS.append(type(outputs).__name__)
+    return _cross_entropy(outputs, targets)
+
+
+LOSSES = {"auto": lm_loss, "model_output": model_output_loss, "tensor": tensor_loss}
+
+
+def output_type(family: str) -> str:
+    """The type the model itself returns, which the loss function must get under any layout."""
+    model = build_model(family, 2)
+    with torch.no_grad():
+        return type(model(data(1)[0][:2])).__name__
 
 
 def make_optimizer(params):
@@ -75,8 +106,11 @@ def local_full_params(model: torch.nn.Module) -> dict:
 
 def train_pipelined(family: str, mesh_shape, axes, schedule: str, *, microbatches: int = 4, zero_stage: int = 0,
                     layout: bool = False, n_layer: int = 4, checkpointing=None, max_grad_norm=None,
-                    steps: int = STEPS, evaluate: bool = False, precision: str = "fp32", tol: float = 0.0) -> dict:
+                    steps: int = STEPS, evaluate: bool = False, precision: str = "fp32", tol: float = 0.0,
+                    loss: str = "auto") -> dict:
     import trainmesh as tm
+
+    LOSS_INPUTS.clear()
 
     mesh = tm.DeviceMesh(mesh_shape, axes, devices=tm.list_devices())
     model = build_model(family, n_layer)
@@ -86,7 +120,7 @@ def train_pipelined(family: str, mesh_shape, axes, schedule: str, *, microbatche
         distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", pipeline=pipeline)
     else:
         distribution = tm.DataParallel(device_mesh=mesh, pipeline=pipeline)
-    trainer = tm.Trainer(model, make_optimizer, lm_loss, distribution=distribution, zero_stage=zero_stage,
+    trainer = tm.Trainer(model, make_optimizer, LOSSES[loss], distribution=distribution, zero_stage=zero_stage,
                          activation_checkpointing=checkpointing, max_grad_norm=max_grad_norm, progress=False,
                          log_every_n_steps=1, precision=precision, metrics=["accuracy"] if evaluate else None)
     with count_reduce_scatters() as reduce_scatters:
@@ -98,6 +132,7 @@ def train_pipelined(family: str, mesh_shape, axes, schedule: str, *, microbatche
         logs = trainer.evaluate(data(1), batch_size=GLOBAL_BATCH)
         out["eval_loss"], out["eval_accuracy"] = logs["loss"], logs["accuracy"]
         out["predict"] = trainer.predict(data(1), batch_size=GLOBAL_BATCH)
+    out["loss_inputs"] = sorted(set(LOSS_INPUTS))
     return out
 
 
@@ -157,8 +192,25 @@ def max_diff(expected: dict, got: dict, canonical: dict | None = None) -> float:
 
 
 def run_configs(configs: list[dict]) -> list[dict]:
-    """Several pipelined trainings in one launch (process start-up is paid once)."""
-    return [train_pipelined(**config) for config in configs]
+    """Several pipelined trainings in one launch (process start-up is paid once); a config with
+    ``refused=True`` must be refused when the Trainer is built (its message is returned)."""
+    return [refusal(**config) if config.get("refused") else train_pipelined(**config) for config in configs]
+
+
+def refusal(family: str, mesh_shape, axes, schedule: str, *, refused: bool, expect=(), n_layer: int = 4, microbatches: int = 2,
+            checkpointing=None, compile=False) -> dict:
+    """The ValueError a pipelined Trainer raises at construction, on every process alike."""
+    import trainmesh as tm
+
+    mesh = tm.DeviceMesh(mesh_shape, axes, devices=tm.list_devices())
+    distribution = tm.DataParallel(device_mesh=mesh, pipeline=tm.Pipeline(schedule=schedule,
+                                                                          microbatches=microbatches))
+    try:
+        tm.Trainer(build_model(family, n_layer), make_optimizer, lm_loss, distribution=distribution,
+                   activation_checkpointing=checkpointing, compile=compile, progress=False)
+    except ValueError as error:
+        return {"refused": str(error)}
+    return {"refused": None}
 
 
 def reference_eval(family: str, params: dict, n_layer: int = 4) -> tuple[float, torch.Tensor]:

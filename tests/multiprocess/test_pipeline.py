@@ -73,11 +73,11 @@ def test_every_schedule_on_two_stages_matches_one_process():
     _check(configs, results, _references(configs))
 
 
-def test_four_stages_and_pipe_by_data_with_zero_match_one_process():
+def test_pipe_by_data_with_zero_and_checkpointing_matches_one_process():
+    # every schedule on pipe 4 (and on pipe 2 x data 2, pipe 2 x model 2), for the GPT, GPT-2 and
+    # Llama, is in test_pipeline_matrix.py
     pytest.importorskip("transformers")
-    configs = [dict(family="gpt", mesh_shape=(4, 1), axes=["pipe", "data"], schedule=s, n_layer=8)
-               for s in SCHEDULES]
-    configs += [dict(family="gpt", mesh_shape=(2, 2), axes=["pipe", "data"], schedule="1f1b", zero_stage=z,
+    configs = [dict(family="gpt", mesh_shape=(2, 2), axes=["pipe", "data"], schedule="1f1b", zero_stage=z,
                      checkpointing=policy) for z, policy in ((0, "full"), (2, None), (3, "selective"))]
     configs += [dict(family="gpt2", mesh_shape=(2, 2), axes=["pipe", "data"], schedule="gpipe", zero_stage=3,
                      checkpointing="full")]

@@ -21,7 +21,8 @@ SGD = {"name": "sgd", "lr": 0.1}
 
 def test_server_sigkill_loses_no_acknowledged_update_and_applies_in_flight_pushes_once(tmp_path):
     with LocalCluster(2, durability="wal", directory=tmp_path) as cluster:
-        client = PSClient(servers=cluster.addresses, worker_id=0, part_numel=8, retry_after_s=0.3)
+        client = PSClient(servers=cluster.addresses, worker_id=0, part_numel=8, retry_after_s=0.3,
+                          secret=cluster.secret)
         w0 = torch.randn(64)  # 8 parts over both servers
         client.init({"w": w0}, optimizer=SGD)
         generator = torch.Generator().manual_seed(3)
@@ -56,9 +57,9 @@ def test_server_sigkill_loses_no_acknowledged_update_and_applies_in_flight_pushe
         client.close()
 
 
-def _victim(addresses, ready, steps_before_ready):
+def _victim(addresses, secret, ready, steps_before_ready):
     torch.set_num_threads(1)
-    client = PSClient(servers=addresses, worker_id=1, heartbeat_s=0.2)
+    client = PSClient(servers=addresses, worker_id=1, heartbeat_s=0.2, secret=secret)
     client.init(_params(), optimizer=SGD)
     ready.put("started")
     step = 0
@@ -81,10 +82,10 @@ def test_a_killed_worker_stops_sync_with_its_name_while_async_goes_on():
         ctx = multiprocessing.get_context("forkserver")  # forked from a process that imported torch once
         ctx.set_forkserver_preload(["torch", "trainmesh.ps.client"])
         ready = ctx.Queue()
-        victim = ctx.Process(target=_victim, args=(cluster.addresses, ready, 3), daemon=True)
+        victim = ctx.Process(target=_victim, args=(cluster.addresses, cluster.secret, ready, 3), daemon=True)
         victim.start()
         try:
-            survivor = PSClient(servers=cluster.addresses, worker_id=0, heartbeat_s=0.2)
+            survivor = PSClient(servers=cluster.addresses, worker_id=0, heartbeat_s=0.2, secret=cluster.secret)
             survivor.init(_params(), optimizer=SGD)
             assert ready.get(timeout=60) == "started"  # (dead_after_s may be shorter than a process start)
             for _ in range(3):  # lockstep with the victim on the sync parameter

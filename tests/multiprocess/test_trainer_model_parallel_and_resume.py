@@ -124,7 +124,10 @@ def test_model_parallel_trainer_matches_one_process(single, four, config):
 def test_resume_from_checkpoint_continues_exactly(four):
     for result in four:
         resume = result["resume"]
-        assert resume["files"] == ["best.pt", "last.pt"]
+        # Each file beside its checksum; a file saved again keeps its predecessor as *.prev.pt.
+        assert [f for f in resume["files"] if ".prev." not in f] == ["best.pt", "best.pt.sha256", "last.pt",
+                                                                    "last.pt.sha256"]
+        assert {"last.prev.pt", "last.prev.pt.sha256"} <= set(resume["files"])
         assert resume["resumed_epochs"] == [0, 1, 2]  # history restored from the checkpoint, then extended
         assert resume["global_step"] == 3 * N // BATCH
     resume = four[0]["resume"]

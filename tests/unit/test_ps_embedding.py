@@ -20,7 +20,7 @@ ROWS, DIM = 50_000, 8
 @pytest.fixture(scope="module")
 def client():
     with LocalCluster(2, num_workers=1) as cluster:
-        ps_client = PSClient(servers=cluster.addresses, worker_id=0, num_workers=1)
+        ps_client = PSClient(servers=cluster.addresses, worker_id=0, num_workers=1, secret=cluster.secret)
         try:
             yield ps_client
         finally:

@@ -10,7 +10,7 @@ import torch
 
 from trainmesh.ps.client import PSClient
 from trainmesh.ps.errors import PSError, PSTimeoutError
-from trainmesh.ps.protocol import Message, MessageType, encode
+from trainmesh.ps.protocol import Message, MessageType, decode, encode
 from trainmesh.ps.server import ParameterServer
 from trainmesh.ps.shard import init_rows
 from trainmesh.ps.inprocess_transport import FaultInjectingTransport, InProcessHub
@@ -207,13 +207,21 @@ def test_malformed_and_forged_frames_are_counted_and_never_crash(servers_factory
     raw = servers.hub.client("s0", b"attacker")
     raw.send(b"garbage")
     raw.send(encode(Message(MessageType.STATS, "x", 1)))  # no HMAC
-    raw.send(encode(Message(MessageType.STATS, "x", 2), secret=b"wrong"))
-    raw.send(encode(Message(MessageType.PUSH, "x", 3, meta={"shards": ["missing#0"]}), secret=b"k3y"))
-    assert raw.recv(5) is not None  # the well-signed bad push gets an error reply (sender known)
+    raw.send(encode(Message(MessageType.PUSH, "x", 2, tensors={"w#0": torch.zeros(1 << 18)}), secret=b"wrong"))
+    signed = encode(Message(MessageType.PUSH, "x", 3, meta={"shards": ["missing#0"]}), secret=b"k3y")
+    raw.send(signed)
+    replies = [decode(raw.recv(5))]  # the first rejection (unsigned) ...
+    replies.append(decode(raw.recv(5), b"k3y"))  # ... and the well-signed bad push's error reply
     client = servers.client(0, secret=b"k3y")
     stats = client.stats().result(10)["servers"][0]
-    assert stats["rejected"] == 4 and stats["errors_sent"] == 1
-    assert raw.recv(0.2) is None  # nothing was answered to the forged ones
+    assert stats["rejected"] == 4 and stats["unauthenticated"] == 3 and stats["errors_sent"] == 1
+    # Only what was served counts: the client's register (and its first heartbeat), not the refused push.
+    assert stats["requests"] in (1, 2) and stats["applied_pushes"] == 0 and stats["pulls"] == 0
+    assert stats["bytes_in"] < 4096  # the forged 1 MiB push is not in it
+    # Forged frames get one bare rejection per peer per interval, naming nothing of theirs.
+    assert replies[0].type is MessageType.ERROR and replies[0].seq == 0 and replies[0].meta["code"] == "malformed"
+    assert replies[1].seq == 3 and replies[1].meta["code"] == "bad_request"
+    assert raw.recv(0.2) is None
     client.close()
 
 

@@ -74,10 +74,14 @@ def test_peak_probe_keeps_to_its_time_on_any_dtype():
 
 
 def test_fastest_precision_follows_the_measured_bf16_speedup(monkeypatch):
+    from trainmesh.runtime import cpu
     from trainmesh.trainer import precision
 
     speedup = precision.bf16_matmul_speedup("cpu")
     assert speedup > 0
+    # The speed-up decides where the CPU kind does not (AVX512-BF16 here; AMX and AVX2-only CPUs are
+    # decided by their kind: tests/unit/test_cpu_kinds.py), whatever CPU runs this test.
+    monkeypatch.setattr(cpu, "cpu_features", lambda: frozenset({"avx2", "avx512", "avx512_bf16"}))
     monkeypatch.setattr(precision, "bf16_matmul_speedup", lambda device_type="cpu": 3.0)
     assert precision.fastest_precision("cpu")[0] == "bf16-mixed"
     monkeypatch.setattr(precision, "bf16_matmul_speedup", lambda device_type="cpu": 0.03)

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from .dcp_reader import SafeFileSystemReader
 from .zero_optimizer import full_state, is_zero_optimizer, load_full_state
 
 
@@ -152,20 +153,31 @@ def async_save(state: dict[str, Any], path: str, process_group=None, stager=None
     return getattr(result, "upload_completion", result)
 
 
+def _safe_reader(path: str) -> SafeFileSystemReader:
+    # Metadata read here first: a refused file raises its own error on every rank, before DCP's
+    # collectives (which would fall back to per-rank metadata and report an AssertionError).
+    reader = SafeFileSystemReader(path)
+    reader.read_metadata()
+    return reader
+
+
 def load_sharded(model: nn.Module, optimizer: Any | None, path: str, process_group=None) -> None:
     """Load a DCP checkpoint into ``model`` / ``optimizer`` as they are laid out *now*.
 
     The templates come from the current model, so DCP reads exactly this rank's shards
     (resharding from any world size, ZeRO stage or mesh the checkpoint was written with).
+    Nothing in the directory runs code: see :mod:`.dcp_reader`.
     """
     if optimizer is not None and is_zero_optimizer(optimizer):
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=_no_dist())
+        dcp.load(state, checkpoint_id=path, storage_reader=_safe_reader(path), process_group=process_group,
+                 no_dist=_no_dist())
         set_model_state_dict(model, state["model"])
         # No template to read shards into: the optimizer state arrives as full tensors.
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-        loaded = _load_state_dict_from_keys({"optimizer"}, checkpoint_id=path, process_group=process_group)
+        loaded = _load_state_dict_from_keys({"optimizer"}, checkpoint_id=path, process_group=process_group,
+                                            storage_reader=_safe_reader(path))
         load_full_state(model, optimizer, loaded["optimizer"])
         return
     state = {"model": get_model_state_dict(model)}
@@ -173,7 +185,8 @@ def load_sharded(model: nn.Module, optimizer: Any | None, path: str, process_gro
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
         own_groups = [list(group["params"]) for group in state["optimizer"]["param_groups"]]
         aliases = _rename_state(state["optimizer"], _aliases(model))
-    dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=_no_dist())
+    dcp.load(state, checkpoint_id=path, storage_reader=_safe_reader(path), process_group=process_group,
+             no_dist=_no_dist())
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         _rename_state(state["optimizer"], aliases)

@@ -14,6 +14,13 @@
 4. data parallelism over the batch axis, last because it wraps or shards whatever the model
    has become: DDP (stage 0), FSDP2 (stages 1-3; ``zero.py`` says how the stages differ).
 
+A model built on the meta device goes through 0-4 as it is (torchtitan's way), and is
+materialised where its tensors have their final, local shapes (``materialize.py``): after FSDP2,
+after TP when there is no FSDP2, before DDP (which broadcasts real values), per pipeline stage.
+``weights=`` (safetensors files) fill it, each process reading its own byte ranges; otherwise
+the model's initialisers do, unit by unit. Files are checked against the model first, locally,
+so a bad file is the same error on every process and no collective is left waiting.
+
 Arguments left ``None`` mean "the distribution's own setting".
 """
 
@@ -29,6 +36,7 @@ from trainmesh.distribution.memory_options import MemoryOptions
 
 from .activation_checkpointing import apply_activation_checkpointing
 from .compile import apply_compile
+from .materialize import MaterializePlan, materialize, prepare
 
 
 def resolve_memory_options(distribution, *, zero_stage: int | None = None, cpu_offload: bool | None = None
@@ -41,8 +49,12 @@ def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None
                 activation_checkpointing: Any = None, cpu_offload: bool | None = None,
                 mixed_precision: torch.dtype | None = None, ddp_options: dict | None = None,
                 compile: Any = False, compile_backend: str = "inductor",
-                compile_mode: str | None = None) -> nn.Module:
+                compile_mode: str | None = None, weights: Any = None, init_seed: int | None = None) -> nn.Module:
     """Apply ``distribution`` to ``model``; returns the module to train.
+
+    ``model`` may be built on the meta device; ``weights`` (a Hugging Face checkpoint directory or a
+    ``.safetensors`` file) fills it, or the model's own initialisers seeded by ``init_seed`` (default:
+    the first process's ``torch.initial_seed()``) do. ``weights`` also loads into a real model.
 
     ``mixed_precision`` is the compute dtype of a mixed-precision run (FSDP2 gathers parameters
     in it; the fp32 shards stay the optimizer's master copy); DDP stages use autocast alone.
@@ -52,7 +64,9 @@ def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None
     if not isinstance(model, nn.Module):
         raise TypeError(f"distribute_model expects a torch.nn.Module. Received: {type(model).__name__}")
     options = resolve_memory_options(distribution, zero_stage=zero_stage, cpu_offload=cpu_offload)  # validates
-    _refuse_meta_tensors(model)
+    fill = prepare(model, weights, 0)  # local checks of the files against the model, before any collective
+    if fill is not None and fill.meta:
+        fill.seed = _agreed_seed(init_seed)
     from trainmesh.distribution.data_parallel import DataParallel
     from trainmesh.distribution.model_parallel import ModelParallel
 
@@ -62,7 +76,7 @@ def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None
             model = apply_activation_checkpointing(model, activation_checkpointing)
         model = apply_compile(model, compile, backend=compile_backend, device_type=runtime.torch_device_type(),
                               inductor_mode=compile_mode)
-        return distribution.distribute_model(model)
+        return distribution.distribute_model(materialize(model, fill, runtime.local_torch_device()))
     is_tp = isinstance(distribution, ModelParallel)
     if is_tp and options.zero_stage == 1:
         raise ValueError("ModelParallel shards optimizer state with its parameters at stages 2-3 (FSDP2 over the "
@@ -79,28 +93,25 @@ def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None
 
         return apply_pipeline(model, distribution, options, lambda stage: _apply_layers(
             stage, distribution, options, activation_checkpointing, mixed_precision, ddp_options, pipelined=True,
-            compile=compile, compile_backend=compile_backend, compile_mode=compile_mode))
+            compile=compile, compile_backend=compile_backend, compile_mode=compile_mode, fill=fill))
     return _apply_layers(model, distribution, options, activation_checkpointing, mixed_precision, ddp_options,
-                         compile=compile, compile_backend=compile_backend, compile_mode=compile_mode)
+                         compile=compile, compile_backend=compile_backend, compile_mode=compile_mode, fill=fill)
 
 
-def _refuse_meta_tensors(model: nn.Module) -> None:
-    """A model on the meta device has no values to start the processes from. Every layout here
-    starts every copy from the first process's weights (DDP's rule); initialising sharded meta
-    parameters in place would need DTensor's random-number tracker, which on CPU meshes gives
-    every shard the same draws. Say so before any collective, instead of torch's copy error."""
-    meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
-    if meta:
-        raise ValueError(f"distribute_model needs real weights; {len(meta)} parameters/buffers of this model are on "
-                         f"the meta device (first: {meta[0]!r}). Build the model on the CPU (ZeRO-3 and the pipeline "
-                         f"keep only this process's share once it is distributed), or materialise it first "
-                         f"(model.to_empty(device='cpu') and your initialiser). Received: {type(model).__name__}")
+def _agreed_seed(init_seed: int | None) -> int:
+    """The initialisation seed, the same on every process: the user's, or the first process's."""
+    if init_seed is not None:
+        return int(init_seed)
+    seed = torch.tensor([torch.initial_seed() & ((1 << 62) - 1)], dtype=torch.int64)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.broadcast(seed, src=0)
+    return int(seed.item())
 
 
 def _apply_layers(model: nn.Module, distribution, options: MemoryOptions, activation_checkpointing: Any,
                   mixed_precision: torch.dtype | None, ddp_options: dict | None, *, pipelined: bool = False,
                   compile: Any = False, compile_backend: str = "inductor",
-                  compile_mode: str | None = None) -> nn.Module:
+                  compile_mode: str | None = None, fill: MaterializePlan | None = None) -> nn.Module:
     """Steps 1-3 on a whole model or one pipeline stage. A stage's gradients over the batch axis are
     reduced by FSDP2 (ZeRO 2-3) or by the pipeline runner after its schedule, never by DDP or TP hooks,
     which would communicate once per microbatch."""
@@ -112,19 +123,21 @@ def _apply_layers(model: nn.Module, distribution, options: MemoryOptions, activa
         from .tensor_parallel import apply_model_parallel
 
         model = apply_model_parallel(model, distribution, reduce_grads=options.zero_stage == 0 and not pipelined,
-                                     whole_model=not pipelined)
+                                     whole_model=not pipelined, fill=fill if options.zero_stage == 0 else None)
     # 2. activation checkpointing
     if activation_checkpointing is not None:
         model = apply_activation_checkpointing(model, activation_checkpointing, model_mechanism=not pipelined)
     # 3. compile: each repeated block (or the whole model) in place, before DDP / FSDP2 wrap them
     model = apply_compile(model, compile, backend=compile_backend, device_type=runtime.torch_device_type(),
                           inductor_mode=compile_mode)
+    device = runtime.local_torch_device()
     if pipelined and options.zero_stage < 2:
-        model.to(runtime.local_torch_device())
+        materialize(model, fill, device)
+        model.to(device)
         model._trainmesh_memory = {"zero_stage": options.zero_stage, "cpu_offload": "off"}
         return model
     if is_tp and options.zero_stage == 0:
-        return model  # TP already reduces gradients over the batch axis (its grad hooks)
+        return materialize(model, fill, device)  # TP already reduces gradients over the batch axis (its grad hooks)
     # 4. data parallelism / ZeRO over the batch axis
     if options.zero_stage >= 1:
         from .mesh import to_torch_mesh
@@ -134,11 +147,12 @@ def _apply_layers(model: nn.Module, distribution, options: MemoryOptions, activa
         # plain ones) over the batch axis of the same mesh: torchtitan's 2-D layout.
         torch_mesh = to_torch_mesh(distribution.device_mesh)
         dp_mesh = torch_mesh[distribution.batch_dim_name] if torch_mesh.ndim > 1 else torch_mesh
-        return apply_fsdp(model, dp_mesh, zero_stage=options.zero_stage, shard_unit=options.shard_unit,
-                          compute_dtype=mixed_precision, reduce_dtype=options.reduce_dtype,
-                          cpu_offload=options.cpu_offload)
+        model = apply_fsdp(model, dp_mesh, zero_stage=options.zero_stage, shard_unit=options.shard_unit,
+                           compute_dtype=mixed_precision, reduce_dtype=options.reduce_dtype,
+                           cpu_offload=options.cpu_offload)
+        return materialize(model, fill, device)  # FSDP2's shards only
     from .data_parallel import apply_data_parallel
 
-    model = apply_data_parallel(model, distribution, **(ddp_options or {}))
+    model = apply_data_parallel(materialize(model, fill, device), distribution, **(ddp_options or {}))
     model._trainmesh_memory = {"zero_stage": options.zero_stage, "cpu_offload": "off"}
     return model

@@ -10,10 +10,15 @@
   all-reduce per dtype after the schedule (no per-microbatch traffic);
 * a weight shared by the first and last stage (a tied embedding and head) lives on both; their
   gradients are summed after each step so the two copies stay equal;
+* the zero-bubble schedules split each backward; what that asks of a stage (no view as its
+  output, ZeRO-3 gathered through the step) and what it refuses (activation checkpointing,
+  compile) is in ``pipeline_zero_bubble``;
 * on CPU (gloo), each step's receives are posted when it starts (``pipeline_receives``), not
   when each microbatch is due;
 * evaluation and prediction pass activations stage to stage with plain send/recv, one
   microbatch, no schedule (batches there may be uneven or empty);
+* the loss function gets the model's own output type, rebuilt around the last stage's tensor
+  (``pipeline_output``): ``outputs.logits`` and ``outputs[0]`` read as they do without a pipeline;
 * the loss exists on the last stage; the Trainer's loss all-reduce reports it everywhere.
 """
 
@@ -29,6 +34,7 @@ from torch import nn
 from .pipeline_receives import ReceivePlan, posts_receives_ahead
 from .pipeline_split import KeyedBlocks, assign_blocks, build_stage_model, merge_stage_models, split_at
 from .pipeline_stage import StageModule, make_pipeline_stage  # noqa: F401 - StageModule is imported from here too
+from .pipeline_zero_bubble import SPLIT_BACKWARD, check_split_backward, gathered_through_step
 
 
 def stage_indices(pipe_rank: int, pipe_size: int, stages_per_rank: int, schedule: str) -> list[int]:
@@ -87,6 +93,7 @@ class PipelineRunner:
         self.tied_groups = tied_groups
         self.device = device
         self.stage_models = stage_models
+        check_split_backward(stage_models, pipeline.schedule)  # before torch builds anything
         self.root: nn.Module = stage_models[0]  # the module the Trainer holds (train/eval is set on it)
         self._context: list[Callable] = [_null_context]
         self.modules = [StageModule(m, i == 0, lambda: self._context[0]()) for m, i in zip(stage_models, indices)]
@@ -103,6 +110,11 @@ class PipelineRunner:
     @property
     def holds_last(self) -> bool:
         return self.num_stages - 1 in self.indices
+
+    def model_output(self, tensor: torch.Tensor) -> Any:
+        """The last stage's output tensor in the model's own output type, as the loss function gets it
+        without a pipeline (``pipeline_output``); only on the process holding the last stage."""
+        return self.modules[self.indices.index(self.num_stages - 1)].model_output(tensor)
 
     def describe(self) -> str:
         return self.pipeline.describe(self.pipe_size) + f"; this process holds stage(s) {self.indices}"
@@ -130,8 +142,8 @@ class PipelineRunner:
         cls = getattr(pipelining, SCHEDULES[self.pipeline.schedule][0])
         m = self.pipeline.microbatches
 
-        def loss(output, target):  # mean over microbatches: each one's loss / m
-            return self._loss_fn[0](output, target) / m
+        def loss(output, target):  # the model's own output type (one loss contract); mean over microbatches
+            return self._loss_fn[0](self.model_output(output), target) / m
 
         stages = self.stages[0] if SCHEDULES[self.pipeline.schedule][1] == 1 else self.stages
         return cls(stages, n_microbatches=m, loss_fn=loss, scale_grads=False)
@@ -153,8 +165,9 @@ class PipelineRunner:
             args = (inputs,) if self.holds_first else ()
             if self.receive_plan is not None:
                 self.receive_plan.before_step(self.schedule)
-            outputs = self.schedule.step(*args, target=targets if self.holds_last else None, losses=step_losses,
-                                         return_outputs=on_outputs is not None and self.holds_last)
+            with self._step_context():
+                outputs = self.schedule.step(*args, target=targets if self.holds_last else None, losses=step_losses,
+                                             return_outputs=on_outputs is not None and self.holds_last)
             if self.receive_plan is not None:
                 self.receive_plan.after_step()
             if self.holds_last:
@@ -166,6 +179,11 @@ class PipelineRunner:
         self._sync_tied_grads()
         if self.reduce_data_grads and self.data_size > 1:
             _average_grads(self.parameters(), self.data_group, self.data_size)
+
+    def _step_context(self):
+        if self.pipeline.schedule in SPLIT_BACKWARD:  # ZeRO-3 keeps a stage gathered through the step
+            return gathered_through_step(self.stage_models)
+        return _null_context()
 
     def _follow_mode(self) -> None:
         for module in self.modules:  # the copies' own dropouts too, not only the merged tree's

@@ -28,6 +28,7 @@ from torch import nn
 
 from trainmesh import runtime
 
+from .materialize import has_meta_tensors
 from .mesh import to_torch_mesh
 from .pipeline import PipelineRunner, plan_split, split_for_pipeline, stage_owner
 from .pipeline_split import merge_stage_models
@@ -106,10 +107,13 @@ def apply_pipeline(model: nn.Module, distribution, options, apply_layers: Callab
     pipe_rank = torch_mesh.get_local_rank(pipeline.axis)
     pipeline.validate(pipe_size)
     device = runtime.local_torch_device()
-    model.to(device)
+    meta = has_meta_tensors(model)  # a meta-built stage is filled after its layout (materialize.py)
+    if not meta:
+        model.to(device)
     tied = _tied_names(model)  # 3. (before the split)
     plan = plan_split(model, pipeline, pipe_size)  # raises on a bad split, before any collective
-    _broadcast_whole_model(model)  # 2.
+    if not meta:
+        _broadcast_whole_model(model)  # 2.
     indices, stage_models = split_for_pipeline(model, pipeline, pipe_rank, pipe_size, plan)
     del model
     stage_models = [apply_layers(stage) for stage in stage_models]  # 4.

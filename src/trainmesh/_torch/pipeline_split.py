@@ -63,10 +63,14 @@ class EmbeddingStub(nn.Module):
 
 
 class PassThrough(nn.Module):
-    """A module held by another stage: returns its first input unchanged."""
+    """A module held by another stage: returns its first input unchanged (a copy, when a view: a
+    causal LM slices its hidden state before the head, and the split backward of the zero-bubble
+    schedules cannot take a view as a stage's output; see ``pipeline_zero_bubble``)."""
 
     def forward(self, x, *args, **kwargs):
-        return x
+        from .pipeline_zero_bubble import not_a_view
+
+        return not_a_view(x) if torch.is_tensor(x) else x
 
 
 def find_blocks(model: nn.Module) -> tuple[str, list[str]]:

@@ -17,12 +17,15 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .pipeline_output import split_output
 from .pipeline_split import KeyedBlocks
+from .pipeline_zero_bubble import not_a_view
 
 
 class StageModule(nn.Module):
     """What torch's ``PipelineStage`` runs: the stage copy's own forward, with the received
-    activation put in place of its first block's input, and a tensor out (not a model output)."""
+    activation put in place of its first block's input, and a tensor out (not a model output).
+    ``model_output`` rebuilds the model's own output type around such a tensor (``pipeline_output``)."""
 
     def __init__(self, stage_model: nn.Module, is_first: bool, forward_context: Callable):
         super().__init__()
@@ -30,6 +33,7 @@ class StageModule(nn.Module):
         self.is_first = is_first
         self.forward_context = forward_context
         self._incoming: list[torch.Tensor] = []
+        self.model_output: Callable[[torch.Tensor], Any] = lambda tensor: tensor  # set by each forward
 
     def install_entry_hook(self) -> None:
         """Last of all (after checkpointing and FSDP wrap the blocks), and ahead of their hooks, so the
@@ -54,7 +58,7 @@ class StageModule(nn.Module):
             with self.forward_context():
                 for block in self.stage_model:
                     x = block(x)
-            return x
+            return not_a_view(x)
         if self.is_first:
             ids = x
         else:
@@ -65,7 +69,8 @@ class StageModule(nn.Module):
                 out = self.stage_model(ids)
         finally:
             self._incoming.clear()
-        return _first_tensor(out)
+        tensor, self.model_output = split_output(out)
+        return not_a_view(tensor)
 
 
 def _blocks_of(stage_model: nn.Module) -> KeyedBlocks:
@@ -73,19 +78,6 @@ def _blocks_of(stage_model: nn.Module) -> KeyedBlocks:
         return stage_model
     container = stage_model._trainmesh_stage[2]
     return stage_model.get_submodule(container)
-
-
-def _first_tensor(out: Any) -> torch.Tensor:
-    if torch.is_tensor(out):
-        return out
-    if hasattr(out, "logits"):  # a transformers ModelOutput
-        return out.logits
-    if isinstance(out, (tuple, list)):
-        return out[0]
-    if hasattr(out, "last_hidden_state"):
-        return out.last_hidden_state
-    raise TypeError(f"A pipeline stage must return a tensor (or a model output holding logits). "
-                    f"Received: {type(out).__name__}")
 
 
 def make_pipeline_stage(module: StageModule, index: int, num_stages: int, device: torch.device, group):

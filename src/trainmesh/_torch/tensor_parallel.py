@@ -98,14 +98,16 @@ def _broadcast_from_first(model: nn.Module) -> None:
 
 
 def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool = True,
-                         whole_model: bool = True) -> nn.Module:
+                         whole_model: bool = True, fill=None) -> nn.Module:
     """Shard ``model`` in place per ``distribution``'s layout map; returns the same module.
 
-    ``reduce_grads=False`` leaves gradient averaging over the batch axis to FSDP2 (ZeRO 2-3) or to
+    ``fill`` (``materialize.prepare``'s plan) fills a meta-built model here, after its layout and
+    before the gradient hooks hold its parameters. ``reduce_grads=False`` leaves gradient averaging over the batch axis to FSDP2 (ZeRO 2-3) or to
     the pipeline runner. ``whole_model=False`` (a pipeline stage) skips step 2, since the whole model
     was broadcast before it was split, and the warning about keys matching nothing (a stage holds
     some layers only; the whole model was checked).
     """
+    from .materialize import has_meta_tensors
     from .tp_styles import DTensorBoundary, LayoutColwise, LayoutRowwise, share_block_input
 
     if not isinstance(model, nn.Module):
@@ -121,9 +123,10 @@ def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool =
         _warn_unmatched_keys(model, distribution)
     _warn_unused_output_layouts(model, distribution)
     torch_mesh = to_torch_mesh(mesh)
-    model.to(runtime.local_torch_device())
-    if whole_model:
-        _broadcast_from_first(model)  # 2.
+    if not has_meta_tensors(model):  # a meta-built model is laid out first, filled after (materialize.py)
+        model.to(runtime.local_torch_device())
+        if whole_model:
+            _broadcast_from_first(model)  # 2.
 
     if plans:  # 3.
         model_mesh = torch_mesh[tuple(model_axes)] if len(model_axes) > 1 else torch_mesh[model_axes[0]]
@@ -142,6 +145,10 @@ def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool =
         for parent in _units_with_shared_input(plans):
             share_block_input(model.get_submodule(parent), model_mesh)
     model._trainmesh_tp_plan = describe_plan(plans)
+    if fill is not None:  # a meta-built model with no FSDP2 to follow: filled before hooks hold its parameters
+        from .materialize import materialize
+
+        materialize(model, fill, runtime.local_torch_device())
 
     dp_size = distribution.data_parallel_size
     if reduce_grads and dp_size > 1:  # 4.

@@ -49,6 +49,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from trainmesh import runtime
 from trainmesh.comm.allreduce_scatter import carries_reduce_scatter_by_all_reduce, install_all_reduce_scatter
 
+from .materialize import has_meta_tensors
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _warned_offload = [False]
 
@@ -193,17 +195,18 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, zero_stage: int, shard_unit=None,
     offload, offload_state = offload_policy(cpu_offload)
     options = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3,
                    mp_policy=build_mixed_precision(compute_dtype, reduce_dtype), offload_policy=offload)
-    model.to(runtime.local_torch_device())
-    # fully_shard keeps each process's own chunk of its own copy; start every copy from the
-    # first process's weights, as DDP does, so all stages start (and stay) identical. (DTensor
-    # parameters were distributed from one source already.) Over the batch axis only: a pipeline
-    # stage's processes on other axes hold other stages' tensors.
     group = dp_mesh.get_group()
-    first = dist.get_global_rank(group, 0)
-    with torch.no_grad():
-        for tensor in list(model.parameters()) + list(model.buffers()):
-            if not hasattr(tensor, "placements"):
-                dist.broadcast(tensor.data, src=first, group=group)
+    if not has_meta_tensors(model):  # a meta-built model is sharded first, filled after (materialize.py)
+        model.to(runtime.local_torch_device())
+        # fully_shard keeps each process's own chunk of its own copy; start every copy from the
+        # first process's weights, as DDP does, so all stages start (and stay) identical. (DTensor
+        # parameters were distributed from one source already.) Over the batch axis only: a pipeline
+        # stage's processes on other axes hold other stages' tensors.
+        first = dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for tensor in list(model.parameters()) + list(model.buffers()):
+                if not hasattr(tensor, "placements"):
+                    dist.broadcast(tensor.data, src=first, group=group)
     for unit in units:
         fully_shard(unit, **options)
     fully_shard(model, **options)

@@ -5,5 +5,6 @@
 
 from .export import export_consolidated, load_initial_weights
 from .manager import CheckpointManager
+from .survey import NoValidCheckpointError
 
-__all__ = ["CheckpointManager", "export_consolidated", "load_initial_weights"]
+__all__ = ["CheckpointManager", "NoValidCheckpointError", "export_consolidated", "load_initial_weights"]

@@ -18,6 +18,8 @@ import shutil
 from typing import Any
 
 MARKER = "COMPLETE.json"
+# 2: every file loads with torch.load(weights_only=True) (format 1 pickled numpy/Python RNG state).
+FORMAT_VERSION = 2
 TMP_SUFFIX = ".tmp"
 _NAME = re.compile(r"^step_(\d{8,})$")
 _CHUNK = 8 << 20

@@ -5,6 +5,7 @@ Layout of one checkpoint ``<dir>/step_00000123/``::
     dcp/            model + optimizer, torch.distributed.checkpoint shards (each rank its own)
     rank_00000.pt   per-rank extras: RNG states, data-loader state ("data"), compressor residuals ("compression")
     shared.pt       rank 0: other stateful objects (scheduler, scaler, ...) and plain values
+                    (both hold tensors and plain values only: they load with ``weights_only=True``)
     meta.json       the plain values again, human-readable
     COMPLETE.json   written LAST: files + sha256, step, world size, layout, metrics
 
@@ -13,9 +14,9 @@ Every method except ``latest``/``best``/``checkpoints`` is collective: all ranks
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-import warnings
 from typing import Any
 
 import torch
@@ -25,13 +26,15 @@ from torch import nn
 from .. import runtime
 from .._torch import dcp as _dcp
 from . import integrity, retention, rng
+from .single_file import load_plain, save_plain
+from .survey import Survey, survey_directory
 from .async_save import PendingSave, all_ranks_finished, all_ranks_ok
 
 # State that differs per rank: its sampler cursor / worker state, its compressor's error-feedback
 # residuals. An object with ``load_resharded_state(states)`` gets every saved rank's state when
 # the world size changed (residuals are redistributed, not taken from one rank).
 PER_RANK_KEYS = ("data", "compression")
-FORMAT_VERSION = 1
+FORMAT_VERSION = integrity.FORMAT_VERSION
 
 
 def _is_stateful(obj: Any) -> bool:
@@ -112,10 +115,10 @@ class CheckpointManager:
             os.makedirs(tmp_dir)
         self._barrier()
         extras = {"rng": rng.capture(), **{k: v.state_dict() for k, v in per_rank.items()}}
-        torch.save(extras, os.path.join(tmp_dir, f"rank_{rank:05d}.pt"))
+        save_plain(extras, os.path.join(tmp_dir, f"rank_{rank:05d}.pt"), what=f"per-rank extras {sorted(extras)}")
         if rank == 0:
-            torch.save({"stateful": {k: v.state_dict() for k, v in shared.items()}, "plain": plain},
-                       os.path.join(tmp_dir, "shared.pt"))
+            save_plain({"stateful": {k: v.state_dict() for k, v in shared.items()}, "plain": plain},
+                       os.path.join(tmp_dir, "shared.pt"), what=f"shared state {sorted(shared) + sorted(plain)}")
             integrity.write_json_atomic(os.path.join(tmp_dir, "meta.json"), plain)
         info = {"format": FORMAT_VERSION, "step": int(step), "world_size": world, "time": time.time(),
                 "metrics": {k: float(v) for k, v in (metrics or {}).items()},
@@ -189,20 +192,36 @@ class CheckpointManager:
         return [e.path for e in retention.complete_entries(self.directory)]
 
     def latest(self) -> str | None:
-        """The newest checkpoint that passes validation; a broken one is skipped with a warning.
+        """The newest checkpoint that passes validation; a broken one is skipped with a warning
+        (so is a directory without a complete marker). Collective: see :meth:`survey`."""
+        return self.survey().chosen
 
-        Rank 0 checks and tells the others, so every rank resumes from the same one.
+    def survey(self) -> Survey:
+        """The newest valid checkpoint and every rejected one with why (warned about on rank 0).
+
+        Rank 0 checks and tells the others, so every rank resumes from the same one, or raises
+        the same error, before any training collective.
         """
-        choice = None
+        found = None
         if runtime.rank() == 0:
-            for entry in reversed(retention.complete_entries(self.directory)):
-                problem = integrity.validate(entry.path, checksums=self.verify_checksums)
-                if problem is None:
-                    choice = entry.path
-                    break
-                warnings.warn(f"Skipping checkpoint {entry.path}: {problem}; falling back to the previous one.",
-                              RuntimeWarning, stacklevel=2)
-        return self._broadcast(choice)
+            found = survey_directory(self.directory, checksums=self.verify_checksums)
+            if self._pending is not None:  # this save is in flight, not abandoned
+                found = dataclasses.replace(found, unfinished=tuple(
+                    p for p in found.unfinished if os.path.abspath(p) != os.path.abspath(self._pending.tmp_dir)))
+            found.warn(stacklevel=4)
+        return self._broadcast(found)
+
+    def set_aside(self, paths) -> list[str]:
+        """Rename each of ``paths`` (rejected checkpoints) to ``<path>.rejected`` (collective; rank 0
+        renames): a fresh start then neither reads nor prunes them, and nothing is deleted."""
+        moved = []
+        if runtime.rank() == 0:
+            for path in paths:
+                if os.path.isdir(path):
+                    os.replace(path, path + ".rejected")
+                    moved.append(path + ".rejected")
+        self._barrier()
+        return moved
 
     def best(self) -> str | None:
         entry = retention.best_entry(retention.complete_entries(self.directory), self.keep_best)
@@ -232,7 +251,7 @@ class CheckpointManager:
             _dcp.load_sharded(model, optimizer, os.path.join(path, "dcp"), self._group)
         saved_world = int(marker["world_size"])
         source = rng.source_rank(runtime.rank(), saved_world)
-        # Our own files, checksummed at commit: pickled RNG tuples need weights_only=False.
+        # Our own files, checksummed at commit, and read with weights_only=True all the same.
         extras = self._rank_extras(path, source)
         rng.restore_for_rank(extras["rng"], runtime.rank(), saved_world)
         every_rank: list[dict[str, Any]] | None = None  # all saved ranks' extras, read once if needed
@@ -243,7 +262,7 @@ class CheckpointManager:
                 obj.load_resharded_state([saved.get(key) for saved in every_rank])
             elif key in extras:
                 obj.load_state_dict(extras[key])
-        common = torch.load(os.path.join(path, "shared.pt"), map_location="cpu", weights_only=False)
+        common = load_plain(os.path.join(path, "shared.pt"))
         for key, obj in shared.items():
             if key in common["stateful"]:
                 obj.load_state_dict(common["stateful"][key])
@@ -253,7 +272,7 @@ class CheckpointManager:
     # --- helpers ------------------------------------------------------------------------
     @staticmethod
     def _rank_extras(path: str, rank: int) -> dict[str, Any]:
-        return torch.load(os.path.join(path, f"rank_{rank:05d}.pt"), map_location="cpu", weights_only=False)
+        return load_plain(os.path.join(path, f"rank_{rank:05d}.pt"))
 
     def _barrier(self) -> None:
         if self._distributed and self._group is not None:

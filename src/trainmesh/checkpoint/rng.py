@@ -17,10 +17,16 @@ import torch
 
 
 def capture() -> dict[str, Any]:
+    """This process's generators as tensors and plain values, which ``torch.load(weights_only=True)``
+    reads back (numpy's and Python's own state objects would need unpickling code)."""
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
     state = {
         "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "python": {"version": int(version), "internal": torch.tensor(internal, dtype=torch.int64),
+                   "gauss_next": gauss_next},
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -29,8 +35,11 @@ def capture() -> dict[str, Any]:
 
 def restore(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    saved = state["numpy"]
+    np.random.set_state((saved["kind"], saved["keys"].numpy().astype(np.uint32), saved["pos"], saved["has_gauss"],
+                         saved["cached_gaussian"]))
+    saved = state["python"]
+    random.setstate((saved["version"], tuple(int(v) for v in saved["internal"].tolist()), saved["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
         cuda_states = state["cuda"]
         if len(cuda_states) == torch.cuda.device_count():

@@ -71,15 +71,19 @@ class DataParallel(Distribution):
         _, shape = variable_path_and_shape(variable)
         return TensorLayout((None,) * len(shape), self.device_mesh)
 
-    def distribute_model(self, model, **ddp_options):
+    def distribute_model(self, model, *, weights=None, init_seed=None, **ddp_options):
         """Replicate ``model`` (identical on every process at start) under DDP; returns the DDP module
         (or the module itself when the batch axis has a single process: nothing to average).
         With ``zero_stage`` 1, 2 or 3 the FSDP2-sharded module is returned instead.
 
+        ``model`` may be built under ``with torch.device("meta"):``: only this process's shards are
+        then allocated, filled from ``weights`` (a Hugging Face checkpoint directory or a
+        ``.safetensors`` file, read shard by shard) or by the model's initialisers (``init_seed``).
+
         ``ddp_options`` go to ``DistributedDataParallel`` (``find_unused_parameters``,
         ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``, ...), stage 0 only.
         """
-        return engine("apply_model")(model, self, ddp_options=ddp_options)
+        return engine("apply_model")(model, self, ddp_options=ddp_options, weights=weights, init_seed=init_seed)
 
     def prepare_optimizer(self, optimizer, model):
         """Stages 1-3: the same optimizer with its state sharded (over FSDP2's parameter shards it is

@@ -72,6 +72,10 @@ class ModelParallel(Distribution):
     def get_tensor_layout(self, path: str) -> TensorLayout | None:
         return self._layout_map[path]
 
-    def distribute_model(self, model):
-        """Shard ``model``'s parameters in place per the layout map (DTensor); returns the model."""
-        return engine("apply_model")(model, self)
+    def distribute_model(self, model, *, weights=None, init_seed=None):
+        """Shard ``model``'s parameters in place per the layout map (DTensor); returns the model.
+
+        A meta-built ``model`` gets storage for this process's slices only, filled from ``weights``
+        (safetensors, each process reading its own byte ranges) or by its initialisers (``init_seed``).
+        """
+        return engine("apply_model")(model, self, weights=weights, init_seed=init_seed)

@@ -36,8 +36,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--quick", action="store_true",
                         help="a tiny corpus and model that finish in seconds (for tests and smoke checks)")
     parser.add_argument("--precision", choices=("auto", "fp32", "bf16-mixed"), default="auto",
-                        help="compute precision (default auto: bf16-mixed where bf16 matmuls run >= 1.5x fp32's "
-                        "speed on this machine, as with AMX or AVX512-BF16; fp32 otherwise)")
+                        help="compute precision (default auto: bf16-mixed on a CPU with AMX, fp32 on one with AVX2 "
+                        "only; elsewhere bf16-mixed where bf16 matmuls run >= 1.5x fp32's speed, as with "
+                        "AVX512-BF16, fp32 otherwise)")
     return parser
 
 

@@ -17,6 +17,7 @@ import torch
 
 import trainmesh
 from trainmesh.runtime import detect_cluster_env, list_devices
+from trainmesh.runtime.addresses import parse_server_list
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -49,8 +50,11 @@ def _measure_peak(dtype_name: str, seconds: float) -> dict[str, Any]:
 
 
 def collect() -> dict[str, Any]:
-    """The report as a flat dict; raises ValueError when the environment contradicts itself."""
+    """The report as a flat dict; raises ValueError when the environment contradicts itself (a bad
+    address included: a port outside 1..65535, an empty host, an address used twice)."""
     cluster = detect_cluster_env()
+    ps_raw = os.environ.get("TRAINMESH_PS_SERVERS", "")
+    ps_servers = parse_server_list(ps_raw, name="TRAINMESH_PS_SERVERS") if ps_raw.strip() else []
     cuda = torch.cuda.is_available()
     return {
         "source": cluster.source,
@@ -61,6 +65,7 @@ def collect() -> dict[str, Any]:
         "node_rank": cluster.node_rank,
         "master_addr": cluster.master_addr,
         "master_port": cluster.master_port,
+        "ps_servers": ps_servers,
         # What initialize() would pick by default; it adds a gloo side channel for CPU tensors on GPU.
         "backend": "nccl" if cuda else "gloo",
         "devices": list_devices(),
@@ -80,6 +85,7 @@ def format_text(report: dict[str, Any]) -> str:
         f"local rank:       {report['local_rank']} of {report['local_world_size']}",
         f"node rank:        {report['node_rank']}",
         f"master:           {report['master_addr']}:{report['master_port']}",
+        f"ps servers:       {', '.join(report['ps_servers']) or '(none)'}",
         f"backend:          {report['backend']}",
         f"devices:          {', '.join(report['devices']) or '(none)'}",
         f"torch:            {report['torch_version']}",

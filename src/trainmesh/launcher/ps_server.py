@@ -3,7 +3,8 @@
 The options are ``python -m trainmesh.ps``'s own (the same parser), so the two never drift;
 ``--bind`` also accepts a bare ``HOST:PORT``. Workers reach the servers through
 ``TRAINMESH_PS_SERVERS=tcp://host1:port,tcp://host2:port`` (what ``tm.ParameterServerStrategy``
-reads). A non-loopback ``--bind`` needs the shared secret in ``TRAINMESH_PS_SECRET``.
+reads). A non-loopback ``--bind`` needs the shared secret in ``TRAINMESH_PS_SECRET`` (or a 0600
+``--secret-file``); on loopback without one the server makes one and logs the file it wrote.
 """
 
 from __future__ import annotations

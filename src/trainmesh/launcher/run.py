@@ -14,7 +14,8 @@ interface through ``GLOO_SOCKET_IFNAME``.
 
 With ``--servers K`` it first starts K local parameter servers (``trainmesh.ps.LocalCluster``),
 hands their addresses to the workers in ``TRAINMESH_PS_SERVERS`` (where
-``tm.ParameterServerStrategy`` finds them) and stops them when the workers are done.
+``tm.ParameterServerStrategy`` finds them), and, unless the user set one, a new random secret in
+``TRAINMESH_PS_SECRET``, and stops them when the workers are done.
 """
 
 from __future__ import annotations
@@ -133,8 +134,12 @@ def apply_pytorchjob_env(args: argparse.Namespace, environ: Mapping[str, str] | 
         taken.append(f"--node-rank {args.node_rank}")
     if args.rdzv_endpoint is None and nodes_min_max(args.nnodes)[1] > 1:
         endpoint = env.get("PET_RDZV_ENDPOINT")
-        if not endpoint and env.get("PET_MASTER_ADDR"):
-            endpoint = f"{env['PET_MASTER_ADDR']}:{env.get('PET_MASTER_PORT') or 29400}"
+        if endpoint:
+            check_endpoint(endpoint, "PET_RDZV_ENDPOINT")
+        elif env.get("PET_MASTER_ADDR"):
+            from trainmesh.runtime.addresses import env_host, env_port
+
+            endpoint = f"{env_host(env, ('PET_MASTER_ADDR',))}:{env_port(env, ('PET_MASTER_PORT',)) or 29400}"
         if endpoint:
             args.rdzv_endpoint = endpoint
             taken.append(f"--rdzv-endpoint {endpoint}")
@@ -294,14 +299,41 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     if not args.module and not Path(args.script).is_file():
         parser.error(f"script not found: {args.script!r}")
     if args.rdzv_endpoint is not None:
-        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-
         try:
-            parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+            check_endpoint(args.rdzv_endpoint, "--rdzv-endpoint")
         except ValueError as exc:
-            parser.error(f"--rdzv-endpoint must be HOST:PORT ({exc}). Received: --rdzv-endpoint {args.rdzv_endpoint}")
+            parser.error(str(exc))
     if args.local_addr is not None:
         _check_local_addr(args.local_addr, parser)
+    _check_ps_servers(args, parser)
+
+
+def check_endpoint(endpoint: str, name: str) -> tuple[str, int]:
+    """A rendezvous ``HOST:PORT`` (port 29400 when left out): an empty host or a port outside
+    1..65535 is a ValueError naming ``name`` and the value; torch's own parser must accept it too."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    from trainmesh.runtime.addresses import split_host_port
+
+    received = f"{name} {endpoint}" if name.startswith("--") else f"{name}={endpoint!r}"
+    try:
+        host, port = split_host_port(endpoint, 29400)
+        parse_rendezvous_endpoint(endpoint, default_port=29400)
+    except ValueError as exc:
+        raise ValueError(f"{name} must be HOST:PORT ({exc}). Received: {received}") from None
+    return host, port
+
+
+def _check_ps_servers(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Parameter-server addresses handed to the workers are checked here, before any worker starts."""
+    from trainmesh.runtime.addresses import parse_server_list
+
+    raw = os.environ.get("TRAINMESH_PS_SERVERS")
+    if raw is not None and raw.strip() and args.servers is None:
+        try:
+            parse_server_list(raw, name="TRAINMESH_PS_SERVERS")
+        except ValueError as exc:
+            parser.error(str(exc))
 
 
 def _check_local_addr(address: str, parser: argparse.ArgumentParser) -> None:
@@ -364,12 +396,15 @@ def _parameter_servers(count: int | None, num_workers: int) -> Iterator[dict[str
     if not count:
         yield {}
         return
+    from trainmesh.ps.auth import SECRET_ENV, resolve_secret
     from trainmesh.ps.cluster import LocalCluster
     from trainmesh.ps.strategy import SERVERS_ENV
 
-    cluster = LocalCluster(count, num_workers=num_workers)
+    given = resolve_secret()  # the user's (TRAINMESH_PS_SECRET or _FILE), which the workers read too
+    cluster = LocalCluster(count, num_workers=num_workers, secret=given)  # else a new one for this job
     try:
         print(f"[trainmesh] {count} parameter server(s): {', '.join(cluster.addresses)}", file=sys.stderr, flush=True)
-        yield {SERVERS_ENV: ",".join(cluster.addresses)}
+        # The job's secret reaches only the job's processes: the workers' environment.
+        yield {SERVERS_ENV: ",".join(cluster.addresses), **({} if given else {SECRET_ENV: cluster.secret})}
     finally:
         cluster.stop()

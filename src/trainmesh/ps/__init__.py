@@ -22,6 +22,7 @@ _EXPORTS = {
     "LocalCluster": ".cluster",
     "PSError": ".errors",
     "PSTimeoutError": ".errors",
+    "PSAuthError": ".errors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -35,6 +35,8 @@ class PSClient:
     ``server_ids`` name the servers on the placement ring (default: the addresses, or "0".."K-1"
     for transports); every worker must use the same list. ``compression`` ("fp16", "int8",
     "topk:0.01" or a ``Compressor``) compresses dense pushes, with per-shard error feedback.
+    ``secret``: the servers' (default ``TRAINMESH_PS_SECRET`` or ``TRAINMESH_PS_SECRET_FILE``); a
+    wrong or missing one fails requests with ``PSAuthError`` at once (see auth.py).
     """
 
     def __init__(self, servers: Sequence[str] | None = None, *, transports: Sequence[Any] | None = None,
@@ -162,7 +164,9 @@ class PSClient:
         return self.io.submit(messages, assemble)
 
     def push(self, grads: Mapping[str, torch.Tensor], *, lr: float | None = None) -> Future:
-        """Send dense gradients; the future is done when every server acknowledged (applied, durable).
+        """Send dense gradients; the future is done when every server acknowledged (applied, or for a
+        sync parameter added to this clock's round, which is applied once every worker clocked past
+        it; durable either way).
 
         Large float32 gradients are sent without a copy, from their own memory (as
         ``torch.distributed.isend`` does): do not modify them in place before the future is done."""
@@ -190,7 +194,8 @@ class PSClient:
         messages = []
         for server, batch in self._batches(items):
             shards = [sid for _, _, info in batch for sid in info] or [sid for _, t, _ in batch for sid in t]
-            meta: dict[str, Any] = {"shards": shards, "rows": {}}
+            # "round": the iteration this push belongs to; a sync parameter's pushes are summed per round
+            meta: dict[str, Any] = {"shards": shards, "rows": {}, "round": self.clock_value}
             if self.compressor is not None:
                 meta["compression"] = {k: v for _, _, info in batch for k, v in info.items()}
             if lr is not None:
@@ -233,7 +238,7 @@ class PSClient:
         summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, grads.detach().to("cpu", torch.float32))
         messages = []
         for server, positions in self._rows_by_server(name, spec, unique):
-            meta: dict[str, Any] = {"shards": [], "rows": {name: ["ids", "grads"]}}
+            meta: dict[str, Any] = {"shards": [], "rows": {name: ["ids", "grads"]}, "round": self.clock_value}
             if lr is not None:
                 meta["lr"] = float(lr)
             messages.append((server, Message(MessageType.PUSH, self.worker_id, 0, meta=meta,

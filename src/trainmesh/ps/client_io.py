@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .ack_codec import read_ack
-from .errors import PSError, PSTimeoutError
-from .protocol import Message, MessageType, ProtocolError, _check_secret, decode, encode, encode_parts
+from .auth import refusal_text, rejection_code, rejection_in, resolve_secret
+from .errors import PSAuthError, PSError, PSTimeoutError
+from .protocol import Message, MessageType, ProtocolError, decode, encode, encode_parts
 
 log = logging.getLogger(__name__)
 _STOP = object()
@@ -84,8 +85,9 @@ class ClientIO:
     def __init__(self, endpoints, *, from_addresses: bool, identity: bytes, sender: str, secret,
                  retry_after_s: float, heartbeat_s: float, request_timeout_s: float, server_names: list[str],
                  clock: Callable[[], int]):
-        # The secret checked and as bytes once, not at every encode and decode.
-        self.sender, self.key, self.identity = sender, _check_secret(secret), identity
+        # The secret (given, else from the environment; see auth.py) checked and as bytes once,
+        # not at every encode and decode.
+        self.sender, self.key, self.identity = sender, resolve_secret(secret), identity
         # Seqs restart with every client: the server dedups per (worker, session).
         self.session = identity.decode("ascii", "replace")
         self.retry_after_s, self.heartbeat_s, self.request_timeout_s = retry_after_s, heartbeat_s, request_timeout_s
@@ -95,7 +97,7 @@ class ClientIO:
         # Submitted commands, oldest first. A deque, not a queue.Queue: append and popleft are
         # atomic, so neither side takes a lock per request (the wake pipe does the waking).
         self._commands: collections.deque = collections.deque()
-        self._stats = {"resends": 0, "rejected_replies": 0, "requests": 0}
+        self._stats = {"resends": 0, "rejected_replies": 0, "requests": 0, "refusals": 0}
         self._closed = False
         self._failure: BaseException | None = None
         # True while the thread is (about to be) blocked in its poll with no command queued: only
@@ -268,9 +270,14 @@ class ClientIO:
             # A push's ack is read by its own short path; any other frame by the general decoder.
             reply = read_ack(frame, self.key) or decode(frame, self.key)
         except ProtocolError as error:
+            code = rejection_code(frame)  # unsigned: a server that does not share our secret says no
+            if code is not None:
+                return self._refused(server, code)
             self._stats["rejected_replies"] += 1
             log.warning("PS client %s: dropped a malformed reply from %s: %s", self.sender, server.name, error)
             return
+        if not reply.seq and (code := rejection_in(reply)) is not None:  # (read so when we have no secret)
+            return self._refused(server, code)
         pending = server.pending.pop(reply.seq, None) if reply.seq else None
         if pending is None:
             return  # a heartbeat's reply, or a second answer to a resent request
@@ -285,6 +292,15 @@ class ClientIO:
             pending.gather.fail(error)
             return
         pending.gather.deliver(pending.slot, reply)
+
+    def _refused(self, server: _Server, code: str) -> None:
+        """The server rejected our frames (see auth.py): fail what waits on it, naming authentication,
+        instead of resending until the timeout. The words are ours, not the (unsigned) reply's."""
+        self._stats["refusals"] += 1
+        for seq, pending in list(server.pending.items()):
+            del server.pending[seq]
+            pending.gather.fail(PSAuthError(f"{pending.kind} (seq {seq}) to server {server.name}: "
+                                            f"{refusal_text(code, server.name)}", code))
 
     def _resend_due(self, now: float) -> None:
         for server in self._servers:

@@ -16,11 +16,11 @@ import tempfile
 import time
 from typing import Any, Sequence
 
+from .auth import SECRET_ENV, SECRET_FILE_ENV, as_text, new_secret, resolve_secret
 from .client_io import ClientIO
 from .placement import HashRing
 from .protocol import Message, MessageType
 from .durability import DURABILITY
-from .transport import SECRET_ENV
 
 
 def _free_port(host: str) -> int:
@@ -104,7 +104,9 @@ class LocalCluster:
     by itself once this process is gone (``--parent-pid``), even after a SIGKILL.
 
     ``directory``: parent of each server's ``server{i}`` snapshot/WAL directory and log file
-    (default: a temporary directory). ``secret`` reaches the servers through the environment.
+    (default: a temporary directory). ``secret`` (default: ``TRAINMESH_PS_SECRET`` or
+    ``TRAINMESH_PS_SECRET_FILE``, else a new random one) reaches the servers through their
+    environment only; clients need ``cluster.secret``.
     """
 
     def __init__(self, num_servers: int, num_workers: int = 0, *, durability: str = "none",
@@ -115,7 +117,9 @@ class LocalCluster:
             raise ValueError(f"num_servers must be an int >= 1, got {num_servers!r}")
         if durability not in DURABILITY:
             raise ValueError(f"durability must be 'none', 'snapshot' or 'wal', got {durability!r}")
-        self.num_workers, self.durability, self.secret, self.host = num_workers, durability, secret, host
+        given = resolve_secret(secret)
+        self.secret: str = as_text(given) if given is not None else new_secret()
+        self.num_workers, self.durability, self.host = num_workers, durability, host
         self.startup_timeout_s = startup_timeout_s
         self._tmp = tempfile.TemporaryDirectory(prefix="trainmesh-ps-") if directory is None else None
         self.directory = os.fspath(directory) if directory is not None else self._tmp.name
@@ -161,8 +165,8 @@ class LocalCluster:
         env = dict(os.environ, OMP_NUM_THREADS="1")
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        if self.secret is not None:
-            env[SECRET_ENV] = self.secret.decode() if isinstance(self.secret, bytes) else self.secret
+        env.pop(SECRET_FILE_ENV, None)
+        env[SECRET_ENV] = self.secret  # (a child's environment is readable by this user only)
         command = [sys.executable, "-m", "trainmesh.ps", "--bind", self.addresses[i], "--server-id",
                    self.addresses[i], "--dir", self.server_dir(i), "--parent-pid", str(os.getpid()),
                    *self.common_args]

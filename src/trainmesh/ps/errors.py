@@ -17,3 +17,7 @@ class PSTimeoutError(PSError, TimeoutError):
     def __init__(self, message: str, code: str = "timeout", worker: str | None = None):
         super().__init__(message, code)
         self.worker = worker
+
+
+class PSAuthError(PSError):
+    """A server rejected this client's frames: its secret is missing or not the servers' one."""

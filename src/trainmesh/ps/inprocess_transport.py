@@ -56,6 +56,8 @@ def _queue_get(box: queue.Queue, timeout_s: float | None):
 
 
 class InProcessServerTransport(ServerTransport):
+    in_process = True
+
     def __init__(self, hub: InProcessHub, name: str) -> None:
         super().__init__()
         self._hub, self._name, self._inbox = hub, name, hub._inbox(name)

@@ -1,7 +1,7 @@
-"""Server-side optimizers: SGD (momentum, Nesterov), Adam and Adagrad built from a JSON spec.
+"""Server-side optimizers: SGD (momentum, Nesterov), Adam, AdamW and Adagrad built from a JSON spec.
 
 A server applies each pushed gradient to one shard as it arrives. Dense parts (1-D) follow
-``torch.optim.SGD/Adam/Adagrad`` exactly. Row updates (2-D tables) touch only the given rows and
+``torch.optim.SGD/Adam/AdamW/Adagrad`` exactly. Row updates (2-D tables) touch only the given rows and
 their state; duplicate rows in one push are summed first. Every row keeps its own step count,
 so a row's bias correction (Adam) and ``lr_decay`` (Adagrad) depend only on how often that row
 was updated, never on how the table is split into shards. For Adam rows this is the update of
@@ -27,6 +27,7 @@ __all__ = ["ServerOptimizer", "make_optimizer", "OPTIMIZER_DEFAULTS"]
 OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
     "sgd": {"lr": None, "momentum": 0.0, "weight_decay": 0.0, "nesterov": False, "dampening": 0.0},
     "adam": {"lr": None, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
+    "adamw": {"lr": None, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},  # decoupled decay
     "adagrad": {"lr": None, "eps": 1e-10, "initial_accumulator_value": 0.0, "lr_decay": 0.0,
                 "weight_decay": 0.0},
 }
@@ -100,7 +101,7 @@ class ServerOptimizer:
     def state_keys(self) -> tuple[str, ...]:
         if self.name == "sgd":
             return ("step", "momentum_buffer") if self.spec["momentum"] != 0 else ("step",)
-        if self.name == "adam":
+        if self.name in ("adam", "adamw"):
             return ("step", "exp_avg", "exp_avg_sq")
         return ("step", "sum")
 
@@ -110,7 +111,7 @@ class ServerOptimizer:
         state = {"step": torch.zeros(value.shape[:-1], dtype=torch.int64)}
         if self.name == "sgd" and self.spec["momentum"] != 0:
             state["momentum_buffer"] = torch.zeros_like(value)
-        elif self.name == "adam":
+        elif self.name in ("adam", "adamw"):
             state["exp_avg"] = torch.zeros_like(value)
             state["exp_avg_sq"] = torch.zeros_like(value)
         elif self.name == "adagrad":
@@ -136,7 +137,7 @@ class ServerOptimizer:
             self._sgd(value, grad, state, lr, first=first)
             return
         step = int(state["step"])
-        if self.name == "adam":
+        if self.name in ("adam", "adamw"):
             self._adam_dense(value, grad, state, lr, step)
         else:
             self._adagrad(value, grad, state, lr, step)
@@ -166,7 +167,7 @@ class ServerOptimizer:
         steps = rows_state["step"]
         if self.name == "sgd":
             self._sgd(rows_value, grad, rows_state, lr, first=(steps == 1).unsqueeze(1))
-        elif self.name == "adam":
+        elif self.name in ("adam", "adamw"):
             self._adam_rows(rows_value, grad, rows_state, lr, steps)
         else:
             self._adagrad(rows_value, grad, rows_state, lr, steps.to(torch.float64).unsqueeze(1))
@@ -198,10 +199,18 @@ class ServerOptimizer:
             grad = grad.add(buf, alpha=momentum) if spec["nesterov"] else buf
         value.add_(grad, alpha=-lr)
 
+    def _decay(self, value, grad, lr):
+        """Adam's L2 term joins the gradient; AdamW's decays the value itself (decoupled)."""
+        if self.spec["weight_decay"] == 0:
+            return grad
+        if self.name == "adamw":
+            value.mul_(1 - lr * self.spec["weight_decay"])
+            return grad
+        return grad.add(value, alpha=self.spec["weight_decay"])
+
     def _adam_dense(self, value, grad, state, lr, step: int) -> None:
         beta1, beta2 = self.spec["betas"]
-        if self.spec["weight_decay"] != 0:
-            grad = grad.add(value, alpha=self.spec["weight_decay"])
+        grad = self._decay(value, grad, lr)
         state["exp_avg"].lerp_(grad, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         bias_correction1 = 1 - beta1**step
@@ -212,8 +221,7 @@ class ServerOptimizer:
     def _adam_rows(self, value, grad, state, lr, steps: torch.Tensor) -> None:
         # torch.optim.SparseAdam's arithmetic, with a bias correction per row.
         beta1, beta2 = self.spec["betas"]
-        if self.spec["weight_decay"] != 0:
-            grad = grad.add(value, alpha=self.spec["weight_decay"])
+        grad = self._decay(value, grad, lr)
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.add_(grad.sub(exp_avg).mul_(1 - beta1))
         exp_avg_sq.add_(grad.pow(2).sub_(exp_avg_sq).mul_(1 - beta2))

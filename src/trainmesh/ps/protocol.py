@@ -55,6 +55,10 @@ class ProtocolError(ValueError):
     """A frame that is not a valid trainmesh PS message (malformed, oversized or forged)."""
 
 
+class AuthenticationError(ProtocolError):
+    """A frame whose HMAC is missing, unexpected or wrong: not from a holder of the secret."""
+
+
 class MessageType(str, enum.Enum):
     REGISTER = "register"
     INIT = "init"
@@ -294,9 +298,9 @@ def decode(data, secret: bytes | str | None = None,
     expected_flags = FLAG_HMAC if key else 0
     if flags != expected_flags:
         if key and not flags & FLAG_HMAC:
-            raise ProtocolError("message has no HMAC but a secret is configured")
+            raise AuthenticationError("message has no HMAC but a secret is configured")
         if not key and flags & FLAG_HMAC:
-            raise ProtocolError("message carries an HMAC but no secret is configured")
+            raise AuthenticationError("message carries an HMAC but no secret is configured")
         raise ProtocolError(f"unknown flags 0x{flags:02x}")
     if header_len > MAX_HEADER_BYTES:
         raise ProtocolError(f"header length {header_len} exceeds {MAX_HEADER_BYTES}")
@@ -310,7 +314,7 @@ def decode(data, secret: bytes | str | None = None,
         mac = hmac.new(key, digestmod=hashlib.sha256)
         parts.feed(mac, body_end)
         if not hmac.compare_digest(mac.digest(), parts.read(body_end, parts.nbytes)[0]):
-            raise ProtocolError("HMAC mismatch: message was altered or signed with another secret")
+            raise AuthenticationError("HMAC mismatch: message was altered or signed with another secret")
 
     header = _parse_header(parts.read(_PREFIX.size, payload_start)[0])
     tensors = _decode_tensors(header["tensors"], parts, payload_start, body_end, copy)

@@ -1,8 +1,10 @@
 """Run one parameter-server process: ``python -m trainmesh.ps --bind tcp://127.0.0.1:5555 ...``.
 
 The secret is read from an environment variable (``--secret-env``, default
-``TRAINMESH_PS_SECRET``), never from the command line where ``ps`` would show it. Binding a
-non-loopback address without one is refused. SIGTERM/SIGINT stop the server gracefully (a last
+``TRAINMESH_PS_SECRET``) or a 0600 file (``--secret-file``, ``TRAINMESH_PS_SECRET_FILE``, or
+``DIR/secret`` with ``--dir``), never from the command line where ``ps`` would show it. Binding a
+non-loopback address without one is refused; on loopback the server makes a random one, writes
+it to that file (a new private temporary one without a path) and logs where. SIGTERM/SIGINT stop the server gracefully (a last
 snapshot when durable); SIGKILL is what the WAL is for.
 With ``--parent-pid`` the server also stops once that process is gone (no orphans). Prints ``READY <address>`` once serving.
 """
@@ -17,9 +19,9 @@ import sys
 import threading
 import time
 
+from .auth import SECRET_ENV, SECRET_FILE_ENV, new_secret, read_secret_file, write_secret_file
 from .durability import DURABILITY
 from .server import ParameterServer
-from .transport import SECRET_ENV
 
 
 
@@ -37,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--snapshot-every-s", type=float, default=30.0, help="seconds between snapshots")
     parser.add_argument("--secret-env", default=SECRET_ENV,
                         help=f"environment variable holding the shared secret (default {SECRET_ENV})")
+    parser.add_argument("--secret-file", default=None,
+                        help=f"0600 file holding the secret when the variable is unset (default: ${SECRET_FILE_ENV}, "
+                        "else DIR/secret with --dir); on loopback a missing file is created with a new secret")
     parser.add_argument("--dead-after-s", type=float, default=10.0, help="silence after which a worker is dead")
     parser.add_argument("--drop-dead-workers", action="store_true",
                         help="sync pulls stop waiting for dead workers instead of failing")
@@ -92,16 +97,35 @@ def watch_parent(parent_pid: int, on_gone, interval_s: float = 1.0) -> threading
     return thread
 
 
+def _secret(args: argparse.Namespace) -> bytes:
+    """The secret given (variable, then file), else a new one written to a 0600 file (loopback only)."""
+    from .transport import check_bind_address
+
+    if os.environ.get(args.secret_env):
+        return os.environ[args.secret_env].encode("utf-8")
+    path = args.secret_file or os.environ.get(SECRET_FILE_ENV) or (os.path.join(args.dir, "secret") if args.dir else None)
+    if path and os.path.lexists(path):
+        return read_secret_file(path)
+    check_bind_address(args.bind, None)  # off loopback the user must give the secret (clients elsewhere need it)
+    secret = new_secret()
+    if path and os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    path = write_secret_file(secret, path)
+    logging.getLogger(__name__).warning("no secret in %s: made one for this server, in %s (mode 0600); give it to "
+                                        "the job's processes as %s=%s", args.secret_env, path, SECRET_FILE_ENV, path)
+    return secret.encode("utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s ps %(levelname)s %(message)s")
-    secret = os.environ.get(args.secret_env) or None
     if args.durability != "none" and not args.dir:
         raise SystemExit(f"--durability {args.durability} needs --dir")
     from .transport import ZmqServerTransport
 
     try:
+        secret = _secret(args)
         transport = ZmqServerTransport(args.bind, secret=secret)
     except (ValueError, OSError) as error:
         raise SystemExit(f"trainmesh ps: {error}") from None

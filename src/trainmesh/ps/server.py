@@ -26,14 +26,14 @@ import time
 from typing import Any
 
 from .ack_codec import AckWriter
+from .auth import MALFORMED, SECRET_ENV, UNAUTHENTICATED, RejectGuard, rejection_frame, resolve_secret
 from .clock import ClockTable
 from .durability import DURABILITY
-from .protocol import DEFAULT_MAX_BYTES, Message, MessageType, ProtocolError, decode, encode
+from .protocol import DEFAULT_MAX_BYTES, AuthenticationError, Message, MessageType, ProtocolError, decode, encode
 from .server_state import ServerState
 from .transport import frame_nbytes
 
 log = logging.getLogger(__name__)
-
 
 
 class BadRequest(ValueError):
@@ -49,6 +49,8 @@ class ParameterServer:
 
     ``directory`` holds the snapshot and write-ahead log (required unless durability is
     ``"none"``); a server started on a directory that has them recovers from them first.
+    ``secret`` (else ``TRAINMESH_PS_SECRET`` / ``TRAINMESH_PS_SECRET_FILE``) authenticates every
+    frame; only an in-process transport may go without (see auth.py).
     """
 
     def __init__(self, transport, *, server_id: str = "ps", num_workers: int = 0, durability: str = "none",
@@ -61,6 +63,11 @@ class ParameterServer:
             raise ValueError(f"durability={durability!r} needs a directory, got directory=None")
         if not isinstance(snapshot_every, int) or snapshot_every < 1:
             raise ValueError(f"snapshot_every must be an int >= 1, got {snapshot_every!r}")
+        secret = resolve_secret(secret)
+        if secret is None and not getattr(transport, "in_process", False):
+            raise ValueError(f"a parameter server on {getattr(transport, 'address', transport)!r} needs a secret: "
+                             f"every peer must authenticate, on loopback too. Pass secret= or set {SECRET_ENV} "
+                             f"(trainmesh.ps.auth.new_secret() makes one). Received: secret=None")
         self.transport = transport
         self.server_id = server_id
         self.num_workers = num_workers
@@ -74,8 +81,12 @@ class ParameterServer:
         self.pending_pulls: list[tuple[Any, Message]] = []
         self.pending_clocks: list[tuple[Any, Message]] = []  # clocks waiting for their after_pushes
         self.failed_pushes: set[tuple[str, int]] = set()  # refused pushes: answered, never applied
+        # Only what was served counts in bytes_in, requests, pulls and applied_pushes; "rejected"
+        # counts refusals, "unauthenticated" the part of them that never authenticated.
         self.counters = {"bytes_in": 0, "bytes_out": 0, "requests": 0, "applied_pushes": 0, "duplicates": 0,
-                         "rejected": 0, "pulls": 0, "errors_sent": 0, "replayed": 0}
+                         "rejected": 0, "unauthenticated": 0, "pulls": 0, "errors_sent": 0, "replayed": 0,
+                         "rounds_applied": 0}
+        self.strangers = RejectGuard(server_id, log)
         self._running = False
         self.counters["replayed"] = self.state.recover(self._mutate)
 
@@ -91,6 +102,7 @@ class ParameterServer:
                 self._answer_pending()
                 self.state.maybe_snapshot()
         finally:
+            self.strangers.flush()
             self.state.close()
 
     def stop(self) -> None:
@@ -98,20 +110,19 @@ class ParameterServer:
 
     def handle(self, peer, frame) -> None:
         """Serve one received frame (or a message's list of parts) from ``peer`` (whatever it contains)."""
-        self.counters["bytes_in"] += frame_nbytes(frame)
         try:
             # No copy: push gradients and pull ids are only read, while this frame is alive.
             msg = decode(frame, self.secret, self.max_message_bytes, copy=False)
         except ProtocolError as error:
-            self.counters["rejected"] += 1
-            log.warning("ps %s: dropped a malformed message (%s)", self.server_id, error)
+            self._refuse(peer, error)
             return
+        self.counters["bytes_in"] += frame_nbytes(frame)
         if msg.type not in (MessageType.PUSH, MessageType.PULL):
             # init/import values become shard state, updated in place: give them their own memory.
             msg.tensors = {name: tensor.clone() for name, tensor in msg.tensors.items()}
-        self.counters["requests"] += 1
         try:
             self._dispatch(peer, msg, frame)
+            self.counters["requests"] += 1
         except Exception as error:  # noqa: BLE001 - no request may take the server down
             self.counters["rejected"] += 1
             if msg.type is MessageType.PUSH:
@@ -119,6 +130,15 @@ class ParameterServer:
             code = error.code if isinstance(error, BadRequest) else "bad_request"
             log.warning("ps %s: rejected %s from %s: %s", self.server_id, msg.type.value, msg.sender, error)
             self._error(peer, msg, f"{type(error).__name__}: {error}", code)
+
+    def _refuse(self, peer, error: ProtocolError) -> None:
+        """A frame that did not authenticate: counted, logged sparingly, answered with a bare
+        rejection at most a few times a second per peer; nothing in it is read or applied."""
+        self.counters["rejected"] += 1
+        self.counters["unauthenticated"] += 1
+        if self.strangers.reject(peer, error):
+            code = UNAUTHENTICATED if isinstance(error, AuthenticationError) else MALFORMED
+            self.transport.send(peer, rejection_frame(self.server_id, code))
 
     def _dispatch(self, peer, msg: Message, frame: bytes) -> None:
         kind = msg.type
@@ -143,8 +163,8 @@ class ParameterServer:
                 self.state.maybe_snapshot(force=True)  # no log: new keys must not wait for the timer
             self._reply(peer, msg, MessageType.OK)
         elif kind is MessageType.PULL:
-            self.counters["pulls"] += 1
             self._check_pull(msg)
+            self.counters["pulls"] += 1
             _enqueue_once(self.pending_pulls, peer, msg)  # a resent pull waits once
             self._answer_pending()
         elif kind is MessageType.CLOCK:
@@ -183,6 +203,9 @@ class ParameterServer:
 
     def _mutate(self, msg: Message) -> None:
         """Replay one logged frame (dedup skips pushes the snapshot already holds)."""
+        if msg.type is MessageType.CLOCK:  # a sync round applied (see _apply_due_rounds)
+            self.state.apply_round(msg.meta["apply_round"])
+            return
         if msg.type is MessageType.PUSH and self.state.dedup.is_done(_session(msg), msg.seq):
             return
         self._prepare(msg)()
@@ -222,7 +245,18 @@ class ParameterServer:
             self.pending_clocks = still_waiting
         self._answer_pending_pulls()
 
+    def _apply_due_rounds(self) -> None:
+        """Apply every sync round all live workers have clocked past (before any pull is answered),
+        logged as a marker after the pushes it sums so a replay applies it at the same point."""
+        if not self.state.rounds or not self.clocks.workers:  # (no worker known yet: nobody finished)
+            return
+        for round_ in self.state.rounds.due(self.clocks.min_live_clock()):
+            marker = encode(Message(MessageType.CLOCK, self.server_id, 0, meta={"apply_round": round_}), self.secret)
+            self.state.log_then(marker, lambda round_=round_: self.state.apply_round(round_))
+            self.counters["rounds_applied"] += 1
+
     def _answer_pending_pulls(self) -> None:
+        self._apply_due_rounds()
         still_waiting = []
         for peer, msg in self.pending_pulls:
             if not self._ordered(msg):
@@ -269,7 +303,7 @@ class ParameterServer:
     def stats(self) -> dict[str, Any]:
         return {**self.counters, "server_id": self.server_id, "max_staleness_observed": self.clocks.max_lead,
                 "clocks": self.clocks.snapshot(), "waiting_pulls": len(self.pending_pulls),
-                "waiting_clocks": len(self.pending_clocks),
+                "waiting_clocks": len(self.pending_clocks), "open_round_pushes": self.state.rounds.pending_pushes,
                 "shards": len(self.state.shards), "params": sorted(self.state.params),
                 "durability": self.state.durability, "time": time.time()}
 

@@ -20,6 +20,7 @@ from .placement import shard_id, split_shard_id
 from .protocol import Message
 from .row_store import RowStore
 from .shard import Shard
+from .sync_rounds import SNAPSHOT_KEY, OpenRounds
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class ServerState:
         self.dedup = DedupTable()
         self._decompressors: dict[str, Any] = {}
         self._row_stores: dict[str, RowStore] = {}  # sparse table -> the ranges held here, packed
+        self.rounds = OpenRounds()  # sync pushes waiting for their round (sync_rounds.py)
         self.store = None
         if durability != "none":
             from .durability import DurableStore
@@ -110,6 +112,8 @@ class ServerState:
             meta, shards = snapshot
             self.params = meta["params"]
             self.dedup.load_json(meta["dedup"])
+            if SNAPSHOT_KEY in shards:
+                self.rounds.load_state_dict(*shards.pop(SNAPSHOT_KEY))
             self.shards = {sid: Shard.from_state(tensors, shard_meta) for sid, (tensors, shard_meta) in shards.items()}
         return self.store.replay(mutate)
 
@@ -125,8 +129,11 @@ class ServerState:
         if self.store is None or not (force or self.store.snapshot_due()):
             return
         try:
+            shards = {sid: shard.state_dict() for sid, shard in self.shards.items()}
+            if self.rounds:  # acknowledged pushes of open rounds: the log is truncated after this
+                shards[SNAPSHOT_KEY] = self.rounds.state_dict()
             self.store.write_snapshot({"params": self.params, "dedup": self.dedup.to_json(), "time": time.time()},
-                                      {sid: shard.state_dict() for sid, shard in self.shards.items()})
+                                      shards)
         except OSError as error:  # e.g. disk full: the WAL (kept until a snapshot succeeds) still holds everything
             log.error("snapshot to %s failed, will retry: %s", self.store.directory, error)
             self.store.retry_at = time.monotonic() + 5.0
@@ -210,6 +217,9 @@ class ServerState:
         lr = msg.meta.get("lr")
         if lr is not None and (not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr >= 0):
             raise ValueError(f"push lr must be a number >= 0, got {lr!r}")
+        round_ = msg.meta.get("round")  # the pusher's clock: a sync parameter's push joins that round
+        if round_ is not None and (not isinstance(round_, int) or isinstance(round_, bool) or round_ < 0):
+            raise ValueError(f"push round must be an int >= 0, got {round_!r}")
         compression = msg.meta.get("compression") or {}
         updates: list[Callable[[], None]] = []
         for sid in msg.meta.get("shards", []):
@@ -218,7 +228,10 @@ class ServerState:
             if tuple(grad.shape) != shard.shape:
                 raise ValueError(f"gradient for {sid!r} has shape {tuple(grad.shape)}, the shard {shard.shape}")
             grad = grad if grad.dtype == torch.float32 else grad.float()
-            updates.append(lambda shard=shard, grad=grad: shard.apply(grad, lr=lr))
+            if round_ is not None and self.spec_of(sid)["mode"] == "sync":
+                updates.append(lambda sid=sid, grad=grad: self.rounds.add_dense(round_, sid, grad, lr))
+            else:
+                updates.append(lambda shard=shard, grad=grad: shard.apply(grad, lr=lr))
         for table, names in (msg.meta.get("rows") or {}).items():
             ids, grads = msg.tensors[names[0]], msg.tensors[names[1]]
             dim = self.spec_of(table)["shape"][1]
@@ -232,10 +245,29 @@ class ServerState:
             unique, inverse = torch.unique(ids, return_inverse=True)
             summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, grads.float())
             store, shard_of = self._table_rows(table, unique)
-            if unique.numel():
+            if unique.numel() and round_ is not None and self.spec_of(table)["mode"] == "sync":
+                updates.append(lambda table=table, ids=unique, g=summed: self.rounds.add_rows(round_, table, ids, g, lr))
+            elif unique.numel():
                 updates.append(lambda store=store, shard_of=shard_of, ids=unique, g=summed:
                                store.apply(ids, g, shard_of, lr=lr))
+        if round_ is not None and len(updates) and any(self.spec_of(name)["mode"] == "sync" for name in
+                                                       [*msg.meta.get("shards", []), *(msg.meta.get("rows") or {})]):
+            updates.append(lambda: self.rounds.count_push(round_))
         return updates
+
+    def apply_round(self, round_: int) -> None:
+        """Apply the summed pushes of sync round ``round_``: one optimizer step per shard and table."""
+        entry = self.rounds.take(round_)
+        for sid, total in entry.dense.items():
+            shard = self.shards.get(sid)
+            if shard is None:  # moved away meanwhile (a rebalance is made while workers pause)
+                log.error("sync round %d: shard %r is gone; its summed gradient is dropped", round_, sid)
+                continue
+            shard.apply(total, lr=entry.lr.get(sid))
+        for table in entry.rows:
+            ids, grads = entry.summed_rows(table)
+            store, shard_of = self._table_rows(table, ids)
+            store.apply(ids, grads, shard_of, lr=entry.lr.get(table))
 
     def _decompress(self, msg: Message, sid: str, info: dict) -> torch.Tensor:
         from trainmesh.compression import Compressed, get_compressor

@@ -6,13 +6,14 @@ Per optimizer step each of the N workers: forward/backward on its slice of the g
 row gradients (with the current lr), calls ``clock()``, and pulls fresh dense values. The
 servers apply every push with their optimizer, which mirrors the user's torch optimizer.
 
-Gradient convention: each worker pushes ``(1/N) * gradient of its mean local loss``, and
-plain SGD on the servers applies the *sum* of the pushes, i.e. the gradient of the mean loss
-over the global batch. So with ``mode="sync"`` and plain SGD, N workers take exactly the
-steps of one process training on the full global batch. (Momentum, Adam and Adagrad apply
-each push as it arrives, so they are not step-for-step equal to full-batch training, and
-``weight_decay`` is sent as ``weight_decay / N``: decay once per round of N pushes.)
-Async: a round of N pushes moves the model about as far as one synchronous step.
+Gradient convention: each worker pushes ``(1/N) * gradient of its mean local loss``; the sum
+of a round's pushes is the gradient of the mean loss over the global batch. With
+``mode="sync"`` the servers sum a round's pushes and apply the sum once, when every worker has
+clocked past it (``sync_rounds.py``, TF's ``SyncReplicasOptimizer``): SGD, momentum, Adam,
+AdamW and Adagrad take exactly the steps of one process training on the full global batch.
+Async/SSP parameters apply each push as it arrives (their ``weight_decay`` is sent as
+``weight_decay / N``: decay about once per N pushes); a round of N pushes moves the model about
+as far as one synchronous step.
 
 Consistency (``mode``): ``"sync"`` (BSP: a pull waits until every worker finished the previous
 step), ``"ssp"`` (at most ``staleness`` steps ahead of the slowest worker), ``"async"`` (never
@@ -23,6 +24,9 @@ A ``PSEmbedding``'s own ``mode=`` overrides the pattern for its table.
 Servers: ``TRAINMESH_PS_SERVERS`` (comma-separated, set by ``trainmesh run --servers K``), else
 ``servers=[addresses]``, else ``num_servers`` (default 1) local server processes started by
 worker 0 (addresses shared over the process group), stopped at ``close()`` or exit.
+Secret (every server authenticates every frame): ``secret=``, else ``TRAINMESH_PS_SECRET`` or
+``TRAINMESH_PS_SECRET_FILE``, else the random one worker 0 made for the servers it started, sent
+to the other workers with their addresses (see auth.py).
 Buffers (e.g. BatchNorm statistics) and frozen parameters stay on the workers.
 
 With the Trainer, workers still meet at its per-step loss all-reduce (``nonfinite_loss`` check,
@@ -52,8 +56,8 @@ from .dense_cache import DenseCache
 from .embedding import PSEmbedding
 from .param_entries import dense_param, parse_mode, table_param
 from .durability import DURABILITY
-from .transport import SECRET_ENV
-from .worker_optimizer import PSOptimizer, server_optimizer_spec
+from .auth import resolve_secret
+from .worker_optimizer import PSOptimizer, server_optimizer_spec, spec_for_mode
 
 SERVERS_ENV = "TRAINMESH_PS_SERVERS"
 _open_scopes: list["ParameterServerStrategy"] = []
@@ -131,6 +135,7 @@ class ParameterServerStrategy:
         self._distribution = PSDistribution(self, [f"cpu:{i}" for i in range(self.num_workers)])
         self._client = None
         self._cluster = None  # LocalCluster started by this process (worker 0), if any
+        self._started_secret: bytes | None = None  # that cluster's secret, on every worker
         self._dense: dict[str, nn.Parameter] = {}
         self._tables: dict[str, PSEmbedding] = {}
         self._served: list[str] = []  # dense parameters registered on the servers
@@ -171,8 +176,9 @@ class ParameterServerStrategy:
                                 secret=self._secret_bytes(), compression=self.compression, **self.client_options)
 
     def _secret_bytes(self) -> bytes | None:
-        secret = self.secret if self.secret is not None else os.environ.get(SECRET_ENV)
-        return secret.encode() if isinstance(secret, str) else secret
+        """``secret=``, else the job's (``TRAINMESH_PS_SECRET``, set by ``trainmesh run --servers``,
+        or ``TRAINMESH_PS_SECRET_FILE``), else the one worker 0 made for the servers it started."""
+        return resolve_secret(self.secret) or self._started_secret
 
     def _server_addresses(self) -> list[str]:
         from_env = split_job_addresses(os.environ.get(SERVERS_ENV, ""))
@@ -189,18 +195,23 @@ class ParameterServerStrategy:
         if self.num_workers > 1:
             import torch.distributed as dist
 
+            # The servers' secret (a new one unless the user gave one) goes only to the job's own
+            # processes, over their process group, with the addresses.
             dist.broadcast_object_list(holder, src=0)
         if isinstance(holder[0], str):
             raise RuntimeError(f"worker 0 could not start the parameter servers ({holder[0]})")
-        return list(holder[0])
+        addresses, secret = holder[0]
+        self._started_secret = secret.encode("utf-8")
+        return list(addresses)
 
-    def _start_local_servers(self) -> list[str]:
+    def _start_local_servers(self) -> tuple[list[str], str]:
         from .cluster import LocalCluster
 
         self._cluster = LocalCluster(self.num_servers or 1, num_workers=self.num_workers,
-                                     durability=self.durability, secret=self._secret_bytes(), **self.server_options)
+                                     durability=self.durability, secret=resolve_secret(self.secret),
+                                     **self.server_options)
         atexit.register(self._stop_cluster)
-        return list(self._cluster.addresses)
+        return list(self._cluster.addresses), self._cluster.secret
 
     def _stop_cluster(self) -> None:
         cluster, self._cluster = self._cluster, None
@@ -242,10 +253,9 @@ class ParameterServerStrategy:
             if unknown:
                 raise ValueError("The optimizer holds parameters that are not the distributed model's; build it "
                                  f"from model.parameters(). Received: {len(unknown)} unknown parameter(s)")
-            spec = server_optimizer_spec(optimizer, group, self.num_workers)
+            spec = server_optimizer_spec(optimizer, group)  # weight decay per mode: see _register
             groups.append((spec, [names_by_id[id(p)] for p in group["params"] if id(p) in names_by_id]))
-        table_spec = groups[0][0] if groups else server_optimizer_spec(optimizer, optimizer.param_groups[0],
-                                                                      self.num_workers)
+        table_spec = groups[0][0] if groups else server_optimizer_spec(optimizer, optimizer.param_groups[0])
         self._register(groups, table_spec)
         proxy = PSOptimizer(optimizer, self, groups, list(self._tables.values()))
         self._optimizers.append(proxy)
@@ -259,10 +269,12 @@ class ParameterServerStrategy:
         for spec, names in groups:
             for name in names:
                 mode, staleness = self.mode_of(name)
-                params.append(dense_param(name, self._dense[name].detach(), spec, mode, staleness))
+                params.append(dense_param(name, self._dense[name].detach(),
+                                          spec_for_mode(spec, mode, self.num_workers), mode, staleness))
         for table in self._tables.values():
-            table.server_optimizer = table_optimizer
-            params.append(table_param(table, self))
+            entry = table_param(table, self)
+            table.server_optimizer = entry["optimizer"] = spec_for_mode(table_optimizer, entry["mode"], self.num_workers)
+            params.append(entry)
         client = self.client  # connecting may be a collective: before the barriers below
         if self.worker_id != 0:
             runtime.barrier()

@@ -81,6 +81,10 @@ class ClientTransport(_Transport, abc.ABC):
 class ServerTransport(_Transport, abc.ABC):
     """A server endpoint receiving frames from many clients, replying by peer identity."""
 
+    # True only for transports no other process can reach (tests' in-process hub): a server
+    # on any other transport must authenticate its peers (see auth.py).
+    in_process: bool = False
+
     @property
     @abc.abstractmethod
     def address(self) -> str:

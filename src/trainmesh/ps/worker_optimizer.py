@@ -19,19 +19,19 @@ from typing import Any, Callable
 
 import torch
 
-from trainmesh import runtime
 
-SUPPORTED = ("SGD", "Adam", "Adagrad")
+SUPPORTED = ("SGD", "Adam", "AdamW", "Adagrad")
 
 
-def server_optimizer_spec(optimizer: torch.optim.Optimizer, group: dict, num_workers: int) -> dict[str, Any]:
+def server_optimizer_spec(optimizer: torch.optim.Optimizer, group: dict, num_workers: int = 1) -> dict[str, Any]:
     """The servers' optimizer config mirroring ``optimizer``'s class and ``group``'s hyperparameters.
 
-    ``weight_decay`` is divided by ``num_workers``: every worker's push applies it once, so a
-    round of N pushes decays once (see the gradient convention in ``strategy.py``)."""
+    ``weight_decay`` is divided by ``num_workers``: the value for a parameter updated at every
+    worker's push (async, SSP), so a round of N pushes decays about once; a sync parameter is
+    updated once per round (``sync_rounds.py``) and takes it whole (``num_workers=1``)."""
     kind = type(optimizer).__name__
     if kind not in SUPPORTED or not isinstance(optimizer, getattr(torch.optim, kind)):
-        raise ValueError(f"ParameterServerStrategy mirrors torch.optim.SGD, Adam and Adagrad on the servers. "
+        raise ValueError(f"ParameterServerStrategy mirrors torch.optim.SGD, Adam, AdamW and Adagrad on the servers. "
                          f"Received: optimizer class {type(optimizer).__module__}.{type(optimizer).__qualname__}")
     _refuse(group, kind, maximize=False, foreach=None, differentiable=False, capturable=False, fused=None)
     lr = float(group["lr"])
@@ -40,13 +40,22 @@ def server_optimizer_spec(optimizer: torch.optim.Optimizer, group: dict, num_wor
         return {"name": "sgd", "lr": lr, "momentum": float(group.get("momentum", 0.0)),
                 "dampening": float(group.get("dampening", 0.0)), "weight_decay": weight_decay,
                 "nesterov": bool(group.get("nesterov", False))}
-    if kind == "Adam":
-        _refuse(group, kind, amsgrad=False, decoupled_weight_decay=False)
-        return {"name": "adam", "lr": lr, "betas": [float(b) for b in group["betas"]], "eps": float(group["eps"]),
-                "weight_decay": weight_decay}
+    if kind in ("Adam", "AdamW"):
+        _refuse(group, kind, amsgrad=False)
+        decoupled = kind == "AdamW" or bool(group.get("decoupled_weight_decay", False))
+        return {"name": "adamw" if decoupled else "adam", "lr": lr, "betas": [float(b) for b in group["betas"]],
+                "eps": float(group["eps"]), "weight_decay": weight_decay}
     _refuse(group, kind, lr_decay=0)  # torch counts steps per worker; the servers count pushes
     return {"name": "adagrad", "lr": lr, "eps": float(group["eps"]), "weight_decay": weight_decay,
             "initial_accumulator_value": float(group.get("initial_accumulator_value", 0.0))}
+
+
+def spec_for_mode(spec: dict[str, Any], mode: str, num_workers: int) -> dict[str, Any]:
+    """``spec`` (from ``server_optimizer_spec``) for a parameter of ``mode``: weight decay whole
+    for a sync one (applied once per round), divided by the workers for the others."""
+    if mode == "sync" or not spec.get("weight_decay"):
+        return spec
+    return {**spec, "weight_decay": spec["weight_decay"] / num_workers}
 
 
 def _refuse(group: dict, kind: str, **supported: Any) -> None:
@@ -77,8 +86,6 @@ class PSOptimizer(torch.optim.Optimizer):
         self._in_flight: collections.deque[list[Future]] = collections.deque()
         cache = strategy.dense_cache
         self.max_in_flight = 2 if cache is None or math.isinf(cache.staleness) else int(cache.staleness) + 1
-        sync_tables = any((getattr(t, "mode", None) or strategy.mode_of(t.name)[0]) == "sync" for t in tables)
-        self._round_fence = strategy.num_workers > 1 and (cache is None or sync_tables)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -87,13 +94,8 @@ class PSOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         client = self._strategy.client
-        if self._round_fence:
-            # Sync means every worker reads a round's values before anybody's next update lands.
-            # The servers apply a push on arrival and gate pulls on the slowest clock, so without
-            # this a peer's next push could reach a pull answered late (a dense pull whose sender
-            # was descheduled, or an embedding row pull in the next forward). One barrier per step:
-            # every read of this step is done before anybody pushes.
-            runtime.barrier()
+        # No barrier among workers: a sync parameter's pushes wait on the servers for their round
+        # (sync_rounds.py), so a peer's next push cannot reach a pull of this round, however late.
         futures = []
         for group, names in zip(self.param_groups, self._names):
             grads = {}

@@ -26,6 +26,8 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from . import addresses as _addresses
+
 DEFAULT_PORT = 29500
 
 
@@ -69,17 +71,10 @@ def _bracket_ipv6(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """``"host:port"`` (or ``"[v6]:port"``) -> (host, port); a missing port gets the default."""
-    address = address.strip()
-    if not address:
-        raise ValueError("Empty job address. Received: ''")
-    m = re.fullmatch(r"\[(?P<h6>[^\]]+)\](?::(?P<p6>\d+))?|(?P<h>[^:]+)(?::(?P<p>\d+))?", address)
-    if m is None:
-        raise ValueError(f"Cannot parse job address; expected 'host:port'. Received: {address!r}")
-    host = m.group("h6") or m.group("h")
-    port = m.group("p6") or m.group("p")
-    return host, int(port) if port else DEFAULT_PORT
+def parse_address(address: str, name: str = "job_addresses") -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) -> (host, port); a missing port gets the default. An empty
+    host or a port outside 1..65535 is a ValueError naming ``name`` and the value."""
+    return _addresses.parse_address(address, name=name, default_port=DEFAULT_PORT)
 
 
 def split_job_addresses(job_addresses: str | Sequence[str] | None) -> list[str]:
@@ -126,17 +121,20 @@ def _from_arguments(job_addresses, num_processes, process_id, env) -> ClusterEnv
                 f"process_id is required when num_processes > 1. Received: num_processes={world_size}, process_id=None"
             )
         process_id = 0
+    parsed = [parse_address(a) for a in addresses]
+    _addresses.check_distinct([(f"job_addresses[{i}]", pair) for i, pair in enumerate(parsed)],
+                              name="job_addresses", value=addresses)
     if addresses:
-        host, port = parse_address(addresses[0])
+        host, port = parsed[0]
     else:
-        host = env.get("TRAINMESH_MASTER_ADDR") or env.get("MASTER_ADDR") or "127.0.0.1"
-        port = _int_env(env, "TRAINMESH_MASTER_PORT") or _int_env(env, "MASTER_PORT") or DEFAULT_PORT
+        host = _addresses.env_host(env, ("TRAINMESH_MASTER_ADDR", "MASTER_ADDR")) or "127.0.0.1"
+        port = _addresses.env_port(env, ("TRAINMESH_MASTER_PORT", "MASTER_PORT")) or DEFAULT_PORT
     local_rank = _int_env(env, "LOCAL_RANK")
     local_world = _int_env(env, "LOCAL_WORLD_SIZE")
     if local_rank is None:
         # Without a launcher we cannot know the node layout: assume one process per node
         # when addresses name distinct hosts, else all on this host.
-        distinct_hosts = len({parse_address(a)[0] for a in addresses}) if len(addresses) > 1 else 1
+        distinct_hosts = len({host for host, _ in parsed}) if len(addresses) > 1 else 1
         if distinct_hosts == world_size and world_size > 1:
             local_rank, local_world = 0, 1
         else:
@@ -174,8 +172,8 @@ def _from_torchrun(env: Mapping[str, str], prefix: str, source: str) -> ClusterE
         local_rank=local_rank,
         local_world_size=local_world,
         node_rank=node_rank,
-        master_addr=env.get(prefix + "MASTER_ADDR") or env.get("MASTER_ADDR") or "127.0.0.1",
-        master_port=_int_env(env, prefix + "MASTER_PORT") or _int_env(env, "MASTER_PORT") or DEFAULT_PORT,
+        master_addr=_addresses.env_host(env, (prefix + "MASTER_ADDR", "MASTER_ADDR")) or "127.0.0.1",
+        master_port=_addresses.env_port(env, (prefix + "MASTER_PORT", "MASTER_PORT")) or DEFAULT_PORT,
         source=source,
     )
 
@@ -191,10 +189,26 @@ def _tf_config_members(spec: dict, role: str, raw: str) -> list[tuple[str, int]]
     entries = spec["cluster"].get(role, [])
     if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
         raise _tf_config_error(raw, f"cluster.{role} must be a list of 'host:port' strings")
+    members = []
+    for i, entry in enumerate(entries):
+        try:
+            members.append(_addresses.split_host_port(entry, DEFAULT_PORT))
+        except ValueError as exc:
+            raise _tf_config_error(raw, f"has a bad address cluster.{role}[{i}]={entry!r}: {exc}") from None
+    return members
+
+
+def _check_tf_config_addresses(spec: dict, raw: str) -> None:
+    """Every role's addresses (ps and evaluator too): well formed, and no address used twice."""
+    if not isinstance(spec["cluster"], dict):
+        raise _tf_config_error(raw, "cluster must be an object of role -> addresses")
+    labelled = []
+    for role in spec["cluster"]:
+        labelled += [(f"cluster.{role}[{i}]", pair) for i, pair in enumerate(_tf_config_members(spec, role, raw))]
     try:
-        return [parse_address(e) for e in entries]
+        _addresses.check_distinct(labelled, name="TF_CONFIG", value=raw)
     except ValueError as exc:
-        raise _tf_config_error(raw, f"has a bad cluster.{role} address ({exc})") from None
+        raise _tf_config_error(raw, str(exc).split(". Received")[0]) from None
 
 
 def _from_tf_config(env: Mapping[str, str]) -> ClusterEnv | None:
@@ -211,6 +225,7 @@ def _from_tf_config(env: Mapping[str, str]) -> ClusterEnv | None:
         raise _tf_config_error(raw, f"cannot be read ({type(exc).__name__}: {exc})") from None
     if task_type not in ("worker", "chief"):
         raise _tf_config_error(raw, f"task type {task_type!r} is not a training task (only 'worker' and 'chief' train)")
+    _check_tf_config_addresses(spec, raw)
     # A "chief", when present, is rank 0 and the workers follow it (TF's convention).
     chief = _tf_config_members(spec, "chief", raw)
     workers = _tf_config_members(spec, "worker", raw)
@@ -247,16 +262,20 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + first
 
 
+_SLURM_NODELISTS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+
+
 def _from_slurm(env: Mapping[str, str]) -> ClusterEnv | None:
     rank = _int_env(env, "SLURM_PROCID")
     world_size = _int_env(env, "SLURM_NTASKS")
     if rank is None or world_size is None:
         return None
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    host = env.get("MASTER_ADDR") or (first_slurm_host(nodelist) if nodelist else "127.0.0.1")
+    nodelist_var = next((name for name in _SLURM_NODELISTS if env.get(name)), None)
+    hosts = _addresses.expand_slurm_nodelist(env[nodelist_var], name=nodelist_var) if nodelist_var else ["127.0.0.1"]
+    host = _addresses.env_host(env, ("MASTER_ADDR",)) or hosts[0]
     job_id = _int_env(env, "SLURM_JOB_ID") or 0
     # A port derived from the job id keeps two jobs sharing a node apart.
-    port = _int_env(env, "MASTER_PORT") or 20000 + job_id % 10000
+    port = _addresses.env_port(env, ("MASTER_PORT",)) or 20000 + job_id % 10000
     # SLURM_NTASKS_PER_NODE may read "2(x3)" (2 tasks on each of 3 nodes): its leading count is ours.
     per_node = re.match(r"\d+", env.get("SLURM_NTASKS_PER_NODE", ""))
     num_nodes = _int_env(env, "SLURM_NNODES") or 1

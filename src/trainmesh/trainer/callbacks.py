@@ -271,8 +271,11 @@ class ModelCheckpoint(Callback):
     included) and ``dirpath/best.pt`` when ``monitor`` improves.
 
     Every rank calls ``trainer.save_checkpoint(path)`` (gathering sharded state can need
-    all of them); the Trainer writes on the main process. ``fit(..., resume=True)`` picks
-    up ``dirpath/last.pt``. An improvement is any strict gain over the best so far.
+    all of them); the Trainer writes on the main process: fsynced, atomically, with a
+    ``last.pt.sha256`` checksum file, keeping the file it replaces as ``last.prev.pt``.
+    ``fit(..., resume=True)`` picks up ``dirpath/last.pt``, or ``last.prev.pt`` (with a warning
+    naming the problem) when ``last.pt`` fails its checksum; both are read with
+    ``torch.load(weights_only=True)``. An improvement is any strict gain over the best so far.
 
     >>> ckpt = ModelCheckpoint("checkpoints", monitor="val_accuracy")
     >>> os.path.basename(ckpt.best_path)

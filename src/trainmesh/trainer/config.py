@@ -35,6 +35,9 @@ class TrainerConfig:
     log_every_n_steps: int = 1  # also how often a stop request is looked for, and the loss all-reduced
     progress: bool | str = "auto"
     seed: int = 0
+    # Initial weights (see trainmesh._torch.materialize): a Hugging Face checkpoint directory or a .safetensors
+    # file, each process reading only its own shards; a meta-built model without it is initialised (seed `seed`)
+    weights: str | Path | None = None
     drop_remainder: bool = False
     eval_batch_size: int | None = None
     # What a non-finite loss on any process does to its step: "skip" it, "stop" training, or

@@ -53,6 +53,13 @@ def _forward(trainer, model: torch.nn.Module, inputs: Any, *, everywhere: bool =
         return model(inputs)
 
 
+def _model_output(trainer, outputs: Any) -> Any:
+    """What the loss function gets: under a pipeline, the last stage's tensor in the model's own
+    output type (a transformers ModelOutput, a tuple), as it gets it without one."""
+    pipeline = getattr(trainer.model, "_trainmesh_pipeline", None)
+    return pipeline.model_output(outputs) if pipeline is not None else outputs
+
+
 def run_evaluation(trainer, data: Any, batch_size: int | None, metrics: list[Metric]) -> tuple[torch.Tensor, dict]:
     """Returns the reduced ``[loss x samples, samples]`` and the reduced metric values."""
     model = _forward_model(trainer)
@@ -76,7 +83,7 @@ def run_evaluation(trainer, data: Any, batch_size: int | None, metrics: list[Met
                     trainer.callbacks.on_test_batch_end(step, {})
                     continue
                 with trainer.precision.forward_context():
-                    loss = trainer.loss_fn(outputs, targets)
+                    loss = trainer.loss_fn(_model_output(trainer, outputs), targets)
                 value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
                 samples = batch_rows(local_targets)
                 if samples:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..runtime.cpu import cpu_kind, describe_cpu_kind
 from .loss_scaler import DynamicLossScaler
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
@@ -136,13 +137,25 @@ def bf16_matmul_speedup(device_type: str = "cpu", size: int = 256) -> float:
 
 
 def fastest_precision(device_type: str = "cpu") -> tuple[str, str]:
-    """``(precision, why)``: "bf16-mixed" where bf16 matmuls pay on this device, "fp32" where they do not."""
+    """``(precision, why)``: "bf16-mixed" where bf16 matmuls pay on this device, "fp32" where they do not.
+
+    On a CPU, the two kinds whose answer is known are not timed: AMX (bf16 on tile units) always
+    pays, AVX2 alone (torch's ~45x slower fallback) never does. On AVX512, with or without BF16,
+    and on CPUs torch reports no x86 features for, the gain varies by CPU and is measured
+    (``bf16_matmul_speedup``, from ``BF16_MIN_SPEEDUP``)."""
     if device_type == "cuda":  # the GPU says whether it has bf16 units; where it has, they pay
         if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
             return "bf16-mixed", "this GPU supports bf16"
         return "fp32", "this GPU does not support bf16"
+    kind = cpu_kind()
+    if kind == "amx":
+        return "bf16-mixed", "this CPU has AMX: bf16 matmuls run on its tile units"
+    if kind == "avx2":
+        return "fp32", ("this CPU has AVX2 only (no AVX512-BF16 or AMX): torch has no native bf16 matmul "
+                        "on it, and its fallback runs ~45x slower than fp32")
     speedup = bf16_matmul_speedup(device_type)
+    named = describe_cpu_kind(kind)
     if speedup >= BF16_MIN_SPEEDUP:
-        return "bf16-mixed", f"bf16 matmuls run {speedup:.1f}x fp32's speed here"
-    return "fp32", (f"bf16 matmuls run at {speedup:.2g}x fp32's speed here (no native bf16 matmul on this "
-                    f"{device_type}; bf16-mixed pays from {BF16_MIN_SPEEDUP}x)")
+        return "bf16-mixed", f"bf16 matmuls run {speedup:.1f}x fp32's speed here ({named})"
+    return "fp32", (f"bf16 matmuls run at {speedup:.2g}x fp32's speed here ({named}; bf16-mixed pays from "
+                    f"{BF16_MIN_SPEEDUP}x)")

@@ -6,7 +6,9 @@ renamed into place, so a crash mid-save never looks complete. An async save is c
 first step boundary where every rank's write has finished, so a crash loses at most the steps
 since the last save. ``fit(resume=True)`` continues
 from the latest complete checkpoint (a damaged one is skipped with a warning), on any number
-of processes, ZeRO stage or mesh, at the exact data position (mid-epoch included).
+of processes, ZeRO stage or mesh, at the exact data position (mid-epoch included). When
+checkpoints exist and none is valid, it stops with an error listing them instead of training
+from step 0; ``fit(..., on_invalid_checkpoint="start_over")`` starts over explicitly.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class ShardedCheckpoint(Callback):
         self.every_n_steps = every_n_steps
         self.options = dict(keep_last=keep_last, keep_best=keep_best, async_save=async_save)
         self.manager = None
+        self.rejected: tuple[tuple[str, str], ...] = ()  # what the last resume() rejected: (path, why)
 
     def _ensure_manager(self):
         if self.manager is None:  # collective (it makes a process group): every process gets here
@@ -84,11 +87,26 @@ class ShardedCheckpoint(Callback):
             remove_rider(self._rider)
             self._rider = None
 
-    def resume(self) -> bool:
-        """Load the latest complete checkpoint into the trainer; False when there is none."""
-        meta = self._ensure_manager().load("latest", self.state())
-        if not meta:
+    def resume(self, on_invalid: str = "raise") -> bool:
+        """Load the newest valid checkpoint into the trainer; False when there is none to load.
+
+        When checkpoints exist and none is valid it raises
+        :class:`~trainmesh.checkpoint.NoValidCheckpointError` on every process (listing each one and
+        why), unless ``on_invalid="start_over"``: then the rejected ones are renamed ``*.rejected``
+        and it returns False. Collective.
+        """
+        from trainmesh.checkpoint.survey import START_OVER, NoValidCheckpointError, check_on_invalid
+
+        check_on_invalid(on_invalid)
+        manager = self._ensure_manager()
+        found = manager.survey()  # rank 0's verdict, on every process
+        self.rejected = found.rejected
+        if found.chosen is None:
+            if found.rejected and on_invalid != START_OVER:
+                raise NoValidCheckpointError(self.dirpath, found.rejected)
+            manager.set_aside([path for path, _ in found.rejected])
             return False
+        meta = manager.load(found.chosen, self.state())
         self.trainer.restore_metadata(meta["trainer"])
         return True
 

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..runtime.cpu import cpu_kind
 from .precision import DTYPES_BY_SHORT_NAME
 
 __all__ = ["ThroughputMeter", "cached_peak_flops", "count_flops_per_sample", "measure_peak_flops", "meta_copy"]
@@ -112,9 +113,12 @@ def _device_name(device_type: str) -> str:
 def _key(device_type: str, dtype: torch.dtype) -> str:
     threads = _cpu_count() if device_type == "cpu" else 1
     # "|cpu-time": readings of the CPU-time probe; wall-clock readings of older versions are not reused.
-    # The vector ISA torch uses (AVX2, AVX512, ...): a virtual machine's model name ("AMD EPYC") can be
-    # the same on CPUs whose bf16 rates differ 400-fold, and a cache directory can move between them.
-    cpu = f"|{torch.backends.cpu.get_cpu_capability()}|cpu-time" if device_type == "cpu" else ""
+    # The vector ISA torch uses (AVX2, AVX512, ...) and the CPU's bf16 kind (AMX, AVX512-BF16, ...): a
+    # virtual machine's model name ("AMD EPYC", "Intel Xeon Processor") can be the same on CPUs whose
+    # bf16 rates differ 400-fold, and a cache directory can move between them; torch's capability
+    # alone says "AVX512" on AMX, AVX512-BF16 and plain AVX512 CPUs alike.
+    cpu = (f"|{torch.backends.cpu.get_cpu_capability()}|{cpu_kind()}|cpu-time" if device_type == "cpu"
+           else "")
     return f"{device_type}|{_device_name(device_type)}|{str(dtype).removeprefix('torch.')}|units={threads}{cpu}"
 
 

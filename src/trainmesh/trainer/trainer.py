@@ -19,6 +19,7 @@ from trainmesh import runtime
 from trainmesh._torch.parallelize import parallelize
 from trainmesh._torch.reduce import all_reduce_small
 from trainmesh._torch.sync import unwrap
+from trainmesh.checkpoint.survey import check_on_invalid
 from trainmesh.comm import ProgressBeacon
 from trainmesh.distribution import DataParallel, Distribution, distribution as current_distribution
 
@@ -82,7 +83,8 @@ class Trainer(TrainerState):
                                      cpu_offload=self.config.cpu_offload or None,
                                      mixed_precision=getattr(self.precision, "dtype", None),
                                      compile=self.config.compile, compile_backend=self.config.compile_backend,
-                                     compile_mode=self.config.compile_mode)
+                                     compile_mode=self.config.compile_mode, weights=self.config.weights,
+                                     init_seed=self.config.seed)
         self.communication = install_communication(self.model, self.config)  # compression, hierarchical
         self.optimizer = self._bind_optimizer(optimizer, names_before)
         set_optimizer_implementation(self.optimizer, self.config.optimizer_implementation)  # fused / foreach kernels
@@ -122,8 +124,20 @@ class Trainer(TrainerState):
 
     # --- fit ----------------------------------------------------------------------------
     def fit(self, train_data: Any, *, epochs: int = 1, batch_size: int | None = None, eval_data: Any = None,
-            shuffle: bool = True, resume: bool | str = False) -> History:
-        """Train for ``epochs`` (counted from 0, so a resumed run finishes the same schedule)."""
+            shuffle: bool = True, resume: bool | str = False, on_invalid_checkpoint: str = "raise") -> History:
+        """Train for ``epochs`` (counted from 0, so a resumed run finishes the same schedule).
+
+        ``resume=True`` continues from the newest valid checkpoint of the ``ShardedCheckpoint`` (or
+        ``ModelCheckpoint``) callback, skipping damaged ones with a warning; with no checkpoint yet it
+        starts from step 0. ``resume="path/to/last.pt"`` loads that file. When checkpoints exist and
+        none is valid, it raises ``NoValidCheckpointError`` listing each one and why, on every process,
+        before training; ``on_invalid_checkpoint="start_over"`` starts from step 0 instead (the
+        rejected checkpoints are renamed ``*.rejected``).
+
+        >>> trainer.fit(data, epochs=10, resume=True)                                       # doctest: +SKIP
+        >>> trainer.fit(data, epochs=10, resume=True, on_invalid_checkpoint="start_over")   # doctest: +SKIP
+        """
+        check_on_invalid(on_invalid_checkpoint)
         steps = TrainSteps(train_data, self.distribution, global_batch_size=batch_size,
                            grad_accum_steps=self.config.grad_accum_steps, shuffle=shuffle, seed=self.config.seed,
                            drop_remainder=self.config.drop_remainder)
@@ -154,7 +168,7 @@ class Trainer(TrainerState):
         self._beacon = ProgressBeacon()
         self.callbacks.on_train_begin({})
         if resume:  # after on_train_begin, which resets callbacks, so their saved state survives
-            self._resume(resume)
+            self._resume(resume, on_invalid_checkpoint)
         writer = (LogWriter(self.config.log_dir, append=bool(resume))
                   if self.config.log_dir and self.is_main_process else None)
         try:

@@ -9,11 +9,21 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+import warnings
+from typing import Any, Callable
 
-import torch
+import torch.distributed as dist
 
 from trainmesh import runtime
+from trainmesh.checkpoint.single_file import (
+    check_checkpoint_file,
+    checksum_path,
+    load_plain,
+    previous_path,
+    save_checkpoint_file,
+    set_aside,
+)
+from trainmesh.checkpoint.survey import START_OVER, NoValidCheckpointError, Survey, survey_files
 from trainmesh._torch.state import (
     full_model_state,
     full_optimizer_state,
@@ -82,42 +92,65 @@ class TrainerState:
                     callback.load_state_dict(callback_state)
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """Write the full state to ``path`` from the main process (atomically: a temp file, then rename)."""
+        """Write the full state to ``path`` from the main process: fsynced, with a ``.sha256`` checksum
+        file, atomically, keeping the file it replaces as ``*.prev.pt`` (see
+        :mod:`trainmesh.checkpoint.single_file`). Every process must call it."""
         state = self.state_dict()
         if self.is_main_process:
-            path = os.fspath(path)
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            tmp = f"{path}.tmp"
-            torch.save(state, tmp)
-            os.replace(tmp, path)
+            save_checkpoint_file(state, path)
         runtime.barrier()
 
-    def load_checkpoint(self, path: str | os.PathLike) -> None:
-        self.load_state_dict(torch.load(os.fspath(path), map_location="cpu", weights_only=False))
+    def load_checkpoint(self, path: str | os.PathLike, *, verify: bool = True) -> None:
+        """Load a file written by :meth:`save_checkpoint` (``torch.load(weights_only=True)``: it runs no
+        code). With ``verify``, a file that fails its checksum raises; one without a checksum file loads
+        with a warning."""
+        path = os.fspath(path)
+        if verify:
+            problem = check_checkpoint_file(path)
+            if problem is not None and os.path.exists(checksum_path(path)):
+                raise ValueError(f"Checkpoint {path} is damaged: {problem}. Received: path={path!r}")
+            if problem is not None:
+                warnings.warn(f"Loading {path} unchecked: {problem}.", RuntimeWarning, stacklevel=2)
+        self.load_state_dict(load_plain(path))
 
-    def _resume(self, resume: bool | str) -> None:
+    def _resume(self, resume: bool | str, on_invalid: str = "raise") -> None:
         sharded = [cb for cb in self.callbacks if isinstance(cb, ShardedCheckpoint)]
         if sharded and not isinstance(resume, (str, os.PathLike)):
-            found = sharded[0].resume()
-            if self.is_main_process:
-                print(f"[trainmesh] resumed from {sharded[0].dirpath} at epoch {self.epoch}, step {self.global_step}"
-                      if found else f"[trainmesh] no complete checkpoint in {sharded[0].dirpath}; starting fresh",
-                      flush=True)
+            resumed = sharded[0].resume(on_invalid)
+            self._report_resume(sharded[0].dirpath, resumed, sharded[0].rejected)
             return
         if isinstance(resume, (str, os.PathLike)):
-            path = os.fspath(resume)
+            location, candidates = os.fspath(resume), [os.fspath(resume)]
         else:
             checkpoints = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
             if not checkpoints:
                 raise ValueError("fit(resume=True) needs a ModelCheckpoint or ShardedCheckpoint callback "
                                  "(or resume='path/to/last.pt').")
-            path = checkpoints[0].last_path
-        if os.path.exists(path):
-            self.load_checkpoint(path)
-            if self.is_main_process:
-                print(f"[trainmesh] resumed from {path} at epoch {self.epoch}, step {self.global_step}", flush=True)
-        elif self.is_main_process:
-            print(f"[trainmesh] no checkpoint at {path}; starting fresh", flush=True)
+            location = checkpoints[0].dirpath
+            candidates = [checkpoints[0].last_path, previous_path(checkpoints[0].last_path)]
+        found = _rank0_decides(lambda: _survey_files(candidates, explicit=isinstance(resume, (str, os.PathLike))))
+        if found.chosen is not None:
+            self.load_checkpoint(found.chosen, verify=False)  # the main process checked it for everyone
+            self._report_resume(found.chosen, True)
+            return
+        if found.rejected and on_invalid != START_OVER:
+            raise NoValidCheckpointError(location, found.rejected)  # on every process alike
+        if found.rejected and self.is_main_process:
+            for path, _ in found.rejected:
+                set_aside(path)
+        runtime.barrier()
+        self._report_resume(location, False, found.rejected)
+
+    def _report_resume(self, location: str, resumed: bool, rejected=()) -> None:
+        if not self.is_main_process:
+            return
+        if resumed:
+            print(f"[trainmesh] resumed from {location} at epoch {self.epoch}, step {self.global_step}", flush=True)
+        elif rejected:
+            print(f"[trainmesh] no valid checkpoint in {location}; starting over from step 0 as "
+                  f"on_invalid_checkpoint={START_OVER!r} asks (the rejected ones are renamed *.rejected)", flush=True)
+        else:
+            print(f"[trainmesh] no checkpoint in {location} yet; starting from step 0", flush=True)
 
     def _rollback(self) -> None:
         """Back to the last checkpoint's weights and optimizer state; the data position, step counter
@@ -128,11 +161,43 @@ class TrainerState:
                 self.rollbacks += 1
             return
         checkpoints = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
-        path = checkpoints[0].last_path if checkpoints else None
-        if path is None or not os.path.exists(path):
+        last = checkpoints[0].last_path if checkpoints else None
+        found = _rank0_decides(lambda: survey_files([last, previous_path(last)]) if last else Survey())
+        if found.chosen is None:
             if self.is_main_process:
-                print("[trainmesh] rollback requested but no checkpoint exists yet; the step is skipped",
+                why = "; ".join(f"{path}: {problem}" for path, problem in found.rejected) or "none exists yet"
+                print(f"[trainmesh] rollback requested but no valid checkpoint ({why}); the step is skipped",
                       file=sys.stderr, flush=True)
             return
-        self._load_weights(torch.load(path, map_location="cpu", weights_only=False))
+        self._load_weights(load_plain(found.chosen))
         self.rollbacks += 1
+
+
+def _survey_files(candidates: list[str], *, explicit: bool) -> Survey:
+    """``survey_files`` and its warnings; a path the user named may lack a checksum file (it may come
+    from elsewhere): it is loaded, still with ``weights_only=True``, after a warning."""
+    found = survey_files(candidates)
+    if explicit and found.chosen is None and found.rejected and not os.path.exists(checksum_path(candidates[0])):
+        warnings.warn(f"Loading {candidates[0]} unchecked: {found.rejected[0][1]}.", RuntimeWarning, stacklevel=3)
+        return Survey(candidates[0])
+    found.warn(stacklevel=4)
+    return found
+
+
+def _rank0_decides(decide: Callable[[], Any]) -> Any:
+    """``decide()`` on the main process, handed to every process (its error raised on every one), so all
+    of them resume from the same file or stop together, before any training collective."""
+    value: Any = None
+    if runtime.rank() == 0:
+        try:
+            value = decide()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every process
+            value = exc
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        value = box[0]
+    if isinstance(value, Exception):
+        raise value
+    return value
+

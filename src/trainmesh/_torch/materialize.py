@@ -1,0 +1,311 @@
+"""Meta-built models: storage for this process's shards only, filled from files or by the model's initialisers.
+
+A model built under ``with torch.device("meta"):`` has shapes and no values. ``parallelize`` lays
+it out while it is still on the meta device (tensor parallelism, FSDP2 and the pipeline split
+all work on meta tensors, as torchtitan does), so ``to_empty`` then allocates only what this
+process keeps: its FSDP2 shard, its tensor-parallel slice, its pipeline stage. Values come from:
+
+* ``weights=``: safetensors files (``checkpoint/safetensors_reader.py``), each process reading
+  only the byte ranges of its own shards; names are the model's ``state_dict`` keys, a tied
+  weight may come under any of its names, and a bf16 file fills fp32 parameters (and back);
+* otherwise the model's own initialisers, one *unit* at a time (a block of a ``ModuleList``,
+  or a module with no block below it): the unit is rebuilt whole on the CPU from a meta copy
+  taken before the layout, initialised as transformers does (``_init_weights`` of the
+  innermost ``PreTrainedModel``, children before parents) or by ``reset_parameters``, then
+  each process copies out its own slices. Each unit draws from a generator seeded by the
+  seed and the unit's name, so every layout, world size and pipeline split gives the same
+  values; they are not the values an eager CPU build gives (that draws one stream through
+  the whole model in construction order), but come from the same initialisers.
+
+Non-persistent buffers (rotary tables) are never in files: their units are initialised too.
+A tensor no initialiser sets is refused by name (it would hold garbage from ``to_empty``).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from trainmesh.checkpoint.safetensors_reader import WeightFileError, WeightFiles
+
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def canonical_name(name: str) -> str:
+    """A tensor's or module's name without the wrappers' path parts (checkpointing, compile)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def has_meta_tensors(model: nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
+
+
+@dataclass
+class _Unit:
+    path: str                     # module path in the whole model ("" for the root)
+    shadow: nn.Module             # a meta copy taken before the layout (whole subtree, or shallow)
+    names: list[str]              # full names of the tensors it initialises
+
+
+@dataclass
+class MaterializePlan:
+    """What ``materialize`` needs, gathered while the model is still whole (before any collective)."""
+
+    weights: WeightFiles | None
+    seed: int
+    meta: bool
+    aliases: dict[str, list[str]] = field(default_factory=dict)   # name -> every name of the same tensor
+    units: list[_Unit] = field(default_factory=list)
+    unit_of: dict[str, int] = field(default_factory=dict)         # first name of a tensor -> its unit
+    initialiser_of: dict[str, nn.Module | None] = field(default_factory=dict)  # module path -> HF model
+
+
+def _alias_groups(model: nn.Module) -> dict[str, list[str]]:
+    groups: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        groups.setdefault(id(t), []).append(name)
+    return {name: names for names in groups.values() for name in names}
+
+
+def _check_weights(model: nn.Module, files: WeightFiles, aliases: dict[str, list[str]]) -> None:
+    """Every key of the model's state_dict in the files with its shape, and nothing else there."""
+    state = model.state_dict(keep_vars=True)
+    used, problems = set(), []
+    for key, tensor in state.items():
+        found = next((n for n in aliases.get(key, [key]) if n in files), None)
+        if found is None:
+            problems.append(f"missing key {key!r} (shape {list(tensor.shape)})")
+            continue
+        used.add(found)
+        entry = files.entries[found]
+        if tuple(entry.shape) != tuple(tensor.shape):
+            problems.append(f"key {found!r} has shape {list(entry.shape)} in {entry.file}; the model's is "
+                            f"{list(tensor.shape)}")
+    problems += [f"unexpected key {k!r} in {files.entries[k].file}" for k in files.keys()
+                 if k not in used and not any(a in used for a in aliases.get(k, []))]
+    if problems:
+        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+        raise WeightFileError(f"weights={files.source!r} do not fit {type(model).__name__}: "
+                              + "; ".join(problems[:8]) + more)
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    return callable(getattr(module, "_init_weights", None)) and hasattr(module, "config")
+
+
+def _block_roots(model: nn.Module) -> set[str]:
+    """Elements of module containers (transformer blocks): each is an initialisation unit."""
+    roots = set()
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and module is not model:
+            roots.update(f"{name}.{child}" if name else child for child, _ in module.named_children())
+    return roots
+
+
+def _plan_units(model: nn.Module, plan: MaterializePlan, needed: set[str] | None) -> None:
+    """The initialisation units (meta copies of them) holding a tensor of ``needed`` (None: all)."""
+    roots = _block_roots(model)
+
+    def wanted(names: list[str]) -> bool:
+        return needed is None or any(n in needed for n in names)
+
+    def is_unit(path: str) -> bool:
+        return path in roots or not any(r.startswith(f"{path}.") or not path for r in roots)
+
+    def visit(path: str, module: nn.Module) -> None:
+        prefix = f"{path}." if path else ""
+        if is_unit(path):
+            names = [prefix + n for n, _ in [*module.named_parameters(remove_duplicate=False),
+                                             *module.named_buffers(remove_duplicate=False)]]
+            if names and wanted(names):
+                _add_unit(plan, path, copy.deepcopy(module), names)
+            return
+        direct = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        if direct and wanted([prefix + n for n, _ in direct]):  # a container's own tensors, without its children
+            shadow = copy.copy(module)
+            shadow._modules = {}
+            shadow._parameters = copy.deepcopy(module._parameters)
+            shadow._buffers = copy.deepcopy(module._buffers)
+            _add_unit(plan, path, shadow, [prefix + n for n, _ in direct])
+        for child_name, child in module.named_children():
+            visit(prefix + child_name, child)
+
+    visit("", model)
+    for path, module in model.named_modules():  # pre-order: a parent's entry exists before its children's
+        parent = plan.initialiser_of.get(path.rsplit(".", 1)[0] if "." in path else "") if path else None
+        plan.initialiser_of[path] = module if _is_hf_model(module) else parent
+
+
+def _add_unit(plan: MaterializePlan, path: str, shadow: nn.Module, names: list[str]) -> None:
+    plan.units.append(_Unit(path, shadow, names))
+    for name in names:
+        first = plan.aliases.get(name, [name])[0]
+        plan.unit_of.setdefault(first, len(plan.units) - 1)
+
+
+def prepare(model: nn.Module, weights=None, seed: int = 0) -> MaterializePlan | None:
+    """Check ``weights`` against ``model`` and note how to initialise it; ``None`` when there is
+    nothing to do (a real model and no weights). Local: raises the same error on every process."""
+    meta = has_meta_tensors(model)
+    if not meta and weights is None:
+        return None
+    if meta and any(t.device.type != "meta" for t in [*model.parameters(), *model.buffers()]):
+        real = next(n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "meta")
+        raise ValueError(f"The model is partly on the meta device and partly not (first real tensor: {real!r}); "
+                         f"build it wholly under `with torch.device('meta'):` or wholly on the CPU.")
+    files = weights if isinstance(weights, WeightFiles) or weights is None else WeightFiles.open(weights)
+    plan = MaterializePlan(weights=files, seed=int(seed), meta=meta, aliases=_alias_groups(model))
+    needed = None
+    if files is not None:
+        _check_weights(model, files, plan.aliases)
+        # what no file holds (non-persistent buffers such as rotary tables) comes from initialisers
+        needed = {n for n, _ in [*model.named_parameters(remove_duplicate=False),
+                                 *model.named_buffers(remove_duplicate=False)]
+                  if not any(a in files for a in plan.aliases.get(n, [n]))}
+    if meta:
+        _plan_units(model, plan, needed)
+    return plan
+
+
+def _unit_seed(seed: int, path: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{canonical_name(path)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _post_order(module: nn.Module, prefix: str):
+    for name, child in module.named_children():
+        yield from _post_order(child, f"{prefix}.{name}" if prefix else name)
+    yield prefix, module
+
+
+def _initialise_unit(unit: _Unit, plan: MaterializePlan) -> dict[str, torch.Tensor]:
+    """The unit's tensors, whole, on the CPU, as its initialisers make them."""
+    shadow = unit.shadow.to_empty(device="cpu")
+    with torch.no_grad():
+        for tensor in [*shadow.parameters(), *shadow.buffers()]:
+            tensor.fill_(math.nan if tensor.is_floating_point() else 0)  # what no initialiser set stays NaN
+            if hasattr(tensor, "_is_hf_initialized"):
+                del tensor._is_hf_initialized  # a flag copied from the meta build would make transformers skip it
+    local_prefix = f"{unit.path}." if unit.path else ""
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(_unit_seed(plan.seed, unit.path))
+        for local, module in _post_order(shadow, ""):
+            owner = plan.initialiser_of.get(canonical_name(local_prefix + local if local else unit.path))
+            if owner is not None:
+                owner._init_weights(module)
+            elif callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+    out = {}
+    for name, tensor in [*shadow.named_parameters(remove_duplicate=False), *shadow.named_buffers(remove_duplicate=False)]:
+        full = local_prefix + name
+        if full in unit.names:
+            if tensor.is_floating_point() and bool(torch.isnan(tensor).any()):
+                raise ValueError(f"No initialiser sets {full!r} of this meta-built model (its module has no "
+                                 f"reset_parameters and no transformers _init_weights covers it). Give weights=, "
+                                 f"define reset_parameters, or build the model on the CPU.")
+            out[full] = tensor.detach()
+    return out
+
+
+def _local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """This process's piece of ``tensor``: the local tensor, its offset and shape in the global one."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        local = tensor.to_local()
+        assert tuple(local.shape) == tuple(shape), (tensor.shape, tensor.placements, local.shape, shape)
+        return local, tuple(offsets), tuple(shape)
+    return tensor.detach(), (0,) * tensor.ndim, tuple(tensor.shape)
+
+
+def _empty_like(tensor: torch.Tensor, device) -> torch.Tensor:
+    """Uninitialised storage for this process's piece. ``torch.empty_like`` on a DTensor runs DTensor's
+    sharding propagation for every new shape (most of a load's time on a CPU); allocating the local
+    tensor and wrapping it is the same result."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        local = torch.empty_like(tensor.to_local(), device=device)
+        return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
+                                  shape=tensor.shape, stride=tensor.stride())
+    return torch.empty_like(tensor, device=device)
+
+
+def _targets(root: nn.Module) -> dict[str, torch.Tensor]:
+    return {canonical_name(name): t for name, t in [*root.named_parameters(remove_duplicate=False),
+                                                    *root.named_buffers(remove_duplicate=False)]}
+
+
+def _retie(root: nn.Module, plan: MaterializePlan) -> None:
+    """``to_empty`` gives each module its own new tensor; tied weights (a head sharing the embedding)
+    must again be one parameter wherever this process holds both names."""
+    modules = {canonical_name(n): m for n, m in root.named_modules()}
+    params = dict(root.named_parameters(remove_duplicate=False))
+    by_name = {canonical_name(n): p for n, p in params.items()}
+    for name, names in plan.aliases.items():
+        if name != names[0] or name not in by_name:
+            continue
+        for other in names[1:]:
+            if other in by_name and by_name[other] is not by_name[name]:
+                owner, _, attr = other.rpartition(".")
+                setattr(modules[owner], attr, by_name[name])
+
+
+def materialize(model: nn.Module, plan: MaterializePlan | None, device: torch.device | str) -> nn.Module:
+    """Allocate this process's shards of a laid-out meta model and fill them (``plan`` from ``prepare``,
+    taken before the layout). No collective: every process fills its own pieces."""
+    from .sync import unwrap
+
+    root = unwrap(model)
+    if plan is None or getattr(root, "_trainmesh_materialized", False):
+        return model
+    root._trainmesh_materialized = True  # once: a later call must not reallocate what hooks now hold
+    if plan.meta:
+        root._apply(lambda t: _empty_like(t, device))  # to_empty's own step, cheaper for DTensors (below)
+        _retie(root, plan)
+    pending: dict[str, torch.Tensor] = {}
+    filled: set[int] = set()
+    with torch.no_grad():
+        for name, tensor in _targets(root).items():
+            if id(tensor) in filled:
+                continue
+            key = None
+            if plan.weights is not None:
+                key = next((n for n in plan.aliases.get(name, [name]) if n in plan.weights), None)
+            if key is not None:
+                local, offsets, shape = _local_region(tensor)
+                plan.weights.read_region(key, offsets, shape, out=local)
+                filled.add(id(tensor))
+            elif plan.meta:
+                pending[name] = tensor
+        _fill_from_initialisers(pending, plan, filled)
+    return model
+
+
+def _fill_from_initialisers(pending: dict[str, torch.Tensor], plan: MaterializePlan, filled: set[int]) -> None:
+    by_unit: dict[int, list[str]] = {}
+    for name in pending:
+        first = plan.aliases.get(name, [name])[0]
+        if first not in plan.unit_of:
+            raise ValueError(f"{name!r} of the laid-out model is not a tensor of the model it was built as; "
+                             f"cannot initialise it")
+        by_unit.setdefault(plan.unit_of[first], []).append(name)
+    for index in sorted(by_unit):
+        values = _initialise_unit(plan.units[index], plan)
+        for name in by_unit[index]:
+            tensor = pending[name]
+            if id(tensor) in filled:
+                continue
+            source = next(n for n in plan.aliases.get(name, [name]) if n in values)
+            local, offsets, shape = _local_region(tensor)
+            local.copy_(values[source][tuple(slice(o, o + s) for o, s in zip(offsets, shape))])
+            filled.add(id(tensor))
+        del values

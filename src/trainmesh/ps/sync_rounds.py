@@ -1,0 +1,103 @@
+"""Synchronous rounds: a sync parameter's pushes are summed per round and applied once.
+
+TensorFlow's ``SyncReplicasOptimizer`` in the server: a push of a ``sync`` parameter carries its
+worker's clock (``meta["round"]``, the iteration it belongs to) and is added to that round's
+sum, per dense shard and per table (rows kept as pushed, summed at apply time). Once every live
+worker has clocked past the round (``min live clock > round``), the server applies the sum with
+one optimizer step: momentum, Adam and AdamW state advance once per round, so N workers take
+exactly the steps of one process on the global batch (the workers push ``1/N`` of their mean
+gradient, see ``strategy.py``). Sync pulls already wait for that clock, so a pull at clock
+``c`` sees rounds ``< c`` and nothing of round ``c``.
+
+A round applied is written to the write-ahead log as a marker record after the pushes it sums,
+so a replay rebuilds the same sums and applies them at the same points. A snapshot holds the
+rounds still open (``state_dict`` / ``load_state_dict``). A push that arrives for a round already
+applied (a worker declared dead and back) is summed into a round of its own, applied at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+SNAPSHOT_KEY = "#open-rounds"  # the snapshot entry holding the open rounds (no shard id looks like it)
+
+
+@dataclass
+class Round:
+    """The pushes of one round on one server, summed per dense shard; table rows as pushed."""
+
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)
+    rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    lr: dict[str, float | None] = field(default_factory=dict)  # shard id or table -> the last push's lr
+    pushes: int = 0
+
+    def summed_rows(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(unique ids, their summed gradients) of every push of ``table`` in this round."""
+        parts = self.rows[table]
+        ids = torch.cat([i for i, _ in parts])
+        grads = torch.cat([g for _, g in parts])
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        return unique, torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype).index_add_(0, inverse, grads)
+
+
+class OpenRounds:
+    """The rounds of one server not applied yet."""
+
+    def __init__(self) -> None:
+        self.rounds: dict[int, Round] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.rounds)
+
+    def add_dense(self, round_: int, sid: str, grad: torch.Tensor, lr: float | None) -> None:
+        entry = self.rounds.setdefault(round_, Round())
+        total = entry.dense.get(sid)
+        # (a pushed gradient may be a view of the received frame: the sum needs its own memory)
+        entry.dense[sid] = grad.to(torch.float32, copy=True) if total is None else total.add_(grad)
+        entry.lr[sid] = lr if lr is not None else entry.lr.get(sid)
+
+    def add_rows(self, round_: int, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float | None) -> None:
+        entry = self.rounds.setdefault(round_, Round())
+        entry.rows.setdefault(table, []).append((ids.clone(), grads.to(torch.float32, copy=True)))
+        entry.lr[table] = lr if lr is not None else entry.lr.get(table)
+
+    def count_push(self, round_: int) -> None:
+        self.rounds.setdefault(round_, Round()).pushes += 1
+
+    def due(self, slowest: float) -> list[int]:
+        """Rounds every live worker has clocked past (``slowest``: the smallest live clock), oldest first."""
+        return sorted(r for r in self.rounds if r < slowest)
+
+    def take(self, round_: int) -> Round:
+        return self.rounds.pop(round_, Round())
+
+    @property
+    def pending_pushes(self) -> int:
+        return sum(r.pushes for r in self.rounds.values())
+
+    # -- snapshots ----------------------------------------------------------------------------
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
+        tensors: dict[str, torch.Tensor] = {}
+        meta: dict[str, dict] = {}
+        for r, entry in self.rounds.items():
+            for sid, total in entry.dense.items():
+                tensors[f"{r}|d|{sid}"] = total
+            rows = {}
+            for table, parts in entry.rows.items():
+                rows[table] = len(parts)
+                for k, (ids, grads) in enumerate(parts):
+                    tensors[f"{r}|r|{k}|ids|{table}"], tensors[f"{r}|r|{k}|grads|{table}"] = ids, grads
+            meta[str(r)] = {"dense": sorted(entry.dense), "rows": rows, "lr": entry.lr, "pushes": entry.pushes}
+        return tensors, {"rounds": meta}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        self.rounds = {}
+        for key, info in meta["rounds"].items():
+            r = int(key)
+            entry = self.rounds[r] = Round(lr=dict(info["lr"]), pushes=int(info["pushes"]))
+            entry.dense = {sid: tensors[f"{r}|d|{sid}"].clone() for sid in info["dense"]}
+            entry.rows = {table: [(tensors[f"{r}|r|{k}|ids|{table}"].clone(), tensors[f"{r}|r|{k}|grads|{table}"].clone())
+                                  for k in range(count)] for table, count in info["rows"].items()}
