@@ -22,8 +22,10 @@ Sides, per round:
 
 Memory is each process's peak RSS growth over the step (``/proc`` high-water mark reset at its
 start), with every local shard touched once after loading (a lazily mapped file shows only what is
-touched), over the model's full fp32 bytes; the worst process counts. Times are the slowest
-process's wall time. Figures are medians over rounds; ratios are formed per round.
+touched), over the model's full fp32 bytes; the worst process counts. A load's time runs to the end
+of that touch on both sides (transformers maps files lazily: its tensors are read when first used),
+and the single read touches every tensor too. Times are the slowest process's wall time. Figures
+are medians over rounds; ratios are formed per round.
 
 Initialisation without weights: the largest difference between the parameters that DataParallel,
 ZeRO-3, TP 2x2, TP 1x4 and pipeline 2 give a small meta-built Llama at one seed, against one
@@ -52,8 +54,9 @@ def llama_config(hidden: int, layers: int, intermediate: int, vocab: int = 32000
     import transformers
 
     return transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                                    num_hidden_layers=layers, num_attention_heads=max(hidden // 128, 2),
-                                    num_key_value_heads=max(hidden // 256, 1), max_position_embeddings=256,
+                                    # heads of 96 (16 at hidden 1536) and half as many KV heads: both split 4 ways
+                                    num_hidden_layers=layers, num_attention_heads=max(hidden // 96, 2),
+                                    num_key_value_heads=max(hidden // 192, 1), max_position_embeddings=256,
                                     tie_word_embeddings=False)
 
 
@@ -98,8 +101,8 @@ def _load_worker(side: str, directory: str, tiny: str, sizes: dict) -> dict:
     with PeakRSSGrowth() as growth:
         start = time.perf_counter()
         model = _load(side, directory, config)
+        _touch(model)  # in the time too: a lazily mapped shard is read only now
         seconds = time.perf_counter() - start
-        _touch(model)
     out = {"seconds": seconds, "rss_growth": growth.bytes}
     if side == "trainmesh zero3":  # the save, from the model just loaded
         target = os.path.join(os.path.dirname(directory), "saved-trainmesh")
@@ -116,10 +119,10 @@ def _single_read(directory: str) -> float:
     from safetensors.torch import load_file
 
     start = time.perf_counter()
-    tensors = {}
+    total = 0.0
     for name in sorted(os.listdir(directory)):
         if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(directory, name)))
+            total += sum(float(t.float().sum()) for t in load_file(os.path.join(directory, name)).values())
     return time.perf_counter() - start
 
 

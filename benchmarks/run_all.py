@@ -43,6 +43,7 @@ REGISTRY = [
     {"name": "compression", "script": "compression.py", "needs": []},
     {"name": "tensor_parallel", "script": "tensor_parallel.py", "needs": ["transformers"]},
     {"name": "pipeline", "script": "pipeline.py", "needs": []},
+    {"name": "big_model", "script": "big_model.py", "needs": ["transformers", "safetensors", "accelerate"]},
     {"name": "throughput", "script": "throughput.py", "needs": ["transformers"]},
     {"name": "plan_accuracy", "script": "plan_accuracy.py", "needs": ["transformers"]},
     {"name": "communication", "script": "communication.py", "needs": [], "root": True},

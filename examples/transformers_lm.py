@@ -2,7 +2,7 @@
 
     trainmesh run -n 4 examples/transformers_lm.py --model llama --layout tp+fsdp --steps 20
     trainmesh run -n 4 examples/transformers_lm.py --model llama --layout dp --resume --epochs 2  # continues it
-    trainmesh run -n 4 examples/transformers_lm.py --model gpt2 --layout pp --schedule zbv
+    trainmesh run -n 2 examples/transformers_lm.py --model gpt2 --layout pp --schedule zbv  # 2 stages per process
 
 Layouts, on N processes:
   dp       DataParallel (DDP)                    every process holds the whole model
@@ -10,7 +10,7 @@ Layouts, on N processes:
   tp       ModelParallel on a 1 x N mesh         LayoutMap.auto: the model's own plan (Llama) or a
                                                  derived one (GPT-2's Conv1D), printed at start
   tp+fsdp  ModelParallel on a 2 x N/2 mesh, ZeRO-3 over "data"
-  pp       Pipeline over N stages (pipe N x data 1), --schedule, --microbatches
+  pp       a pipeline over N processes (pipe N x data 1), --schedule, --microbatches
   3d       pipe 2 x data N/4 x model 2: a pipeline whose stages are laid out over "model" (N divisible by 4)
 
 The loss function is the same under every layout: it reads ``outputs.logits`` of the model's own

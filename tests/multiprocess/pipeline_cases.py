@@ -197,8 +197,8 @@ def run_configs(configs: list[dict]) -> list[dict]:
     return [refusal(**config) if config.get("refused") else train_pipelined(**config) for config in configs]
 
 
-def refusal(family: str, mesh_shape, axes, schedule: str, *, refused: bool, expect=(), n_layer: int = 4, microbatches: int = 2,
-            checkpointing=None, compile=False) -> dict:
+def refusal(family: str, mesh_shape, axes, schedule: str, *, refused: bool, expect=(), n_layer: int = 4,
+            microbatches: int = 2, checkpointing=None, compile=False) -> dict:
     """The ValueError a pipelined Trainer raises at construction, on every process alike."""
     import trainmesh as tm
 

@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 VOCAB, SEQ, GLOBAL_BATCH, STEPS, SEED = 64, 16, 8, 3, 5
-LAYOUTS = ["dp", "zero3", "tp2x2", "tp1x4", "tp2x2_zero3", "pipe2x2", "pipe2_tp2"]
+LAYOUTS = ["dp", "zero3", "zero3_offload", "tp2x2", "tp1x4", "tp2x2_zero3", "pipe2x2", "pipe2_tp2"]
 TRAINED = ["dp", "zero3", "tp2x2", "pipe2x2"]
 
 
@@ -54,6 +54,7 @@ def make_distribution(tm, layout: str, model):
     return {
         "dp": lambda: tm.DataParallel(),
         "zero3": lambda: tm.DataParallel(zero_stage=3),
+        "zero3_offload": lambda: tm.DataParallel(zero_stage=3, cpu_offload=True),
         "tp2x2": lambda: model_parallel((2, 2)),
         "tp1x4": lambda: model_parallel((1, 4)),
         "tp2x2_zero3": lambda: model_parallel((2, 2), zero_stage=3),
@@ -131,15 +132,20 @@ def _job(directory: str) -> dict:
                 names = dict(root.named_parameters(remove_duplicate=False))
                 if family == "gpt2" and "lm_head.weight" in names and "transformer.wte.weight" in names:
                     out[(family, layout, source, "tied")] = names["lm_head.weight"] is names["transformer.wte.weight"]
+        trained = torch.load(os.path.join(directory, f"{family}_trained.pt"), weights_only=True)
+        checkpoint = os.path.join(directory, f"{family}_ckpt")
         for layout in TRAINED:
             model = build_model(family, "meta")
             optimizer = make_optimizer(model.parameters())  # on the meta parameters, as users write it
+            callbacks = [tm.ShardedCheckpoint(checkpoint, async_save=False)] if layout == "zero3" else None
             trainer = tm.Trainer(model, optimizer, lm_loss, distribution=make_distribution(tm, layout, model),
-                                 weights=files, progress=False)
+                                 weights=files, progress=False, callbacks=callbacks)
             trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
-            out[(family, layout, "trained")] = _worst_local_difference(
-                trainer.model, {k: v for k, v in torch.load(os.path.join(directory, f"{family}_trained.pt"),
-                                                            weights_only=True).items()})
+            out[(family, layout, "trained")] = _worst_local_difference(trainer.model, trained)
+        # the ZeRO-3 run's sharded checkpoint as weights=, read on another layout
+        model = build_model(family, "meta")
+        model = make_distribution(tm, "tp2x2", model).distribute_model(model, weights=checkpoint)
+        out[(family, "from_checkpoint")] = _worst_local_difference(model, trained)
     # a bf16 file into an fp32 model: the values are the bf16 ones, widened
     model = tm.DataParallel(zero_stage=3).distribute_model(build_model("llama", "meta"),
                                                            weights=os.path.join(directory, "llama_bf16.safetensors"))
@@ -228,6 +234,8 @@ def test_training_from_files_matches_one_process(results, family):
     for rank in range(4):
         for layout in TRAINED:
             assert results[rank][(family, layout, "trained")] <= 1e-5, (rank, layout)
+        # a trainmesh checkpoint's weights, written by ZeRO-3 and read by tensor parallelism
+        assert results[rank][(family, "from_checkpoint")] <= 1e-5, rank
 
 
 def test_a_bf16_file_fills_fp32_parameters(results):

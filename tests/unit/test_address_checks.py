@@ -31,7 +31,8 @@ TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2"}
 
 # (environment, words the error must contain: the variable, the bad value, the reason)
 BAD_ENVIRONMENTS = {
-    "tf_config_port_99999": (_tf(["a:2222", "b:99999"]), ["TF_CONFIG", "cluster.worker[1]='b:99999'", "outside 1..65535"]),
+    "tf_config_port_99999": (_tf(["a:2222", "b:99999"]),
+                             ["TF_CONFIG", "cluster.worker[1]='b:99999'", "outside 1..65535"]),
     "tf_config_port_0": (_tf(["a:0"]), ["TF_CONFIG", "cluster.worker[0]='a:0'", "outside 1..65535"]),
     "tf_config_empty_host": (_tf([":2222"]), ["TF_CONFIG", "cluster.worker[0]=':2222'", "host is empty"]),
     "tf_config_duplicate": (_tf(["a:1", "b:1", "a:1"]), ["TF_CONFIG", "cluster.worker[0] and cluster.worker[2]",

@@ -44,7 +44,7 @@ def _fit(directory, epochs, *, sharded=False, steps=None, **fit_kwargs):
     model = torch.nn.Linear(4, 1)
     callback = (tm.ShardedCheckpoint(directory, async_save=False) if sharded
                 else tm.ModelCheckpoint(directory, save_best=False))
-    counter = tm.LambdaCallback(on_train_batch_begin=lambda step, logs: steps.append(step)) if steps is not None else None
+    counter = None if steps is None else tm.LambdaCallback(on_train_batch_begin=lambda step, logs: steps.append(step))
     trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01), torch.nn.MSELoss(),
                          callbacks=[callback] + ([counter] if counter else []), progress=False)
     trainer.fit(TensorDataset(X, Y), epochs=epochs, batch_size=8, **fit_kwargs)

@@ -35,6 +35,8 @@ DENSE_CASES = [
     ({"name": "adam", "lr": 0.01}, torch.optim.Adam, {"lr": 0.01}),
     ({"name": "adam", "lr": 0.01, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1},
      torch.optim.Adam, {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1}),
+    ({"name": "adamw", "lr": 0.01, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1},
+     torch.optim.AdamW, {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1}),
     ({"name": "adagrad", "lr": 0.1}, torch.optim.Adagrad, {"lr": 0.1}),
     ({"name": "adagrad", "lr": 0.1, "initial_accumulator_value": 0.5, "lr_decay": 0.1, "eps": 1e-8},
      torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.5, "lr_decay": 0.1, "eps": 1e-8}),
@@ -42,7 +44,7 @@ DENSE_CASES = [
 
 
 DENSE_IDS = ["sgd", "sgd-momentum-wd", "sgd-nesterov", "sgd-dampening", "adam", "adam-betas-eps-wd",
-             "adagrad", "adagrad-init-lr_decay"]
+             "adamw-betas-eps-wd", "adagrad", "adagrad-init-lr_decay"]
 
 
 @pytest.mark.parametrize("spec,opt_cls,kwargs", DENSE_CASES, ids=DENSE_IDS)

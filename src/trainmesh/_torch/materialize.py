@@ -19,6 +19,13 @@ process keeps: its FSDP2 shard, its tensor-parallel slice, its pipeline stage. V
 
 Non-persistent buffers (rotary tables) are never in files: their units are initialised too.
 A tensor no initialiser sets is refused by name (it would hold garbage from ``to_empty``).
+
+A peft LoRA model over a Hugging Face checkpoint of its base: each tensor is looked up under its
+own name and under the base checkpoint's (``adapters.base_checkpoint_name``: no
+``base_model.model.`` prefix, no ``.base_layer``). The adapters are in no such file; they are
+initialised as peft does (``nn.Linear``'s own initialisation, then the LoRA layer's
+``reset_lora_parameters`` with the adapter's ``init_lora_weights``: ``lora_B`` zero), after
+whatever transformers' ``_init_weights`` did to them as plain Linears.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ import torch
 from torch import nn
 
 from trainmesh.checkpoint.safetensors_reader import WeightFileError, WeightFiles
+from trainmesh.distribution.adapters import (adapter_tensor_names, base_checkpoint_name, is_lora_layer, is_peft_model,
+                                             lora_inits)
 
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 
@@ -63,6 +72,16 @@ class MaterializePlan:
     units: list[_Unit] = field(default_factory=list)
     unit_of: dict[str, int] = field(default_factory=dict)         # first name of a tensor -> its unit
     initialiser_of: dict[str, nn.Module | None] = field(default_factory=dict)  # module path -> HF model
+    peft: bool = False                                            # names may be the base checkpoint's
+    lora_inits: dict[str, dict[str, object]] = field(default_factory=dict)  # LoRA layer -> adapter -> init
+
+    def file_keys(self, name: str) -> list[str]:
+        """The names ``name``'s tensor may have in a file: its aliases, and for a peft model the base's."""
+        names = self.aliases.get(name, [name])
+        return names + [base_checkpoint_name(n) for n in names] if self.peft else names
+
+    def in_files(self, name: str) -> str | None:
+        return next((n for n in self.file_keys(name) if n in self.weights), None) if self.weights is not None else None
 
 
 def _alias_groups(model: nn.Module) -> dict[str, list[str]]:
@@ -72,14 +91,18 @@ def _alias_groups(model: nn.Module) -> dict[str, list[str]]:
     return {name: names for names in groups.values() for name in names}
 
 
-def _check_weights(model: nn.Module, files: WeightFiles, aliases: dict[str, list[str]]) -> None:
-    """Every key of the model's state_dict in the files with its shape, and nothing else there."""
+def _check_weights(model: nn.Module, plan: MaterializePlan) -> None:
+    """Every key of the model's state_dict in the files with its shape, and nothing else there. A peft
+    model's adapters may be missing (a base checkpoint): peft's initialisation gives them values."""
+    files, aliases = plan.weights, plan.aliases
     state = model.state_dict(keep_vars=True)
+    optional = adapter_tensor_names(model) if plan.peft else set()
     used, problems = set(), []
     for key, tensor in state.items():
-        found = next((n for n in aliases.get(key, [key]) if n in files), None)
+        found = plan.in_files(key)
         if found is None:
-            problems.append(f"missing key {key!r} (shape {list(tensor.shape)})")
+            if key not in optional:
+                problems.append(f"missing key {key!r} (shape {list(tensor.shape)})")
             continue
         used.add(found)
         entry = files.entries[found]
@@ -101,7 +124,10 @@ def _is_hf_model(module: nn.Module) -> bool:
 def _block_roots(model: nn.Module) -> set[str]:
     """Elements of module containers (transformer blocks): each is an initialisation unit."""
     roots = set()
+    lora_layers = {name for name, module in model.named_modules() if is_lora_layer(module)}
     for name, module in model.named_modules():
+        if name.rpartition(".")[0] in lora_layers:
+            continue  # a LoRA layer's adapter dicts: the layer is initialised whole (peft's order)
         if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and module is not model:
             roots.update(f"{name}.{child}" if name else child for child, _ in module.named_children())
     return roots
@@ -148,6 +174,19 @@ def _add_unit(plan: MaterializePlan, path: str, shadow: nn.Module, names: list[s
         plan.unit_of.setdefault(first, len(plan.units) - 1)
 
 
+def open_weights(path):
+    """A Hugging Face directory or ``.safetensors`` file, or a trainmesh sharded checkpoint directory."""
+    from .checkpoint_weights import CheckpointWeights
+
+    if CheckpointWeights.is_checkpoint(path):
+        try:
+            return CheckpointWeights(path)
+        except ValueError as exc:
+            raise WeightFileError(f"weights={str(path)!r} is neither a Hugging Face checkpoint directory "
+                                  f"(no .safetensors files) nor a trainmesh checkpoint: {exc}") from None
+    return WeightFiles.open(path)
+
+
 def prepare(model: nn.Module, weights=None, seed: int = 0) -> MaterializePlan | None:
     """Check ``weights`` against ``model`` and note how to initialise it; ``None`` when there is
     nothing to do (a real model and no weights). Local: raises the same error on every process."""
@@ -158,18 +197,35 @@ def prepare(model: nn.Module, weights=None, seed: int = 0) -> MaterializePlan | 
         real = next(n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "meta")
         raise ValueError(f"The model is partly on the meta device and partly not (first real tensor: {real!r}); "
                          f"build it wholly under `with torch.device('meta'):` or wholly on the CPU.")
-    files = weights if isinstance(weights, WeightFiles) or weights is None else WeightFiles.open(weights)
-    plan = MaterializePlan(weights=files, seed=int(seed), meta=meta, aliases=_alias_groups(model))
+    files = weights if weights is None or hasattr(weights, "fill") else open_weights(weights)
+    plan = MaterializePlan(weights=files, seed=int(seed), meta=meta, aliases=_alias_groups(model),
+                           peft=is_peft_model(model))
     needed = None
     if files is not None:
-        _check_weights(model, files, plan.aliases)
-        # what no file holds (non-persistent buffers such as rotary tables) comes from initialisers
+        _check_weights(model, plan)
+        # what no file holds (non-persistent buffers such as rotary tables, a base's new adapters)
+        # comes from initialisers
         needed = {n for n, _ in [*model.named_parameters(remove_duplicate=False),
-                                 *model.named_buffers(remove_duplicate=False)]
-                  if not any(a in files for a in plan.aliases.get(n, [n]))}
+                                 *model.named_buffers(remove_duplicate=False)] if plan.in_files(n) is None}
     if meta:
+        if plan.peft:
+            plan.lora_inits = _checked_lora_inits(model)
         _plan_units(model, plan, needed)
     return plan
+
+
+def _checked_lora_inits(model: nn.Module) -> dict[str, dict[str, object]]:
+    """peft's ``init_lora_weights`` per layer; the kinds computed from the base's values (PiSSA,
+    OLoRA, LoftQ, EVA, ...) need real weights at ``get_peft_model`` time and are refused here."""
+    inits = lora_inits(model)
+    for path, by_adapter in inits.items():
+        for adapter, init in by_adapter.items():
+            if not (init is True or init is False or init == "gaussian"):
+                raise ValueError(f"The LoRA layer {path!r} (adapter {adapter!r}) asks for init_lora_weights={init!r}, "
+                                 f"which peft computes from the base weights when the adapter is created; a meta-built "
+                                 f"model has none then. Use True, False or 'gaussian', or build the model on the CPU. "
+                                 f"Received: init_lora_weights={init!r}")
+    return inits
 
 
 def _unit_seed(seed: int, path: str) -> int:
@@ -195,8 +251,11 @@ def _initialise_unit(unit: _Unit, plan: MaterializePlan) -> dict[str, torch.Tens
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(_unit_seed(plan.seed, unit.path))
         for local, module in _post_order(shadow, ""):
-            owner = plan.initialiser_of.get(canonical_name(local_prefix + local if local else unit.path))
-            if owner is not None:
+            full_path = canonical_name(local_prefix + local if local else unit.path)
+            owner = plan.initialiser_of.get(full_path)
+            if is_lora_layer(module):  # after its children (post-order): peft's values win over _init_weights'
+                _init_lora_layer(module, plan.lora_inits.get(full_path, {}))
+            elif owner is not None:
                 owner._init_weights(module)
             elif callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()
@@ -210,6 +269,16 @@ def _initialise_unit(unit: _Unit, plan: MaterializePlan) -> dict[str, torch.Tens
                                  f"define reset_parameters, or build the model on the CPU.")
             out[full] = tensor.detach()
     return out
+
+
+def _init_lora_layer(layer: nn.Module, inits: dict[str, object]) -> None:
+    """What peft's ``update_layer`` does to a new adapter: build ``lora_A`` / ``lora_B`` (``nn.Linear``'s
+    ``reset_parameters``), then ``reset_lora_parameters`` (``init_lora_weights=True``: A Kaiming, B zero)."""
+    for adapter in layer.lora_A.keys():
+        for factor in (layer.lora_A[adapter], layer.lora_B[adapter]):
+            if callable(getattr(factor, "reset_parameters", None)):
+                factor.reset_parameters()
+        layer.reset_lora_parameters(adapter, inits.get(adapter, True))
 
 
 def _local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
@@ -273,19 +342,19 @@ def materialize(model: nn.Module, plan: MaterializePlan | None, device: torch.de
         _retie(root, plan)
     pending: dict[str, torch.Tensor] = {}
     filled: set[int] = set()
+    from_files = []
     with torch.no_grad():
         for name, tensor in _targets(root).items():
             if id(tensor) in filled:
                 continue
-            key = None
-            if plan.weights is not None:
-                key = next((n for n in plan.aliases.get(name, [name]) if n in plan.weights), None)
+            key = plan.in_files(name)
             if key is not None:
-                local, offsets, shape = _local_region(tensor)
-                plan.weights.read_region(key, offsets, shape, out=local)
+                from_files.append((key, tensor, *_local_region(tensor)))
                 filled.add(id(tensor))
             elif plan.meta:
                 pending[name] = tensor
+        if from_files:
+            plan.weights.fill(from_files)
         _fill_from_initialisers(pending, plan, filled)
     return model
 

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .activation_checkpointing import _block_stacks
+from .pipeline_zero_bubble import not_a_view
 
 
 class KeyedBlocks(nn.ModuleList):
@@ -68,8 +69,6 @@ class PassThrough(nn.Module):
     schedules cannot take a view as a stage's output; see ``pipeline_zero_bubble``)."""
 
     def forward(self, x, *args, **kwargs):
-        from .pipeline_zero_bubble import not_a_view
-
         return not_a_view(x) if torch.is_tensor(x) else x
 
 

@@ -19,6 +19,11 @@ A column-wise layer counts as *paired* (output kept sharded) only when its outpu
 than a row-wise sibling's input: a fused projection (GPT-2's ``c_attn``, 3 x hidden wide) is
 split by the parent's own code at hard-wired offsets, which a shard would break, so its output
 is gathered instead. Sharded attention projections must split into whole heads per process.
+
+peft's LoRA layers: ``base_layer`` and the adapters ``lora_A.<name>`` / ``lora_B.<name>`` are each
+planned as the Linear they are, and count as siblings at the LoRA layer's own place
+(``adapters.layer_path``): a column-wise ``lora_B`` is gathered or kept sharded exactly as its
+base, a row-wise ``lora_A`` reads the same (sharded or whole) input as its base.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from torch import nn
+
+from trainmesh.distribution.adapters import layer_path
 
 STYLES = ("colwise", "rowwise", "dtensor")
 
@@ -114,10 +121,15 @@ def _parent(path: str) -> str:
     return path.rsplit(".", 1)[0] if "." in path else ""
 
 
+def _unit_parent(model: nn.Module, path: str) -> str:
+    """The module whose code consumes ``path``'s output: its parent, seen through peft's LoRA layers."""
+    return _parent(layer_path(model, path))
+
+
 def _pair_siblings(model: nn.Module, plans: dict[str, ModulePlan]) -> None:
     by_parent: dict[str, list[ModulePlan]] = {}
     for plan in plans.values():
-        by_parent.setdefault(_parent(plan.path), []).append(plan)
+        by_parent.setdefault(_unit_parent(model, plan.path), []).append(plan)
     for siblings in by_parent.values():
         rows = [p for p in siblings if p.style == "rowwise" and layer_kind(model.get_submodule(p.path)) != "embedding"]
         for plan in siblings:
@@ -143,7 +155,7 @@ def _check_heads(model: nn.Module, plans: dict[str, ModulePlan], model_size: int
     for plan in plans.values():
         if plan.style != "colwise" or plan.gather_output:
             continue
-        parent = model.get_submodule(_parent(plan.path))
+        parent = model.get_submodule(_unit_parent(model, plan.path))
         head_dim = getattr(parent, "head_dim", None)
         if not isinstance(head_dim, int) or head_dim <= 0:
             continue

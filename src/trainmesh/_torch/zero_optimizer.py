@@ -43,7 +43,11 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, distribution) -> tor
     # Only the hyper-parameters the class's constructor takes: some defaults are internal (AdamW on
     # torch 2.13 records ``decoupled_weight_decay``, which AdamW.__init__ does not accept).
     accepted = set(inspect.signature(type(optimizer).__init__).parameters) - {"self", "params"}
-    groups = [{k: v for k, v in g.items() if k in accepted or k == "params"} for g in optimizer.param_groups]
+    # Frozen parameters stay out: ZeroRedundancyOptimizer would give them a partition and broadcast
+    # them from their owner after every step, though they never change.
+    groups = [{**{k: v for k, v in g.items() if k in accepted}, "params": [p for p in g["params"] if p.requires_grad]}
+              for g in optimizer.param_groups]
+    groups = [g for g in groups if g["params"]]
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group, **defaults)
 

@@ -51,7 +51,7 @@ class _Item:
 
 
 def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, max_shard_size: int | str = "5GB",
-                    dtype: torch.dtype | None = None) -> str:
+                    dtype: torch.dtype | None = None, merge_adapters: bool = False) -> str:
     """Write ``model``'s full weights to ``directory`` in the Hugging Face layout. Collective.
 
     Works for a model from any trainmesh layout: plain, DDP, ZeRO 1-3, ModelParallel (tensor
@@ -65,6 +65,11 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, max_shard
     loads. ``directory`` must be on a file system every process sees; a previous checkpoint
     there is replaced only once the new one is complete. Returns ``directory``.
 
+    A peft LoRA model is saved as peft saves it: ``adapter_model.safetensors`` and
+    ``adapter_config.json`` of its active adapter (``PeftModel.from_pretrained(base, directory)``
+    loads them); with ``merge_adapters=True``, as the full base model with the adapters merged into
+    its weights, under the base model's names (``peft_save.py``).
+
     >>> tm.save_pretrained(trainer.model, "out/my-llama", max_shard_size="2GB")   # doctest: +SKIP
     >>> transformers.AutoModelForCausalLM.from_pretrained("out/my-llama")           # doctest: +SKIP
     """
@@ -74,19 +79,25 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, max_shard
         raise TypeError(f"dtype must be a torch.dtype or None. Received: dtype={dtype!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_pretrained saves an nn.Module. Received: {type(model).__name__}")
+    from .peft_save import view_for
+
+    view = view_for(model, merge_adapters)  # None: the model's own tensors, as they are
     group = _new_group()
     try:
-        return _save(model, directory, max_bytes, dtype, group)
+        return _save(model, directory, max_bytes, dtype, group, view)
     finally:
         if group is not None:
             dist.destroy_process_group(group)
 
 
-def _save(model, directory, max_bytes, dtype, group) -> str:
+def _save(model, directory, max_bytes, dtype, group, view=None) -> str:
     rank = dist.get_rank() if group is not None else 0
-    local = _local_state(model)
+    local = _local_state(model) if view is None else view.local_state(model, _local_state(model))
     described = _all_gather(_describe(model, local), group)
-    items, files = _plan(described, max_bytes, dtype, hf_layout.tied_target_patterns(_unwrap(model)))
+    items, files = _plan(described, max_bytes if view is None else view.max_bytes(max_bytes), dtype,
+                         hf_layout.tied_target_patterns(_unwrap(model)))
+    if view is not None:
+        view.rename(items, files)
     staging, problem = None, None
     if rank == 0:
         try:
@@ -100,15 +111,21 @@ def _save(model, directory, max_bytes, dtype, group) -> str:
     extra: list[str] = []
     if rank == 0 and error is None:
         try:
-            configs = hf_layout.configs_of(hf_layout.find_pretrained(_unwrap(model)))
-            extra = hf_layout.save_configs(staging, *configs, dtype=hf_layout.main_dtype([i.entry for i in items]))
-            hf_layout.write_index(staging, files)
+            if view is not None and view.adapters_only:
+                extra = view.save_config(staging)
+            else:
+                configs = hf_layout.configs_of(hf_layout.find_pretrained(_unwrap(model)))
+                extra = hf_layout.save_configs(staging, *configs, dtype=hf_layout.main_dtype([i.entry for i in items]))
+                hf_layout.write_index(staging, files)
         except Exception as exc:
             error = exc
     _raise_if_any_failed(error, group, rank, staging, "writing")
     if rank == 0:
         try:
-            hf_layout.commit(staging, directory, files, extra)
+            if view is not None and view.adapters_only:
+                view.commit(staging, directory, files, extra)
+            else:
+                hf_layout.commit(staging, directory, files, extra)
         except Exception as exc:
             error = exc
     _raise_if_any_failed(error, group, rank, None, "publishing")

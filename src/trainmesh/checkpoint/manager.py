@@ -202,26 +202,28 @@ class CheckpointManager:
         Rank 0 checks and tells the others, so every rank resumes from the same one, or raises
         the same error, before any training collective.
         """
-        found = None
-        if runtime.rank() == 0:
+        def look() -> Survey:
             found = survey_directory(self.directory, checksums=self.verify_checksums)
             if self._pending is not None:  # this save is in flight, not abandoned
                 found = dataclasses.replace(found, unfinished=tuple(
                     p for p in found.unfinished if os.path.abspath(p) != os.path.abspath(self._pending.tmp_dir)))
-            found.warn(stacklevel=4)
-        return self._broadcast(found)
+            found.warn(stacklevel=5)
+            return found
+
+        return self._rank0_decides(look)
 
     def set_aside(self, paths) -> list[str]:
         """Rename each of ``paths`` (rejected checkpoints) to ``<path>.rejected`` (collective; rank 0
         renames): a fresh start then neither reads nor prunes them, and nothing is deleted."""
-        moved = []
-        if runtime.rank() == 0:
+        def rename() -> list[str]:
+            moved = []
             for path in paths:
                 if os.path.isdir(path):
                     os.replace(path, path + ".rejected")
                     moved.append(path + ".rejected")
-        self._barrier()
-        return moved
+            return moved
+
+        return self._rank0_decides(rename)
 
     def best(self) -> str | None:
         entry = retention.best_entry(retention.complete_entries(self.directory), self.keep_best)
@@ -277,6 +279,19 @@ class CheckpointManager:
     def _barrier(self) -> None:
         if self._distributed and self._group is not None:
             dist.barrier(group=self._group)
+
+    def _rank0_decides(self, decide):
+        """``decide()`` on rank 0, its result (or its error, raised) on every rank."""
+        value = None
+        if runtime.rank() == 0:
+            try:
+                value = decide()
+            except Exception as exc:  # noqa: BLE001 - raised below on every rank, none left waiting
+                value = exc
+        value = self._broadcast(value)
+        if isinstance(value, Exception):
+            raise value
+        return value
 
     def _broadcast(self, value):
         if not (self._distributed and self._group is not None):

@@ -138,6 +138,11 @@ class WeightFiles:
     def keys(self) -> Iterable[str]:
         return self.entries.keys()
 
+    def fill(self, items: list[tuple[str, torch.Tensor, torch.Tensor, tuple, tuple]]) -> None:
+        """Each ``(name, tensor, local piece, its offsets, its shape)``: the piece read from the files."""
+        for name, _, local, offsets, shape in items:
+            self.read_region(name, offsets, shape, out=local)
+
     def read_region(self, name: str, offsets: Sequence[int], shape: Sequence[int],
                     out: torch.Tensor | None = None) -> torch.Tensor:
         """The block ``[offsets[d] : offsets[d] + shape[d]]`` of tensor ``name``, copied into ``out``

@@ -63,7 +63,9 @@ def _marker_problem(path: str) -> str | None:
     marker = integrity.read_marker(path)
     if marker is None or not isinstance(marker, dict):
         return f"{marker_path} is unreadable or truncated"
-    if int(marker.get("format", 1)) < integrity.FORMAT_VERSION:
+    if not isinstance(marker.get("format", 1), int) or not isinstance(marker.get("files"), dict):
+        return f"{marker_path} is not a trainmesh checkpoint marker (no format number or file list)"
+    if marker.get("format", 1) < integrity.FORMAT_VERSION:
         return (f"written in checkpoint format {marker.get('format', 1)} (pickled RNG state, which "
                 f"torch.load(weights_only=True) refuses); this trainmesh reads format {integrity.FORMAT_VERSION}")
     return None

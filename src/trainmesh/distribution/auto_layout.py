@@ -25,11 +25,13 @@ import re
 
 from torch import nn
 
+from .adapters import adapter_layouts, base_of, is_lora_layer
 from .layout import LayoutMap
 from .mesh import DeviceMesh
 
 
 def _linear_kind(module: nn.Module) -> str | None:
+    module = base_of(module)  # a peft LoRA layer is laid out as the layer it wraps
     if isinstance(module, nn.Linear):
         return "linear"
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
@@ -49,17 +51,27 @@ def _hf_pattern(prefix: str, key: str) -> str:
     return (re.escape(prefix) + r"\." if prefix else "") + escaped
 
 
+def _transformers_root(model: nn.Module) -> tuple[str, nn.Module]:
+    """The outermost transformers model in ``model`` (itself, or under peft's ``base_model.model``)."""
+    for path, module in model.named_modules():
+        if any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__):
+            return path, module
+    return "", model
+
+
 def _from_shipped_plan(model: nn.Module, axis: str, notes: list[str]) -> dict[str, str] | None:
-    config = getattr(model, "config", None)
+    root_path, root = _transformers_root(model)
+    config = getattr(root, "config", None)
     base_plan = getattr(config, "base_model_tp_plan", None) or {}
-    head_plan = getattr(type(model), "_tp_plan", None) or {}
+    head_plan = getattr(type(root), "_tp_plan", None) or {}
     if not base_plan:
         return None
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    if prefix and not hasattr(model, prefix):
+    prefix = getattr(root, "base_model_prefix", "") or ""
+    if prefix and not hasattr(root, prefix):
         prefix = ""  # the model is the base model itself
+    prefix = ".".join(p for p in (root_path, prefix) if p)
     styles: dict[str, str] = {}
-    for plan, plan_prefix in ((base_plan, prefix), (head_plan, "")):
+    for plan, plan_prefix in ((base_plan, prefix), (head_plan, root_path)):
         for key, style in plan.items():
             kind = {"colwise": "colwise", "colwise_gather_output": "colwise", "rowwise": "rowwise"}.get(style)
             if kind is None:
@@ -110,8 +122,9 @@ def _check(model: nn.Module, pattern: str, style: str, axis: str, size: int, not
         kind = _linear_kind(module)
         if kind is None:
             continue
-        width = module.out_features if kind == "linear" else module.nf
-        depth = module.in_features if kind == "linear" else module.nx
+        base = base_of(module)
+        width = base.out_features if kind == "linear" else base.nf
+        depth = base.in_features if kind == "linear" else base.nx
         split = width if style == "colwise" else depth
         head_dim = getattr(model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model, "head_dim", None)
         if split % size:
@@ -121,7 +134,11 @@ def _check(model: nn.Module, pattern: str, style: str, axis: str, size: int, not
                 and (width // head_dim) % size):
             notes.append(f"{path}: its {width // head_dim} heads do not split over {axis}={size}; replicated")
             return {}
-        layouts[f"{path}.weight"] = _weight_axes(kind, style, axis)
+        if is_lora_layer(module):  # the plan names peft's layer: its base and adapters are laid out together
+            layouts[f"{path}.base_layer.weight"] = _weight_axes(kind, style, axis)
+            layouts.update(adapter_layouts(path, module, style, axis))
+        else:
+            layouts[f"{path}.weight"] = _weight_axes(kind, style, axis)
     return layouts
 
 

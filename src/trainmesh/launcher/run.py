@@ -400,7 +400,10 @@ def _parameter_servers(count: int | None, num_workers: int) -> Iterator[dict[str
     from trainmesh.ps.cluster import LocalCluster
     from trainmesh.ps.strategy import SERVERS_ENV
 
-    given = resolve_secret()  # the user's (TRAINMESH_PS_SECRET or _FILE), which the workers read too
+    try:
+        given = resolve_secret()  # the user's (TRAINMESH_PS_SECRET or _FILE), which the workers read too
+    except ValueError as error:  # e.g. a secret file others may read
+        raise SystemExit(f"trainmesh run: {error}") from None
     cluster = LocalCluster(count, num_workers=num_workers, secret=given)  # else a new one for this job
     try:
         print(f"[trainmesh] {count} parameter server(s): {', '.join(cluster.addresses)}", file=sys.stderr, flush=True)

@@ -82,6 +82,9 @@ class RankResult:
     in_flight: int = 1             # microbatches whose activations a pipeline stage holds at once
     boundary: tuple | None = None  # (shape, dtype) of the activation a pipeline stage sends on
     ops: OpProfile | None = None   # every op of the step with its FLOPs and bytes (op_costs.price prices it)
+    # building on the meta device and loading weights= (see _torch/materialize.py): this rank's shards plus
+    # one tensor in flight (FSDP2's padded copy of an uneven shard, or a read converting the file's dtype)
+    load_peak: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "coords": self.coords, "params": self.params, "grads": self.grads,
@@ -89,7 +92,7 @@ class RankResult:
                 "flops": self.flops, "collectives": self.collectives.rows(),
                 "num_parameters_local": self.num_parameters_local, "seconds": round(self.seconds, 3),
                 "notes": self.notes, "microbatches": self.microbatches, "in_flight": self.in_flight,
-                "ops": self.ops.rows() if self.ops is not None else None}
+                "ops": self.ops.rows() if self.ops is not None else None, "load_peak": self.load_peak}
 
 
 def _storage_bytes(tensors) -> int:
@@ -265,6 +268,8 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
     params = [p for p in model.parameters()]
     param_bytes = _storage_bytes(params) + _storage_bytes(model.buffers())
     num_local = sum(getattr(p, "_local_tensor", p).numel() for p in params)
+    largest_tensor = max((getattr(t, "_local_tensor", t).untyped_storage().nbytes()
+                          for t in [*params, *model.buffers()]), default=0)
     opt = resolve_optimizer(optimizer)([p for p in params if p.requires_grad])
     opt = distribution.prepare_optimizer(opt, model)
     counter = CollectiveCounter(axis_of)
@@ -356,4 +361,4 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
                       collectives=counter.log, num_parameters_local=num_local, seconds=0.0, notes=notes,
                       microbatches=microbatches if runner is not None else 1,
                       in_flight=in_flight if runner is not None else 1,
-                      boundary=boundary if runner is not None else None, ops=ops)
+                      boundary=boundary if runner is not None else None, ops=ops, load_peak=param_bytes + largest_tensor)

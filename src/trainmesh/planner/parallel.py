@@ -128,6 +128,10 @@ class ParallelPlan:
             lines.append(f"rank {r.rank:<5} ({where})")
             lines.append("                " + " ".join(format_bytes(v).rjust(10) for v in (
                 r.params, r.grads, r.optimizer, r.activations, r.buffers, self.peak(r))))
+        worst_load = max(self.ranks, key=lambda r: r.load_peak)
+        lines.append(f"loading (meta build + weights=, each rank reading its own shards): peak "
+                     f"{format_bytes(worst_load.load_peak)} on rank {worst_load.rank}, against "
+                     f"{format_bytes(self.num_parameters * 4)} for the whole model in fp32")
         if self.device_memory is not None:
             lines.append(f"device memory {format_bytes(self.device_memory)}: "
                          + ("fits" if self.fits else f"does NOT fit (over by {format_bytes(self.peak_bytes - self.device_memory)})"))

@@ -112,8 +112,9 @@ class ServerState:
             meta, shards = snapshot
             self.params = meta["params"]
             self.dedup.load_json(meta["dedup"])
-            if SNAPSHOT_KEY in shards:
-                self.rounds.load_state_dict(*shards.pop(SNAPSHOT_KEY))
+            open_rounds = [shards.pop(key) for key in sorted(shards) if key.startswith(SNAPSHOT_KEY)]
+            if open_rounds:
+                self.rounds.load_chunks(open_rounds)
             self.shards = {sid: Shard.from_state(tensors, shard_meta) for sid, (tensors, shard_meta) in shards.items()}
         return self.store.replay(mutate)
 
@@ -131,7 +132,7 @@ class ServerState:
         try:
             shards = {sid: shard.state_dict() for sid, shard in self.shards.items()}
             if self.rounds:  # acknowledged pushes of open rounds: the log is truncated after this
-                shards[SNAPSHOT_KEY] = self.rounds.state_dict()
+                shards.update({f"{SNAPSHOT_KEY}{i}": chunk for i, chunk in enumerate(self.rounds.state_chunks())})
             self.store.write_snapshot({"params": self.params, "dedup": self.dedup.to_json(), "time": time.time()},
                                       shards)
         except OSError as error:  # e.g. disk full: the WAL (kept until a snapshot succeeds) still holds everything
@@ -222,6 +223,7 @@ class ServerState:
             raise ValueError(f"push round must be an int >= 0, got {round_!r}")
         compression = msg.meta.get("compression") or {}
         updates: list[Callable[[], None]] = []
+        joins = False  # whether some of it joins a sync round
         for sid in msg.meta.get("shards", []):
             shard = self.dense_shard(sid)
             grad = self._decompress(msg, sid, compression[sid]) if sid in compression else msg.tensors[sid]
@@ -229,6 +231,7 @@ class ServerState:
                 raise ValueError(f"gradient for {sid!r} has shape {tuple(grad.shape)}, the shard {shard.shape}")
             grad = grad if grad.dtype == torch.float32 else grad.float()
             if round_ is not None and self.spec_of(sid)["mode"] == "sync":
+                joins = True
                 updates.append(lambda sid=sid, grad=grad: self.rounds.add_dense(round_, sid, grad, lr))
             else:
                 updates.append(lambda shard=shard, grad=grad: shard.apply(grad, lr=lr))
@@ -246,12 +249,12 @@ class ServerState:
             summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, grads.float())
             store, shard_of = self._table_rows(table, unique)
             if unique.numel() and round_ is not None and self.spec_of(table)["mode"] == "sync":
+                joins = True
                 updates.append(lambda table=table, ids=unique, g=summed: self.rounds.add_rows(round_, table, ids, g, lr))
             elif unique.numel():
                 updates.append(lambda store=store, shard_of=shard_of, ids=unique, g=summed:
                                store.apply(ids, g, shard_of, lr=lr))
-        if round_ is not None and len(updates) and any(self.spec_of(name)["mode"] == "sync" for name in
-                                                       [*msg.meta.get("shards", []), *(msg.meta.get("rows") or {})]):
+        if joins:
             updates.append(lambda: self.rounds.count_push(round_))
         return updates
 

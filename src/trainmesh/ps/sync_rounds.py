@@ -11,7 +11,7 @@ gradient, see ``strategy.py``). Sync pulls already wait for that clock, so a pul
 
 A round applied is written to the write-ahead log as a marker record after the pushes it sums,
 so a replay rebuilds the same sums and applies them at the same points. A snapshot holds the
-rounds still open (``state_dict`` / ``load_state_dict``). A push that arrives for a round already
+rounds still open (``state_chunks`` / ``load_chunks``). A push that arrives for a round already
 applied (a worker declared dead and back) is summed into a round of its own, applied at once.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-SNAPSHOT_KEY = "#open-rounds"  # the snapshot entry holding the open rounds (no shard id looks like it)
+SNAPSHOT_KEY = "#open-rounds/"  # snapshot entries of the open rounds, then a number (no shard id looks like it)
 
 
 @dataclass
@@ -79,21 +79,25 @@ class OpenRounds:
 
     # -- snapshots ----------------------------------------------------------------------------
 
-    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
-        tensors: dict[str, torch.Tensor] = {}
+    def state_chunks(self, per_chunk: int = 1000) -> list[tuple[dict[str, torch.Tensor], dict]]:
+        """The open rounds as snapshot entries ``(tensors, meta)`` of at most ``per_chunk`` tensors
+        each (a frame's header has a size limit); the first one's meta describes every round."""
+        items: list[tuple[str, torch.Tensor]] = []
         meta: dict[str, dict] = {}
         for r, entry in self.rounds.items():
-            for sid, total in entry.dense.items():
-                tensors[f"{r}|d|{sid}"] = total
-            rows = {}
+            items += [(f"{r}|d|{sid}", total) for sid, total in entry.dense.items()]
             for table, parts in entry.rows.items():
-                rows[table] = len(parts)
                 for k, (ids, grads) in enumerate(parts):
-                    tensors[f"{r}|r|{k}|ids|{table}"], tensors[f"{r}|r|{k}|grads|{table}"] = ids, grads
-            meta[str(r)] = {"dense": sorted(entry.dense), "rows": rows, "lr": entry.lr, "pushes": entry.pushes}
-        return tensors, {"rounds": meta}
+                    items += [(f"{r}|r|{k}|ids|{table}", ids), (f"{r}|r|{k}|grads|{table}", grads)]
+            meta[str(r)] = {"dense": sorted(entry.dense), "rows": {t: len(p) for t, p in entry.rows.items()},
+                            "lr": entry.lr, "pushes": entry.pushes}
+        chunks = [dict(items[i:i + per_chunk]) for i in range(0, len(items), per_chunk)] or [{}]
+        return [(chunk, {"rounds": meta} if i == 0 else {}) for i, chunk in enumerate(chunks)]
 
-    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    def load_chunks(self, chunks: list[tuple[dict[str, torch.Tensor], dict]]) -> None:
+        """Restore what ``state_chunks`` gave."""
+        tensors = {k: t for chunk, _ in chunks for k, t in chunk.items()}
+        meta = next(m for _, m in chunks if "rounds" in m)
         self.rounds = {}
         for key, info in meta["rounds"].items():
             r = int(key)

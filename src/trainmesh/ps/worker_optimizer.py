@@ -3,7 +3,7 @@ servers instead of updating locally.
 
 ``server_optimizer_spec`` turns the user's torch optimizer (class and per-group
 hyperparameters) into the servers' optimizer config, so ``torch.optim.SGD(..., momentum=0.9)``
-means SGD with momentum 0.9 on the servers. ``PSOptimizer`` is a real ``torch.optim.Optimizer``
+means SGD with momentum 0.9 on the servers (SGD, Adam, AdamW, Adagrad). ``PSOptimizer`` is a real ``torch.optim.Optimizer``
 over the same parameter groups (LR schedulers, the Trainer's ``zero_grad`` and ``param_groups``
 work unchanged); its ``step()`` pushes, clocks and pulls, pipelined. When no served parameter is
 sync, it waits for none of them: pushes and clocks stay in flight (at most staleness + 1 steps)

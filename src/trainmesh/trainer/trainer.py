@@ -375,7 +375,10 @@ class Trainer(TrainerState):
             if not callable(optimizer):
                 raise TypeError(f"optimizer must be a torch Optimizer or a callable params -> Optimizer. "
                                 f"Received: {optimizer!r}")
-            return self.distribution.prepare_optimizer(optimizer(self.model.parameters()), self.model)
+            # Frozen parameters (``requires_grad=False``: a fine-tuned base under LoRA) get no optimizer
+            # state and, under ZeRO-1, no partition or broadcast: the optimizer sees the trainable ones.
+            trainable = [p for p in self.model.parameters() if p.requires_grad]
+            return self.distribution.prepare_optimizer(optimizer(trainable), self.model)
         # A distribution may replace parameters (DTensor); point the optimizer at the new ones. A pipeline
         # stage holds some of them only (under any of their names: a tied head's weight on the last stage).
         pipelined = getattr(self.model, "_trainmesh_pipeline", None) is not None

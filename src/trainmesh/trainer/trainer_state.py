@@ -128,17 +128,20 @@ class TrainerState:
                                  "(or resume='path/to/last.pt').")
             location = checkpoints[0].dirpath
             candidates = [checkpoints[0].last_path, previous_path(checkpoints[0].last_path)]
-        found = _rank0_decides(lambda: _survey_files(candidates, explicit=isinstance(resume, (str, os.PathLike))))
+        def decide() -> Survey:
+            found = _survey_files(candidates, explicit=isinstance(resume, (str, os.PathLike)))
+            if found.chosen is None and on_invalid == START_OVER:
+                for path, _ in found.rejected:
+                    set_aside(path)
+            return found
+
+        found = _rank0_decides(decide)
         if found.chosen is not None:
             self.load_checkpoint(found.chosen, verify=False)  # the main process checked it for everyone
             self._report_resume(found.chosen, True)
             return
         if found.rejected and on_invalid != START_OVER:
             raise NoValidCheckpointError(location, found.rejected)  # on every process alike
-        if found.rejected and self.is_main_process:
-            for path, _ in found.rejected:
-                set_aside(path)
-        runtime.barrier()
         self._report_resume(location, False, found.rejected)
 
     def _report_resume(self, location: str, resumed: bool, rejected=()) -> None:
@@ -162,7 +165,7 @@ class TrainerState:
             return
         checkpoints = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
         last = checkpoints[0].last_path if checkpoints else None
-        found = _rank0_decides(lambda: survey_files([last, previous_path(last)]) if last else Survey())
+        found = _rank0_decides(lambda: _survey_files([last, previous_path(last)], explicit=False) if last else Survey())
         if found.chosen is None:
             if self.is_main_process:
                 why = "; ".join(f"{path}: {problem}" for path, problem in found.rejected) or "none exists yet"

@@ -101,7 +101,6 @@ def sync_worker(kinds: list[str]) -> dict:
 def test_sync_momentum_adam_and_adamw_equal_one_process_on_the_global_batch(workers):
     kinds = list(OPTIMIZERS) if workers == 2 else ["adam", "adamw"]  # (4 workers: the stateful pair, for time)
     results = run_distributed(sync_worker, workers, args=(kinds,), timeout=280)
-    print(results)
     for result in results:
         for kind in kinds:
             got = result[kind]
