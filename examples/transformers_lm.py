@@ -3,6 +3,13 @@
     trainmesh run -n 4 examples/transformers_lm.py --model llama --layout tp+fsdp --steps 20
     trainmesh run -n 4 examples/transformers_lm.py --model llama --layout dp --resume --epochs 2  # continues it
     trainmesh run -n 2 examples/transformers_lm.py --model gpt2 --layout pp --schedule zbv  # 2 stages per process
+    trainmesh run -n 4 examples/transformers_lm.py --layout fsdp --save-pretrained hf-out     # Hugging Face layout
+    trainmesh run -n 4 examples/transformers_lm.py --layout tp --init-from hf-out            # fine-tune from it
+
+``--init-from DIR`` fine-tunes a local Hugging Face checkpoint (``config.json`` + safetensors): the
+model is built on the meta device from DIR's config and each process reads only its own shards of
+the weights (``weights=DIR``). ``--save-pretrained OUT`` writes the trained model in the Hugging Face
+layout (``tm.save_pretrained``), which ``AutoModelForCausalLM.from_pretrained(OUT)`` loads.
 
 Layouts, on N processes:
   dp       DataParallel (DDP)                    every process holds the whole model
@@ -49,6 +56,18 @@ def build_model(family: str, vocab_size: int, block: int) -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(config)
 
 
+def build_from_pretrained(directory: str, vocab_size: int) -> torch.nn.Module:
+    """The model of ``directory``'s config, on the meta device: the Trainer fills it from the files."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(directory)
+    if config.vocab_size < vocab_size:
+        raise SystemExit(f"--init-from {directory}: its vocabulary has {config.vocab_size} entries; this text "
+                         f"needs {vocab_size}")
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
 def build_distribution(layout: str, model: torch.nn.Module, schedule: str = "1f1b",
                        microbatches: int = 4) -> tm.Distribution:
     world = tm.world_size()
@@ -93,6 +112,9 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=64, help="sequence length (characters)")
     parser.add_argument("--out", default="transformers-lm", help="checkpoint directory")
     parser.add_argument("--resume", action="store_true", help="resume from --out (any layout saved it)")
+    parser.add_argument("--init-from", metavar="DIR", help="start from a local Hugging Face checkpoint (meta build, "
+                        "each process reading its own shards)")
+    parser.add_argument("--save-pretrained", metavar="OUT", help="save the trained model in the Hugging Face layout")
     args = parser.parse_args()
     tm.initialize()
 
@@ -102,10 +124,14 @@ def main() -> None:
     samples = min(len(data), args.steps * args.batch_size)
     subset = torch.utils.data.Subset(data, range(samples))
 
-    model = build_model(args.model, len(vocab), args.block)
+    if args.init_from:
+        model = build_from_pretrained(args.init_from, len(vocab))
+    else:
+        model = build_model(args.model, len(vocab), args.block)
     distribution = build_distribution(args.layout, model, args.schedule, args.microbatches)
     trainer = tm.Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), lm_loss, distribution=distribution,
-                         max_grad_norm=1.0, callbacks=[tm.ShardedCheckpoint(args.out, async_save=False)])
+                         max_grad_norm=1.0, callbacks=[tm.ShardedCheckpoint(args.out, async_save=False)],
+                         weights=args.init_from)
     start = time.perf_counter()
     history = trainer.fit(subset, epochs=args.epochs, batch_size=args.batch_size, resume=args.resume)
     seconds = time.perf_counter() - start
@@ -115,6 +141,10 @@ def main() -> None:
         loss = history.steps[-1]["loss"] if steps else float("nan")
         print(f"{args.model} {args.layout} on {tm.world_size()} processes: {steps} steps, final loss {loss:.6f}, "
               f"{tokens / max(seconds, 1e-9):,.0f} tokens/s; checkpoint in {args.out}")
+    if args.save_pretrained:
+        tm.save_pretrained(trainer.model, args.save_pretrained)  # collective: every process takes part
+        if tm.is_main_process():
+            print(f"saved in the Hugging Face layout: {args.save_pretrained}")
     tm.shutdown()
 
 

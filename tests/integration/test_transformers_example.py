@@ -47,3 +47,18 @@ def test_pipeline_layouts_run_the_same_loss_function_and_match_data_parallel(tmp
     assert "pipeline over 'pipe'" in log
     # fp32, the same global batches, AdamW with clipping: equal to 1e-4 (printed to 1e-6)
     assert abs(zbv - plain) < 1e-4 and abs(three_d - plain) < 1e-4, (plain, zbv, three_d)
+
+
+def test_save_pretrained_then_fine_tune_from_it_on_any_layout(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf = tmp_path / "hf"
+    first, log = run(2, tmp_path / "a", "--layout", "fsdp", "--save-pretrained", str(hf))
+    assert "saved in the Hugging Face layout" in log
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf)  # what transformers itself reads
+    assert sum(p.numel() for p in model.parameters()) > 0
+    # a meta build from hf's config, each process reading its own shards: TP and DDP start from the same
+    # weights and train the same batches, so they end equal (fp32, printed to 1e-6)
+    tensor_parallel, log = run(2, tmp_path / "b", "--layout", "tp", "--init-from", str(hf))
+    data_parallel, _ = run(2, tmp_path / "c", "--layout", "dp", "--init-from", str(hf))
+    assert abs(tensor_parallel - data_parallel) < 1e-4, (tensor_parallel, data_parallel)
+    assert tensor_parallel < first  # it went on from the trained weights, not from a fresh model

@@ -1,13 +1,16 @@
 """Models built on the meta device, filled from Hugging Face safetensors or by their initialisers,
 under every layout, on 4 gloo processes.
 
-Checked for transformers Llama and GPT-2 (tied head): each process's shards equal the files'
-bytes exactly (sharded directory, several files); initialisation without weights gives exactly
-the values one process gives the unsharded model, under every layout; GPT-2's head stays tied;
+Checked for transformers Llama and GPT-2 (tied head), under DDP, ZeRO-3 (with and without CPU
+offload), TP 2x2, TP 1x4, TP 2x2 + ZeRO-3, pipe 2 x data 2 and pipe 2 x model 2: each process's
+shards equal the files' bytes exactly (sharded directory, several files); initialisation without
+weights gives exactly the values one process gives the unsharded model; GPT-2's head stays tied;
 a bf16 file fills fp32 parameters; a Trainer built on the meta model and its meta-parameter
 optimizer with ``weights=`` trains to one process's numbers (the model ``from_pretrained`` loads)
-within 1e-5; bad files are the same clear error on every process, with no collective waiting;
-loading a ~230 MB model under ZeRO-3 raises no process's peak RSS by more than 0.45x its bytes.
+within 1e-5, and the ZeRO-3 run's sharded checkpoint, given as ``weights=`` to a TP 2x2 layout,
+holds exactly those numbers; bad files are the same clear error on every process, with no
+collective waiting; loading a ~230 MB model under ZeRO-3 raises no process's peak RSS by more
+than 0.45x its bytes (building it whole first, as before, is over 1.0x).
 """
 
 from __future__ import annotations

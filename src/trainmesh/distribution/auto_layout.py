@@ -11,6 +11,10 @@
    as Megatron splits them; the largest Embedding and a top-level head as wide as it are
    vocab-parallel; norms and everything else stay replicated.
 
+A peft model (``peft.get_peft_model``) gets its base model's plan: the transformers model is found
+under ``base_model.model``, a planned module that is a LoRA layer is laid out through its
+``base_layer``, and its adapters follow (``adapters.adapter_layouts``).
+
 Every proposed entry is checked against the axis size (a dimension that does not divide, or
 attention heads that do not split) and dropped with a note when it fails. The plan is printed
 (by the first process) so the user can copy it into an explicit LayoutMap.
