@@ -83,13 +83,16 @@ def test_shard_units_default_class_and_size():
 
 @pytest.mark.usefixtures("no_process_group_left_behind")
 @pytest.mark.parametrize("zero_stage", [0, 3])
-def test_a_meta_device_model_is_refused_naming_a_tensor_before_any_collective(zero_stage):
+def test_a_meta_device_model_is_materialised_by_its_initialisers(zero_stage):
+    # Refused before issue 38; now built in place (tests/multiprocess/test_meta_build.py: every layout).
     import trainmesh as tm
 
     with torch.device("meta"):
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    with pytest.raises(ValueError, match=r"meta device \(first: '0.weight'\)"):
-        tm.DataParallel(zero_stage=zero_stage).distribute_model(model)
+    model = tm.DataParallel(zero_stage=zero_stage).distribute_model(model, init_seed=3)
+    tensors = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+    assert all(t.device.type == "cpu" and bool(torch.isfinite(t).all()) for t in tensors)
+    assert float(tensors[0].detach().abs().max()) > 0  # nn.Linear's reset_parameters ran
 
 
 def test_blocks_grouped_for_blocking_collectives_up_to_the_bucket():
