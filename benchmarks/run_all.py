@@ -46,6 +46,9 @@ REGISTRY = [
     {"name": "big_model", "script": "big_model.py", "needs": ["transformers", "safetensors", "accelerate"]},
     {"name": "throughput", "script": "throughput.py", "needs": ["transformers"]},
     {"name": "plan_accuracy", "script": "plan_accuracy.py", "needs": ["transformers"]},
+    # issue 35's: one uninterrupted 4-process job and 10 faulty ones (--quick: each fault kind once); the
+    # disk-full kind mounts a tmpfs and is skipped, with the reason, when not root
+    {"name": "chaos", "script": "chaos.py", "needs": [], "full_args": ["--runs", "10"]},
     {"name": "communication", "script": "communication.py", "needs": [], "root": True},
     {"name": "multihost", "script": "multihost.py", "needs": [], "root": True},
 ]

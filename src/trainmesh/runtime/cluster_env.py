@@ -121,9 +121,9 @@ def _from_arguments(job_addresses, num_processes, process_id, env) -> ClusterEnv
                 f"process_id is required when num_processes > 1. Received: num_processes={world_size}, process_id=None"
             )
         process_id = 0
+    # Every entry is checked (port range, empty host); repeats are not refused: only the first, the
+    # coordinator, is ever bound or dialled, and Keras scripts on one host list it once per process.
     parsed = [parse_address(a) for a in addresses]
-    _addresses.check_distinct([(f"job_addresses[{i}]", pair) for i, pair in enumerate(parsed)],
-                              name="job_addresses", value=addresses)
     if addresses:
         host, port = parsed[0]
     else:

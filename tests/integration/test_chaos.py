@@ -1,0 +1,50 @@
+"""The chaos run's quick mode (benchmarks/chaos.py --quick): every fault kind once on a 4-process
+ZeRO-2 job with async sharded checkpoints, restarted by `trainmesh run`. Each run must end with
+exactly the parameters of the uninterrupted run, resume from the newest valid checkpoint, and never
+start from step 0 silently while checkpoints exist."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.timeout(600)]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHAOS = os.path.join(ROOT, "benchmarks", "chaos.py")
+INTERVAL = 2  # chaos.py's checkpoint interval
+
+
+def test_quick_chaos_run_loses_nothing(tmp_path):
+    out = tmp_path / "chaos.json"
+    proc = subprocess.run([sys.executable, CHAOS, "--quick", "--seed", "0", "--json", str(out)],
+                          capture_output=True, text=True, timeout=560, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    runs, figures = report["runs"], report["figures"]
+    kinds = {run["kind"] for run in runs if "skipped" not in run}
+    expected = {"sigkill", "sigstop", "corrupt", "kill_during_save"} | (
+        {"disk_full"} if os.geteuid() == 0 else set())  # a tmpfs needs root; else skipped, with the reason
+    assert kinds >= expected, proc.stdout
+    for run in runs:
+        if "skipped" in run:
+            continue
+        assert run["exit_code"] == 0 and not run["timed_out"], run
+        assert run["attempts"] >= 2, run  # the fault really struck and the job really restarted
+        assert run["resumed_newest_valid"], run  # no more progress lost than the checkpoints allow
+        assert run["identical"], run
+        if run["kind"] == "sigstop":
+            assert run["hang_named"], run  # the survivors' error names the stopped rank
+        if run["kind"] == "corrupt":
+            assert run["skipped_warnings"] >= 1, run  # the damaged checkpoint was named, not skipped silently
+    assert figures["chaos_identical_fraction"] == 1.0, proc.stdout
+    assert figures["chaos_silent_fresh_starts"] == 0, proc.stdout
+    # Issue 35's goal is <= INTERVAL. An async save commits at the first step boundary where every
+    # rank's write is done, at the latest when the next save starts, so a fault that lands between a
+    # save and its commit falls back one checkpoint further: the bound that holds is 2 intervals
+    # (see benchmarks/README.md, "chaos.py").
+    assert figures["chaos_max_lost_steps"] <= 2 * INTERVAL, proc.stdout
