@@ -30,35 +30,19 @@ whatever transformers' ``_init_weights`` did to them as plain Linears.
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from trainmesh.checkpoint.safetensors_reader import WeightFileError, WeightFiles
-from trainmesh.distribution.adapters import (adapter_tensor_names, base_checkpoint_name, is_lora_layer, is_peft_model,
-                                             lora_inits)
+from trainmesh.distribution.adapters import adapter_tensor_names, base_checkpoint_name, is_peft_model
 
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
-
-
-def canonical_name(name: str) -> str:
-    """A tensor's or module's name without the wrappers' path parts (checkpointing, compile)."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
-
+from .init_units import Unit, checked_lora_inits, initialise_unit, plan_units
+from .names import canonical_name
 
 def has_meta_tensors(model: nn.Module) -> bool:
     return any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
-
-
-@dataclass
-class _Unit:
-    path: str                     # module path in the whole model ("" for the root)
-    shadow: nn.Module             # a meta copy taken before the layout (whole subtree, or shallow)
-    names: list[str]              # full names of the tensors it initialises
 
 
 @dataclass
@@ -69,7 +53,7 @@ class MaterializePlan:
     seed: int
     meta: bool
     aliases: dict[str, list[str]] = field(default_factory=dict)   # name -> every name of the same tensor
-    units: list[_Unit] = field(default_factory=list)
+    units: list[Unit] = field(default_factory=list)
     unit_of: dict[str, int] = field(default_factory=dict)         # first name of a tensor -> its unit
     initialiser_of: dict[str, nn.Module | None] = field(default_factory=dict)  # module path -> HF model
     peft: bool = False                                            # names may be the base checkpoint's
@@ -117,63 +101,6 @@ def _check_weights(model: nn.Module, plan: MaterializePlan) -> None:
                               + "; ".join(problems[:8]) + more)
 
 
-def _is_hf_model(module: nn.Module) -> bool:
-    return callable(getattr(module, "_init_weights", None)) and hasattr(module, "config")
-
-
-def _block_roots(model: nn.Module) -> set[str]:
-    """Elements of module containers (transformer blocks): each is an initialisation unit."""
-    roots = set()
-    lora_layers = {name for name, module in model.named_modules() if is_lora_layer(module)}
-    for name, module in model.named_modules():
-        if name.rpartition(".")[0] in lora_layers:
-            continue  # a LoRA layer's adapter dicts: the layer is initialised whole (peft's order)
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and module is not model:
-            roots.update(f"{name}.{child}" if name else child for child, _ in module.named_children())
-    return roots
-
-
-def _plan_units(model: nn.Module, plan: MaterializePlan, needed: set[str] | None) -> None:
-    """The initialisation units (meta copies of them) holding a tensor of ``needed`` (None: all)."""
-    roots = _block_roots(model)
-
-    def wanted(names: list[str]) -> bool:
-        return needed is None or any(n in needed for n in names)
-
-    def is_unit(path: str) -> bool:
-        return path in roots or not any(r.startswith(f"{path}.") or not path for r in roots)
-
-    def visit(path: str, module: nn.Module) -> None:
-        prefix = f"{path}." if path else ""
-        if is_unit(path):
-            names = [prefix + n for n, _ in [*module.named_parameters(remove_duplicate=False),
-                                             *module.named_buffers(remove_duplicate=False)]]
-            if names and wanted(names):
-                _add_unit(plan, path, copy.deepcopy(module), names)
-            return
-        direct = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-        if direct and wanted([prefix + n for n, _ in direct]):  # a container's own tensors, without its children
-            shadow = copy.copy(module)
-            shadow._modules = {}
-            shadow._parameters = copy.deepcopy(module._parameters)
-            shadow._buffers = copy.deepcopy(module._buffers)
-            _add_unit(plan, path, shadow, [prefix + n for n, _ in direct])
-        for child_name, child in module.named_children():
-            visit(prefix + child_name, child)
-
-    visit("", model)
-    for path, module in model.named_modules():  # pre-order: a parent's entry exists before its children's
-        parent = plan.initialiser_of.get(path.rsplit(".", 1)[0] if "." in path else "") if path else None
-        plan.initialiser_of[path] = module if _is_hf_model(module) else parent
-
-
-def _add_unit(plan: MaterializePlan, path: str, shadow: nn.Module, names: list[str]) -> None:
-    plan.units.append(_Unit(path, shadow, names))
-    for name in names:
-        first = plan.aliases.get(name, [name])[0]
-        plan.unit_of.setdefault(first, len(plan.units) - 1)
-
-
 def open_weights(path):
     """A Hugging Face directory or ``.safetensors`` file, or a trainmesh sharded checkpoint directory."""
     from .checkpoint_weights import CheckpointWeights
@@ -209,76 +136,9 @@ def prepare(model: nn.Module, weights=None, seed: int = 0) -> MaterializePlan | 
                                  *model.named_buffers(remove_duplicate=False)] if plan.in_files(n) is None}
     if meta:
         if plan.peft:
-            plan.lora_inits = _checked_lora_inits(model)
-        _plan_units(model, plan, needed)
+            plan.lora_inits = checked_lora_inits(model)
+        plan_units(model, plan, needed)
     return plan
-
-
-def _checked_lora_inits(model: nn.Module) -> dict[str, dict[str, object]]:
-    """peft's ``init_lora_weights`` per layer; the kinds computed from the base's values (PiSSA,
-    OLoRA, LoftQ, EVA, ...) need real weights at ``get_peft_model`` time and are refused here."""
-    inits = lora_inits(model)
-    for path, by_adapter in inits.items():
-        for adapter, init in by_adapter.items():
-            if not (init is True or init is False or init == "gaussian"):
-                raise ValueError(f"The LoRA layer {path!r} (adapter {adapter!r}) asks for init_lora_weights={init!r}, "
-                                 f"which peft computes from the base weights when the adapter is created; a meta-built "
-                                 f"model has none then. Use True, False or 'gaussian', or build the model on the CPU. "
-                                 f"Received: init_lora_weights={init!r}")
-    return inits
-
-
-def _unit_seed(seed: int, path: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{canonical_name(path)}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def _post_order(module: nn.Module, prefix: str):
-    for name, child in module.named_children():
-        yield from _post_order(child, f"{prefix}.{name}" if prefix else name)
-    yield prefix, module
-
-
-def _initialise_unit(unit: _Unit, plan: MaterializePlan) -> dict[str, torch.Tensor]:
-    """The unit's tensors, whole, on the CPU, as its initialisers make them."""
-    shadow = unit.shadow.to_empty(device="cpu")
-    with torch.no_grad():
-        for tensor in [*shadow.parameters(), *shadow.buffers()]:
-            tensor.fill_(math.nan if tensor.is_floating_point() else 0)  # what no initialiser set stays NaN
-            if hasattr(tensor, "_is_hf_initialized"):
-                del tensor._is_hf_initialized  # a flag copied from the meta build would make transformers skip it
-    local_prefix = f"{unit.path}." if unit.path else ""
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(_unit_seed(plan.seed, unit.path))
-        for local, module in _post_order(shadow, ""):
-            full_path = canonical_name(local_prefix + local if local else unit.path)
-            owner = plan.initialiser_of.get(full_path)
-            if is_lora_layer(module):  # after its children (post-order): peft's values win over _init_weights'
-                _init_lora_layer(module, plan.lora_inits.get(full_path, {}))
-            elif owner is not None:
-                owner._init_weights(module)
-            elif callable(getattr(module, "reset_parameters", None)):
-                module.reset_parameters()
-    out = {}
-    for name, tensor in [*shadow.named_parameters(remove_duplicate=False), *shadow.named_buffers(remove_duplicate=False)]:
-        full = local_prefix + name
-        if full in unit.names:
-            if tensor.is_floating_point() and bool(torch.isnan(tensor).any()):
-                raise ValueError(f"No initialiser sets {full!r} of this meta-built model (its module has no "
-                                 f"reset_parameters and no transformers _init_weights covers it). Give weights=, "
-                                 f"define reset_parameters, or build the model on the CPU.")
-            out[full] = tensor.detach()
-    return out
-
-
-def _init_lora_layer(layer: nn.Module, inits: dict[str, object]) -> None:
-    """What peft's ``update_layer`` does to a new adapter: build ``lora_A`` / ``lora_B`` (``nn.Linear``'s
-    ``reset_parameters``), then ``reset_lora_parameters`` (``init_lora_weights=True``: A Kaiming, B zero)."""
-    for adapter in layer.lora_A.keys():
-        for factor in (layer.lora_A[adapter], layer.lora_B[adapter]):
-            if callable(getattr(factor, "reset_parameters", None)):
-                factor.reset_parameters()
-        layer.reset_lora_parameters(adapter, inits.get(adapter, True))
 
 
 def _local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
@@ -368,7 +228,7 @@ def _fill_from_initialisers(pending: dict[str, torch.Tensor], plan: MaterializeP
                              f"cannot initialise it")
         by_unit.setdefault(plan.unit_of[first], []).append(name)
     for index in sorted(by_unit):
-        values = _initialise_unit(plan.units[index], plan)
+        values = initialise_unit(plan.units[index], plan)
         for name in by_unit[index]:
             tensor = pending[name]
             if id(tensor) in filled:
