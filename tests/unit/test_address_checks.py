@@ -151,3 +151,16 @@ def test_the_launcher_names_the_bad_address_before_starting_anything(script, cap
     err = capsys.readouterr().err
     for word in words:
         assert word in err, (word, err)
+
+
+@pytest.mark.parametrize(("value", "words"), [
+    ("tcp://a:1,tcp://a:1", ["TRAINMESH_PS_SERVERS", "a:1"]),
+    ("tcp://a:99999", ["TRAINMESH_PS_SERVERS", "outside 1..65535"]),
+])
+def test_the_parameter_server_strategy_names_a_bad_server_address(monkeypatch, value, words):
+    # the workers' own path to the servers (no launcher, no `trainmesh env`): refused before any connection
+    monkeypatch.setenv("TRAINMESH_PS_SERVERS", value)
+    with pytest.raises(ValueError) as raised:
+        tm.ParameterServerStrategy()._server_addresses()
+    for word in words:
+        assert word in str(raised.value), (word, str(raised.value))

@@ -50,7 +50,6 @@ from trainmesh import runtime
 from trainmesh.distribution.distribution import Distribution
 from trainmesh.distribution.layout import TensorLayout
 from trainmesh.distribution.mesh import DeviceMesh
-from trainmesh.runtime.cluster_env import split_job_addresses
 
 from .dense_cache import DenseCache
 from .embedding import PSEmbedding
@@ -181,9 +180,11 @@ class ParameterServerStrategy:
         return resolve_secret(self.secret) or self._started_secret
 
     def _server_addresses(self) -> list[str]:
-        from_env = split_job_addresses(os.environ.get(SERVERS_ENV, ""))
-        if from_env:
-            return from_env
+        raw = os.environ.get(SERVERS_ENV, "")
+        if raw.strip():  # checked at the door: a bad port, empty host or repeat is named before any connection
+            from trainmesh.runtime.addresses import parse_server_list
+
+            return parse_server_list(raw, name=SERVERS_ENV)
         if self.servers is not None:
             return list(self.servers)
         holder: list[Any] = [None]
