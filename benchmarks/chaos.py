@@ -216,8 +216,9 @@ def plan_runs(runs: int, seed: int, quick: bool, kinds_allowed: tuple[str, ...] 
     plans = []
     for kind in kinds:
         plan = {"kind": kind, "rank": rng.randrange(NPROC), "phase": "-", "seed": rng.randrange(1 << 30)}
-        if kind == "corrupt":  # an older checkpoint must exist to fall back to
-            plan.update(step=rng.randint(2 * INTERVAL + 1, TOTAL_STEPS - 1), rank=0)
+        if kind == "corrupt":  # two committed checkpoints: one to destroy, an older one to fall back to (an
+            # async save commits by the next save at the latest: from step 3 intervals on there are two)
+            plan.update(step=rng.randint(3 * INTERVAL, TOTAL_STEPS - 1), rank=0)
         elif kind == "disk_full":  # a checkpoint to fall back to, and a save to fail, after it
             plan.update(step=rng.randint(2 * INTERVAL + 1, TOTAL_STEPS - INTERVAL), rank=0)
         elif kind == "kill_during_save":
@@ -389,7 +390,8 @@ def analyse(plan: dict, launch: dict, logs: dict, reference: dict | None, out: s
             "fresh_starts_with_checkpoints": fresh_with_ckpts, "silent_fresh_starts": silent,
             "identical": bool(identical), "max_abs_diff": max_abs_diff, "hang_named": hang_named,
             "sigcont_sent": launch["sigcont_sent"], "commit_lag_steps": logs["commit_lag"],
-            "skipped_warnings": len(re.findall(r"Skipping checkpoint", launch["stderr"]))}
+            "skipped_warnings": len(re.findall(r"Skipping checkpoint", launch["stderr"])),
+            "no_valid_checkpoint_error": "NoValidCheckpointError" in launch["stderr"]}
 
 
 def _mount_tmpfs(path: str) -> str | None:
@@ -455,6 +457,8 @@ def table(results: list[dict]) -> str:
             note.append(f"resumed BEFORE the newest valid checkpoint ({r['newest_valid']})")
         if r["skipped_warnings"]:
             note.append(f"{r['skipped_warnings']} skip warning(s)")
+        if r["no_valid_checkpoint_error"]:
+            note.append("stopped: NoValidCheckpointError")
         if r["timed_out"]:
             note.append("TIMED OUT")
         lines.append(f"{i:>2} {r['kind']:<17} {r['phase']:<6} {r['step']:>4} {r['rank']:>4} {r['exit_code']:>4} "
