@@ -153,6 +153,7 @@ def test_the_launcher_names_the_bad_address_before_starting_anything(script, cap
         assert word in err, (word, err)
 
 
+@pytest.mark.usefixtures("no_process_group_left_behind")  # the strategy starts a one-process group
 @pytest.mark.parametrize(("value", "words"), [
     ("tcp://a:1,tcp://a:1", ["TRAINMESH_PS_SERVERS", "a:1"]),
     ("tcp://a:99999", ["TRAINMESH_PS_SERVERS", "outside 1..65535"]),
