@@ -138,7 +138,9 @@ def _transformers_save(directory: str, target: str) -> float:
 def _init_worker() -> float:
     """Largest difference, on this process, between each layout's initialisation and one process's."""
     import trainmesh as tm
-    from trainmesh._torch.materialize import _local_region, canonical_name, materialize, prepare
+    from trainmesh._torch.materialize import materialize, prepare
+    from trainmesh._torch.names import canonical_name
+    from trainmesh._torch.shard_ranges import local_region
     from trainmesh._torch.sync import unwrap
 
     tm.initialize()
@@ -166,7 +168,7 @@ def _init_worker() -> float:
         model = _meta_model(config)
         model = unwrap(make(model).distribute_model(model, init_seed=7))
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            local, offsets, shape = _local_region(tensor)
+            local, offsets, shape = local_region(tensor)
             want = reference[canonical_name(name)].detach()[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
             if local.numel():
                 worst = max(worst, (local - want).abs().max().item())

@@ -94,7 +94,8 @@ def _read_files(directory: str) -> dict:
 
 def _worst_local_difference(model, expected: dict) -> float:
     """Each tensor this process holds against the same region of the expected full tensor."""
-    from trainmesh._torch.materialize import _local_region, canonical_name
+    from trainmesh._torch.names import canonical_name
+    from trainmesh._torch.shard_ranges import local_region
     from trainmesh._torch.sync import unwrap
 
     worst, root = 0.0, unwrap(model)
@@ -102,7 +103,7 @@ def _worst_local_difference(model, expected: dict) -> float:
         name = canonical_name(name)
         want = expected.get(name, expected.get("transformer.wte.weight") if name == "lm_head.weight" else None)
         assert want is not None, name
-        local, offsets, shape = _local_region(tensor)
+        local, offsets, shape = local_region(tensor)
         region = want[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
         if local.numel():
             worst = max(worst, (local.float() - region.float()).abs().max().item())

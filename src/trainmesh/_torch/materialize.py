@@ -40,6 +40,7 @@ from trainmesh.distribution.adapters import adapter_tensor_names, base_checkpoin
 
 from .init_units import Unit, checked_lora_inits, initialise_unit, plan_units
 from .names import canonical_name
+from .shard_ranges import local_region
 
 def has_meta_tensors(model: nn.Module) -> bool:
     return any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
@@ -141,20 +142,6 @@ def prepare(model: nn.Module, weights=None, seed: int = 0) -> MaterializePlan | 
     return plan
 
 
-def _local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
-    """This process's piece of ``tensor``: the local tensor, its offset and shape in the global one."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tensor, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-        local = tensor.to_local()
-        assert tuple(local.shape) == tuple(shape), (tensor.shape, tensor.placements, local.shape, shape)
-        return local, tuple(offsets), tuple(shape)
-    return tensor.detach(), (0,) * tensor.ndim, tuple(tensor.shape)
-
-
 def _empty_like(tensor: torch.Tensor, device) -> torch.Tensor:
     """Uninitialised storage for this process's piece. ``torch.empty_like`` on a DTensor runs DTensor's
     sharding propagation for every new shape (most of a load's time on a CPU); allocating the local
@@ -209,7 +196,7 @@ def materialize(model: nn.Module, plan: MaterializePlan | None, device: torch.de
                 continue
             key = plan.in_files(name)
             if key is not None:
-                from_files.append((key, tensor, *_local_region(tensor)))
+                from_files.append((key, tensor, *local_region(tensor)))
                 filled.add(id(tensor))
             elif plan.meta:
                 pending[name] = tensor
@@ -234,7 +221,7 @@ def _fill_from_initialisers(pending: dict[str, torch.Tensor], plan: MaterializeP
             if id(tensor) in filled:
                 continue
             source = next(n for n in plan.aliases.get(name, [name]) if n in values)
-            local, offsets, shape = _local_region(tensor)
+            local, offsets, shape = local_region(tensor)
             local.copy_(values[source][tuple(slice(o, o + s) for o, s in zip(offsets, shape))])
             filled.add(id(tensor))
         del values

@@ -1,5 +1,6 @@
-"""Where this process's shard of a tensor sits in the full tensor, for code that streams full
-tensors out one piece at a time (``checkpoint.hf_save``) without holding any of them whole.
+"""Where this process's shard of a tensor sits in the full tensor: for code that fills shards
+piece by piece (``materialize``: from files or initialisers) and code that streams full tensors
+out one piece at a time (``checkpoint.hf_save``) without holding any of them whole.
 
 A shard along dim 0 only (FSDP2's, a column-wise tensor-parallel weight, or both nested) is one
 contiguous run of the full tensor's row-major elements, so a writer can place it at its byte
@@ -19,6 +20,16 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 def is_sharded(value: torch.Tensor) -> bool:
     """A DTensor (its full value may need the other processes of its mesh)."""
     return isinstance(value, DTensor)
+
+
+def local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """This process's piece of ``tensor``: the local tensor, its offset and shape in the global one."""
+    if isinstance(tensor, DTensor):
+        shape, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        local = tensor.to_local()
+        assert tuple(local.shape) == tuple(shape), (tensor.shape, tensor.placements, local.shape, shape)
+        return local, tuple(offsets), tuple(shape)
+    return tensor.detach(), (0,) * tensor.ndim, tuple(tensor.shape)
 
 
 def flat_range(value: torch.Tensor) -> tuple[int, int] | None:

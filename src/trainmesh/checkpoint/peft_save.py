@@ -155,12 +155,12 @@ def _merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: flo
     """``weight`` (a local shard or a whole tensor) plus its region of ``scaling * B @ A``."""
     from torch.distributed.tensor import DTensor
 
-    from .._torch.materialize import _local_region
+    from .._torch.shard_ranges import local_region
 
     delta = (b @ a) * scaling
     if fan_in_fan_out:
         delta = delta.T  # transformers' Conv1D stores its weight in x out
-    local, offsets, shape = _local_region(weight)
+    local, offsets, shape = local_region(weight)
     region = delta[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
     merged = (local.detach().float() + region.to(local.device)).to(local.dtype)
     if isinstance(weight, DTensor):
