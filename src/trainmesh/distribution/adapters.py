@@ -98,3 +98,29 @@ def lora_inits(model: nn.Module) -> dict[str, dict[str, object]]:
             configs.update(module.peft_config)
     return {path: {name: getattr(configs.get(name), "init_lora_weights", True) for name in adapter_names(module)}
             for path, module in model.named_modules() if is_lora_layer(module)}
+
+
+def check_lora_targets(model: nn.Module) -> None:
+    """Raise ValueError naming every LoRA target module that matched nothing in ``model``.
+
+    peft refuses a config none of whose targets exist, but accepts one where only some do: a
+    misspelt ``"v_projj"`` beside ``"q_proj"`` silently trains fewer adapters than asked. Targets
+    given as a list are suffixes of module paths (peft's own rule); a regex string or
+    ``"all-linear"`` is left to peft.
+    """
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict) or not is_peft_model(model):
+        return
+    lora_paths = [path for path, module in model.named_modules() if is_lora_layer(module)]
+    for adapter, config in configs.items():
+        targets = getattr(config, "target_modules", None)
+        if not isinstance(targets, (list, set, tuple, frozenset)):
+            continue
+        missing = sorted(t for t in targets
+                         if not any(path == t or path.endswith("." + t) for path in lora_paths))
+        if missing:
+            leaves = sorted({path.rsplit(".", 1)[-1] for path, m in model.named_modules()
+                             if isinstance(base_of(m), nn.Linear) or type(base_of(m)).__name__ == "Conv1D"})
+            raise ValueError(f"LoRA adapter {adapter!r}: target module(s) {missing} are not in the model, so no "
+                             f"adapter was made for them. Linear layers it has: {leaves}. "
+                             f"Received: target_modules={sorted(targets)}")

@@ -22,6 +22,7 @@ from trainmesh._torch.sync import unwrap
 from trainmesh.checkpoint.survey import check_on_invalid
 from trainmesh.comm import ProgressBeacon
 from trainmesh.distribution import DataParallel, Distribution, distribution as current_distribution
+from trainmesh.distribution.adapters import check_lora_targets
 
 from .callbacks import Callback, CallbackList
 from .communication import install_communication
@@ -68,6 +69,7 @@ class Trainer(TrainerState):
             raise TypeError(f"model must be a torch.nn.Module. Received: {type(model).__name__}")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable. Received: {loss_fn!r}")
+        check_lora_targets(model)  # local, before any process group exists
         runtime.initialize()
         self.distribution = _resolve_distribution(distribution)
         self._device_type = runtime.torch_device_type()
