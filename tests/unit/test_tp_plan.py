@@ -123,3 +123,21 @@ def test_a_key_that_matches_no_parameter_warns_and_names_it():
     with pytest.warns(UserWarning, match=r"q_prj.*matches no parameter") as caught:
         _warn_unmatched_keys(llama(), distribution)
     assert len(caught) == 1  # the key that matches stays quiet
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_auto_plans_a_peft_model_as_its_base_head_included(family):
+    """The derived plan (GPT-2) looked for the head among the model's own children: under peft it sits
+    at base_model.model.lm_head and was left replicated while the plain model's was vocab-parallel."""
+    peft = pytest.importorskip("peft")
+    targets = ["c_attn", "c_fc"] if family == "gpt2" else ["q_proj", "down_proj"]
+    plain = tm.LayoutMap.auto(gpt2() if family == "gpt2" else llama(), mesh((1, 2)), verbose=False)
+    wrapped = tm.LayoutMap.auto(peft.get_peft_model(gpt2() if family == "gpt2" else llama(),
+                                                    peft.LoraConfig(r=2, target_modules=targets)),
+                                mesh((1, 2)), verbose=False)
+
+    def as_base(key: str) -> str:
+        return key.replace("\\", "").removeprefix("base_model.model.").replace(".base_layer", "")
+
+    assert {as_base(k) for k in wrapped.keys() if "lora_" not in k} == {as_base(k) for k in plain.keys()}
+    assert any(as_base(k) == "lm_head.weight" for k in wrapped.keys())

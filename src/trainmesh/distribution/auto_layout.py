@@ -103,8 +103,10 @@ def _derived_plan(model: nn.Module, notes: list[str]) -> dict[str, str]:
     if embeddings:
         path, table = max(embeddings, key=lambda pm: pm[1].num_embeddings)
         styles[re.escape(path)] = "vocab"
-        for head_path, head in model.named_children():
-            if _linear_kind(head) == "linear" and head.out_features == table.num_embeddings:
+        root_path, root = _transformers_root(model)  # a peft model's head sits under base_model.model
+        for head_name, head in root.named_children():
+            head_path = f"{root_path}.{head_name}" if root_path else head_name
+            if _linear_kind(head) == "linear" and base_of(head).out_features == table.num_embeddings:
                 styles[re.escape(head_path)] = "colwise"
     if not styles:
         notes.append("no repeated block with Linear/Conv1D units and no embedding: everything stays replicated")
