@@ -31,6 +31,7 @@ from trainmesh import runtime
 from .materialize import has_meta_tensors
 from .mesh import to_torch_mesh
 from .pipeline import PipelineRunner, plan_split, split_for_pipeline, stage_owner
+from .pipeline_frozen import trainable_tied
 from .pipeline_split import merge_stage_models
 
 
@@ -111,13 +112,14 @@ def apply_pipeline(model: nn.Module, distribution, options, apply_layers: Callab
     if not meta:
         model.to(device)
     tied = _tied_names(model)  # 3. (before the split)
+    trainable = trainable_tied(model, tied)  # a frozen tied weight has no gradients to sum (pipeline_frozen)
     plan = plan_split(model, pipeline, pipe_size)  # raises on a bad split, before any collective
     if not meta:
         _broadcast_whole_model(model)  # 2.
     indices, stage_models = split_for_pipeline(model, pipeline, pipe_rank, pipe_size, plan)
     del model
     stage_models = [apply_layers(stage) for stage in stage_models]  # 4.
-    groups = _tied_groups(stage_models, tied, torch_mesh, pipeline, pipe_size)
+    groups = _tied_groups(stage_models, trainable, torch_mesh, pipeline, pipe_size)
     data_axis = distribution.batch_dim_name
     data_group = torch_mesh.get_group(data_axis) if data_axis and torch_mesh.ndim > 1 else None
     data_size = distribution.data_parallel_size

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .activation_checkpointing import _block_stacks
+from .pipeline_frozen import split_points_for
 from .pipeline_zero_bubble import not_a_view
 
 
@@ -130,7 +131,8 @@ def assign_blocks(model: nn.Module, num_stages: int, split_points: str | Sequenc
         raise ValueError(f"{num_stages} pipeline stages need at least {num_stages} blocks; "
                          f"{type(model).__name__} has {len(blocks)} in {container!r}.")
     if not isinstance(split_points, str):
-        return container, split_at(blocks, split_points, num_stages, prefix=f"{container}." if container else "")
+        points = split_points_for(model, split_points)  # a peft model's blocks by their base model's names too
+        return container, split_at(blocks, points, num_stages, prefix=f"{container}." if container else "")
     return container, _balanced(blocks, _block_costs(model, container, blocks, balance, example), num_stages)
 
 

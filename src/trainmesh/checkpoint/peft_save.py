@@ -13,7 +13,11 @@ what is written changes:
   The two factors are gathered whole up front (``r x (in + out)`` per layer: small, and a
   collective every process joins in the same order); each process then adds its own region of
   the product to its own shard when that shard is written, so no base weight is held whole.
-  Pipelines hold different layers on different processes and are refused here.
+  Under a pipeline each stage merges the layers it holds (the factors are gathered over its own
+  model axis only), and its merged tensors travel to their writers as any stage's tensors do.
+
+Under a pipeline the adapter names peft gives are made on each stage for its own layers and
+gathered once, so every process renames the whole plan alike.
 """
 
 from __future__ import annotations
@@ -46,17 +50,14 @@ def view_for(model: nn.Module, merge_adapters: bool):
         raise TypeError(f"A peft model is saved from its PeftModel (what peft.get_peft_model returns). "
                         f"Received: {type(module).__name__}")
     if merge_adapters:
-        if getattr(model, "_trainmesh_pipeline", None) is not None:
-            raise ValueError("merge_adapters=True is not offered under a pipeline (each stage holds other layers); "
-                             "save the adapters (merge_adapters=False) and merge them on one process.")
         return MergedView(module)
-    return AdapterView(module)
+    return AdapterView(module, pipelined=getattr(model, "_trainmesh_pipeline", None) is not None)
 
 
 class AdapterView:
     adapters_only = True
 
-    def __init__(self, peft_model: nn.Module):
+    def __init__(self, peft_model: nn.Module, pipelined: bool = False):
         from peft.utils import get_peft_model_state_dict
 
         self.peft_model = peft_model
@@ -67,6 +68,8 @@ class AdapterView:
         saved = get_peft_model_state_dict(peft_model, state_dict=placeholders, adapter_name=self.adapter)
         by_id = {id(t): name for name, t in placeholders.items()}
         self.names = {by_id[id(t)]: key for key, t in saved.items()}  # model name -> peft's saved name
+        if pipelined:  # each stage named its own layers' adapters; the plan renames every stage's
+            self.names = _union_over_processes(self.names)
 
     def max_bytes(self, _requested: int) -> int:
         return 1 << 62  # one file
@@ -91,6 +94,17 @@ class AdapterView:
             hf_layout.publish(staging, directory, name)
         fsync_path(directory)
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _union_over_processes(names: dict[str, str]) -> dict[str, str]:
+    """Every process's name mapping, merged (collective: ``save_pretrained`` runs everywhere)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return names
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, names)
+    return {source: saved for part in parts for source, saved in part.items()}
 
 
 class MergedView:
