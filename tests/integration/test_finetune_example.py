@@ -1,8 +1,8 @@
 """examples/finetune_lora.py end to end, under ``trainmesh run`` on 2 processes: a local Hugging Face
 checkpoint (a tiny Llama with its own tokenizer, saved here) and a text file or a token-shard
 directory in; peft adapters out that ``PeftModel.from_pretrained`` loads, and a merged model equal
-to peft's own ``merge_and_unload``. The same tokens under ZeRO-3 (text file) and tensor parallelism
-(token shards) train the same adapters."""
+to peft's own ``merge_and_unload``. The same tokens under ZeRO-3 (text file), tensor parallelism
+(token shards) and a 2-stage pipeline train the same adapters."""
 
 from __future__ import annotations
 
@@ -71,14 +71,18 @@ def test_text_under_zero3_and_shards_under_tp_give_the_same_adapters_peft_loads(
     assert os.listdir(root / "zero3-checkpoints")  # the training checkpoints sit beside the adapters
     second = run(root, 2, "--layout", "tp", "--data", "shards", "--out", "tp")
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    third = run(root, 2, "--layout", "pp", "--data", "corpus.txt", "--out", "pp")  # 2 stages, meta-built base
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
 
     model, zero3 = adapters(root, "zero3")
     _, tp = adapters(root, "tp")
+    _, pp = adapters(root, "pp")
     assert len(zero3) == 2 * 7 * 2  # A and B of 7 projections in 2 layers
     # lora_B starts at zero (peft's default): it moved, so the adapters were trained, not just saved
     assert all(v.abs().max() > 0 for k, v in zero3.items() if "lora_B" in k)
     for name, value in zero3.items():  # fp32, the same tokens and batches, another layout and data path
         assert (value - tp[name]).abs().max().item() <= 1e-5, name
+        assert (value - pp[name]).abs().max().item() <= 1e-5, name
     merged = transformers.AutoModelForCausalLM.from_pretrained(root / "merged").state_dict()
     for name, value in model.merge_and_unload().state_dict().items():
         assert (merged[name] - value).abs().max().item() <= 1e-6, name
