@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .dcp_reader import SafeFileSystemReader
+from .trainable_state import check_same_trainable, model_state
 from .zero_optimizer import full_state, is_zero_optimizer, load_full_state
 
 
@@ -51,9 +52,10 @@ def new_checkpoint_group():
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
-def sharded_state(model: nn.Module, optimizer: Any | None) -> dict[str, Any]:
-    """This rank's shards of model (+ optimizer) state, keyed ``model`` / ``optimizer``."""
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+def sharded_state(model: nn.Module, optimizer: Any | None, *, frozen: bool = True) -> dict[str, Any]:
+    """This rank's shards of model (+ optimizer) state, keyed ``model`` / ``optimizer``; without
+    the frozen parameters for ``frozen=False`` (see :mod:`.trainable_state`)."""
+    state: dict[str, Any] = {"model": model_state(model, frozen=frozen)}
     if optimizer is not None and not is_zero_optimizer(optimizer):
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     pipelined = getattr(model, "_trainmesh_pipeline", None) is not None  # ranks hold different keys
@@ -161,18 +163,26 @@ def _safe_reader(path: str) -> SafeFileSystemReader:
     return reader
 
 
-def load_sharded(model: nn.Module, optimizer: Any | None, path: str, process_group=None) -> None:
+def load_sharded(model: nn.Module, optimizer: Any | None, path: str, process_group=None, *,
+                 trainable_only: list[str] | None = None) -> None:
     """Load a DCP checkpoint into ``model`` / ``optimizer`` as they are laid out *now*.
 
     The templates come from the current model, so DCP reads exactly this rank's shards
     (resharding from any world size, ZeRO stage or mesh the checkpoint was written with).
+    ``trainable_only``: the model keys of a checkpoint saved without its frozen parameters; the
+    model's trainable set is checked against them first, and its frozen ones keep their values.
     Nothing in the directory runs code: see :mod:`.dcp_reader`.
     """
+    frozen = trainable_only is None
+    if not frozen:
+        check_same_trainable(model, trainable_only, path, process_group)
+    # strict=False for a trainable-only one: the frozen parameters are absent on purpose (checked above).
+    options = StateDictOptions(strict=frozen)
     if optimizer is not None and is_zero_optimizer(optimizer):
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": model_state(model, frozen=frozen)}
         dcp.load(state, checkpoint_id=path, storage_reader=_safe_reader(path), process_group=process_group,
                  no_dist=_no_dist())
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=options)
         # No template to read shards into: the optimizer state arrives as full tensors.
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
@@ -180,14 +190,14 @@ def load_sharded(model: nn.Module, optimizer: Any | None, path: str, process_gro
                                             storage_reader=_safe_reader(path))
         load_full_state(model, optimizer, loaded["optimizer"])
         return
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": model_state(model, frozen=frozen)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
         own_groups = [list(group["params"]) for group in state["optimizer"]["param_groups"]]
         aliases = _rename_state(state["optimizer"], _aliases(model))
     dcp.load(state, checkpoint_id=path, storage_reader=_safe_reader(path), process_group=process_group,
              no_dist=_no_dist())
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=options)
     if optimizer is not None:
         _rename_state(state["optimizer"], aliases)
         # The saved param groups list the parameters of whichever process wrote them (under a pipeline,

@@ -2,7 +2,8 @@
 
 Layout of one checkpoint ``<dir>/step_00000123/``::
 
-    dcp/            model + optimizer, torch.distributed.checkpoint shards (each rank its own)
+    dcp/            model + optimizer, torch.distributed.checkpoint shards (each rank its own); without
+                    frozen parameters unless ``save_frozen`` (the marker lists what it holds)
     rank_00000.pt   per-rank extras: RNG states, data-loader state ("data"), compressor residuals ("compression")
     shared.pt       rank 0: other stateful objects (scheduler, scaler, ...) and plain values
                     (both hold tensors and plain values only: they load with ``weights_only=True``)
@@ -25,6 +26,7 @@ from torch import nn
 
 from .. import runtime
 from .._torch import dcp as _dcp
+from .._torch import trainable_state
 from . import integrity, retention, rng
 from .single_file import load_plain, save_plain
 from .survey import Survey, survey_directory
@@ -79,10 +81,14 @@ class CheckpointManager:
     >>> manager = CheckpointManager("ckpt", keep_last=3, keep_best=("val_loss", "min"))   # doctest: +SKIP
     >>> manager.save(step, {"model": model, "optimizer": opt, "trainer": {"epoch": 2}})  # doctest: +SKIP
     >>> meta = manager.load("latest", {"model": model, "optimizer": opt})                # doctest: +SKIP
+
+    ``save_frozen=False`` (the default): a model with frozen parameters (``requires_grad=False``: the
+    base of a LoRA fine-tune) is saved without them; loading expects them built as the first start
+    built them, and the same parameters trainable (checked, with the tensors named).
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int = 3, keep_best: Any = None,
-                 async_save: bool = False, verify_checksums: bool = True):
+                 async_save: bool = False, verify_checksums: bool = True, save_frozen: bool = False):
         if not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last must be an int >= 1. Received: keep_last={keep_last!r}")
         self.directory = os.fspath(directory)
@@ -90,6 +96,7 @@ class CheckpointManager:
         self.keep_best = retention.resolve_keep_best(keep_best)
         self.async_save = bool(async_save)
         self.verify_checksums = verify_checksums
+        self.save_frozen = bool(save_frozen)
         self.last_blocking_s: float | None = None  # how long the last save() held the caller
         self._pending: PendingSave | None = None
         self._distributed = dist.is_available() and dist.is_initialized()
@@ -126,7 +133,9 @@ class CheckpointManager:
                 "per_rank": sorted(per_rank), "shared": sorted(shared)}
         pending = PendingSave(int(step), tmp_dir, final_dir, info)
         if model is not None:
-            sharded = _dcp.sharded_state(model, optimizer)
+            contents = trainable_state.manifest(model, self.save_frozen, self._group)
+            info["model_tensors"] = contents  # read first at load: which tensors to expect
+            sharded = _dcp.sharded_state(model, optimizer, frozen=contents["frozen_saved"])
             dcp_dir = os.path.join(tmp_dir, "dcp")
             if self.async_save:
                 pending.future = _dcp.async_save(sharded, dcp_dir, self._group, self._stager)
@@ -250,7 +259,8 @@ class CheckpointManager:
         if model is not None:
             if optimizer is not None and not marker.get("has_optimizer", True):
                 raise ValueError(f"{path} holds no optimizer state, but state has an optimizer.")
-            _dcp.load_sharded(model, optimizer, os.path.join(path, "dcp"), self._group)
+            _dcp.load_sharded(model, optimizer, os.path.join(path, "dcp"), self._group,
+                              trainable_only=trainable_state.trainable_only_keys(marker))
         saved_world = int(marker["world_size"])
         source = rng.source_rank(runtime.rank(), saved_world)
         # Our own files, checksummed at commit, and read with weights_only=True all the same.

@@ -9,6 +9,11 @@ from the latest complete checkpoint (a damaged one is skipped with a warning), o
 of processes, ZeRO stage or mesh, at the exact data position (mid-epoch included). When
 checkpoints exist and none is valid, it stops with an error listing them instead of training
 from step 0; ``fit(..., on_invalid_checkpoint="start_over")`` starts over explicitly.
+
+A model with frozen parameters (a LoRA fine-tune's base) is saved without them unless
+``save_frozen=True``, as peft saves adapters only: the checkpoint holds the trainable tensors,
+their optimizer state and the rest of the run's state, and a resume expects the base built from
+the same weights as the first start built it (``weights=`` or ``from_pretrained``).
 """
 
 from __future__ import annotations
@@ -25,15 +30,20 @@ class ShardedCheckpoint(Callback):
 
     >>> ckpt = ShardedCheckpoint("runs/exp1/ckpt", every_n_steps=500)   # doctest: +SKIP
     >>> trainer = tm.Trainer(model, opt, loss_fn, callbacks=[ckpt]); trainer.fit(data, resume=True)  # doctest: +SKIP
+
+    ``save_frozen=False`` leaves frozen parameters (``requires_grad=False``) out; True saves the
+    whole model (DeepSpeed's ``exclude_frozen_parameters``, the other way round).
     """
 
     def __init__(self, dirpath: str | os.PathLike, *, every_n_steps: int | None = None, keep_last: int = 3,
-                 keep_best: tuple[str, str] | None = None, async_save: bool = True) -> None:
+                 keep_best: tuple[str, str] | None = None, async_save: bool = True, save_frozen: bool = False) -> None:
         if every_n_steps is not None and (isinstance(every_n_steps, bool) or every_n_steps < 1):
             raise ValueError(f"every_n_steps must be a positive int or None. Received: every_n_steps={every_n_steps!r}")
         self.dirpath = os.fspath(dirpath)
         self.every_n_steps = every_n_steps
-        self.options = dict(keep_last=keep_last, keep_best=keep_best, async_save=async_save)
+        if not isinstance(save_frozen, bool):
+            raise TypeError(f"save_frozen must be a bool. Received: save_frozen={save_frozen!r}")
+        self.options = dict(keep_last=keep_last, keep_best=keep_best, async_save=async_save, save_frozen=save_frozen)
         self.manager = None
         self.rejected: tuple[tuple[str, str], ...] = ()  # what the last resume() rejected: (path, why)
 
