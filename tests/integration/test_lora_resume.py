@@ -159,3 +159,28 @@ def test_trainable_only_checkpoint_is_a_small_fraction(tmp_path):
     print(f"trainable-only / full checkpoint bytes: {ratio:.3f}")
     assert ratio < 0.15
     assert not any("base_layer" in k or "embed_tokens" in k for k in dcp_keys(small))
+
+
+@pytest.mark.timeout(120)
+def test_adapters_are_not_loaded_onto_another_frozen_base(tmp_path):
+    """The marker's fingerprint of the frozen base (a sum and a sum of squares per tensor): loading onto
+    a base from another seed, or with one element of one frozen weight changed, is refused by name."""
+    model = lora_model("llama")
+    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+    with torch.random.fork_rng():
+        CheckpointManager(tmp_path / "ckpt").save(1, {"model": model, "optimizer": optimizer})
+    fingerprint = integrity.read_marker(newest(str(tmp_path / "ckpt")))["model_tensors"]["frozen_fingerprint"]
+    assert set(fingerprint) == frozen_and_trainable()[0]
+
+    other = lora_model("llama", seed=7)
+    with pytest.raises(ValueError, match="another frozen base: .*embed_tokens.weight"):
+        CheckpointManager(tmp_path / "ckpt").load("latest", {"model": other})
+    nudged = lora_model("llama")
+    name = "base_model.model.model.layers.1.mlp.down_proj.base_layer.weight"
+    with torch.no_grad():
+        nudged.get_parameter(name)[3, 5] += 1e-3
+    with pytest.raises(ValueError, match=f"another frozen base: {name.replace('.', '[.]')} differ"):
+        CheckpointManager(tmp_path / "ckpt").load("latest", {"model": nudged})
+    same = lora_model("llama")
+    with torch.random.fork_rng():
+        CheckpointManager(tmp_path / "ckpt").load("latest", {"model": same})  # the same base loads

@@ -16,6 +16,13 @@ but frozen now would not load, one trainable now but not saved would keep its fr
 the saved names, recorded in the checkpoint's marker, are compared with the model's first, and
 every rank learns every rank's verdict before DCP's own collectives (one rank raising alone would
 leave the others waiting in them).
+
+Nor would the load notice a base other than the one trained on (another ``weights=`` directory,
+another seed): the adapters would load onto it and train on, silently wrong. So the marker also
+holds a fingerprint of each frozen tensor, its float64 sum and sum of squares over the whole tensor
+(``frozen_fingerprint``), which the load compares before reading anything. It is independent of
+the layout: each process sums the region of the tensor it holds, and regions held twice (replicas)
+count once.
 """
 
 from __future__ import annotations
@@ -23,8 +30,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
+import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from .shard_ranges import local_region
 
 _NAMED = 8  # names listed in an error; the rest are counted
 
@@ -61,7 +71,75 @@ def manifest(model: nn.Module, save_frozen: bool, process_group=None) -> dict[st
         saved = set().union(*(set(s) for _, s in gathered))
     if everything == saved:
         return {"frozen_saved": True}
-    return {"frozen_saved": False, "saved": sorted(saved), "frozen_left_out": sorted(everything - saved)}
+    return {"frozen_saved": False, "saved": sorted(saved), "frozen_left_out": sorted(everything - saved),
+            "frozen_fingerprint": frozen_fingerprint(model, process_group)}
+
+
+# Two sums of the same float32/bf16 values in another order (another layout's regions) agree in
+# float64 to about n * 2**-52 of the sum of magnitudes; 1e-9 leaves room and still sees one changed
+# element of any size that matters.
+_FINGERPRINT_RTOL = 1e-9
+
+
+def _sums(local: torch.Tensor, chunk: int = 1 << 20) -> tuple[float, float]:
+    """Sum and sum of squares in float64, a chunk at a time: never a float64 copy of a whole shard."""
+    flat = local.reshape(-1)
+    total = squares = 0.0
+    for start in range(0, flat.numel(), chunk):
+        part = flat[start:start + chunk].double()
+        total += float(part.sum())
+        squares += float(part.square().sum())
+    return total, squares
+
+
+def frozen_fingerprint(model: nn.Module, process_group=None) -> dict[str, list[float]]:
+    """Frozen tensor name -> [sum, sum of squares, element count] over the whole tensor, in float64.
+    Collective when distributed (one all-gather of a few numbers per tensor)."""
+    trainable = set(model_state(model, frozen=False))
+    regions = []
+    for name, value in model_state(model).items():
+        if name in trainable or not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue
+        local, offset, shape = local_region(value)
+        regions.append((name, offset, shape, *_sums(local.detach()), local.numel()))
+    everyone = [regions]
+    if _distributed():
+        everyone = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(everyone, regions, group=process_group)
+    totals: dict[str, list[float]] = {}
+    seen = set()
+    for name, offset, shape, total, squares, count in (r for part in everyone for r in part):
+        if (name, offset, shape) in seen:  # a replica of a region already counted
+            continue
+        seen.add((name, offset, shape))
+        entry = totals.setdefault(name, [0.0, 0.0, 0])
+        entry[0] += total
+        entry[1] += squares
+        entry[2] += count
+    return totals
+
+
+def check_same_frozen(model: nn.Module, saved: dict[str, list[float]] | None, path: str, process_group=None) -> None:
+    """Raise ``ValueError`` on every rank when a frozen tensor the checkpoint's run trained on differs
+    from this model's (checkpoints without a fingerprint pass). Collective when distributed."""
+    if not saved:
+        return
+    now = frozen_fingerprint(model, process_group)
+    differ = []
+    for name, (total, squares, count) in saved.items():
+        if name not in now:
+            continue  # frozen then, trainable or absent now: check_same_trainable names it
+        total_now, squares_now, count_now = now[name]
+        scale = (squares * count) ** 0.5 + 1e-30  # bounds the sum of magnitudes (Cauchy-Schwarz)
+        if (count_now != count or abs(total_now - total) > _FINGERPRINT_RTOL * scale
+                or abs(squares_now - squares) > _FINGERPRINT_RTOL * (squares + 1e-30)):
+            differ.append(name)
+    if differ:
+        raise ValueError(
+            f"{path} was trained on another frozen base: {_listed(differ)} differ from the tensors this "
+            f"model holds (sum or sum of squares); nothing was loaded. Its adapters only make sense on "
+            f"the base they were trained on: build this model from the same weights (weights=, "
+            f"from_pretrained, seed) as the run that saved it.")
 
 
 def trainable_only_keys(marker: dict[str, Any]) -> list[str] | None:

@@ -259,6 +259,8 @@ class CheckpointManager:
         if model is not None:
             if optimizer is not None and not marker.get("has_optimizer", True):
                 raise ValueError(f"{path} holds no optimizer state, but state has an optimizer.")
+            contents = marker.get("model_tensors") or {}
+            trainable_state.check_same_frozen(model, contents.get("frozen_fingerprint"), path, self._group)
             _dcp.load_sharded(model, optimizer, os.path.join(path, "dcp"), self._group,
                               trainable_only=trainable_state.trainable_only_keys(marker))
         saved_world = int(marker["world_size"])
