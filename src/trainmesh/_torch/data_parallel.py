@@ -12,6 +12,21 @@ from trainmesh import runtime
 from .mesh import to_torch_mesh
 
 
+class _BufferSyncOutsideAutocast(DistributedDataParallel):
+    """DDP whose per-forward buffer broadcast runs with autocast off.
+
+    DDP broadcasts buffers at the start of ``forward``, so inside the Trainer's autocast region.
+    The broadcast flattens them with a ``cat``, an autocast "promote" op, which refuses a 16-bit
+    dtype other than autocast's own: an fp16 base (its rotary ``inv_freq`` buffers fp16) under
+    bf16-mixed failed with "Unexpected floating ScalarType in at::autocast::prioritize". A broadcast
+    only copies bytes, so turning autocast off there changes no value (an fp32 model's buffers are
+    fp32 either way)."""
+
+    def _sync_buffers(self):
+        with torch.autocast(device_type=self.device_type, enabled=False):
+            return super()._sync_buffers()
+
+
 def apply_data_parallel(model: nn.Module, distribution, **ddp_kwargs) -> nn.Module:
     """Move ``model`` to this process's device and wrap it in DDP over the batch axis.
 
@@ -39,4 +54,4 @@ def apply_data_parallel(model: nn.Module, distribution, **ddp_kwargs) -> nn.Modu
     # Gradients as views into DDP's buckets: one copy of the gradients instead of two (4P bytes
     # saved in fp32; measured in benchmarks/zero_memory.py).
     ddp_kwargs.setdefault("gradient_as_bucket_view", True)
-    return DistributedDataParallel(model, device_ids=device_ids, process_group=group, **ddp_kwargs)
+    return _BufferSyncOutsideAutocast(model, device_ids=device_ids, process_group=group, **ddp_kwargs)

@@ -56,8 +56,9 @@ def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None
     ``.safetensors`` file) fills it, or the model's own initialisers seeded by ``init_seed`` (default:
     the first process's ``torch.initial_seed()``) do. ``weights`` also loads into a real model.
 
-    ``mixed_precision`` is the compute dtype of a mixed-precision run (FSDP2 gathers parameters
-    in it; the fp32 shards stay the optimizer's master copy); DDP stages use autocast alone.
+    ``mixed_precision`` is the compute dtype of a mixed-precision run (FSDP2 gathers an fp32 model's
+    parameters in it, and a model with a 16-bit frozen base as stored: ``zero.gather_dtype``; the
+    fp32 shards stay the optimizer's master copy); DDP stages use autocast alone.
 
     >>> model = parallelize(MyModel(), tm.DataParallel(zero_stage=3))   # doctest: +SKIP
     """

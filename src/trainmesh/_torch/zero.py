@@ -1,7 +1,8 @@
 """ZeRO stages 1, 2 and 3 -> FSDP2 ``fully_shard`` over the batch axis.
 
 All three keep fp32 parameter shards between steps (the optimizer's master copy; its state is
-created sharded with them), gather a unit's parameters (in the compute dtype) for its forward,
+created sharded with them), gather a unit's parameters (in the compute dtype; as stored for a model
+that keeps some in 16 bits, see ``gather_dtype``) for its forward,
 and reduce-scatter its gradients bucket by bucket (one bucket per unit) while backward runs, so
 at the optimizer step a process holds only its shard of the gradients. What DeepSpeed's stage-1/2
 optimizer does too: it reduces each bucket into the owner's partition during backward and frees
@@ -155,12 +156,48 @@ def _no_nesting(units: list[nn.Module]) -> bool:
     return all(not any(id(m) in ids for m in u.modules() if m is not u) for u in units)
 
 
-def build_mixed_precision(compute_dtype: torch.dtype | None, reduce_dtype: str | None) -> MixedPrecisionPolicy:
+def build_mixed_precision(compute_dtype: torch.dtype | None, reduce_dtype: str | None,
+                          model: nn.Module | None = None) -> MixedPrecisionPolicy:
     """fp32 master shards (the parameters the optimizer sees); ``compute_dtype`` copies are
-    gathered for forward/backward; gradients are reduced in ``reduce_dtype`` (default fp32
-    under mixed precision: a bf16 reduce-scatter loses low bits of the averaged gradient)."""
+    gathered for forward/backward (for ``model``: see ``gather_dtype``); gradients are reduced in
+    ``reduce_dtype`` (default fp32 under mixed precision: a bf16 reduce-scatter loses low bits of
+    the averaged gradient)."""
     reduce = _DTYPES[reduce_dtype] if reduce_dtype else (torch.float32 if compute_dtype is not None else None)
-    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce)
+    param_dtype = gather_dtype(model, compute_dtype) if model is not None else compute_dtype
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce)
+
+
+def gather_dtype(model: nn.Module, compute_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype FSDP2 gathers parameters in: ``compute_dtype`` for a model stored in fp32 (master
+    weights; gathered cast, the all-gather moves half the bytes), ``None`` (as stored) for a model
+    holding parameters stored in 16 bits (a frozen bf16 or fp16 base under fp32 LoRA adapters).
+
+    Why as stored: FSDP2's cast applies to every use of a parameter, not only where autocast casts,
+    and comes with a cast of each unit's inputs. An fp16 base under bf16-mixed then had its embedding
+    and norm weights rounded to bf16 and its residual stream in bf16 (fp32 in one process), and its
+    adapter gradients differed from one process by 20-50 bf16 ulps (1.5 under DDP). Gathered as stored,
+    autocast casts the same matmuls as in one process; the fp32 adapters are a small share of the
+    gathered bytes. The stored dtypes are the user's choice: the base is never cast in storage."""
+    if compute_dtype is None:
+        return None
+    stored_16_bit = any(p.is_floating_point() and p.element_size() < 4 for p in model.parameters())
+    return None if stored_16_bit else compute_dtype
+
+
+def check_uniform_trainable_dtypes(units: list, model: nn.Module) -> None:
+    """FSDP2 reduce-scatters a unit's gradients as one flat tensor: its trainable parameters must share
+    a dtype (frozen ones may differ). Said here, naming the unit, not at the first backward."""
+    claimed: set[int] = set()
+    for unit in [*units, model]:  # children first: a parameter belongs to the innermost unit holding it
+        modules = unit if isinstance(unit, list) else [unit]
+        params = [p for m in modules for p in m.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in params)
+        dtypes = sorted({str(p.dtype) for p in params if p.requires_grad})
+        if len(dtypes) > 1:
+            name = next((n for n, m in model.named_modules() if m is modules[0]), "") or "the root module"
+            raise ValueError(f"ZeRO reduces each shard unit's gradients in one dtype; unit {name!r} holds "
+                             f"trainable parameters in {dtypes}. Cast them to one dtype, or freeze the odd ones. "
+                             f"Received: trainable dtypes {dtypes}")
 
 
 def offload_policy(cpu_offload: bool) -> tuple[OffloadPolicy, str]:
@@ -192,9 +229,10 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, zero_stage: int, shard_unit=None,
     units, ordered = select_shard_units(model, shard_unit)
     if zero_stage < 3 and shard_unit is None and ordered and runtime.local_torch_device().type == "cpu":
         units = group_for_blocking_collectives(units)
+    check_uniform_trainable_dtypes(units, model)
     offload, offload_state = offload_policy(cpu_offload)
-    options = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3,
-                   mp_policy=build_mixed_precision(compute_dtype, reduce_dtype), offload_policy=offload)
+    options = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3, offload_policy=offload,
+                   mp_policy=build_mixed_precision(compute_dtype, reduce_dtype, model))
     group = dp_mesh.get_group()
     if not has_meta_tensors(model):  # a meta-built model is sharded first, filled after (materialize.py)
         model.to(runtime.local_torch_device())

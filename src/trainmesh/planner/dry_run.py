@@ -141,10 +141,11 @@ def _unsharded_buffers(model: nn.Module, zero_stage: int, accumulating: bool = F
 
     FSDP2: the unsharded size of each parameter group (all of them at stages 1-2, which keep units
     gathered from forward to backward; the root and the two largest at stage 3: the one
-    computing and the one prefetched), plus the largest group's unsharded gradient before its
-    reduce-scatter. DDP: its gradient buckets. ``accumulating``: a pipeline stage under torch's
-    schedule keeps every group gathered between microbatches and accumulates every group's unsharded
-    gradient until the step's one reduce-scatter.
+    computing and the one prefetched), each parameter in the dtype it is gathered in (a frozen
+    16-bit base at its own), plus the largest group's unsharded gradient before its reduce-scatter
+    (trainable parameters only). DDP: its gradient buckets. ``accumulating``: a pipeline stage under
+    torch's schedule keeps every group gathered between microbatches and accumulates every group's
+    unsharded gradient until the step's one reduce-scatter.
     """
     from trainmesh._torch.zero import fsdp_units
 
@@ -157,7 +158,9 @@ def _unsharded_buffers(model: nn.Module, zero_stage: int, accumulating: bool = F
             # parameter's piece is its model-axis shard, not the global tensor)
             numels = [p._sharded_param_data.numel() * p.mesh_info.shard_mesh_size for p in group.fsdp_params]
             size = sum(n * (p.param_dtype or p.orig_dtype).itemsize for n, p in zip(numels, group.fsdp_params))
-            grad = sum(n * p.orig_dtype.itemsize for n, p in zip(numels, group.fsdp_params))
+            # a frozen parameter (requires_grad=False: a LoRA base) is gathered but gets no gradient
+            grad = sum(n * p.orig_dtype.itemsize for n, p in zip(numels, group.fsdp_params)
+                       if p.sharded_param.requires_grad)
             groups.append((module is model, size, grad))
     if groups:
         if accumulating:

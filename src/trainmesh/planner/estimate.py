@@ -8,6 +8,11 @@ read from the same objects (DDP's gradient buckets; FSDP2's unsharded parameter 
 at stage 2, the root and two blocks (the one computing and the one prefetched) at stage 3, plus the
 largest group's unsharded gradient before its reduce-scatter). Nothing here re-derives sharding.
 
+Frozen parameters (``requires_grad=False``: the base of a LoRA fine-tune) count as the dry run holds
+them: at their own dtype (a bf16 base at 2 bytes beside fp32 adapters), sharded at stage 3 like the
+rest, with no gradient, no optimizer state (the optimizer is built over the trainable ones, as the
+Trainer builds it) and no unsharded gradient in ``buffers``.
+
 ``activations`` is measured by a fake forward of the unwrapped model (``activations.py``), for
 each checkpointing policy; with checkpointing it includes one block's recompute. ``total`` is
 ``params + optimizer + buffers + max(grads, activations)`` (both with accumulation). Not counted:
@@ -130,10 +135,16 @@ def plan(model_or_factory: nn.Module | Callable[[], nn.Module], *, world_size: i
                        activations=activations[policy], budget=budget, accumulate=grad_accum_steps > 1)
             for stage in stages for policy in policies]
     num_parameters = sum(p.numel() for p in meta_model.parameters())
+    num_trainable = sum(p.numel() for p in meta_model.parameters() if p.requires_grad)
     notes = ["total = params + optimizer + buffers + " + ("grads + activations (accumulation keeps gradients alive)"
              if grad_accum_steps > 1 else "max(grads, activations) (gradients are freed after each step)")]
+    if num_trainable < num_parameters:
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in meta_model.parameters() if not p.requires_grad})
+        notes.append(f"{num_parameters - num_trainable:,} frozen parameters ({', '.join(dtypes)}) are counted at "
+                     "their own dtype, with no gradient and no optimizer state")
     if activation_checkpointing == "selective":
         notes.append("selective checkpointing is planned as full checkpointing of the same blocks: the "
                      "saved matmul outputs it keeps are not counted (activations are under-stated)")
     return PlanReport(rows=rows, world_size=world_size, precision=precision, micro_batch=micro_batch,
-                      grad_accum_steps=grad_accum_steps, num_parameters=num_parameters, budget=budget, notes=notes)
+                      grad_accum_steps=grad_accum_steps, num_parameters=num_parameters, budget=budget, notes=notes,
+                      num_trainable=num_trainable)

@@ -85,6 +85,8 @@ class ParallelPlan:
     device_memory: int | None
     grad_accum_steps: int = 1
     notes: list[str] = field(default_factory=list)
+    num_trainable: int | None = None     # requires_grad parameters (fewer under LoRA: the base is frozen)
+    parameter_bytes: int | None = None   # the whole model's parameters at their stored dtypes
 
     def peak(self, r: RankResult) -> int:
         together = self.grad_accum_steps > 1
@@ -107,7 +109,8 @@ class ParallelPlan:
         return {"model": self.model, "mesh": self.mesh.text(), "world_size": self.mesh.world_size,
                 "zero_stage": self.zero_stage, "activation_checkpointing": self.activation_checkpointing,
                 "precision": self.precision, "micro_batch": self.micro_batch, "seq_len": self.seq_len,
-                "num_parameters": self.num_parameters, "grad_accum_steps": self.grad_accum_steps,
+                "num_parameters": self.num_parameters, "num_trainable": self.num_trainable,
+                "parameter_bytes": self.parameter_bytes, "grad_accum_steps": self.grad_accum_steps,
                 "ranks": [{**r.to_dict(), "peak": self.peak(r)} for r in self.ranks],
                 "peak_bytes": self.peak_bytes, "device_memory": self.device_memory, "fits": self.fits,
                 "step": {"compute_s": self.step.compute, "phases_s": self.step.phases, "axes_s": self.step.axes,
@@ -118,7 +121,10 @@ class ParallelPlan:
 
     def table(self) -> str:
         lines = [f"PLAN (dry run of trainmesh's parallelize on a fake process group; not a measurement)",
-                 f"model {self.model}: {_count(self.num_parameters)} parameters, world size {self.mesh.world_size}, "
+                 f"model {self.model}: {_count(self.num_parameters)} parameters"
+                 + (f" ({_count(self.num_trainable)} trainable)"
+                    if self.num_trainable not in (None, self.num_parameters) else "")
+                 + f", world size {self.mesh.world_size}, "
                  f"mesh {self.mesh.text()}, ZeRO {self.zero_stage}, checkpointing "
                  f"{self.activation_checkpointing or 'none'}, {self.precision}, micro-batch {self.micro_batch}"
                  + (f" x {self.seq_len} tokens" if self.seq_len else ""),
@@ -131,7 +137,9 @@ class ParallelPlan:
         worst_load = max(self.ranks, key=lambda r: r.load_peak)
         lines.append(f"loading (meta build + weights=, each rank reading its own shards): peak "
                      f"{format_bytes(worst_load.load_peak)} on rank {worst_load.rank}, against "
-                     f"{format_bytes(self.num_parameters * 4)} for the whole model in fp32")
+                     + (f"{format_bytes(self.parameter_bytes)} for the whole model at its stored dtypes"
+                        if self.parameter_bytes is not None else
+                        f"{format_bytes(self.num_parameters * 4)} for the whole model in fp32"))
         if self.device_memory is not None:
             lines.append(f"device memory {format_bytes(self.device_memory)}: "
                          + ("fits" if self.fits else f"does NOT fit (over by {format_bytes(self.peak_bytes - self.device_memory)})"))
@@ -275,7 +283,11 @@ def plan_parallel(model: str | nn.Module | Callable[[], nn.Module], *, world_siz
     plan = ParallelPlan(model=str(name), mesh=spec, zero_stage=zero_stage,
                         activation_checkpointing=activation_checkpointing, precision=precision,
                         micro_batch=micro_batch, seq_len=seq_len, num_parameters=shape["num_parameters"],
-                        ranks=ranks, step=step, hardware=hw, device_memory=budget, grad_accum_steps=grad_accum_steps)
+                        ranks=ranks, step=step, hardware=hw, device_memory=budget, grad_accum_steps=grad_accum_steps,
+                        num_trainable=sum(p.numel() for p in meta.parameters() if p.requires_grad),
+                        # bf16-true casts every parameter (the dry run does too); otherwise each keeps its own dtype
+                        parameter_bytes=sum(p.numel() * (2 if precision == "bf16-true" else p.element_size())
+                                            for p in meta.parameters()))
     plan.notes += sorted({n for r in ranks for n in r.notes})
     plan.notes.append(figures_used(hw, spec))
     plan.notes.append("ranks dry-run: " + ", ".join(f"{r.rank} ({r.seconds:.1f} s)" for r in ranks)

@@ -90,6 +90,7 @@ class PlanReport:
     grad_accum_steps: int = 1
     budget: int | None = None
     notes: list[str] = field(default_factory=list)
+    num_trainable: int | None = None  # requires_grad parameters (all of them unless some are frozen)
 
     def best(self, budget: int | str | None = None) -> PlanRow | None:
         """The cheapest-to-run row that fits ``budget`` (default: the planned budget), or None.
@@ -118,7 +119,9 @@ class PlanReport:
         widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
         text = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
                 for line in lines]
-        title = (f"per-rank memory: {self.num_parameters:,} parameters, world size {self.world_size}, "
+        trainable = (f" ({self.num_trainable:,} trainable)" if self.num_trainable is not None
+                     and self.num_trainable != self.num_parameters else "")
+        title = (f"per-rank memory: {self.num_parameters:,} parameters{trainable}, world size {self.world_size}, "
                  f"{self.precision}, micro-batch {self.micro_batch}")
         if self.budget is not None:
             title += f", budget {format_bytes(self.budget)}"
@@ -127,7 +130,7 @@ class PlanReport:
     def to_json(self) -> str:
         return json.dumps({"world_size": self.world_size, "precision": self.precision,
                            "micro_batch": self.micro_batch, "grad_accum_steps": self.grad_accum_steps,
-                           "num_parameters": self.num_parameters,
+                           "num_parameters": self.num_parameters, "num_trainable": self.num_trainable,
                            "budget": self.budget, "notes": self.notes,
                            "rows": [r.to_dict() for r in self.rows]}, indent=2)
 

@@ -9,6 +9,11 @@ bf16-mixed     bf16 autocast                   fp32 (master)      no
 fp16-mixed     fp16 autocast                   fp32 (master)      dynamic
 bf16-true      bf16                            bf16               no
 =============  ==============================  =================  ============
+
+Under the mixed precisions, "weights" are the trainable ones. A model may keep frozen parameters in
+16 bits (a bf16 or fp16 base under fp32 LoRA adapters): they stay as stored on every layout, never
+upcast, and autocast casts the same matmuls as in one process (ZeRO gathers such a model as stored:
+``_torch/zero.py``'s ``gather_dtype``).
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ class Precision:
 
 
 class MixedPrecision(Precision):
-    """Autocast to ``dtype``; parameters (the optimizer's master copy) stay fp32."""
+    """Autocast to ``dtype``; trainable parameters (the optimizer's master copy) stay fp32, frozen ones
+    as stored."""
 
     def __init__(self, dtype: torch.dtype, device_type: str = "cpu"):
         super().__init__(device_type)
