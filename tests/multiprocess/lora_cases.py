@@ -1,4 +1,5 @@
-"""Shared by test_lora.py: a peft LoRA model on a transformers Llama / GPT-2, its data, the reference."""
+"""Shared by the transformers parity tests (LoRA, tensor parallel): a tiny Llama / GPT-2, a peft
+LoRA model on it, its data, the one-process reference."""
 
 from __future__ import annotations
 

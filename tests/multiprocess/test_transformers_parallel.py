@@ -15,36 +15,17 @@ import torch
 
 from trainmesh.testing import run_distributed
 
+# The same tiny Llama (grouped-query attention: 4 query heads, 2 KV heads) and GPT-2, data and loss as
+# the LoRA tests: one place for the models these parity tests share.
+from lora_cases import GLOBAL_BATCH, STEPS, data, lm_loss
+from lora_cases import base_model as build_model
+
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 transformers = pytest.importorskip("transformers")
 
-VOCAB, SEQ, GLOBAL_BATCH, STEPS = 64, 16, 8, 3
 MESHES, STAGES, POLICIES = [(4, 1), (2, 2), (1, 4)], [0, 2, 3], [None, "full", "selective"]
 CONFIGS = [(mesh, stage, POLICIES[(i + j) % 3], "adamw" if (i + j) % 2 else "sgd")
            for i, mesh in enumerate(MESHES) for j, stage in enumerate(STAGES)]
-
-
-def build_model(family: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    if family == "llama":  # grouped-query attention: 4 query heads, 2 KV heads
-        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                                          bos_token_id=0, eos_token_id=1, pad_token_id=2)
-        return transformers.LlamaForCausalLM(config).float()
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)
-    return transformers.GPT2LMHeadModel(config).float()
-
-
-def data():
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH * STEPS, SEQ + 1), generator=g)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def lm_loss(outputs, targets):
-    logits = outputs.logits
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def make_optimizer(name: str, params):
