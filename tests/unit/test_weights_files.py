@@ -108,6 +108,18 @@ def test_a_meta_model_is_filled_from_a_file_or_by_its_initialisers(tmp_path):
     assert 0 < float(first.blocks[0].weight.detach().abs().max()) <= bound
 
 
+def test_the_plan_keeps_no_cpu_copy_of_what_it_initialised():
+    """Each unit is built whole on the CPU to run its initialisers; that copy must go when the unit's
+    values are copied out (the plan outlives the load: it held a whole model's worth of blocks)."""
+    with torch.device("meta"):
+        model = Net()
+    plan = prepare(model, None, 0)
+    materialize(model, plan, "cpu")
+    assert plan.units
+    for unit in plan.units:
+        assert all(t.is_meta for t in [*unit.shadow.parameters(), *unit.shadow.buffers()]), unit.path
+
+
 class Scaled(nn.Module):
     def __init__(self):
         super().__init__()

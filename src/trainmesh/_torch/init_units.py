@@ -119,8 +119,12 @@ def _post_order(module: nn.Module, prefix: str):
 
 
 def initialise_unit(unit: Unit, plan: MaterializePlan) -> dict[str, torch.Tensor]:
-    """The unit's tensors, whole, on the CPU, as its initialisers make them."""
-    shadow = unit.shadow.to_empty(device="cpu")
+    """The unit's tensors, whole, on the CPU, as its initialisers make them.
+
+    Built on a copy of the meta shadow: ``to_empty`` works in place, and the plan (kept as long as
+    the model's hooks keep it) would otherwise hold every unit's CPU copy, a whole model's worth
+    (a LoRA block's full-size frozen base included, though ``weights=`` fills it)."""
+    shadow = copy.deepcopy(unit.shadow).to_empty(device="cpu")
     with torch.no_grad():
         for tensor in [*shadow.parameters(), *shadow.buffers()]:
             tensor.fill_(math.nan if tensor.is_floating_point() else 0)  # what no initialiser set stays NaN
