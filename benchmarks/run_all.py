@@ -44,6 +44,7 @@ REGISTRY = [
     {"name": "tensor_parallel", "script": "tensor_parallel.py", "needs": ["transformers"]},
     {"name": "pipeline", "script": "pipeline.py", "needs": []},
     {"name": "big_model", "script": "big_model.py", "needs": ["transformers", "safetensors", "accelerate"]},
+    {"name": "finetune", "script": "finetune.py", "needs": ["transformers", "peft"]},
     {"name": "throughput", "script": "throughput.py", "needs": ["transformers"]},
     {"name": "plan_accuracy", "script": "plan_accuracy.py", "needs": ["transformers"]},
     # issue 35's: one uninterrupted 4-process job and 10 faulty ones (--quick: each fault kind once); the
