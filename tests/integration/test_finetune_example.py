@@ -88,6 +88,20 @@ def test_text_under_zero3_and_shards_under_tp_give_the_same_adapters_peft_loads(
         assert (merged[name] - value).abs().max().item() <= 1e-6, name
 
 
+def test_a_bf16_base_trains_fp32_adapters(inputs):
+    root = inputs
+    done = run(root, 2, "--layout", "fsdp", "--data", "corpus.txt", "--out", "bf16", "--base-dtype", "bf16")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "precision bf16-mixed" in done.stdout + done.stderr
+    from safetensors.torch import load_file
+
+    saved = load_file(root / "bf16" / "adapter_model.safetensors")
+    assert saved and all(v.dtype == torch.float32 for v in saved.values())  # peft keeps adapters in fp32
+    assert all(v.abs().max() > 0 for k, v in saved.items() if "lora_B" in k)  # trained from zero
+    _, loaded = adapters(root, "bf16")
+    assert len(loaded) == len(saved)
+
+
 def test_a_target_module_the_model_lacks_is_named(inputs):
     done = run(inputs, 1, "--data", "corpus.txt", "--out", "bad", "--targets", "q_proj,v_projj")
     assert done.returncode != 0
