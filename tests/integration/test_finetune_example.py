@@ -7,6 +7,7 @@ to peft's own ``merge_and_unload``. The same tokens under ZeRO-3 (text file), te
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -56,6 +57,10 @@ def run(root, nproc: int, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, cwd=root)
 
 
+def final_loss(done: subprocess.CompletedProcess) -> float:
+    return float(re.search(r"final loss ([0-9.]+)", done.stdout).group(1))
+
+
 def adapters(root, directory: str) -> dict:
     model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(root / "base"),
                                            root / directory)
@@ -100,6 +105,11 @@ def test_a_bf16_base_trains_fp32_adapters(inputs):
     assert all(v.abs().max() > 0 for k, v in saved.items() if "lora_B" in k)  # trained from zero
     _, loaded = adapters(root, "bf16")
     assert len(loaded) == len(saved)
+    # The pipeline computes the loss under autocast as every other layout does: it ran in bf16 on the
+    # bf16 logits (3.468750, a bf16 number, against 3.471236), now within bf16 compute noise (~1e-4)
+    piped = run(root, 2, "--layout", "pp", "--data", "corpus.txt", "--out", "bf16-pp", "--base-dtype", "bf16")
+    assert piped.returncode == 0, piped.stdout[-3000:] + piped.stderr[-3000:]
+    assert abs(final_loss(piped) - final_loss(done)) < 5e-4, (final_loss(piped), final_loss(done))
 
 
 def test_a_target_module_the_model_lacks_is_named(inputs):

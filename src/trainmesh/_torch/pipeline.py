@@ -156,7 +156,7 @@ class PipelineRunner:
         k = len(micro_batches)
         self._context[0] = precision.forward_context
         scaler = precision.scaler
-        self._loss_fn[0] = (lambda out, y: _scaled(loss_fn(out, y), k, scaler))
+        self._loss_fn[0] = (lambda out, y: _scaled(_under(precision, loss_fn, out, y), k, scaler))
         self._follow_mode()
         for batch in micro_batches:
             inputs, targets = split_batch(precision.convert_input(batch))
@@ -250,6 +250,13 @@ class PipelineRunner:
                     _send_tensor(last_out, self.pipe_group, peer)
             return last_out
         return _recv_tensor(self.pipe_group, src, self.device)
+
+
+def _under(precision, loss_fn: Callable, output, target) -> torch.Tensor:
+    # Inside autocast, as the Trainer computes a loss without a pipeline (step.py): the schedule calls
+    # the loss outside the stage's forward, where cross-entropy on bf16 logits ran in bf16 (a bf16-rounded loss).
+    with precision.forward_context():
+        return loss_fn(output, target)
 
 
 def _scaled(loss: torch.Tensor, k: int, scaler) -> torch.Tensor:
