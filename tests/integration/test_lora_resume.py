@@ -184,3 +184,23 @@ def test_adapters_are_not_loaded_onto_another_frozen_base(tmp_path):
     same = lora_model("llama")
     with torch.random.fork_rng():
         CheckpointManager(tmp_path / "ckpt").load("latest", {"model": same})  # the same base loads
+
+
+@pytest.mark.timeout(120)
+def test_the_frozen_base_is_fingerprinted_once_per_saver(tmp_path, monkeypatch):
+    """A pass over the whole frozen base at every save would hold training each time; it does not train."""
+    from trainmesh._torch import trainable_state
+
+    calls = []
+    real = trainable_state.frozen_fingerprint
+    monkeypatch.setattr(trainable_state, "frozen_fingerprint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = lora_model("llama")
+    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+    manager = CheckpointManager(tmp_path / "ckpt")
+    with torch.random.fork_rng():
+        for step in (1, 2, 3):
+            manager.save(step, {"model": model, "optimizer": optimizer})
+    assert len(calls) == 1
+    markers = [integrity.read_marker(os.path.join(tmp_path / "ckpt", f"step_{s:08d}")) for s in (1, 2, 3)]
+    assert all(m["model_tensors"]["frozen_fingerprint"] == markers[0]["model_tensors"]["frozen_fingerprint"]
+               for m in markers)

@@ -97,6 +97,7 @@ class CheckpointManager:
         self.async_save = bool(async_save)
         self.verify_checksums = verify_checksums
         self.save_frozen = bool(save_frozen)
+        self._fingerprints: dict = {}  # the frozen base's, computed once (trainable_state.manifest)
         self.last_blocking_s: float | None = None  # how long the last save() held the caller
         self._pending: PendingSave | None = None
         self._distributed = dist.is_available() and dist.is_initialized()
@@ -133,7 +134,7 @@ class CheckpointManager:
                 "per_rank": sorted(per_rank), "shared": sorted(shared)}
         pending = PendingSave(int(step), tmp_dir, final_dir, info)
         if model is not None:
-            contents = trainable_state.manifest(model, self.save_frozen, self._group)
+            contents = trainable_state.manifest(model, self.save_frozen, self._group, self._fingerprints)
             info["model_tensors"] = contents  # read first at load: which tensors to expect
             sharded = _dcp.sharded_state(model, optimizer, frozen=contents["frozen_saved"])
             dcp_dir = os.path.join(tmp_dir, "dcp")
@@ -259,8 +260,7 @@ class CheckpointManager:
         if model is not None:
             if optimizer is not None and not marker.get("has_optimizer", True):
                 raise ValueError(f"{path} holds no optimizer state, but state has an optimizer.")
-            contents = marker.get("model_tensors") or {}
-            trainable_state.check_same_frozen(model, contents.get("frozen_fingerprint"), path, self._group)
+            trainable_state.check_same_frozen(model, marker, path, self._group)
             _dcp.load_sharded(model, optimizer, os.path.join(path, "dcp"), self._group,
                               trainable_only=trainable_state.trainable_only_keys(marker))
         saved_world = int(marker["world_size"])
