@@ -42,6 +42,7 @@ from .init_units import Unit, checked_lora_inits, initialise_unit, plan_units
 from .names import canonical_name
 from .shard_ranges import local_region
 
+
 def has_meta_tensors(model: nn.Module) -> bool:
     return any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
 

@@ -35,6 +35,16 @@ def base_of(module: nn.Module) -> nn.Module:
     return module
 
 
+def linear_kind(module: nn.Module) -> str | None:
+    """"linear" or "conv1d" for the layers LoRA adapts (and tensor parallelism splits), else None."""
+    module = base_of(module)  # a peft LoRA layer is the layer it wraps
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return "conv1d"  # transformers' GPT-2 layer: weight stored (in, out)
+    return None
+
+
 def adapter_names(module: nn.Module) -> list[str]:
     return list(module.lora_A.keys()) if is_lora_layer(module) else []
 
@@ -119,8 +129,7 @@ def check_lora_targets(model: nn.Module) -> None:
         missing = sorted(t for t in targets
                          if not any(path == t or path.endswith("." + t) for path in lora_paths))
         if missing:
-            leaves = sorted({path.rsplit(".", 1)[-1] for path, m in model.named_modules()
-                             if isinstance(base_of(m), nn.Linear) or type(base_of(m)).__name__ == "Conv1D"})
+            leaves = sorted({path.rsplit(".", 1)[-1] for path, m in model.named_modules() if linear_kind(m)})
             raise ValueError(f"LoRA adapter {adapter!r}: target module(s) {missing} are not in the model, so no "
                              f"adapter was made for them. Linear layers it has: {leaves}. "
                              f"Received: target_modules={sorted(targets)}")

@@ -29,18 +29,9 @@ import re
 
 from torch import nn
 
-from .adapters import adapter_layouts, base_of, is_lora_layer
+from .adapters import adapter_layouts, base_of, is_lora_layer, linear_kind
 from .layout import LayoutMap
 from .mesh import DeviceMesh
-
-
-def _linear_kind(module: nn.Module) -> str | None:
-    module = base_of(module)  # a peft LoRA layer is laid out as the layer it wraps
-    if isinstance(module, nn.Linear):
-        return "linear"
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
-        return "conv1d"  # transformers' GPT-2 layer: weight stored (in, out)
-    return None
 
 
 def _weight_axes(kind: str, style: str, axis: str) -> tuple:
@@ -92,7 +83,7 @@ def _in_block(path: str) -> bool:
 def _derived_plan(model: nn.Module, notes: list[str]) -> dict[str, str]:
     styles: dict[str, str] = {}
     for path, module in model.named_modules():
-        children = [(name, child) for name, child in module.named_children() if _linear_kind(child)]
+        children = [(name, child) for name, child in module.named_children() if linear_kind(child)]
         if len(children) < 2 or not _in_block(path):
             continue
         *inputs, (last, _) = children
@@ -106,7 +97,7 @@ def _derived_plan(model: nn.Module, notes: list[str]) -> dict[str, str]:
         root_path, root = _transformers_root(model)  # a peft model's head sits under base_model.model
         for head_name, head in root.named_children():
             head_path = f"{root_path}.{head_name}" if root_path else head_name
-            if _linear_kind(head) == "linear" and base_of(head).out_features == table.num_embeddings:
+            if linear_kind(head) == "linear" and base_of(head).out_features == table.num_embeddings:
                 styles[re.escape(head_path)] = "colwise"
     if not styles:
         notes.append("no repeated block with Linear/Conv1D units and no embedding: everything stays replicated")
@@ -125,7 +116,7 @@ def _check(model: nn.Module, pattern: str, style: str, axis: str, size: int, not
                 return {}
             layouts[f"{path}.weight"] = (axis, None)
             continue
-        kind = _linear_kind(module)
+        kind = linear_kind(module)
         if kind is None:
             continue
         base = base_of(module)
