@@ -10,16 +10,16 @@ TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
            "gpt2": ["c_attn", "c_proj", "c_fc"]}
 
 
-def base_model(family: str, seed: int = 0) -> torch.nn.Module:
+def base_model(family: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(seed)
     if family == "llama":
-        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                                           bos_token_id=0, eos_token_id=1, pad_token_id=2)
         return transformers.LlamaForCausalLM(config).float()
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ,
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=4, n_positions=SEQ,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)
     return transformers.GPT2LMHeadModel(config).float()
 
@@ -32,10 +32,10 @@ def lora_config(family: str, *, init=False):
                            init_lora_weights=init, fan_in_fan_out=family == "gpt2")
 
 
-def lora_model(family: str, seed: int = 0) -> torch.nn.Module:
+def lora_model(family: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:
     import peft
 
-    model = base_model(family, seed)
+    model = base_model(family, seed, layers)
     torch.manual_seed(seed + 1)
     return peft.get_peft_model(model, lora_config(family))
 

@@ -27,7 +27,7 @@ import torch
 
 from trainmesh.testing import run_distributed
 
-from lora_cases import GLOBAL_BATCH, STEPS, base_model, data, lm_loss, lora_config, make_optimizer, train_reference
+from lora_cases import GLOBAL_BATCH, STEPS, base_model, data, lm_loss, lora_model, make_optimizer, train_reference
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 transformers = pytest.importorskip("transformers")
@@ -51,21 +51,6 @@ def _name(config) -> str:
     return f"{family}{layers}-{'x'.join(map(str, shape))}-{schedule}-z{stage}" + ("-split" if points else "")
 
 
-def _base(family: str, layers: int) -> torch.nn.Module:
-    if layers == 2:
-        return base_model(family)
-    config = base_model(family).config  # lora_cases' tiny model, deeper: ZBV runs 4 stages on 2 processes
-    config.num_hidden_layers = layers
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).float()
-
-
-def _lora(family: str, layers: int) -> torch.nn.Module:
-    model = _base(family, layers)
-    torch.manual_seed(1)  # as lora_cases.lora_model
-    return peft.get_peft_model(model, lora_config(family))
-
-
 def _counting_all_reduces(sizes: list):
     original = torch.distributed.all_reduce
 
@@ -84,7 +69,7 @@ def _run_all(root: str) -> dict:
     for config in CONFIGS:
         family, layers, (shape, axes), schedule, stage, points, save = config
         mesh = tm.DeviceMesh(shape, list(axes), devices=tm.list_devices())
-        model = _lora(family, layers)
+        model = lora_model(family, layers=layers)
         pipeline = tm.Pipeline(axis="pipe", schedule=schedule, microbatches=2, split_points=points or "auto")
         if "model" in axes:
             distribution = tm.ModelParallel(layout_map=tm.LayoutMap.auto(model, mesh, model_axis="model",
@@ -127,7 +112,7 @@ def results(tmp_path_factory):
     got = run_distributed(_run_all, world_size=4, args=(root,), timeout=280)
     references, starts = {}, {}
     for family, layers in {(c[0], c[1]) for c in CONFIGS}:
-        model = _lora(family, layers)
+        model = lora_model(family, layers=layers)
         starts[family, layers] = {k: v.detach().clone() for k, v in model.named_parameters()}
         references[family, layers] = train_reference(model)
     return root, got, references, starts
@@ -203,7 +188,7 @@ def test_adapters_saved_from_a_pipeline_in_peft_format(results):
         family, layers = config[:2]
         directory = os.path.join(root, _name(config))
         assert sorted(os.listdir(directory)) == ["adapter_config.json", "adapter_model.safetensors"], config
-        loaded = peft.PeftModel.from_pretrained(_base(family, layers), directory)
+        loaded = peft.PeftModel.from_pretrained(base_model(family, layers=layers), directory)
         trained = _merged(got, config)
         adapters = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
         assert len(adapters) == sum("lora_" in k for k in trained), config  # both stages' adapters
