@@ -87,6 +87,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from trainer_overhead import round_order  # rotating, reversing rounds, as the other step-time benchmarks
+
 WORLD = 4
 SIZES = {
     "full": dict(hidden=768, layers=12, intermediate=2048, heads=12, kv_heads=4, vocab=16384, seq=128, rows=1),
@@ -155,12 +157,6 @@ def token_data(size: dict, batches: int, seed: int) -> tuple[torch.Tensor, torch
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, size["vocab"], (batches * size["rows"] * WORLD, size["seq"] + 1), generator=g)
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-
-
-def round_order(sides: list[str], r: int) -> list[str]:
-    """Rotate by one each round and reverse every other cycle (as ``benchmarks/trainer_overhead.py``)."""
-    order = sides[r % len(sides):] + sides[: r % len(sides)]
-    return order[::-1] if (r // len(sides)) % 2 else order
 
 
 class TrainerSide:
@@ -286,7 +282,7 @@ def memory_worker(cfg: dict, side: str) -> dict:
     import trainmesh  # noqa: F401
     from trainmesh.planner.collectives import CollectiveCounter, CollectiveLog
     from trainmesh.testing.memory import LiveTensorBytes
-    from trainmesh.testing.rss import PeakRSSGrowth, current_rss_bytes
+    from trainmesh.testing.rss import PeakRSSGrowth, current_rss_bytes, peak_rss_bytes
 
     class CallLog(CollectiveLog):
         def add(self, axis, kind, nbytes, count=1):
@@ -302,7 +298,7 @@ def memory_worker(cfg: dict, side: str) -> dict:
         with PeakRSSGrowth() as growth, LiveTensorBytes("cpu") as live:
             runner = build_side(cfg, side)
             out.update(live_after_build=live.live, live_peak_build=live.peak,
-                       rss_growth_build=_vmhwm() - growth.start)
+                       rss_growth_build=peak_rss_bytes() - growth.start)
             live.reset_peak()
             runner.run(x[: steps * batch], y[: steps * batch])
         out.update(rss_growth=growth.bytes, live_peak=max(live.peak, out["live_peak_build"]),
@@ -315,13 +311,8 @@ def memory_worker(cfg: dict, side: str) -> dict:
     grad_kind = "reduce_scatter" if side in ("tm-full", "tm-lora") else "all_reduce"
     out["grad_bytes"] = sum(n for k, n in calls if k == grad_kind and n > SMALL_COLLECTIVE)
     out["gather_bytes"] = sum(n for k, n in calls if k == "all_gather")
-    out["vmhwm"] = _vmhwm()
+    out["vmhwm"] = peak_rss_bytes()
     return out
-
-
-def _vmhwm() -> int:
-    with open("/proc/self/status") as fh:
-        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
 
 
 def timing_worker(cfg: dict) -> dict:

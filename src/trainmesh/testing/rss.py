@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import resource
 
-__all__ = ["PeakRSSGrowth", "current_rss_bytes"]
+__all__ = ["PeakRSSGrowth", "current_rss_bytes", "peak_rss_bytes"]
 
 
 def current_rss_bytes() -> int:
@@ -21,7 +21,8 @@ def current_rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _peak_rss_bytes() -> int:
+def peak_rss_bytes() -> int:
+    """The kernel's high-water mark of this process's resident set (``VmHWM``)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -53,4 +54,4 @@ class PeakRSSGrowth:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.bytes = max(0, _peak_rss_bytes() - self.start)
+        self.bytes = max(0, peak_rss_bytes() - self.start)
