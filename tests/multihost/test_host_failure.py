@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import subprocess
 import sys
 import time

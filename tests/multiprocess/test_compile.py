@@ -15,7 +15,6 @@ compiler (a bare CI machine) the inductor cases are skipped with the reason prin
 from __future__ import annotations
 
 import pytest
-import torch
 
 from trainmesh._torch.compile import compile_unavailable_reason, compiled_mode
 from trainmesh.testing import run_distributed

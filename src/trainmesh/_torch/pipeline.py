@@ -24,7 +24,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
@@ -32,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .pipeline_receives import ReceivePlan, posts_receives_ahead
-from .pipeline_split import KeyedBlocks, assign_blocks, build_stage_model, merge_stage_models, split_at
+from .pipeline_split import KeyedBlocks, assign_blocks, build_stage_model, split_at
 from .pipeline_stage import StageModule, make_pipeline_stage  # noqa: F401 - StageModule is imported from here too
 from .pipeline_zero_bubble import SPLIT_BACKWARD, check_split_backward, gathered_through_step
 

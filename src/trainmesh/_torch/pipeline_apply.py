@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
 import torch.distributed as dist
 from torch import nn
 

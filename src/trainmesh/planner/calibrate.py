@@ -215,7 +215,7 @@ class CalibratedHardware(Hardware):
                 + f"  per op      {self.op_overhead * 1e6:.1f} us; on DTensors +{self.dtensor_op_overhead * 1e6:.1f} us; "
                 f"per FSDP2 gather or reduce-scatter call +{self.fsdp_call_overhead * 1e6:.1f} us\n"
                 f"  cores       {self.cores} (others' runnable processes while measured: {self.external_load:.1f})\n"
-                + (f"  processes   " + ", ".join(f"{p}: {s:.2f}x" for p, s in self.contention_curve)
+                + ("  processes   " + ", ".join(f"{p}: {s:.2f}x" for p, s in self.contention_curve)
                    + " slower each than one alone (run at once)\n" if self.contention_curve else "")
                 + f"  {self.intra.name:<11} alpha {self.intra.alpha * 1e6:.1f} us, beta {self.intra.beta / 1e9:.2f} GB/s"
                 + "".join(f"\n  {kind:<15} alpha {alpha * 1e6:.1f} us, beta {beta / 1e9:.2f} GB/s (of wire bytes)"

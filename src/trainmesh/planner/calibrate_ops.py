@@ -83,7 +83,7 @@ def measure_bandwidth_curve(floor: float, repeats: int = 7, pool_bytes: int = 25
         pool = [(torch.ones(numel), torch.ones(numel)) for _ in range(count)]
 
         def sweep():
-            for a, b in pool:
+            for a, b in pool:  # noqa: F821 - the pool of this iteration: sweep runs before `del pool`
                 torch.add(a, b)  # a fresh output, freed at once: what a step's temporaries cost the allocator
 
         t = _median_time(sweep, repeats) / count
