@@ -256,13 +256,20 @@ class ParameterServer:
             self.counters["rounds_applied"] += 1
 
     def _answer_pending_pulls(self) -> None:
+        # A waiting pull whose pushes are now in carries a clock that counts from now on. Count
+        # every such clock first, then close the rounds they complete, and only then answer: a
+        # pull must never be answered at a clock whose rounds are not applied yet (answering
+        # before applying let a pull at clock c miss round c - 1; issue 42).
+        ordered = [(peer, msg) for peer, msg in self.pending_pulls if self._ordered(msg)]
+        for _, msg in ordered:
+            self.clocks.seen(msg.sender, _clock_of(msg))
         self._apply_due_rounds()
+        ready_to_gate = {id(msg) for _, msg in ordered}
         still_waiting = []
         for peer, msg in self.pending_pulls:
-            if not self._ordered(msg):
+            if id(msg) not in ready_to_gate:
                 still_waiting.append((peer, msg))
                 continue
-            self.clocks.seen(msg.sender, _clock_of(msg))  # (a no-op unless it waited for its pushes)
             staleness, sync = self.state.pull_consistency(msg)
             clock = msg.meta.get("clock", 0)
             decision = self.clocks.gate(clock, staleness, sync, self.drop_dead_workers)
