@@ -131,7 +131,8 @@ def _setup(case):
     runner = getattr(model, "_trainmesh_pipeline", None)
     precision, losses = build_precision("fp32"), LossAccumulator()
 
-    def lm_loss(logits, target):  # the loss the planner's dry run computes on a last stage
+    def lm_loss(output, target):  # the loss the planner's dry run computes on a last stage
+        logits = output.logits  # the model's own output type, with or without a pipe axis (one loss contract)
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
 
     def step():
