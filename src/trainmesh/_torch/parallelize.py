@@ -119,12 +119,25 @@ def _apply_layers(model: nn.Module, distribution, options: MemoryOptions, activa
     from trainmesh.distribution.model_parallel import ModelParallel
 
     is_tp = isinstance(distribution, ModelParallel)
+    expert_plan = None
+    if is_tp:  # experts laid out over an axis (expert_layout.py): checked here, before any collective
+        from trainmesh.distribution.expert_layout import build_expert_plan
+
+        expert_plan = build_expert_plan(model, distribution)
     # 1. tensor parallelism (with ZeRO, FSDP2 reduces gradients over the batch axis instead of TP's hooks)
     if is_tp:
         from .tensor_parallel import apply_model_parallel
 
         model = apply_model_parallel(model, distribution, reduce_grads=options.zero_stage == 0 and not pipelined,
-                                     whole_model=not pipelined, fill=fill if options.zero_stage == 0 else None)
+                                     whole_model=not pipelined, fill=fill if options.zero_stage == 0 else None,
+                                     skip_paths=expert_plan.param_paths() if expert_plan else frozenset())
+    # 1b. expert parallelism: after TP's broadcast (every process slices the same experts), before
+    # checkpointing, compile and FSDP2, which must see the experts as the Shard(0) DTensors they become.
+    if expert_plan is not None:
+        from .expert_parallel import apply_expert_parallel
+
+        model = apply_expert_parallel(model, distribution, expert_plan, zero_stage=options.zero_stage,
+                                      reduce_grads=options.zero_stage == 0 and not pipelined)
     # 2. activation checkpointing
     if activation_checkpointing is not None:
         model = apply_activation_checkpointing(model, activation_checkpointing, model_mechanism=not pipelined)

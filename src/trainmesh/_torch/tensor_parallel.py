@@ -36,10 +36,13 @@ from .tp_plan import build_tp_plan, describe_plan, layer_kind
 __all__ = ["apply_model_parallel", "batch_to_local", "no_grad_sync", "parameter_layouts"]
 
 
-def parameter_layouts(model: nn.Module, distribution) -> dict[str, tuple]:
-    """Path -> layout axes of every sharded parameter, tied aliases included (validated, no collective)."""
+def parameter_layouts(model: nn.Module, distribution, skip_paths=frozenset()) -> dict[str, tuple]:
+    """Path -> layout axes of every sharded parameter, tied aliases included (validated, no collective).
+    ``skip_paths``: parameters laid out elsewhere (experts: ``expert_parallel.py``)."""
     by_id: dict[int, tuple] = {}
     for path, param in model.named_parameters():  # canonical names: what the layout map is keyed on
+        if path in skip_paths:
+            continue
         if isinstance(param, DTensor):
             raise ValueError(f"Parameter {path!r} is already a DTensor; distribute_model applies once.")
         layout = distribution.get_variable_layout((path, param))  # raises on a bad axis or divisibility
@@ -98,7 +101,7 @@ def _broadcast_from_first(model: nn.Module) -> None:
 
 
 def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool = True,
-                         whole_model: bool = True, fill=None) -> nn.Module:
+                         whole_model: bool = True, fill=None, skip_paths=frozenset()) -> nn.Module:
     """Shard ``model`` in place per ``distribution``'s layout map; returns the same module.
 
     ``fill`` (``materialize.prepare``'s plan) fills a meta-built model here, after its layout and
@@ -116,7 +119,7 @@ def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool =
     batch_axis = distribution.batch_dim_name
     pipeline = getattr(distribution, "pipeline", None)
     model_axes = [a for a in mesh.axis_names if a != batch_axis and (pipeline is None or a != pipeline.axis)]
-    layouts = parameter_layouts(model, distribution)  # 1. everything validated, no collective yet
+    layouts = parameter_layouts(model, distribution, skip_paths)  # 1. everything validated, no collective yet
     plans = build_tp_plan(model, layouts, batch_axis=batch_axis, model_axes=model_axes,
                           axis_sizes={a: mesh.axis_size(a) for a in mesh.axis_names})
     if whole_model:

@@ -233,6 +233,9 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, zero_stage: int, shard_unit=None,
     offload, offload_state = offload_policy(cpu_offload)
     options = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3, offload_policy=offload,
                    mp_policy=build_mixed_precision(compute_dtype, reduce_dtype, model))
+    experts = {p for p in model.parameters() if getattr(p, "_trainmesh_expert", False)}
+    if experts:  # already sharded over the batch axis by expert parallelism, their gradients reduced by it
+        options["ignored_params"] = experts
     group = dp_mesh.get_group()
     if not has_meta_tensors(model):  # a meta-built model is sharded first, filled after (materialize.py)
         model.to(runtime.local_torch_device())

@@ -140,18 +140,25 @@ def _check(model: nn.Module, pattern: str, style: str, axis: str, size: int, not
 
 
 def auto_layout_map(model: nn.Module, device_mesh: DeviceMesh, *, model_axis: str | None = None,
-                    verbose: bool = True) -> LayoutMap:
+                    verbose: bool = True, expert_axis: str | None = None) -> LayoutMap:
     """See the module docstring. ``model_axis`` defaults to the mesh's last axis (the first is the
-    batch axis, Keras's convention); a 1-axis mesh gets an empty map (pure data parallelism)."""
+    batch axis, Keras's convention); a 1-axis mesh gets no tensor-parallel entries (pure data
+    parallelism). ``expert_axis`` adds the experts' layouts (``expert_layout.expert_layouts``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"LayoutMap.auto needs a torch.nn.Module. Received: {type(model).__name__}")
     if not isinstance(device_mesh, DeviceMesh):
         raise ValueError(f"LayoutMap.auto needs a trainmesh DeviceMesh. Received: device_mesh={device_mesh!r}")
     layout_map = LayoutMap(device_mesh)
+    if expert_axis is not None:  # experts over their own axis (expert_layout.py); checked before any TP entry
+        from .expert_layout import expert_layouts
+
+        experts, expert_notes, expert_source = expert_layouts(model, device_mesh, expert_axis)
     if model_axis is None:
-        if len(device_mesh.axis_names) < 2:
+        if len(device_mesh.axis_names) < 2 and expert_axis is None:
             return layout_map
-        model_axis = device_mesh.axis_names[-1]
+        model_axis = device_mesh.axis_names[-1] if len(device_mesh.axis_names) > 1 else None
+    if model_axis is None:  # a 1-axis mesh with experts: expert entries only
+        return _with_experts(model, layout_map, experts, expert_notes, expert_source, expert_axis, verbose)
     if model_axis not in device_mesh.axis_names:
         raise ValueError(f"model_axis {model_axis!r} is not an axis of the mesh {device_mesh.axis_names}. "
                          f"Received: model_axis={model_axis!r}")
@@ -178,6 +185,26 @@ def auto_layout_map(model: nn.Module, device_mesh: DeviceMesh, *, model_axis: st
         print(f"[trainmesh] LayoutMap.auto for {type(model).__name__} ({source}), {model_axis}={size}:")
         for key in layout_map:
             print(f"  {key.replace(chr(92), '')}: {layout_map[key].axes}")
+        for note in notes:
+            print(f"  note: {note}")
+    if expert_axis is not None:
+        return _with_experts(model, layout_map, experts, expert_notes, expert_source, expert_axis, verbose)
+    return layout_map
+
+
+def _with_experts(model: nn.Module, layout_map: LayoutMap, experts: dict[str, tuple], notes: list[str],
+                  source: str, axis: str, verbose: bool) -> LayoutMap:
+    """``layout_map`` plus one entry per expert parameter (replacing any TP entry of the same path), printed."""
+    for path, axes in experts.items():
+        key = re.escape(path)
+        if key in layout_map:
+            del layout_map[key]
+        layout_map[key] = axes
+    if verbose and os.environ.get("RANK", "0") == "0":
+        size = layout_map.device_mesh.axis_size(axis)
+        print(f"[trainmesh] LayoutMap.auto experts of {type(model).__name__} ({source}), {axis}={size}:")
+        for path, axes in experts.items():
+            print(f"  {path}: {axes}")
         for note in notes:
             print(f"  note: {note}")
     return layout_map

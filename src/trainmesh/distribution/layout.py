@@ -113,18 +113,20 @@ class LayoutMap(MutableMapping):
         return self._device_mesh
 
     @classmethod
-    def auto(cls, model, device_mesh: DeviceMesh, *, model_axis: str | None = None, verbose: bool = True) -> "LayoutMap":
+    def auto(cls, model, device_mesh: DeviceMesh, *, model_axis: str | None = None, verbose: bool = True,
+             expert_axis: str | None = None) -> "LayoutMap":
         """A tensor-parallel layout for ``model``: its own plan if it ships one (transformers'
         ``base_model_tp_plan``), else one derived from its module tree (attention / MLP units
         column- then row-wise, embedding and head vocab-parallel, norms replicated). Printed.
-        See :mod:`trainmesh.distribution.auto_layout`.
+        See :mod:`trainmesh.distribution.auto_layout`. ``expert_axis`` lays a mixture of experts'
+        expert dim over that axis (expert parallelism, :mod:`trainmesh.distribution.expert_layout`).
 
         >>> layout_map = LayoutMap.auto(model, mesh)                  # doctest: +SKIP
         >>> tm.ModelParallel(layout_map=layout_map, batch_dim_name="data")  # doctest: +SKIP
         """
         from .auto_layout import auto_layout_map
 
-        return auto_layout_map(model, device_mesh, model_axis=model_axis, verbose=verbose)
+        return auto_layout_map(model, device_mesh, model_axis=model_axis, verbose=verbose, expert_axis=expert_axis)
 
     def __getitem__(self, key: str) -> TensorLayout | None:
         if key in self._layouts:

@@ -1,0 +1,215 @@
+"""Expert parallelism: the experts' dim 0 over a mesh axis, tokens sent to their experts by all-to-all.
+
+``apply_expert_parallel`` runs after tensor parallelism (which broadcast every parameter from the
+first process, so every process slices the same experts) and before activation checkpointing,
+compile and FSDP2 (which must see the experts as the ``Shard(0)`` DTensors they now are, and leave
+them alone: ``zero.apply_fsdp`` ignores parameters marked ``_trainmesh_expert``).
+
+Each experts module (``expert_layout.ExpertsModule``) keeps its parameter names; its parameters
+become DTensors ``Shard(0)`` on the expert axis (this process holds ``num_experts / EP`` experts,
+checkpoints and ``get_model_state_dict`` see the whole tensors), and its ``forward`` is replaced, on
+the instance only, by the dispatch below (torchtitan's ``expert_parallel.py``, Megatron's all-to-all
+token dispatcher):
+
+1. order this process's (token, expert) pairs by expert; count them per expert;
+2. exchange the counts with one ``all_to_all_single`` (each process learns how many rows it will
+   receive for each of its experts from each process);
+3. send the rows with ``all_to_all_single_autograd`` (uneven splits; gloo refuses the list form);
+4. run the local experts with the model's own expert computation (transformers' experts interface:
+   ``grouped_mm`` by default) on the received rows, each row's weight 1;
+5. send the results back with the same autograd all-to-all, restore the pairs' order, apply the
+   routing weights and sum over the top-k, as transformers' own ``grouped_mm`` forward does.
+
+Backward runs the two token exchanges in reverse (two more all-to-alls); the count exchange has no
+backward. Every process runs the same sequence whatever its tokens (a process that receives no row
+still calls its experts on zero rows, which gives zero gradients as one process would), so skewed
+routing cannot hang.
+
+Gradients: an expert's gradient arrives summed over the processes whose tokens it computed. Over the
+batch axis each of those processes' losses is a mean over its own slice, so dividing by the batch
+axis size gives exactly one process's gradient on the global batch. Over another axis (a model axis,
+whose processes share a batch slice) every row arrives once per process of the axis: the gradient
+is divided by that size and then averaged over the batch axis like every other parameter.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.tensor import DTensor, Shard
+
+from trainmesh.distribution.expert_layout import ExpertPlan
+
+from .mesh import to_torch_mesh
+
+__all__ = ["apply_expert_parallel", "dispatch_stats", "reset_dispatch_stats"]
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` in backward. Applied where the local experts are
+    read (``to_local``), so it holds whatever later wraps or swaps the parameter objects (a hook on the
+    parameter did not survive FSDP2's ``model.to``, which swaps DTensor parameters in place)."""
+
+    @staticmethod
+    def forward(ctx, tensor, scale):
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class _DispatchState:
+    """Per experts module: where its experts live, and counters of what the dispatch did."""
+
+    def __init__(self, group, size: int, index: int, num_experts: int, grad_scale: float):
+        self.group, self.size, self.index, self.grad_scale = group, size, index, grad_scale
+        self.num_experts, self.num_local = num_experts, num_experts // size
+        self.inner = False
+        self.local_ids = torch.arange(self.num_local).repeat(size)
+        self.reset()
+
+    def reset(self) -> None:
+        self.stats = {"count_exchanges": 0, "token_exchanges_forward": 0, "token_exchanges_backward": 0,
+                      "bytes_to_others": 0, "tokens_per_expert": torch.zeros(self.num_experts, dtype=torch.int64)}
+
+
+def _count_backward(state: _DispatchState, rows_to_others: int, row_bytes: int):
+    def hook(grad):
+        state.stats["token_exchanges_backward"] += 1
+        state.stats["bytes_to_others"] += rows_to_others * row_bytes
+        return grad
+    return hook
+
+
+def _dispatch_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor) -> torch.Tensor:
+    state: _DispatchState = self._trainmesh_ep
+    if state.inner:  # the local experts' own computation (step 4), reached through functional_call
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
+    num_tokens, top_k = top_k_index.shape
+    hidden = hidden_states.shape[-1]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # 1.
+    send = hidden_states[order // top_k]
+    counts = torch.bincount(flat, minlength=state.num_experts)
+    received_counts = torch.empty_like(counts)
+    dist.all_to_all_single(received_counts, counts, group=state.group)  # 2. num_experts/EP per process
+    send_splits = counts.view(state.size, state.num_local).sum(1).tolist()
+    recv_splits = received_counts.view(state.size, state.num_local).sum(1).tolist()
+    received = all_to_all_single_autograd(send, recv_splits, send_splits, state.group)  # 3.
+    # Rows arrive grouped by source process, then by local expert: their local expert ids.
+    local_ids = state.local_ids.to(received_counts.device).repeat_interleave(received_counts)
+    local = {name: _local_experts(p, state.grad_scale) for name, p in self.named_parameters(recurse=False)
+             if isinstance(p, DTensor)}
+    state.inner = True
+    saved_num = self.num_experts if hasattr(self, "num_experts") else None
+    try:  # 4. the model's own experts (grouped_mm), on this process's experts only
+        if saved_num is not None:
+            self.num_experts = state.num_local
+        ones = torch.ones(received.shape[0], 1, dtype=top_k_weights.dtype, device=received.device)
+        out = torch.func.functional_call(self, local, (received, local_ids[:, None], ones), strict=False)
+    finally:
+        state.inner = False
+        if saved_num is not None:
+            self.num_experts = saved_num
+    back = all_to_all_single_autograd(out, send_splits, recv_splits, state.group)  # 5.
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    pairs = back[inverse].view(num_tokens, top_k, hidden)
+    result = (pairs * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(dim=1)
+    _record(state, counts, send, out, send_splits, recv_splits, hidden_states.element_size() * hidden)
+    return result.to(hidden_states.dtype)
+
+
+def _local_experts(param: DTensor, grad_scale: float) -> torch.Tensor:
+    local = param.to_local()
+    return _ScaleGrad.apply(local, grad_scale) if grad_scale != 1.0 and local.requires_grad else local
+
+
+def _record(state: _DispatchState, counts, send, out, send_splits, recv_splits, row_bytes: int) -> None:
+    sent_away = sum(send_splits) - send_splits[state.index]
+    returned_away = sum(recv_splits) - recv_splits[state.index]
+    stats = state.stats
+    stats["count_exchanges"] += 1
+    stats["token_exchanges_forward"] += 2
+    stats["bytes_to_others"] += (sent_away + returned_away) * row_bytes
+    stats["tokens_per_expert"] += counts.detach().cpu()
+    if torch.is_grad_enabled():
+        # Backward of the combine sends the gradient of ``back`` (the rows returned) to the owners;
+        # backward of the dispatch sends the gradient of ``received`` back to the senders.
+        if out.requires_grad:
+            out.register_hook(_count_backward(state, sent_away, row_bytes))
+        if send.requires_grad:
+            send.register_hook(_count_backward(state, returned_away, row_bytes))
+
+
+def _expert_group(distribution, axis: str):
+    torch_mesh = to_torch_mesh(distribution.device_mesh)
+    ep_mesh = torch_mesh[axis] if torch_mesh.ndim > 1 else torch_mesh
+    return ep_mesh, ep_mesh.get_group(), ep_mesh.get_local_rank()
+
+
+def apply_expert_parallel(model: nn.Module, distribution, plan: ExpertPlan, *, zero_stage: int = 0,
+                          reduce_grads: bool = True) -> nn.Module:
+    """Lay ``plan``'s experts out over their axis and dispatch their tokens by all-to-all (see the module
+    docstring); returns ``model``, changed in place. ``reduce_grads``: average expert gradients over the
+    batch axis when the expert axis is another one (stage 0 without a pipeline, as TP's own hooks do)."""
+    from .materialize import has_meta_tensors
+
+    batch_axis = distribution.batch_dim_name
+    if plan.axis != batch_axis and zero_stage > 0:
+        raise ValueError(
+            f"Experts laid out over {plan.axis!r} with zero_stage={zero_stage}: under ZeRO the experts go over the "
+            f"batch axis {batch_axis!r} (expert_axis={batch_axis!r}), where no other reduction is needed. "
+            f"Received: expert axis {plan.axis!r}, zero_stage={zero_stage}")
+    if has_meta_tensors(model):
+        raise ValueError(
+            f"Expert parallelism over {plan.axis!r} needs a model with real tensors (built on a device); a meta-built "
+            f"MoE model is not filled per expert shard yet. Received: meta parameters in {type(model).__name__}")
+    ep_mesh, group, index = _expert_group(distribution, plan.axis)
+    dp_size = distribution.data_parallel_size
+    scale = dp_size if plan.axis == batch_axis else plan.size
+    for experts in plan.modules:
+        module = model.get_submodule(experts.path)
+        if isinstance(getattr(module, experts.param_names[0]), DTensor):
+            raise ValueError(f"Experts module {experts.path!r} is already laid out; distribute_model applies once.")
+        num_local = experts.num_experts // plan.size
+        for name in experts.param_names:
+            full = getattr(module, name)
+            local = full.detach()[index * num_local:(index + 1) * num_local].clone()
+            param = nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False),
+                                 requires_grad=full.requires_grad)
+            param._trainmesh_expert = True  # zero.apply_fsdp leaves it to us
+            module._parameters[name] = param
+        module._trainmesh_ep = _DispatchState(group, plan.size, index, experts.num_experts, 1.0 / scale)
+        module.forward = types.MethodType(_dispatch_forward, module)
+    if plan.axis != batch_axis and reduce_grads and dp_size > 1:
+        from .data_axis_grads import DataAxisGradReducer
+
+        torch_mesh = to_torch_mesh(distribution.device_mesh)
+        batch_group = torch_mesh.get_group(batch_axis)
+        model._trainmesh_expert_grad_reducers = [
+            DataAxisGradReducer(model.get_submodule(m.path), batch_group, dp_size) for m in plan.modules]
+    model._trainmesh_expert_plan = plan
+    return model
+
+
+def _states(model: nn.Module) -> list[tuple[str, _DispatchState]]:
+    return [(path, m._trainmesh_ep) for path, m in model.named_modules() if hasattr(m, "_trainmesh_ep")]
+
+
+def dispatch_stats(model: nn.Module) -> dict[str, dict]:
+    """Per experts module: count and token exchanges (forward and backward), bytes sent to other
+    processes, and this process's tokens per expert, since the last ``reset_dispatch_stats``."""
+    return {path: dict(state.stats) for path, state in _states(model)}
+
+
+def reset_dispatch_stats(model: nn.Module) -> None:
+    for _, state in _states(model):
+        state.reset()

@@ -1,0 +1,84 @@
+"""Shared by the expert-parallel tests and benchmark: tiny transformers MoE models built from a config
+(no download), their data, loss, optimizer, a skewed router, and the one-process reference."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB, SEQ, GLOBAL_BATCH, STEPS, NUM_EXPERTS = 64, 8, 8, 3, 4
+
+
+def moe_model(family: str, seed: int = 0, num_experts: int = NUM_EXPERTS, layers: int = 2) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=SEQ, num_experts_per_tok=2,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    if family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=num_experts,
+                                             head_dim=8, decoder_sparse_step=1, mlp_only_layers=[], **common)
+        return transformers.Qwen3MoeForCausalLM(config).float()
+    if family == "mixtral":
+        config = transformers.MixtralConfig(intermediate_size=16, num_local_experts=num_experts, head_dim=8, **common)
+        return transformers.MixtralForCausalLM(config).float()
+    raise ValueError(f"unknown MoE family {family!r}")
+
+
+def skew_router(model: torch.nn.Module, experts=(0, 1)) -> torch.nn.Module:
+    """Every token to ``experts`` (both on the first process at EP 2): the routing weights stay the
+    router's own softmax over those experts, so the router still learns."""
+    def hook(module, args, output):
+        logits, _, _ = output
+        chosen = torch.tensor(experts, device=logits.device)
+        weights = torch.softmax(logits[:, chosen], dim=-1)
+        return logits, weights.to(output[1].dtype), chosen.expand(logits.shape[0], -1)
+
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            module.register_forward_hook(hook)
+    return model
+
+
+def data(steps: int = STEPS, batch: int = GLOBAL_BATCH):
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (batch * steps, SEQ + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def lm_loss(outputs, targets):
+    # cross-entropy, not .sum(): grouped_mm's backward refuses a zero-stride gradient
+    logits = outputs.logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def make_optimizer(params):
+    # eps 1e-5 as the other parity tests: Adam's step is ~lr whatever the gradient's size, so fp32
+    # summation-order noise in a tiny gradient would dominate with eps 1e-8
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, eps=1e-5)
+
+
+def reference(family: str, skew: bool = False, accumulation: int = 1, max_norm: float | None = None) -> dict:
+    """Losses, first-step gradients and final parameters of one process on the global batches."""
+    model = moe_model(family)
+    if skew:
+        skew_router(model)
+    opt = make_optimizer(model.parameters())
+    x, y = data()
+    losses, grads = [], None
+    for step in range(STEPS):
+        rows = torch.arange(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
+        opt.zero_grad()
+        total = 0.0
+        for micro in rows.chunk(accumulation):
+            loss = lm_loss(model(x[micro]), y[micro]) / accumulation
+            loss.backward()
+            total += float(loss.detach())
+        losses.append(total)
+        if grads is None:
+            grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+    return {"losses": losses, "grads": grads,
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}

@@ -1,0 +1,107 @@
+"""Experts in the layout API, in one process (pure description, no process group): what
+``LayoutMap.auto(..., expert_axis=...)`` lays out and prints, where it finds the experts, and the clear
+errors for a layout that cannot be applied, raised before any collective could start."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trainmesh as tm
+from trainmesh.distribution.expert_layout import build_expert_plan, find_experts
+
+pytestmark = pytest.mark.timeout(120)
+transformers = pytest.importorskip("transformers")
+
+
+def _qwen3_moe(num_experts: int = 4):
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                                         num_experts=num_experts, num_experts_per_tok=2, decoder_sparse_step=1,
+                                         mlp_only_layers=[])
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+def _mesh(*shape, axes=("data",)):
+    size = 1
+    for s in shape:
+        size *= s
+    return tm.DeviceMesh(shape, list(axes), devices=[f"cpu:{i}" for i in range(size)])
+
+
+EXPERT_PARAMS = [f"model.layers.{i}.mlp.experts.{n}" for i in range(2) for n in ("gate_up_proj", "down_proj")]
+
+
+def test_auto_lays_every_expert_parameter_over_the_axis_and_prints_it(capsys):
+    model = _qwen3_moe()
+    layout_map = tm.LayoutMap.auto(model, _mesh(2), expert_axis="data")
+    assert sorted(k.replace("\\", "") for k in layout_map) == sorted(EXPERT_PARAMS)
+    for path in EXPERT_PARAMS:
+        assert layout_map[path].axes == ("data", None, None)
+    assert layout_map["model.layers.0.mlp.gate.weight"] is None  # the router stays replicated
+    printed = capsys.readouterr().out
+    assert "base_model_ep_plan" in printed and "model.layers.1.mlp.experts.down_proj: ('data', None, None)" in printed
+    assert "2 per process over data=2" in printed
+
+
+def test_auto_on_a_two_axis_mesh_adds_tensor_parallel_attention():
+    model = _qwen3_moe()
+    layout_map = tm.LayoutMap.auto(model, _mesh(2, 2, axes=("data", "model")), expert_axis="data", verbose=False)
+    assert layout_map["model.layers.0.self_attn.q_proj.weight"].axes == ("model", None)
+    assert layout_map["model.layers.0.mlp.experts.gate_up_proj"].axes == ("data", None, None)
+
+
+def test_experts_are_found_by_structure_without_a_shipped_plan():
+    model = _qwen3_moe()
+    model.config.base_model_ep_plan = None
+    found, source = find_experts(model)
+    assert source == "the module tree"
+    assert [m.path for m in found] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert found[0].param_names == ("gate_up_proj", "down_proj") and found[0].router_path == "model.layers.0.mlp.gate"
+
+
+def test_explicit_entries_build_the_plan_the_engine_applies():
+    model = _qwen3_moe()
+    layout_map = tm.LayoutMap(_mesh(2))
+    layout_map[r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)"] = ("data", None, None)
+    plan = build_expert_plan(model, tm.ModelParallel(layout_map=layout_map, batch_dim_name="data"))
+    assert plan.axis == "data" and plan.size == 2 and plan.param_paths() == set(EXPERT_PARAMS)
+
+
+def test_experts_that_do_not_divide_over_the_axis_are_named():
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.experts' holds 4 experts.*axis 'data' of size 3"):
+        tm.LayoutMap.auto(_qwen3_moe(), _mesh(3), expert_axis="data", verbose=False)
+
+
+def test_expert_axis_on_a_model_without_experts():
+    torch.manual_seed(0)
+    dense = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(ValueError, match=r"expert_axis='data' was given but LlamaForCausalLM has no experts"):
+        tm.LayoutMap.auto(dense, _mesh(2), expert_axis="data", verbose=False)
+    layout_map = tm.LayoutMap(_mesh(2))
+    layout_map["model.layers.*.mlp.experts.gate_up_proj"] = ("data", None, None)
+    with pytest.raises(ValueError, match=r"lays out experts .* LlamaForCausalLM has no experts module"):
+        build_expert_plan(dense, tm.ModelParallel(layout_map=layout_map, batch_dim_name="data"))
+
+
+def test_an_unsupported_router_is_named():
+    model = _qwen3_moe()
+    del model.model.layers[1].mlp.gate.top_k  # not a top-k router any more
+    with pytest.raises(ValueError, match=r"Router 'model.layers.1.mlp.gate' \(Qwen3MoeTopKRouter\) is not a supported "
+                                         r"router for expert parallelism over axis 'data'"):
+        tm.LayoutMap.auto(model, _mesh(2), expert_axis="data", verbose=False)
+
+
+def test_a_layout_inside_an_expert_or_a_partial_one_is_refused():
+    model = _qwen3_moe()
+    mesh = _mesh(2, 2, axes=("data", "model"))
+    layout_map = tm.LayoutMap(mesh)
+    layout_map["model.layers.0.mlp.experts.gate_up_proj"] = ("data", "model", None)
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.experts.gate_up_proj' may be laid out .* \(dim 0\) only"):
+        build_expert_plan(model, tm.ModelParallel(layout_map=layout_map, batch_dim_name="data"))
+    layout_map = tm.LayoutMap(mesh)
+    layout_map["model.layers.0.mlp.experts.gate_up_proj"] = ("data", None, None)
+    with pytest.raises(ValueError, match=r"experts module 'model.layers.0.mlp.experts' are laid out over different"):
+        build_expert_plan(model, tm.ModelParallel(layout_map=layout_map, batch_dim_name="data"))
