@@ -47,9 +47,14 @@ def apply_data_parallel(model: nn.Module, distribution, **ddp_kwargs) -> nn.Modu
         with torch.no_grad():
             for tensor in list(model.parameters()) + list(model.buffers()):
                 dist.broadcast(tensor.data, src=0)
-    if distribution.data_parallel_size == 1 and torch_mesh.ndim == 1:
+    if getattr(distribution, "sequence", None) is not None:  # a sequence axis: average over data x seq
+        from .context_parallel import gradient_group
+
+        group = gradient_group(torch_mesh, distribution)[0]
+    elif distribution.data_parallel_size == 1 and torch_mesh.ndim == 1:
         return model
-    group = torch_mesh.get_group(distribution.batch_dim_name)
+    else:
+        group = torch_mesh.get_group(distribution.batch_dim_name)
     device_ids = [device.index] if device.type == "cuda" else None
     # Gradients as views into DDP's buckets: one copy of the gradients instead of two (4P bytes
     # saved in fp32; measured in benchmarks/zero_memory.py).

@@ -138,6 +138,12 @@ def _apply_layers(model: nn.Module, distribution, options: MemoryOptions, activa
 
         model = apply_expert_parallel(model, distribution, expert_plan, zero_stage=options.zero_stage,
                                       reduce_grads=options.zero_stage == 0 and not pipelined)
+    # 1c. a sequence axis (context parallelism): attention over the split sequence, set before
+    # checkpointing and compile, which recompute and trace the attention as it will run.
+    if getattr(distribution, "sequence", None) is not None:
+        from .context_parallel import apply_context_parallel
+
+        model = apply_context_parallel(model, distribution)
     # 2. activation checkpointing
     if activation_checkpointing is not None:
         model = apply_activation_checkpointing(model, activation_checkpointing, model_mechanism=not pipelined)
@@ -161,6 +167,10 @@ def _apply_layers(model: nn.Module, distribution, options: MemoryOptions, activa
         # plain ones) over the batch axis of the same mesh: torchtitan's 2-D layout.
         torch_mesh = to_torch_mesh(distribution.device_mesh)
         dp_mesh = torch_mesh[distribution.batch_dim_name] if torch_mesh.ndim > 1 else torch_mesh
+        if getattr(distribution, "sequence", None) is not None:  # shards over data x seq together
+            from .context_parallel import gradient_mesh
+
+            dp_mesh = gradient_mesh(torch_mesh, distribution)
         model = apply_fsdp(model, dp_mesh, zero_stage=options.zero_stage, shard_unit=options.shard_unit,
                            compute_dtype=mixed_precision, reduce_dtype=options.reduce_dtype,
                            cpu_offload=options.cpu_offload)

@@ -118,7 +118,9 @@ def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool =
     mesh = distribution.device_mesh
     batch_axis = distribution.batch_dim_name
     pipeline = getattr(distribution, "pipeline", None)
-    model_axes = [a for a in mesh.axis_names if a != batch_axis and (pipeline is None or a != pipeline.axis)]
+    sequence_axis = distribution.sequence.axis if distribution.sequence is not None else None
+    model_axes = [a for a in mesh.axis_names if a not in (batch_axis, sequence_axis)
+                  and (pipeline is None or a != pipeline.axis)]
     layouts = parameter_layouts(model, distribution, skip_paths)  # 1. everything validated, no collective yet
     plans = build_tp_plan(model, layouts, batch_axis=batch_axis, model_axes=model_axes,
                           axis_sizes={a: mesh.axis_size(a) for a in mesh.axis_names})
@@ -154,8 +156,13 @@ def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool =
         materialize(model, fill, runtime.local_torch_device())
 
     dp_size = distribution.data_parallel_size
-    if reduce_grads and dp_size > 1:  # 4.
+    if sequence_axis is not None:  # a sequence axis: gradients averaged over data x seq (context_parallel.py)
+        from .context_parallel import gradient_group
+
+        group, dp_size = gradient_group(torch_mesh, distribution)
+    elif reduce_grads and dp_size > 1:
         group = torch_mesh.get_group(batch_axis) if torch_mesh.ndim > 1 else torch_mesh.get_group()
+    if reduce_grads and dp_size > 1:  # 4.
         model._trainmesh_grad_reducer = DataAxisGradReducer(model, group, dp_size)
     model.register_forward_pre_hook(lambda module, args, kwargs: (batch_to_local(args, distribution),
                                                                    batch_to_local(kwargs, distribution)),

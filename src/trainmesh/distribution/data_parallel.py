@@ -11,6 +11,7 @@ from .layout import TensorLayout
 from .memory_options import MemoryOptions
 from .pipeline import Pipeline, check_pipeline_axis
 from .mesh import DeviceMesh, _default_devices
+from .sequence_split import build_sequence_split
 
 
 class DataParallel(Distribution):
@@ -27,6 +28,10 @@ class DataParallel(Distribution):
     with a warning on CPU); ``reduce_dtype`` is the gradient-reduction dtype under mixed
     precision. See :class:`~trainmesh.distribution.memory_options.MemoryOptions`.
 
+    ``sequence_dim_name`` names a sequence axis of a 2-D ``data x seq`` mesh (or a 1-D ``seq`` one):
+    each training sequence is split over it (context parallelism, ``context_parallel="ring"``,
+    ``"ulysses"`` or ``"auto"``; see ``docs/long_context.md``) and gradients are averaged over both axes.
+
     >>> DataParallel(devices=["cpu:0", "cpu:1"], zero_stage=3).zero_stage
     3
     >>> dp = DataParallel(devices=["cpu:0", "cpu:1"])
@@ -36,7 +41,8 @@ class DataParallel(Distribution):
 
     def __init__(self, device_mesh: DeviceMesh | None = None, devices: Sequence[str] | None = None,
                  auto_shard_dataset: bool = True, *, zero_stage: int = 0, shard_unit: Any = None,
-                 cpu_offload: bool = False, reduce_dtype: Any = None, pipeline: Pipeline | None = None):
+                 cpu_offload: bool = False, reduce_dtype: Any = None, pipeline: Pipeline | None = None,
+                 sequence_dim_name: str | None = None, context_parallel: str = "auto"):
         self._memory = MemoryOptions(zero_stage=zero_stage, shard_unit=shard_unit, cpu_offload=cpu_offload,
                                      reduce_dtype=reduce_dtype)
         if device_mesh is not None and devices is not None:
@@ -52,11 +58,14 @@ class DataParallel(Distribution):
         elif not isinstance(device_mesh, DeviceMesh):
             raise ValueError(f"device_mesh must be a trainmesh DeviceMesh. Received: device_mesh={device_mesh!r}")
         self._pipeline = check_pipeline_axis(pipeline, device_mesh)
-        batch_axis = next(a for a in device_mesh.axis_names if pipeline is None or a != pipeline.axis)
+        batch_axis = next((a for a in device_mesh.axis_names if (pipeline is None or a != pipeline.axis)
+                           and a != sequence_dim_name), None)
+        self._sequence = build_sequence_split(device_mesh, sequence_dim_name, context_parallel,
+                                              batch_dim_name=batch_axis, pipeline=pipeline)
         if pipeline is not None and len(device_mesh.axis_names) > 2:
             raise ValueError(f"DataParallel with a pipeline takes a 2-D mesh (pipe, batch); for more axes use "
                              f"ModelParallel. Received: axes {device_mesh.axis_names}")
-        elif pipeline is None and len(device_mesh.axis_names) > 1:
+        elif pipeline is None and len(device_mesh.axis_names) > 1 + (sequence_dim_name is not None):
             # Keras does the same: DataParallel is 1-D; the model is replicated over the other axes.
             warnings.warn(f"DataParallel expects a 1-D mesh; got axes {device_mesh.axis_names}. The first axis "
                           f"{device_mesh.axis_names[0]!r} is used as the batch axis and the model is replicated "

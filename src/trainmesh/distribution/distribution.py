@@ -44,6 +44,14 @@ class Distribution(abc.ABC):
     def batch_dim_name(self) -> str | None:
         return self._batch_dim_name
 
+    # A sequence axis (context parallelism, ``sequence_split.py``): set by subclasses that take one.
+    _sequence = None
+
+    @property
+    def sequence(self):
+        """The :class:`~trainmesh.distribution.sequence_split.SequenceSplit` over a sequence axis, or ``None``."""
+        return self._sequence
+
     @property
     def memory(self) -> "MemoryOptions":
         """ZeRO stage, shard unit, CPU offload and reduce dtype over the batch axis."""
@@ -159,10 +167,18 @@ class Distribution(abc.ABC):
         subclasses whose models take global (DTensor) batches."""
         from trainmesh.runtime import to_local_device
 
-        return to_local_device(local_batch, device)
+        batch = to_local_device(local_batch, device)
+        if self._sequence is not None:  # training batches over a sequence axis: this process's chunks
+            batch = self._sequence.split_batch(batch, self._sequence.index_of(self._device_mesh))
+        return batch
 
     def _batch_to_global_rows(self, local_batch, global_rows: int):
-        """As ``_batch_to_global``, for unequal shares of a batch of ``global_rows`` rows."""
+        """As ``_batch_to_global``, for unequal shares of a batch of ``global_rows`` rows (evaluation and
+        prediction: whole sequences, never split over a sequence axis)."""
+        if self._sequence is not None:
+            from trainmesh.runtime import to_local_device
+
+            return to_local_device(local_batch)
         return self._batch_to_global(local_batch)
 
     def global_mean(self, value):

@@ -10,6 +10,7 @@ from .distribution import Distribution, variable_path_and_shape
 from .layout import LayoutMap, TensorLayout
 from .memory_options import MemoryOptions
 from .pipeline import Pipeline, check_pipeline_axis
+from .sequence_split import build_sequence_split
 
 
 class ModelParallel(Distribution):
@@ -20,7 +21,9 @@ class ModelParallel(Distribution):
     gradients are reduced over it. Changing only the mesh shape (4x1, 2x2, 1x4) changes
     the balance between data and model parallelism; nothing else changes. ``pipeline=``
     (a :class:`Pipeline` naming a ``pipe`` axis) splits the layers over that axis too: the
-    3-D layout ``pipe x data x model``.
+    3-D layout ``pipe x data x model``. ``sequence_dim_name`` names a sequence axis: each training
+    sequence is split over it (context parallelism by ``context_parallel="ring"``, ``"ulysses"`` or
+    ``"auto"``; see ``docs/long_context.md``), and gradients are averaged over it and the batch axis.
 
     >>> from trainmesh.distribution import DeviceMesh, LayoutMap
     >>> mesh = DeviceMesh((2, 2), ["data", "model"], devices=[f"cpu:{i}" for i in range(4)])
@@ -34,7 +37,8 @@ class ModelParallel(Distribution):
     def __init__(self, *, layout_map: LayoutMap | None = None, batch_dim_name: str | None = None,
                  auto_shard_dataset: bool = True, zero_stage: int = 0, shard_unit: Any = None,
                  cpu_offload: bool = False, reduce_dtype: Any = None, device_mesh: Any = None,
-                 pipeline: Pipeline | None = None):
+                 pipeline: Pipeline | None = None, sequence_dim_name: str | None = None,
+                 context_parallel: str = "auto"):
         if device_mesh is not None:
             # Keras 3.0's signature took device_mesh too; later versions read it from the layout map.
             warnings.warn("ModelParallel(device_mesh=...) is deprecated, as in Keras: the mesh is the layout "
@@ -49,8 +53,11 @@ class ModelParallel(Distribution):
             raise ValueError("The LayoutMap given to ModelParallel must carry a device mesh: LayoutMap(device_mesh).")
         self._pipeline = check_pipeline_axis(pipeline, mesh)
         if batch_dim_name is None:  # Keras: the first axis; with a pipeline, the first that is not its axis
-            batch_dim_name = next(a for a in mesh.axis_names if pipeline is None or a != pipeline.axis)
+            batch_dim_name = next((a for a in mesh.axis_names if (pipeline is None or a != pipeline.axis)
+                                   and a != sequence_dim_name), None)
         super().__init__(mesh, batch_dim_name=batch_dim_name, auto_shard_dataset=auto_shard_dataset)
+        self._sequence = build_sequence_split(mesh, sequence_dim_name, context_parallel,
+                                              batch_dim_name=batch_dim_name, pipeline=pipeline)
         self._layout_map = layout_map
 
     @property

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from trainmesh._torch.context_parallel import token_weighted_loss
 from trainmesh._torch.reduce import all_reduce_small
 from trainmesh._torch.sync import no_sync
 
@@ -62,7 +63,7 @@ def forward_backward(model: torch.nn.Module, micro_batches: list, loss_fn: Calla
         with no_sync(model) if not final else contextlib.nullcontext():
             with precision.forward_context():
                 outputs = model(inputs)
-                loss = loss_fn(outputs, targets)
+                loss = token_weighted_loss(model, loss_fn(outputs, targets), targets)  # a sequence axis only
             if not torch.is_tensor(loss) or loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a scalar tensor. Received: {type(loss).__name__} "
                                  f"with shape {tuple(getattr(loss, 'shape', ()))}")
