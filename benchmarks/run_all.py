@@ -45,6 +45,7 @@ REGISTRY = [
     {"name": "pipeline", "script": "pipeline.py", "needs": []},
     {"name": "big_model", "script": "big_model.py", "needs": ["transformers", "safetensors", "accelerate"]},
     {"name": "finetune", "script": "finetune.py", "needs": ["transformers", "peft"]},
+    {"name": "moe", "script": "moe.py", "needs": ["transformers"]},
     {"name": "throughput", "script": "throughput.py", "needs": ["transformers"]},
     {"name": "plan_accuracy", "script": "plan_accuracy.py", "needs": ["transformers"]},
     # issue 35's: one uninterrupted 4-process job and 10 faulty ones (--quick: each fault kind once); the
