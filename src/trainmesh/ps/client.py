@@ -97,7 +97,11 @@ class PSClient:
     # -- setup ------------------------------------------------------------------------------
 
     def register(self) -> Future:
-        return self._to_all(MessageType.REGISTER, {"worker": self.worker_id})
+        # The job's worker count lets a server started without one (``--num-workers 0``) wait for
+        # every worker before its first sync round closes, not only for those that registered.
+        meta = {"worker": self.worker_id} if self.num_workers is None else \
+            {"worker": self.worker_id, "num_workers": self.num_workers}
+        return self._to_all(MessageType.REGISTER, meta)
 
     def init(self, params: Iterable[Mapping[str, Any]] | Mapping[str, Any], *, optimizer: dict | None = None,
              mode: str = "async", staleness: int | None = None) -> Future:

@@ -43,7 +43,17 @@ class ClockTable:
         self._now = time_fn
         self._first_contact: float | None = None
         self.workers: dict[str, WorkerState] = {str(w): WorkerState(0, time_fn()) for w in range(num_workers)}
+        self.expected = num_workers  # the job's worker count, once known (0: not known)
         self.max_lead = 0  # max of (c - min live clock) over answered gated pulls: the SSP bound
+
+    def expect(self, num_workers: int) -> None:
+        """Expect workers ``0 .. num_workers - 1`` (told by a registering client when the server was
+        started without a count): each counts at clock 0 until heard from, so no sync round closes
+        before a worker that has not registered yet finished it."""
+        start = self._first_contact if self._first_contact is not None else self._now()
+        for w in range(num_workers):
+            self.workers.setdefault(str(w), WorkerState(0, start))
+        self.expected = max(self.expected, num_workers)
 
     def seen(self, worker: str, clock: int | None = None) -> None:
         """Any message from ``worker`` proves it alive; a carried clock can only move forward."""

@@ -31,6 +31,7 @@ from .clock import ClockTable
 from .durability import DURABILITY
 from .protocol import DEFAULT_MAX_BYTES, AuthenticationError, Message, MessageType, ProtocolError, decode, encode
 from .server_state import ServerState
+from .sync_rounds import RoundClosed
 from .transport import frame_nbytes
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class ParameterServer:
             self.counters["rejected"] += 1
             if msg.type is MessageType.PUSH:
                 self.failed_pushes.add((_session(msg), msg.seq))  # ordered requests stop waiting for it
-            code = error.code if isinstance(error, BadRequest) else "bad_request"
+            code = error.code if isinstance(error, (BadRequest, RoundClosed)) else "bad_request"
             log.warning("ps %s: rejected %s from %s: %s", self.server_id, msg.type.value, msg.sender, error)
             self._error(peer, msg, f"{type(error).__name__}: {error}", code)
 
@@ -158,6 +159,8 @@ class ParameterServer:
                 self.counters["applied_pushes"] += 1
             self._send(peer, self._acks.encode(msg.seq))  # (what _reply(ACK, meta {"seq"}) would send)
         elif kind in (MessageType.INIT, MessageType.IMPORT):
+            if kind is MessageType.INIT:
+                self._check_sync_has_workers(msg)
             self.state.log_then(frame, self._prepare(msg))
             if self.state.durability == "snapshot":
                 self.state.maybe_snapshot(force=True)  # no log: new keys must not wait for the timer
@@ -171,6 +174,8 @@ class ParameterServer:
             _enqueue_once(self.pending_clocks, peer, msg)
             self._answer_pending()
         elif kind in (MessageType.REGISTER, MessageType.HEARTBEAT):
+            if kind is MessageType.REGISTER:
+                self._expect_workers(msg)
             self._reply(peer, msg, MessageType.OK, meta={"num_workers": self.num_workers, "server_id": self.server_id})
             self._answer_pending()
         elif kind is MessageType.EXPORT:
@@ -185,6 +190,28 @@ class ParameterServer:
             self.stop()
         else:
             raise BadRequest(f"a server does not accept {kind.value!r} messages")
+
+    def _expect_workers(self, msg: Message) -> None:
+        """A client that knows the job's worker count tells it at registration (PSClient(num_workers=))."""
+        count = msg.meta.get("num_workers")
+        if count is None:
+            return
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise BadRequest(f"register: num_workers must be an int >= 1, got {count!r}")
+        if self.num_workers and count != self.num_workers:
+            raise BadRequest(f"worker {msg.sender} says the job has {count} workers; this server was started "
+                             f"with --num-workers {self.num_workers}")
+        self.clocks.expect(count)
+
+    def _check_sync_has_workers(self, msg: Message) -> None:
+        """A sync round closes when every worker clocked past it: a server that knows no worker count
+        would close round 0 as soon as the first worker clocked, before the others registered."""
+        specs = msg.meta.get("params") or []
+        sync = [s.get("name") for s in specs if isinstance(s, dict) and s.get("mode") == "sync"]
+        if sync and not self.clocks.expected:
+            raise BadRequest(f"sync mode for {sync} needs the number of workers before the first round: start "
+                             f"the server with --num-workers N, or pass num_workers= to PSClient "
+                             f"(ParameterServerStrategy does). Received: num_workers=0 on server {self.server_id}")
 
     def _prepare(self, msg: Message):
         """Check a mutation completely (raising for a bad one) and return the call applying it.
@@ -203,8 +230,12 @@ class ParameterServer:
 
     def _mutate(self, msg: Message) -> None:
         """Replay one logged frame (dedup skips pushes the snapshot already holds)."""
-        if msg.type is MessageType.CLOCK:  # a sync round applied (see _apply_due_rounds)
-            self.state.apply_round(msg.meta["apply_round"])
+        if msg.type is MessageType.CLOCK:  # sync rounds closed and applied (see _apply_due_rounds)
+            for round_ in msg.meta.get("apply_rounds", [msg.meta.get("apply_round")] if "apply_round" in msg.meta else []):
+                self.state.apply_round(round_)
+            closed = msg.meta.get("closed_below")
+            if isinstance(closed, int):
+                self.state.rounds.closed_below = max(self.state.rounds.closed_below, closed)
             return
         if msg.type is MessageType.PUSH and self.state.dedup.is_done(_session(msg), msg.seq):
             return
@@ -246,14 +277,27 @@ class ParameterServer:
         self._answer_pending_pulls()
 
     def _apply_due_rounds(self) -> None:
-        """Apply every sync round all live workers have clocked past (before any pull is answered),
-        logged as a marker after the pushes it sums so a replay applies it at the same point."""
-        if not self.state.rounds or not self.clocks.workers:  # (no worker known yet: nobody finished)
+        """Close every sync round all live workers have clocked past and apply the open ones among
+        them (before any pull is answered), logged as one marker after the pushes they sum, so a
+        replay applies them at the same point and refuses the same late pushes."""
+        if not self.clocks.workers:  # no worker known yet: nobody finished anything
             return
-        for round_ in self.state.rounds.due(self.clocks.min_live_clock()):
-            marker = encode(Message(MessageType.CLOCK, self.server_id, 0, meta={"apply_round": round_}), self.secret)
-            self.state.log_then(marker, lambda round_=round_: self.state.apply_round(round_))
-            self.counters["rounds_applied"] += 1
+        slowest = self.clocks.min_live_clock()
+        rounds = self.state.rounds
+        if math.isinf(slowest) or slowest <= rounds.closed_below:
+            return
+        closing = range(rounds.closed_below, int(slowest))
+        missing = sorted(w for w, s in self.clocks.workers.items() if s.clock < slowest and not self.clocks.is_live(w))
+        if missing and rounds.rounds.keys() & set(closing):
+            log.warning("ps %s: sync rounds %d-%d close without worker(s) %s (declared dead); their late pushes "
+                        "for these rounds will be refused", self.server_id, closing.start, closing.stop - 1, missing)
+        due = rounds.close_below(slowest)
+        if not due and self.state.store is None:
+            return
+        marker = encode(Message(MessageType.CLOCK, self.server_id, 0,
+                                meta={"apply_rounds": due, "closed_below": rounds.closed_below}), self.secret)
+        self.state.log_then(marker, lambda: [self.state.apply_round(r) for r in due])
+        self.counters["rounds_applied"] += len(due)
 
     def _answer_pending_pulls(self) -> None:
         # A waiting pull whose pushes are now in carries a clock that counts from now on. Count

@@ -112,6 +112,7 @@ class ServerState:
             meta, shards = snapshot
             self.params = meta["params"]
             self.dedup.load_json(meta["dedup"])
+            self.rounds.closed_below = int(meta.get("closed_below", 0))
             open_rounds = [shards.pop(key) for key in sorted(shards) if key.startswith(SNAPSHOT_KEY)]
             if open_rounds:
                 self.rounds.load_chunks(open_rounds)
@@ -133,8 +134,8 @@ class ServerState:
             shards = {sid: shard.state_dict() for sid, shard in self.shards.items()}
             if self.rounds:  # acknowledged pushes of open rounds: the log is truncated after this
                 shards.update({f"{SNAPSHOT_KEY}{i}": chunk for i, chunk in enumerate(self.rounds.state_chunks())})
-            self.store.write_snapshot({"params": self.params, "dedup": self.dedup.to_json(), "time": time.time()},
-                                      shards)
+            self.store.write_snapshot({"params": self.params, "dedup": self.dedup.to_json(), "time": time.time(),
+                                       "closed_below": self.rounds.closed_below}, shards)
         except OSError as error:  # e.g. disk full: the WAL (kept until a snapshot succeeds) still holds everything
             log.error("snapshot to %s failed, will retry: %s", self.store.directory, error)
             self.store.retry_at = time.monotonic() + 5.0
@@ -231,6 +232,7 @@ class ServerState:
                 raise ValueError(f"gradient for {sid!r} has shape {tuple(grad.shape)}, the shard {shard.shape}")
             grad = grad if grad.dtype == torch.float32 else grad.float()
             if round_ is not None and self.spec_of(sid)["mode"] == "sync":
+                self.rounds.check_open(round_, msg.sender)  # (raises before anything changes)
                 joins = True
                 updates.append(lambda sid=sid, grad=grad: self.rounds.add_dense(round_, sid, grad, lr))
             else:
@@ -249,6 +251,7 @@ class ServerState:
             summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, grads.float())
             store, shard_of = self._table_rows(table, unique)
             if unique.numel() and round_ is not None and self.spec_of(table)["mode"] == "sync":
+                self.rounds.check_open(round_, msg.sender)
                 joins = True
                 updates.append(lambda table=table, ids=unique, g=summed: self.rounds.add_rows(round_, table, ids, g, lr))
             elif unique.numel():

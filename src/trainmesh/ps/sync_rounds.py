@@ -12,7 +12,15 @@ gradient, see ``strategy.py``). Sync pulls already wait for that clock, so a pul
 A round applied is written to the write-ahead log as a marker record after the pushes it sums,
 so a replay rebuilds the same sums and applies them at the same points. A snapshot holds the
 rounds still open (``state_chunks`` / ``load_chunks``). A push that arrives for a round already
-applied (a worker declared dead and back) is summed into a round of its own, applied at once.
+applied is refused (``RoundClosed``): rounds close in order, and ``closed_below`` is the first
+round still open. Only a worker that was declared dead (so left out of the min-clock) can send
+one: its round went ahead without it, and adding its push later would be an extra optimizer step.
+``closed_below`` is written in every round marker and in the snapshot's meta, so a replay refuses the same.
+
+Why a round is complete when it closes: a worker's clock ``c`` counts on a server only once every
+push that worker sent to that server before announcing ``c`` has been applied or refused (the
+clock and pull messages carry ``after_pushes``, see server.py), so ``min live clock > r`` means
+every live worker's pushes of round ``r`` are in, whatever order the frames arrived in.
 """
 
 from __future__ import annotations
@@ -42,11 +50,33 @@ class Round:
         return unique, torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype).index_add_(0, inverse, grads)
 
 
+class RoundClosed(ValueError):
+    """A sync push for a round this server already applied (its worker had been declared dead)."""
+
+    code = "round_closed"
+
+
 class OpenRounds:
-    """The rounds of one server not applied yet."""
+    """The rounds of one server not applied yet, and where the closed ones end."""
 
     def __init__(self) -> None:
         self.rounds: dict[int, Round] = {}
+        self.closed_below = 0  # every round < this one was applied (or closed empty): pushes refused
+
+    def check_open(self, round_: int, worker: str) -> None:
+        """Raise ``RoundClosed`` for a push of ``worker`` to a round that already closed."""
+        if round_ < self.closed_below:
+            raise RoundClosed(f"sync push of worker {worker} for round {round_} refused: rounds < "
+                              f"{self.closed_below} are closed (applied without this worker, which was "
+                              f"declared dead); its later rounds are accepted")
+
+    def close_below(self, slowest: float) -> list[int]:
+        """Close every round below ``slowest`` (the smallest live clock); returns the open ones among
+        them, oldest first, to apply now."""
+        due = sorted(r for r in self.rounds if r < slowest)
+        if slowest != float("inf"):
+            self.closed_below = max(self.closed_below, int(slowest))
+        return due
 
     def __bool__(self) -> bool:
         return bool(self.rounds)
@@ -65,10 +95,6 @@ class OpenRounds:
 
     def count_push(self, round_: int) -> None:
         self.rounds.setdefault(round_, Round()).pushes += 1
-
-    def due(self, slowest: float) -> list[int]:
-        """Rounds every live worker has clocked past (``slowest``: the smallest live clock), oldest first."""
-        return sorted(r for r in self.rounds if r < slowest)
 
     def take(self, round_: int) -> Round:
         return self.rounds.pop(round_, Round())
