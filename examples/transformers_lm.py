@@ -5,6 +5,7 @@
     trainmesh run -n 2 examples/transformers_lm.py --model gpt2 --layout pp --schedule zbv  # 2 stages per process
     trainmesh run -n 4 examples/transformers_lm.py --layout fsdp --save-pretrained hf-out     # Hugging Face layout
     trainmesh run -n 4 examples/transformers_lm.py --layout tp --init-from hf-out            # fine-tune from it
+    trainmesh run -n 4 examples/transformers_lm.py --model qwen3_moe --layout ep             # experts over 4
 
 ``--init-from DIR`` fine-tunes a local Hugging Face checkpoint (``config.json`` + safetensors): the
 model is built on the meta device from DIR's config and each process reads only its own shards of
@@ -19,6 +20,10 @@ Layouts, on N processes:
   tp+fsdp  ModelParallel on a 2 x N/2 mesh, ZeRO-3 over "data"
   pp       a pipeline over N processes (pipe N x data 1), --schedule, --microbatches
   3d       pipe 2 x data N/4 x model 2: a pipeline whose stages are laid out over "model" (N divisible by 4)
+  ep       ModelParallel on an N mesh "data", LayoutMap.auto(expert_axis="data"): a mixture of experts'
+           (--model qwen3_moe|mixtral, 8 experts) experts split over the processes, tokens sent by all-to-all
+  ep+fsdp  ep with ZeRO-3 over "data" for the dense layers
+  ep+tp    N/2 x 2 mesh: experts over "data", attention tensor-parallel over "model"
 
 The loss function is the same under every layout: it reads ``outputs.logits`` of the model's own
 output, which a pipeline's last stage rebuilds around its logits.
@@ -37,7 +42,8 @@ import torch
 import trainmesh as tm
 from trainmesh.demo.corpus import CharVocab, CharWindows, read_sources, select_sources, stdlib_dir
 
-LAYOUTS = ("dp", "fsdp", "tp", "tp+fsdp", "pp", "3d")
+LAYOUTS = ("dp", "fsdp", "tp", "tp+fsdp", "pp", "3d", "ep", "ep+fsdp", "ep+tp")
+MODELS = ("gpt2", "llama", "qwen3_moe", "mixtral")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv")
 
 
@@ -45,6 +51,16 @@ def build_model(family: str, vocab_size: int, block: int) -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(0)  # every layout starts from the same weights
+    if family in ("qwen3_moe", "mixtral"):  # mixtures of 8 experts, top-2 (expert parallelism: --layout ep*)
+        common = dict(vocab_size=vocab_size, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=4, max_position_embeddings=block, num_experts_per_tok=2,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        if family == "mixtral":
+            return transformers.MixtralForCausalLM(transformers.MixtralConfig(intermediate_size=128,
+                                                                              num_local_experts=8, **common))
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            intermediate_size=256, moe_intermediate_size=128, num_experts=8, decoder_sparse_step=1,
+            mlp_only_layers=[], **common))
     if family == "llama":
         config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256,
                                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
@@ -77,6 +93,11 @@ def build_distribution(layout: str, model: torch.nn.Module, schedule: str = "1f1
         return tm.DataParallel()
     if layout == "fsdp":
         return tm.DataParallel(zero_stage=3)
+    if layout.startswith("ep"):  # experts over the batch axis; attention over "model" with ep+tp
+        data = world // 2 if layout == "ep+tp" and world % 2 == 0 and world > 1 else world
+        mesh = tm.DeviceMesh((data, world // data), ["data", "model"], devices=tm.list_devices())
+        layout_map = tm.LayoutMap.auto(model, mesh, expert_axis="data", model_axis="model")
+        return tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", zero_stage=3 if layout == "ep+fsdp" else 0)
     data = 2 if layout == "tp+fsdp" and world % 2 == 0 and world > 1 else 1
     mesh = tm.DeviceMesh((data, world // data), ["data", "model"], devices=tm.list_devices())
     layout_map = tm.LayoutMap.auto(model, mesh)
@@ -102,7 +123,7 @@ def lm_loss(outputs, targets: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=("gpt2", "llama"), default="llama")
+    parser.add_argument("--model", choices=MODELS, default="llama")
     parser.add_argument("--layout", choices=LAYOUTS, default="dp")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (pp, 3d)")
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches per step (pp, 3d)")
