@@ -8,13 +8,17 @@ import torch
 VOCAB, SEQ, GLOBAL_BATCH, STEPS, NUM_EXPERTS = 64, 8, 8, 3, 4
 
 
-def moe_model(family: str, seed: int = 0, num_experts: int = NUM_EXPERTS, layers: int = 2) -> torch.nn.Module:
+AUX_COEF = 0.1  # large, so that the auxiliary loss moves the router visibly in 3 steps
+
+
+def moe_model(family: str, seed: int = 0, num_experts: int = NUM_EXPERTS, layers: int = 2,
+              router_logits: bool = False) -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=SEQ, num_experts_per_tok=2,
-                  bos_token_id=0, eos_token_id=1, pad_token_id=2)
+                  bos_token_id=0, eos_token_id=1, pad_token_id=2, output_router_logits=router_logits)
     if family == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=num_experts,
                                              head_dim=8, decoder_sparse_step=1, mlp_only_layers=[], **common)
@@ -52,15 +56,24 @@ def lm_loss(outputs, targets):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def transformers_aux_loss(outputs):
+    """transformers' own auxiliary loss on this process's tokens (one process: the global batch)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    return load_balancing_loss_func(outputs.router_logits, NUM_EXPERTS, 2)
+
+
 def make_optimizer(params):
     # eps 1e-5 as the other parity tests: Adam's step is ~lr whatever the gradient's size, so fp32
     # summation-order noise in a tiny gradient would dominate with eps 1e-8
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, eps=1e-5)
 
 
-def reference(family: str, skew: bool = False, accumulation: int = 1, max_norm: float | None = None) -> dict:
-    """Losses, first-step gradients and final parameters of one process on the global batches."""
-    model = moe_model(family)
+def reference(family: str, skew: bool = False, accumulation: int = 1, max_norm: float | None = None,
+              aux: bool = False) -> dict:
+    """Losses, first-step gradients and final parameters of one process on the global batches; ``aux``
+    adds ``AUX_COEF`` x transformers' auxiliary loss to the cross-entropy."""
+    model = moe_model(family, router_logits=aux)
     if skew:
         skew_router(model)
     opt = make_optimizer(model.parameters())
@@ -71,7 +84,11 @@ def reference(family: str, skew: bool = False, accumulation: int = 1, max_norm: 
         opt.zero_grad()
         total = 0.0
         for micro in rows.chunk(accumulation):
-            loss = lm_loss(model(x[micro]), y[micro]) / accumulation
+            outputs = model(x[micro])
+            loss = lm_loss(outputs, y[micro])
+            if aux:
+                loss = loss + AUX_COEF * transformers_aux_loss(outputs)
+            loss = loss / accumulation
             loss.backward()
             total += float(loss.detach())
         losses.append(total)

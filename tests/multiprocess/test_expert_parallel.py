@@ -2,8 +2,9 @@
 against one process on the same global batches, in fp32.
 
 Launch 1 (2 processes, a hand-written loop so gradients can be read): EP 2 over the data axis for both
-models and for a router forced to send every token to experts 0 and 1 (both on the first process: the
-second receives no row). Checked: losses and first-step gradients (1e-6), parameters after 3 AdamW
+models, for a router forced to send every token to experts 0 and 1 (both on the first process: the
+second receives no row), and with the auxiliary load-balancing loss over the global batch
+(``trainmesh.moe.load_balancing_loss`` against transformers' own on one process). Checked: losses and first-step gradients (1e-6), parameters after 3 AdamW
 steps (1e-6), one count exchange and two token exchanges forward and two backward per MoE layer, and
 expert parameters per process exactly 1/EP of the model's.
 
@@ -22,13 +23,14 @@ import pytest
 
 from trainmesh.testing import run_distributed
 
-from moe_cases import GLOBAL_BATCH, STEPS, data, lm_loss, make_optimizer, moe_model, reference, skew_router
+from moe_cases import AUX_COEF, GLOBAL_BATCH, NUM_EXPERTS, STEPS, data, lm_loss, make_optimizer, moe_model, reference, \
+    skew_router, transformers_aux_loss
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 pytest.importorskip("transformers")
 TOL = 1e-6
 
-LOOP_CASES = [("qwen3_moe", False), ("mixtral", False), ("qwen3_moe", True)]  # (family, skewed router)
+LOOP_CASES = [("qwen3_moe", ""), ("mixtral", ""), ("qwen3_moe", "skewed"), ("qwen3_moe", "aux")]  # family, variant
 TRAINER_CASES = [  # name, family, mesh shape, axes, expert axis, Trainer options
     ("ep4_clip", "qwen3_moe", (4,), ["data"], "data", dict(max_grad_norm=0.5)),
     ("ep4_zero3", "qwen3_moe", (4,), ["data"], "data", dict(zero_stage=3)),
@@ -46,18 +48,19 @@ def _loop_cases() -> dict:
     import torch.distributed as dist
 
     import trainmesh as tm
-    from trainmesh._torch.expert_parallel import dispatch_stats, reset_dispatch_stats
+    from trainmesh.moe import dispatch_stats, load_balancing_loss, reset_dispatch_stats
 
     world, rank = dist.get_world_size(), dist.get_rank()
     out = {}
-    for family, skew in LOOP_CASES:
+    for family, variant in LOOP_CASES:
         mesh = tm.DeviceMesh((world,), ["data"], devices=tm.list_devices())
-        model = moe_model(family)
-        if skew:
+        model = moe_model(family, router_logits=variant == "aux")
+        if variant == "skewed":
             skew_router(model)
         full_expert_numel = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
         layout_map = tm.LayoutMap.auto(model, mesh, expert_axis="data", verbose=False)
-        model = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data").distribute_model(model)
+        distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data")
+        model = distribution.distribute_model(model)
         opt = make_optimizer(model.parameters())
         x, y = data()
         local = GLOBAL_BATCH // world
@@ -66,7 +69,13 @@ def _loop_cases() -> dict:
             rows = slice(step * GLOBAL_BATCH + rank * local, step * GLOBAL_BATCH + (rank + 1) * local)
             opt.zero_grad()
             reset_dispatch_stats(model)
-            loss = lm_loss(model(x[rows]), y[rows])
+            outputs = model(x[rows])
+            loss = lm_loss(outputs, y[rows])
+            if variant == "aux":
+                aux = load_balancing_loss(outputs.router_logits, NUM_EXPERTS, 2, distribution=distribution)
+                loss = loss + AUX_COEF * aux
+                # per process, transformers' own value differs from the global one (checked below)
+                aux_local = float(transformers_aux_loss(outputs))
             loss.backward()
             if stats is None:
                 stats = dispatch_stats(model)
@@ -79,15 +88,17 @@ def _loop_cases() -> dict:
         local_expert_numel = sum(p.to_local().numel()
                                  for n, p in model.named_parameters() if ".experts." in n)
         state = {k: _full(v).detach().clone() for k, v in model.state_dict().items()}
-        out[(family, skew)] = {"losses": losses, "grads": grads, "params": state, "stats": stats,
-                               "expert_numel": (local_expert_numel, full_expert_numel)}
+        out[(family, variant)] = {"losses": losses, "grads": grads, "params": state, "stats": stats,
+                                  "expert_numel": (local_expert_numel, full_expert_numel)}
+        if variant == "aux":
+            out[(family, variant)]["aux"] = (float(aux), aux_local)
     return out
 
 
 @pytest.fixture(scope="module")
 def loop_results():
     results = run_distributed(_loop_cases, world_size=2, timeout=400)
-    return results, {case: reference(case[0], skew=case[1]) for case in LOOP_CASES}
+    return results, {case: reference(case[0], skew=case[1] == "skewed", aux=case[1] == "aux") for case in LOOP_CASES}
 
 
 def _max_diff(got: dict, want: dict) -> tuple[float, str]:
@@ -95,7 +106,7 @@ def _max_diff(got: dict, want: dict) -> tuple[float, str]:
     return max(((got[k] - want[k]).abs().max().item(), k) for k in want)
 
 
-@pytest.mark.parametrize("case", LOOP_CASES, ids=[f"{f}{'_skewed' if s else ''}" for f, s in LOOP_CASES])
+@pytest.mark.parametrize("case", LOOP_CASES, ids=[f"{f}_{v}".rstrip("_") for f, v in LOOP_CASES])
 def test_ep2_matches_one_process(loop_results, case):
     results, references = loop_results
     got, want = results[0][case], references[case]
@@ -110,7 +121,7 @@ def test_ep2_matches_one_process(loop_results, case):
 
 def test_skewed_routing_leaves_a_process_without_rows(loop_results):
     results, _ = loop_results
-    stats = results[1][("qwen3_moe", True)]["stats"]
+    stats = results[1][("qwen3_moe", "skewed")]["stats"]
     for layer in stats.values():  # every pair went to experts 0 and 1, both on process 0
         assert layer["tokens_per_expert"].tolist()[2:] == [0, 0]
         assert layer["tokens_per_expert"].sum().item() == (GLOBAL_BATCH // 2) * 8 * 2  # rows x seq x top-k
@@ -153,3 +164,13 @@ def test_ep_composes_on_four_processes():
                          max_norm=options.get("max_grad_norm"))
         worst[name] = _max_diff(results[name], want["params"])
     assert all(diff <= TOL for diff, _ in worst.values()), worst
+
+
+def test_auxiliary_loss_is_the_global_batch_s(loop_results):
+    """The losses above already include it (parity of losses, gradients and parameters with one process's
+    transformers' aux loss); here: each process's own transformers value differs, so the check has teeth."""
+    results, _ = loop_results
+    global_values = {round(r[("qwen3_moe", "aux")]["aux"][0], 6) for r in results}
+    local_values = [r[("qwen3_moe", "aux")]["aux"][1] for r in results]
+    assert len(global_values) == 1  # the same on every process
+    assert all(abs(v - next(iter(global_values))) > 1e-4 for v in local_values)

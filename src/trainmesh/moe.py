@@ -1,0 +1,16 @@
+"""Mixtures of experts under trainmesh: what a training script may call beside the layout.
+
+Expert parallelism itself needs no call: lay the experts out (``LayoutMap.auto(model, mesh,
+expert_axis="data")`` or explicit ``("data", None, None)`` entries) and distribute the model as any other.
+Here are the extras:
+
+* :func:`load_balancing_loss`: transformers' auxiliary loss over the global batch (one process's value);
+* :func:`dispatch_stats` / :func:`reset_dispatch_stats`: per experts module, the collectives run, the bytes
+  sent to other processes and the tokens each expert received from this process.
+
+>>> from trainmesh.moe import load_balancing_loss   # doctest: +SKIP
+"""
+
+from ._torch.expert_parallel import dispatch_stats, load_balancing_loss, reset_dispatch_stats
+
+__all__ = ["dispatch_stats", "load_balancing_loss", "reset_dispatch_stats"]
