@@ -3,7 +3,7 @@
 Every ```python block runs, in order, in one namespace per page, on one process, in a scratch
 folder; a block after ``<!-- launch: trainmesh run -n N -->`` runs instead as a script of its own
 under that command. Every ```bash block runs with bash -e in the same scratch folder (the
-repository's examples/, benchmarks/ and docs/ linked in). A block that must not run is marked
+repository's src/, tests/, examples/, benchmarks/ and docs/ linked in). A block that must not run is marked
 ``<!-- skip: next "the reason" -->``; a skip without a reason is an error, and so is a code block
 in a language the docs do not use (tests/docs/test_blocks.py). See docs/contributing.md.
 """
@@ -23,7 +23,7 @@ from sybil.parsers.markdown.lexers import DirectiveInHTMLCommentLexer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # What a page's scratch folder links to, so commands read as they do from the repository root.
-LINKED = ("examples", "benchmarks", "docs", "README.md", "pyproject.toml")
+LINKED = ("src", "tests", "examples", "benchmarks", "docs", "README.md", "pyproject.toml")
 BLOCK_TIMEOUT_S = 240
 
 
@@ -101,10 +101,14 @@ def _teardown(namespace):
             tm.shutdown()
 
 
-pytest_collect_file = Sybil(
-    parsers=[ReasonedSkipParser(), Launch(), PythonCodeBlockParser(), CodeBlockParser("bash", _bash)],
-    path=ROOT,
-    patterns=["README.md", "docs/*.md"],
-    setup=_setup,
-    teardown=_teardown,
-).pytest()
+def make_sybil(path: str = ROOT, patterns=("README.md", "docs/*.md")) -> Sybil:
+    return Sybil(
+        parsers=[ReasonedSkipParser(), Launch(), PythonCodeBlockParser(), CodeBlockParser("bash", _bash)],
+        path=path,
+        patterns=list(patterns),
+        setup=_setup,
+        teardown=_teardown,
+    )
+
+
+pytest_collect_file = make_sybil().pytest()

@@ -1,4 +1,4 @@
-"""The benchmark tables in the READMEs are exactly what benchmarks/render_tables.py renders from
+"""The benchmark tables in the READMEs and docs/benchmarks.md are exactly what benchmarks/render_tables.py renders from
 benchmarks/results/latest.json: a figure edited by hand, or a results file committed without
 re-rendering, fails here."""
 
@@ -38,7 +38,7 @@ def test_results_file_has_the_fixed_fields(results):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("which", ["benchmarks/README.md", "README.md"])
+@pytest.mark.parametrize("which", ["benchmarks/README.md", "docs/benchmarks.md", "README.md"])
 def test_readme_tables_match_the_results_file(render, results, which):
     path = os.path.join(ROOT, which)
     with open(path) as fh:
@@ -58,9 +58,13 @@ def test_a_changed_figure_is_caught(render, results, tmp_path):
 
 @pytest.mark.timeout(30)
 def test_every_figure_in_the_tables_comes_from_the_file(render, results):
-    body = render.render_bench(results)
-    for name, value in results["figures"].items():
-        assert f"| `{name}` | {render._fmt_against_target(name, value)} |" in body, name
+    for body in (render.render_bench(results), render.render_docs(results)):
+        for name, value in results["figures"].items():
+            assert f"| `{name}` | {render._fmt_against_target(name, value)} |" in body, name
+    top = render.render_top(results)
+    for name in render.TOP_FIGURES:
+        if name in results["figures"]:
+            assert f"| `{name}` | {render._fmt_against_target(name, results['figures'][name])} |" in top, name
 
 
 @pytest.mark.timeout(30)
