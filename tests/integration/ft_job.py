@@ -24,6 +24,9 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--checkpoint", choices=["full", "sharded"], default="full")
+    # The kill runs in the sample log's on_train_batch_end; first in the list, it comes before the
+    # checkpoint callback of the same step can poll (commit) an async save in flight.
+    parser.add_argument("--kill-before-checkpoint", action="store_true")
     args = parser.parse_args()
     tm.initialize()
     torch.set_num_threads(1)
@@ -44,8 +47,11 @@ def main() -> None:
         checkpoint = tm.ShardedCheckpoint(os.path.join(args.out, "ckpt"), every_n_steps=2, async_save=True)
     else:  # one full state file, written atomically by the main process
         checkpoint = tm.ModelCheckpoint(os.path.join(args.out, "ckpt"), save_best=False, save_every_n_steps=2)
+    callbacks = [checkpoint, SampleLog(log_path, attempt, after_step=kill_rank1)]
+    if args.kill_before_checkpoint:
+        callbacks.reverse()
     trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), torch.nn.MSELoss(),
-                         callbacks=[checkpoint, SampleLog(log_path, attempt, after_step=kill_rank1)], progress=False)
+                         callbacks=callbacks, progress=False)
     trainer.fit(data, epochs=args.epochs, batch_size=GLOBAL_BATCH, resume=True)
     final = trainer.state_dict()["model"]
     if tm.is_main_process():

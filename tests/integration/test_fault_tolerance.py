@@ -125,3 +125,28 @@ def test_resume_on_a_different_number_of_processes(tmp_path, uninterrupted, chec
     final = torch.load(os.path.join(tmp_path, "final.pt"))
     for name, value in reference.items():
         torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("checkpoint,kill_at,order", [
+    ("sharded", 6, "checkpoint-first"),  # right after the last step of epoch 1
+    ("sharded", 7, "kill-first"),  # after the first step of epoch 2, before that step's commit check
+], ids=["sharded-after-epoch-last-step", "sharded-after-next-epoch-first-step"])
+def test_a_kill_at_an_epoch_boundary_does_not_retrain_the_epoch(tmp_path, uninterrupted, checkpoint, kill_at, order):
+    """Issue 48: a checkpoint of an epoch's last step used to be saved twice (at batch end with the
+    epoch not yet counted, then at epoch end), and resuming from the first retrained the whole
+    epoch: the job ended 6 steps late with other parameters. The step-7 kill forces the timing
+    that exposed it (it failed on the old code): the batch-end save of step 6 is committed, the
+    epoch-end save after it not yet, when the kill, first in the callbacks, lands before the step's
+    commit check. tests/unit/test_epoch_boundary_resume.py checks the same rules on one process."""
+    reference_dir, reference = uninterrupted
+    extra = ["--kill-before-checkpoint"] if order == "kill-first" else []
+    proc = launch(tmp_path, 2, "--kill-at", str(kill_at), "--checkpoint", checkpoint, *extra, max_restarts=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    attempts = assert_exactly_once(tmp_path)  # every sample once per epoch: no epoch trained twice
+    assert attempts == ["run-0", "run-1"]
+    kept, _ = effective_steps(tmp_path)
+    assert max(step for steps in kept.values() for step in steps) == STEPS_PER_EPOCH * EPOCHS  # not 6 late
+    assert effective_steps(tmp_path)[0] == effective_steps(reference_dir)[0]
+    final = torch.load(os.path.join(tmp_path, "final.pt"))
+    for name, value in reference.items():
+        assert torch.equal(final[name], value), name

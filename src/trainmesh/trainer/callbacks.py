@@ -324,7 +324,8 @@ class ModelCheckpoint(Callback):
     def on_train_batch_end(self, step: int, logs=None) -> None:
         # Mid-epoch saves carry the data position, so a crash loses at most n steps.
         n = self.save_every_n_steps
-        if n and self.save_last and self.trainer.global_step % n == 0:
+        # (not at an epoch's last step: on_epoch_end saves that step once, with the epoch done)
+        if n and self.save_last and self.trainer.global_step % n == 0 and not self.trainer.epoch_batches_done():
             self.trainer.save_checkpoint(self.last_path)
 
     def on_epoch_end(self, epoch: int, logs=None) -> None:

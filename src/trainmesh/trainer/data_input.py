@@ -110,6 +110,11 @@ class TrainSteps:
     def state_dict(self) -> dict | None:
         return self.sampler.state_dict() if self.sampler is not None else None
 
+    def finished_epoch(self, epoch: int) -> bool:
+        """Whether every step of ``epoch`` was handed out: the sampler moves to the next epoch right
+        after the last one, before the loop's end-of-epoch work (evaluation, callbacks) runs."""
+        return self.sampler is not None and self.sampler.epoch > epoch
+
     def load_state_dict(self, state: dict | None) -> None:
         if state and self.sampler is not None:
             self.sampler.load_state_dict(state)

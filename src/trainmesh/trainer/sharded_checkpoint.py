@@ -77,7 +77,11 @@ class ShardedCheckpoint(Callback):
             add_rider(self._rider)
 
     def on_train_batch_end(self, step: int, logs=None) -> None:
-        if self.every_n_steps and self.trainer.global_step % self.every_n_steps == 0:
+        # The last step of an epoch is saved once, by on_epoch_end, with the epoch counted as done:
+        # a second save of the same step collided with it, and resuming from this one (the data
+        # already in the next epoch, the loop's epoch not) retrained the whole epoch (issue 48).
+        if self.every_n_steps and self.trainer.global_step % self.every_n_steps == 0 \
+                and not self.trainer.epoch_batches_done():
             self.manager.save(self.trainer.global_step, self.state())
         else:
             self.manager.poll()

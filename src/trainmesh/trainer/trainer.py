@@ -11,6 +11,7 @@ import copy
 import math
 import sys
 import time
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
@@ -175,7 +176,10 @@ class Trainer(TrainerState):
                   if self.config.log_dir and self.is_main_process else None)
         try:
             while self.epoch < epochs and not self.stop_requested:
-                logs = self._train_epoch(steps, epochs, writer)
+                if self.epoch_batches_done():  # resumed from a save taken after the epoch's last step
+                    logs = self._end_of_resumed_epoch(epochs)
+                else:
+                    logs = self._train_epoch(steps, epochs, writer)
                 if eval_data is not None:
                     logs.update({f"val_{k}": v for k, v in self.evaluate(eval_data, batch_size=batch_size).items()})
                 self.history.record_epoch(self.epoch, logs)
@@ -192,6 +196,19 @@ class Trainer(TrainerState):
                 writer.close()
         self.callbacks.on_train_end(self.history.last_epoch())
         return self.history
+
+    def _end_of_resumed_epoch(self, epochs: int) -> dict[str, float]:
+        """A checkpoint taken after an epoch's last step but before its end (one written by
+        ``ModelCheckpoint``/``ShardedCheckpoint`` before they saved that step at the epoch's end
+        only, or a user's own save): the epoch's batches are done, so none is trained again; the
+        end-of-epoch work (evaluation, history, callbacks) runs once, now. The epoch's training
+        loss is not in such a checkpoint and is recorded as nan."""
+        if self.is_main_process:
+            warnings.warn(f"resumed after the last step of epoch {self.epoch + 1} and before its end: running its "
+                          f"end-of-epoch work now; its training loss is not in the checkpoint (nan)",
+                          RuntimeWarning, stacklevel=3)
+        self._bar = ProgressBar(0, epoch=self.epoch + 1, epochs=epochs, enabled=False)
+        return {"loss": math.nan}
 
     def _train_epoch(self, steps: TrainSteps, epochs: int, writer: LogWriter | None) -> dict[str, float]:
         self.model.train()

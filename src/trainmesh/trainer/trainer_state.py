@@ -71,6 +71,10 @@ class TrainerState:
         if self.precision.scaler is not None and state.get("scaler"):
             self.precision.scaler.load_state_dict(state["scaler"])
 
+    def epoch_batches_done(self) -> bool:
+        """Whether every step of the current epoch has run (its end-of-epoch work may not have yet)."""
+        return self._steps is not None and self._steps.finished_epoch(self.epoch)
+
     def metadata(self) -> dict[str, Any]:
         """The loop's own small state (counters, history, callbacks), saved with every checkpoint."""
         config = {k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v)
