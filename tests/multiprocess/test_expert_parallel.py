@@ -49,6 +49,7 @@ def _loop_cases() -> dict:
 
     import trainmesh as tm
     from trainmesh.moe import dispatch_stats, load_balancing_loss, reset_dispatch_stats
+    from trainmesh.planner.collectives import CollectiveCounter, CollectiveLog
 
     world, rank = dist.get_world_size(), dist.get_rank()
     out = {}
@@ -69,14 +70,18 @@ def _loop_cases() -> dict:
             rows = slice(step * GLOBAL_BATCH + rank * local, step * GLOBAL_BATCH + (rank + 1) * local)
             opt.zero_grad()
             reset_dispatch_stats(model)
-            outputs = model(x[rows])
-            loss = lm_loss(outputs, y[rows])
-            if variant == "aux":
-                aux = load_balancing_loss(outputs.router_logits, NUM_EXPERTS, 2, distribution=distribution)
-                loss = loss + AUX_COEF * aux
-                # per process, transformers' own value differs from the global one (checked below)
-                aux_local = float(transformers_aux_loss(outputs))
-            loss.backward()
+            log = CollectiveLog()
+            with CollectiveCounter({}, log=log):  # the dispatcher's view, independent of dispatch_stats
+                outputs = model(x[rows])
+                loss = lm_loss(outputs, y[rows])
+                if variant == "aux":
+                    aux = load_balancing_loss(outputs.router_logits, NUM_EXPERTS, 2, distribution=distribution)
+                    loss = loss + AUX_COEF * aux
+                    # per process, transformers' own value differs from the global one (checked below)
+                    aux_local = float(transformers_aux_loss(outputs))
+                loss.backward()
+            if step == 0:
+                all_to_all = sum(t.count for (_, kind), t in log.traffic.items() if kind == "all_to_all")
             if stats is None:
                 stats = dispatch_stats(model)
             total = loss.detach().clone()
@@ -89,7 +94,7 @@ def _loop_cases() -> dict:
                                  for n, p in model.named_parameters() if ".experts." in n)
         state = {k: _full(v).detach().clone() for k, v in model.state_dict().items()}
         out[(family, variant)] = {"losses": losses, "grads": grads, "params": state, "stats": stats,
-                                  "expert_numel": (local_expert_numel, full_expert_numel)}
+                                  "expert_numel": (local_expert_numel, full_expert_numel), "all_to_all": all_to_all}
         if variant == "aux":
             out[(family, variant)]["aux"] = (float(aux), aux_local)
     return out
@@ -133,6 +138,8 @@ def test_collectives_per_moe_layer_and_expert_memory(loop_results):
         for case in LOOP_CASES:
             stats = rank_result[case]["stats"]
             assert len(stats) == 2  # the two MoE layers; no dense layer dispatches
+            # c10d all-to-alls in a forward + backward, counted at the dispatcher: 2 layers x (1 + 2 + 2)
+            assert rank_result[case]["all_to_all"] == 2 * 5
             for layer in stats.values():
                 assert (layer["count_exchanges"], layer["token_exchanges_forward"],
                         layer["token_exchanges_backward"]) == (1, 2, 2)

@@ -105,3 +105,23 @@ def test_a_layout_inside_an_expert_or_a_partial_one_is_refused():
     layout_map["model.layers.0.mlp.experts.gate_up_proj"] = ("data", None, None)
     with pytest.raises(ValueError, match=r"experts module 'model.layers.0.mlp.experts' are laid out over different"):
         build_expert_plan(model, tm.ModelParallel(layout_map=layout_map, batch_dim_name="data"))
+
+
+def test_load_balancing_loss_on_one_process_is_transformers_own():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from trainmesh.moe import load_balancing_loss
+
+    torch.manual_seed(0)
+    logits = tuple(torch.randn(12, 4, requires_grad=True) for _ in range(2))
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+    for attention_mask in (None, mask):
+        ours = load_balancing_loss(logits, 4, 2, attention_mask, distribution=None)
+        theirs = load_balancing_loss_func(logits, 4, 2, attention_mask)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+        grads = torch.autograd.grad(ours, logits)
+        want = torch.autograd.grad(theirs, logits)
+        for got, expected in zip(grads, want):
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match="needs the model output's router_logits"):
+        load_balancing_loss(None, 4, 2)
