@@ -94,3 +94,15 @@ def test_auto_picks_ulysses_where_heads_divide():
     assert resolve_method("auto", 6, 2, 4) == "ring"
     with pytest.raises(ValueError, match="6 heads do not divide over 4"):
         resolve_method("ulysses", 6, 2, 4)
+
+
+def test_sequence_parallel_needs_one_model_axis_and_no_sequence_axis():
+    mesh = tm.DeviceMesh((2, 2), ["data", "model"], devices=DEVICES4)
+    assert tm.ModelParallel(layout_map=tm.LayoutMap(mesh), sequence_parallel=True).sequence_parallel
+    assert not tm.ModelParallel(layout_map=tm.LayoutMap(mesh)).sequence_parallel
+    with pytest.raises(ValueError, match="the mesh has 0"):
+        tm.ModelParallel(layout_map=tm.LayoutMap(tm.DeviceMesh((4,), ["data"], devices=DEVICES4)),
+                         sequence_parallel=True)
+    three = tm.DeviceMesh((1, 2, 2), ["data", "seq", "model"], devices=DEVICES4)
+    with pytest.raises(ValueError, match="beside a sequence axis"):
+        tm.ModelParallel(layout_map=tm.LayoutMap(three), sequence_dim_name="seq", sequence_parallel=True)

@@ -133,8 +133,12 @@ def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool =
         if whole_model:
             _broadcast_from_first(model)  # 2.
 
+    sequence_parallel = getattr(distribution, "sequence_parallel", False)  # checked by ModelParallel
+    if sequence_parallel:
+        from .sequence_parallel import adjust_style, apply_sequence_parallel, gather_block_input
     if plans:  # 3.
         model_mesh = torch_mesh[tuple(model_axes)] if len(model_axes) > 1 else torch_mesh[model_axes[0]]
+        units = set(_units_with_shared_input(plans))
         shared: dict[int, nn.Parameter] = {}
         for plan in plans.values():
             module = model.get_submodule(plan.path)
@@ -146,9 +150,13 @@ def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool =
                                       embedding=layer_kind(module) == "embedding")
             else:
                 style = DTensorBoundary(placements, shared)
+            if sequence_parallel:  # the residual stream sharded over the sequence (sequence_parallel.py)
+                style = adjust_style(style, plan, units, embedding=layer_kind(module) == "embedding")
             style._apply(module, model_mesh)
-        for parent in _units_with_shared_input(plans):
-            share_block_input(model.get_submodule(parent), model_mesh)
+        for parent in units:
+            (gather_block_input if sequence_parallel else share_block_input)(model.get_submodule(parent), model_mesh)
+        if sequence_parallel:
+            apply_sequence_parallel(model, plans, units, model_mesh)
     model._trainmesh_tp_plan = describe_plan(plans)
     if fill is not None:  # a meta-built model with no FSDP2 to follow: filled before hooks hold its parameters
         from .materialize import materialize

@@ -24,6 +24,8 @@ class ModelParallel(Distribution):
     3-D layout ``pipe x data x model``. ``sequence_dim_name`` names a sequence axis: each training
     sequence is split over it (context parallelism by ``context_parallel="ring"``, ``"ulysses"`` or
     ``"auto"``; see ``docs/long_context.md``), and gradients are averaged over it and the batch axis.
+    ``sequence_parallel=True`` splits the residual stream (norms, residual adds) over the sequence on
+    the model axis too (Megatron's sequence parallelism).
 
     >>> from trainmesh.distribution import DeviceMesh, LayoutMap
     >>> mesh = DeviceMesh((2, 2), ["data", "model"], devices=[f"cpu:{i}" for i in range(4)])
@@ -38,7 +40,7 @@ class ModelParallel(Distribution):
                  auto_shard_dataset: bool = True, zero_stage: int = 0, shard_unit: Any = None,
                  cpu_offload: bool = False, reduce_dtype: Any = None, device_mesh: Any = None,
                  pipeline: Pipeline | None = None, sequence_dim_name: str | None = None,
-                 context_parallel: str = "auto"):
+                 context_parallel: str = "auto", sequence_parallel: bool = False):
         if device_mesh is not None:
             # Keras 3.0's signature took device_mesh too; later versions read it from the layout map.
             warnings.warn("ModelParallel(device_mesh=...) is deprecated, as in Keras: the mesh is the layout "
@@ -59,6 +61,14 @@ class ModelParallel(Distribution):
         self._sequence = build_sequence_split(mesh, sequence_dim_name, context_parallel,
                                               batch_dim_name=batch_dim_name, pipeline=pipeline)
         self._layout_map = layout_map
+        self._sequence_parallel = _check_sequence_parallel(sequence_parallel, mesh, batch_dim_name, self._sequence,
+                                                           pipeline)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the residual stream is split over the sequence on the model axis (Megatron's sequence
+        parallelism: all-gathers and reduce-scatters instead of all-reduces; ``_torch/sequence_parallel.py``)."""
+        return self._sequence_parallel
 
     @property
     def pipeline(self) -> Pipeline | None:
@@ -86,3 +96,17 @@ class ModelParallel(Distribution):
         (safetensors, each process reading its own byte ranges) or by its initialisers (``init_seed``).
         """
         return engine("apply_model")(model, self, weights=weights, init_seed=init_seed)
+
+
+def _check_sequence_parallel(enabled: bool, mesh, batch_dim_name, sequence, pipeline) -> bool:
+    if not enabled:
+        return False
+    skip = {batch_dim_name, getattr(sequence, "axis", None), getattr(pipeline, "axis", None)}
+    model_axes = [a for a in mesh.axis_names if a not in skip]
+    if len(model_axes) != 1:
+        raise ValueError(f"sequence_parallel=True splits the sequence over the one model axis; the mesh has "
+                         f"{len(model_axes)}. Received: model axes {model_axes} of mesh axes {mesh.axis_names}")
+    if sequence is not None:
+        raise ValueError("sequence_parallel=True beside a sequence axis is not supported yet; use one of them. "
+                         f"Received: sequence_dim_name={sequence.axis!r}")
+    return True
