@@ -73,9 +73,9 @@ class Worker:
         return [push, clock, pull], pull_seq
 
 
-def _server(num_workers: int) -> tuple[ParameterServer, CapturingTransport]:
+def _server(num_workers: int, **durability) -> tuple[ParameterServer, CapturingTransport]:
     transport = CapturingTransport()
-    return ParameterServer(transport, server_id="s0", num_workers=0), transport  # count told at register
+    return ParameterServer(transport, server_id="s0", num_workers=0, **durability), transport  # count told at register
 
 
 def _deliver(server: ParameterServer, peer: str, frame: bytes) -> None:
@@ -98,14 +98,14 @@ def _pull_answers(transport: CapturingTransport, seen: int) -> list[tuple[str, M
 
 
 def _run(num_workers: int, optimizer: dict, grads: list[list[torch.Tensor]], value: torch.Tensor, seed: int | None,
-         duplicate: float = 0.3, late: float = 0.3) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+         duplicate: float = 0.3, late: float = 0.3, **durability) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Deliver every worker's frames (``seed``: random order, duplicates, late resends; None: in
     order, no faults); returns the final values and, per clock, what the sync pulls saw."""
     rng = random.Random(seed)
     spec, _ = normalize_entry({"name": "w", "kind": "dense", "value": value, "mode": "sync", "staleness": 0},
                               optimizer, "sync", 0, 16, 0)
     parts = Partitioner(PART, 16).dense_shards("w", NUMEL)
-    server, transport = _server(num_workers)
+    server, transport = _server(num_workers, **durability)
     workers = [Worker(w, num_workers, spec, parts, value) for w in range(num_workers)]
     for w in workers:
         for _, frame in w.setup:
@@ -147,6 +147,15 @@ def _run(num_workers: int, optimizer: dict, grads: list[list[torch.Tensor]], val
     assert not waiting and all(r == rounds for r in next_round.values()), (waiting, next_round)
     final = torch.cat([server.state.shards[p.shard_id].value.clone() for p in parts])
     assert server.counters["rounds_applied"] == rounds
+    if durability:  # what a crash leaves: the log (no final snapshot), replayed by a new server
+        server.state.store.close()
+        replayed, _ = _server(num_workers, **durability)
+        again = torch.cat([replayed.state.shards[p.shard_id].value for p in parts])
+        assert torch.equal(again, final) and replayed.state.rounds.closed_below == rounds
+        for p in parts:
+            state, replayed_state = server.state.shards[p.shard_id].state, replayed.state.shards[p.shard_id].state
+            assert all(torch.equal(state[k], replayed_state[k]) for k in state if torch.is_tensor(state[k]))
+        replayed.state.store.close()
     return final, {c: torch.stack(v) for c, v in seen_at.items()}
 
 
@@ -173,6 +182,20 @@ def test_any_arrival_order_gives_one_process_parameters_exactly(num_workers, opt
         assert torch.equal(final, expected), (seed, final, expected)
         for clock, values in seen.items():  # BSP: a pull at clock c saw rounds < c, all of them, once
             assert torch.equal(values, expected_seen[clock][0].expand_as(values)), (seed, clock)
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_the_write_ahead_log_replays_to_the_same_state(tmp_path, optimizer):
+    """Any arrival order, logged: a new server replaying the log gets the same values, optimizer
+    state and closed rounds."""
+    gen = torch.Generator().manual_seed(7)
+    grads = [[torch.randint(-16, 17, (NUMEL,), generator=gen).float() / 8 for _ in range(2)] for _ in range(3)]
+    value = torch.zeros(NUMEL)
+    expected, _ = _one_process(OPTIMIZERS[optimizer], grads, value)
+    for seed in range(3):
+        final, _ = _run(2, OPTIMIZERS[optimizer], grads, value, seed, durability="wal",
+                        directory=tmp_path / f"{optimizer}{seed}")
+        assert torch.equal(final, expected)
 
 
 def test_a_dead_workers_late_push_for_a_closed_round_is_refused(caplog):
