@@ -20,6 +20,7 @@ data parallelism) grows to lr x 1e-4 in the weights; at lr 1e-2 that was 1.3e-6 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from trainmesh.testing import run_distributed
 
@@ -44,7 +45,7 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _loop_cases() -> dict:
+def _loop_cases(save_dir: str) -> dict:
     import torch.distributed as dist
 
     import trainmesh as tm
@@ -93,6 +94,8 @@ def _loop_cases() -> dict:
         local_expert_numel = sum(p.to_local().numel()
                                  for n, p in model.named_parameters() if ".experts." in n)
         state = {k: _full(v).detach().clone() for k, v in model.state_dict().items()}
+        if variant == "" and family == "qwen3_moe":
+            tm.save_pretrained(model, save_dir)  # collective: the experts gathered from both processes
         out[(family, variant)] = {"losses": losses, "grads": grads, "params": state, "stats": stats,
                                   "expert_numel": (local_expert_numel, full_expert_numel), "all_to_all": all_to_all}
         if variant == "aux":
@@ -101,8 +104,10 @@ def _loop_cases() -> dict:
 
 
 @pytest.fixture(scope="module")
-def loop_results():
-    results = run_distributed(_loop_cases, world_size=2, timeout=400)
+def loop_results(tmp_path_factory):
+    save_dir = str(tmp_path_factory.mktemp("ep2_save") / "qwen3_moe")
+    results = run_distributed(_loop_cases, world_size=2, args=(save_dir,), timeout=400)
+    results[0]["save_dir"] = save_dir
     return results, {case: reference(case[0], skew=case[1] == "skewed", aux=case[1] == "aux") for case in LOOP_CASES}
 
 
@@ -181,3 +186,16 @@ def test_auxiliary_loss_is_the_global_batch_s(loop_results):
     local_values = [r[("qwen3_moe", "aux")]["aux"][1] for r in results]
     assert len(global_values) == 1  # the same on every process
     assert all(abs(v - next(iter(global_values))) > 1e-4 for v in local_values)
+
+
+def test_save_pretrained_from_ep2_loads_in_transformers(loop_results):
+    """``tm.save_pretrained`` of the EP 2 model writes whole experts that plain ``from_pretrained`` reads back
+    exactly (the same tensors as the gathered state)."""
+    import transformers
+
+    results, _ = loop_results
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(results[0]["save_dir"], dtype="float32")
+    state = loaded.state_dict()
+    want = results[0][("qwen3_moe", "")]["params"]
+    assert set(state) == set(want)
+    assert all(torch.equal(state[k], want[k]) for k in want)
