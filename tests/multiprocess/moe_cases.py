@@ -70,7 +70,7 @@ def make_optimizer(params):
 
 
 def reference(family: str, skew: bool = False, accumulation: int = 1, max_norm: float | None = None,
-              aux: bool = False) -> dict:
+              aux: bool = False, epochs: int = 1) -> dict:
     """Losses, first-step gradients and final parameters of one process on the global batches; ``aux``
     adds ``AUX_COEF`` x transformers' auxiliary loss to the cross-entropy."""
     model = moe_model(family, router_logits=aux)
@@ -79,8 +79,8 @@ def reference(family: str, skew: bool = False, accumulation: int = 1, max_norm: 
     opt = make_optimizer(model.parameters())
     x, y = data()
     losses, grads = [], None
-    for step in range(STEPS):
-        rows = torch.arange(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
+    for step in range(STEPS * epochs):  # epochs: the same batches again, in order (shuffle=False)
+        rows = torch.arange((step % STEPS) * GLOBAL_BATCH, (step % STEPS + 1) * GLOBAL_BATCH)
         opt.zero_grad()
         total = 0.0
         for micro in rows.chunk(accumulation):

@@ -8,7 +8,8 @@ second receives no row), and with the auxiliary load-balancing loss over the glo
 steps (1e-6), one count exchange and two token exchanges forward and two backward per MoE layer, and
 expert parameters per process exactly 1/EP of the model's.
 
-Launch 2 (4 processes, ``tm.Trainer``): EP 4 with global-norm clipping, EP 4 x ZeRO-3, EP 2 x TP 2 (experts
+Launch 2 (4 processes, ``tm.Trainer``): launch 1's sharded checkpoint (EP 2, after one epoch) resumed at
+EP 4 for a second epoch against one process's two epochs, EP 4 with global-norm clipping, EP 4 x ZeRO-3, EP 2 x TP 2 (experts
 over the data axis, attention over the model axis), experts over the model axis, and EP 4 with
 gradient accumulation 2. Parameters after 3 steps within 1e-6.
 
@@ -45,7 +46,7 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _loop_cases(save_dir: str) -> dict:
+def _loop_cases(save_dir: str, checkpoint_dir: str) -> dict:
     import torch.distributed as dist
 
     import trainmesh as tm
@@ -100,14 +101,23 @@ def _loop_cases(save_dir: str) -> dict:
                                   "expert_numel": (local_expert_numel, full_expert_numel), "all_to_all": all_to_all}
         if variant == "aux":
             out[(family, variant)]["aux"] = (float(aux), aux_local)
+    # a sharded training checkpoint at EP 2, resumed at EP 4 by the second launch
+    model = moe_model("qwen3_moe")
+    layout_map = tm.LayoutMap.auto(model, tm.DeviceMesh((world,), ["data"], devices=tm.list_devices()),
+                                   expert_axis="data", verbose=False)
+    trainer = tm.Trainer(model, make_optimizer, lm_loss, progress=False,
+                         distribution=tm.ModelParallel(layout_map=layout_map, batch_dim_name="data"),
+                         callbacks=[tm.ShardedCheckpoint(checkpoint_dir, async_save=False)])
+    trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
     return out
 
 
 @pytest.fixture(scope="module")
 def loop_results(tmp_path_factory):
     save_dir = str(tmp_path_factory.mktemp("ep2_save") / "qwen3_moe")
-    results = run_distributed(_loop_cases, world_size=2, args=(save_dir,), timeout=400)
-    results[0]["save_dir"] = save_dir
+    checkpoint_dir = str(tmp_path_factory.mktemp("ep2_checkpoint"))
+    results = run_distributed(_loop_cases, world_size=2, args=(save_dir, checkpoint_dir), timeout=400)
+    results[0]["save_dir"], results[0]["checkpoint_dir"] = save_dir, checkpoint_dir
     return results, {case: reference(case[0], skew=case[1] == "skewed", aux=case[1] == "aux") for case in LOOP_CASES}
 
 
@@ -152,10 +162,27 @@ def test_collectives_per_moe_layer_and_expert_memory(loop_results):
             assert local * 2 == full  # exactly 1/EP of the experts on each process
 
 
-def _trainer_cases() -> dict:
+def _trainer_cases(checkpoint_dir: str) -> dict:
     import trainmesh as tm
 
     out = {}
+    # the EP 2 checkpoint of launch 1, resumed at EP 4 for a second epoch (model and AdamW state resharded)
+    model = moe_model("qwen3_moe")
+    layout_map = tm.LayoutMap.auto(model, tm.DeviceMesh((4,), ["data"], devices=tm.list_devices()),
+                                   expert_axis="data", verbose=False)
+
+    class CountSteps(tm.Callback):
+        ran = 0
+
+        def on_train_batch_end(self, step, logs=None):
+            CountSteps.ran += 1
+
+    trainer = tm.Trainer(model, make_optimizer, lm_loss, progress=False,
+                         distribution=tm.ModelParallel(layout_map=layout_map, batch_dim_name="data"),
+                         callbacks=[tm.ShardedCheckpoint(checkpoint_dir, async_save=False), CountSteps()])
+    trainer.fit(data(), epochs=2, batch_size=GLOBAL_BATCH, shuffle=False, resume=True)
+    out["resumed_ep2_to_ep4"] = {k: v.detach().clone() for k, v in trainer.state_dict()["model"].items()}
+    out["resumed_steps"] = CountSteps.ran
     for name, family, shape, axes, expert_axis, options in TRAINER_CASES:
         mesh = tm.DeviceMesh(shape, axes, devices=tm.list_devices())
         model = moe_model(family)
@@ -168,9 +195,11 @@ def _trainer_cases() -> dict:
     return out
 
 
-def test_ep_composes_on_four_processes():
-    results = run_distributed(_trainer_cases, world_size=4, timeout=560)[0]
-    worst = {}
+def test_ep_composes_on_four_processes(loop_results):
+    checkpoint_dir = loop_results[0][0]["checkpoint_dir"]
+    results = run_distributed(_trainer_cases, world_size=4, args=(checkpoint_dir,), timeout=560)[0]
+    assert results["resumed_steps"] == STEPS  # only the second epoch ran: the first came from the EP 2 checkpoint
+    worst = {"resumed_ep2_to_ep4": _max_diff(results["resumed_ep2_to_ep4"], reference("qwen3_moe", epochs=2)["params"])}
     for name, family, _, _, _, options in TRAINER_CASES:
         want = reference(family, accumulation=options.get("grad_accum_steps", 1),
                          max_norm=options.get("max_grad_norm"))
