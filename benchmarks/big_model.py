@@ -46,7 +46,9 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SIZES = {"full": dict(hidden=1536, layers=12, intermediate=4096), "quick": dict(hidden=768, layers=6, intermediate=2048)}
+SIZES = {"full": dict(hidden=1536, layers=12, intermediate=4096), "quick": dict(hidden=768, layers=6, intermediate=2048),
+         # --smoke: the code path only (hidden 768 is the least that gives 4 heads and 4 KV heads to split 4 ways)
+         "smoke": dict(hidden=768, layers=2, intermediate=256, vocab=512)}
 SHARD = "500MB"
 
 
@@ -182,12 +184,13 @@ def _median(values):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, 1 round: the code path only (the test suite's)")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    rounds = args.rounds or (1 if args.quick else 2)
-    sizes = SIZES["quick" if args.quick else "full"]
+    rounds = args.rounds or (1 if args.quick or args.smoke else 2)
+    sizes = SIZES["smoke" if args.smoke else "quick" if args.quick else "full"]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     import transformers

@@ -72,6 +72,13 @@ CASES = [  # (processes, mesh, zero stage, checkpointing, label)
     (8, "data=4,model=2", 3, None, "TPxZeRO-3"),
 ]
 QUICK = ("DP", "ZeRO-3", "TP", "PP")  # 2 processes: every kind of axis, one launch
+# --smoke (the test suite's): the quick cases on a tiny model, one round, a short calibration. The spawned
+# processes read the size from the environment (they import this module anew).
+SMOKE_ENV = "TRAINMESH_PLAN_ACCURACY_SMOKE"
+if os.environ.get(SMOKE_ENV):
+    MODEL = dict(MODEL, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=256, max_position_embeddings=32)
+    SEQ = 32
 
 
 def build_model():
@@ -383,6 +390,8 @@ def _farthest(values):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK)} only, fewer rounds")
+    parser.add_argument("--smoke", action="store_true", help=f"the code path only (the test suite's): {', '.join(QUICK)} "
+                        "on a tiny model, 1 round, no link or core-sharing calibration, no shaped links")
     parser.add_argument("--rounds", type=int, default=None, help="timed steps per case (default 8 quick, 10 full; the step figure is a median over them)")
     parser.add_argument("--json", default=None, metavar="PATH")
     parser.add_argument("--cases", default=None, metavar="LABEL,...",
@@ -392,6 +401,10 @@ def main() -> int:
     parser.add_argument("--no-priority", dest="priority", action="store_false",
                         help="do not raise the measured processes' priority (they then share the CPU with all load)")
     args = parser.parse_args()
+    if args.smoke and not os.environ.get(SMOKE_ENV):  # this module's sizes are read at import: start again
+        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, **{SMOKE_ENV: "1"}))
+    args.quick = args.quick or args.smoke
+    args.shaped = args.shaped and not args.smoke
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     from trainmesh.planner.calibrate import calibrate
@@ -405,10 +418,11 @@ def main() -> int:
             parser.error(f"--cases: no case labelled {', '.join(sorted(unknown))}; "
                          f"the labels are {', '.join(dict.fromkeys(c[4] for c in CASES))}")
         cases = [c for c in cases if c[4] in wanted]
-    rounds = args.rounds or (8 if args.quick else 10)
+    rounds = args.rounds or (1 if args.smoke else 8 if args.quick else 10)
     priority_note = _raise_priority(args.priority)
     print(priority_note)
-    hardware = calibrate(save=False)  # this machine now, under its current load; one thread per process
+    # this machine now, under its current load; one thread per process
+    hardware = calibrate(save=False, link=not args.smoke, contention=not args.smoke)
     print(hardware.describe())
     rows, invalid = [], []
     worst = {"memory": [], "comm": [], "step": []}

@@ -48,6 +48,10 @@ REGISTRY = [
     {"name": "moe", "script": "moe.py", "needs": ["transformers"]},
     {"name": "throughput", "script": "throughput.py", "needs": ["transformers"]},
     {"name": "plan_accuracy", "script": "plan_accuracy.py", "needs": ["transformers"]},
+    # issue 47's: transformers' own TP and FSDP2 (from_pretrained(..., distributed_config=...)) at 2 and 4 processes
+    {"name": "transformers_peer", "script": "transformers_peer.py", "needs": ["transformers", "safetensors"]},
+    # issue 43's context parallelism (ring and Ulysses over a sequence axis)
+    {"name": "long_context", "script": "long_context.py", "needs": ["transformers"]},
     # issue 35's: one uninterrupted 4-process job and 10 faulty ones (--quick: each fault kind once); the
     # disk-full kind mounts a tmpfs and is skipped, with the reason, when not root
     {"name": "chaos", "script": "chaos.py", "needs": [], "full_args": ["--runs", "10"]},
