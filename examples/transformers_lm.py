@@ -6,6 +6,7 @@
     trainmesh run -n 4 examples/transformers_lm.py --layout fsdp --save-pretrained hf-out     # Hugging Face layout
     trainmesh run -n 4 examples/transformers_lm.py --layout tp --init-from hf-out            # fine-tune from it
     trainmesh run -n 4 examples/transformers_lm.py --model qwen3_moe --layout ep             # experts over 4
+    trainmesh run -n 4 examples/transformers_lm.py --layout cp --context-parallel ulysses --block 256  # long context
 
 ``--init-from DIR`` fine-tunes a local Hugging Face checkpoint (``config.json`` + safetensors): the
 model is built on the meta device from DIR's config and each process reads only its own shards of
@@ -24,6 +25,10 @@ Layouts, on N processes:
            (--model qwen3_moe|mixtral, 8 experts) experts split over the processes, tokens sent by all-to-all
   ep+fsdp  ep with ZeRO-3 over "data" for the dense layers
   ep+tp    N/2 x 2 mesh: experts over "data", attention tensor-parallel over "model"
+  cp       DataParallel on a N/2 x 2 mesh "data" x "seq": every sequence split over "seq" (context
+           parallelism, --context-parallel ring|ulysses|auto; --block divisible by 4)
+  cp+fsdp  cp with ZeRO-3 over "data" x "seq"
+  sp       tp with sequence parallelism: norms and residual stream split over the sequence on "model"
 
 The loss function is the same under every layout: it reads ``outputs.logits`` of the model's own
 output, which a pipeline's last stage rebuilds around its logits.
@@ -42,7 +47,7 @@ import torch
 import trainmesh as tm
 from trainmesh.demo.corpus import CharVocab, CharWindows, read_sources, select_sources, stdlib_dir
 
-LAYOUTS = ("dp", "fsdp", "tp", "tp+fsdp", "pp", "3d", "ep", "ep+fsdp", "ep+tp")
+LAYOUTS = ("dp", "fsdp", "tp", "tp+fsdp", "pp", "3d", "ep", "ep+fsdp", "ep+tp", "cp", "cp+fsdp", "sp")
 MODELS = ("gpt2", "llama", "qwen3_moe", "mixtral")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv")
 
@@ -85,8 +90,13 @@ def build_from_pretrained(directory: str, vocab_size: int) -> torch.nn.Module:
 
 
 def build_distribution(layout: str, model: torch.nn.Module, schedule: str = "1f1b",
-                       microbatches: int = 4) -> tm.Distribution:
+                       microbatches: int = 4, context_parallel: str = "auto") -> tm.Distribution:
     world = tm.world_size()
+    if layout.startswith("cp"):  # a sequence axis of 2 (of 1 on one process), data over the rest
+        seq = 2 if world % 2 == 0 else 1
+        mesh = tm.DeviceMesh((world // seq, seq), ["data", "seq"], devices=tm.list_devices())
+        return tm.DataParallel(mesh, sequence_dim_name="seq", context_parallel=context_parallel,
+                               zero_stage=3 if layout == "cp+fsdp" else 0)
     if layout in ("pp", "3d"):
         return build_pipeline(layout, model, world, tm.Pipeline(schedule=schedule, microbatches=microbatches))
     if layout == "dp":
@@ -101,7 +111,8 @@ def build_distribution(layout: str, model: torch.nn.Module, schedule: str = "1f1
     data = 2 if layout == "tp+fsdp" and world % 2 == 0 and world > 1 else 1
     mesh = tm.DeviceMesh((data, world // data), ["data", "model"], devices=tm.list_devices())
     layout_map = tm.LayoutMap.auto(model, mesh)
-    return tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", zero_stage=3 if layout == "tp+fsdp" else 0)
+    return tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", zero_stage=3 if layout == "tp+fsdp" else 0,
+                            sequence_parallel=layout == "sp")
 
 
 def build_pipeline(layout: str, model: torch.nn.Module, world: int, pipeline: tm.Pipeline) -> tm.Distribution:
@@ -127,6 +138,8 @@ def main() -> None:
     parser.add_argument("--layout", choices=LAYOUTS, default="dp")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (pp, 3d)")
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches per step (pp, 3d)")
+    parser.add_argument("--context-parallel", choices=("ring", "ulysses", "auto"), default="auto",
+                        help="attention over the split sequence (cp, cp+fsdp)")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per epoch")
     parser.add_argument("--epochs", type=int, default=1, help="epochs in all (a resumed run continues to it)")
     parser.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
@@ -149,7 +162,7 @@ def main() -> None:
         model = build_from_pretrained(args.init_from, len(vocab))
     else:
         model = build_model(args.model, len(vocab), args.block)
-    distribution = build_distribution(args.layout, model, args.schedule, args.microbatches)
+    distribution = build_distribution(args.layout, model, args.schedule, args.microbatches, args.context_parallel)
     trainer = tm.Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), lm_loss, distribution=distribution,
                          max_grad_norm=1.0, callbacks=[tm.ShardedCheckpoint(args.out, async_save=False)],
                          weights=args.init_from)

@@ -133,8 +133,9 @@ def _count_collectives(model, batch):
 
 def _saved_bytes(model, x, y) -> int:
     """Bytes of activations autograd saves for backward in one forward (each storage once, parameters not)."""
-    def local(tensor):  # a DTensor's own shard
-        return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+    def local(tensor):  # a DTensor's own shard; an in-flight collective's result tensor
+        tensor = tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+        return tensor.elem if type(tensor).__name__ == "AsyncCollectiveTensor" else tensor
 
     params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
@@ -183,6 +184,7 @@ def _two() -> dict:
         out["parity"][(method, family)] = (state, loss)
         if family != "llama":
             continue
+        out["evaluate", method] = trainer.evaluate(data(), batch_size=GLOBAL_BATCH)["loss"]  # whole sequences
         # one more forward/backward on this process's chunks of a longer batch: collectives, saved bytes
         split = SequenceSplit(axis="seq", axis_size=2)
         x, y = data(seq=256, rows=2)
@@ -226,6 +228,18 @@ def test_two_processes_match_one(two, method, family):
     diff = max_diff(state, expected)
     assert diff <= TOLERANCE, f"{method} {family}: parameters differ by {diff:.3g}"
     assert two[1]["parity"][(method, family)][1] == loss  # both processes report the global loss
+
+
+def test_evaluate_sees_whole_sequences(two):
+    expected, _ = reference(build_model(), *data())
+    model = build_model()
+    model.load_state_dict(expected)
+    x, y = data()
+    with torch.no_grad():
+        losses = [lm_loss(model(x[i:i + GLOBAL_BATCH]), y[i:i + GLOBAL_BATCH]).item()
+                  for i in range(0, len(x), GLOBAL_BATCH)]
+    for method in ("ulysses", "ring"):
+        assert abs(two[0]["evaluate", method] - sum(losses) / len(losses)) <= TOLERANCE
 
 
 def test_collectives_per_layer(two):
