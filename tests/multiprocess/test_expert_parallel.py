@@ -9,9 +9,10 @@ steps (1e-6), one count exchange and two token exchanges forward and two backwar
 expert parameters per process exactly 1/EP of the model's.
 
 Launch 2 (4 processes, ``tm.Trainer``): launch 1's sharded checkpoint (EP 2, after one epoch) resumed at
-EP 4 for a second epoch against one process's two epochs, EP 4 with global-norm clipping, EP 4 x ZeRO-3, EP 2 x TP 2 (experts
-over the data axis, attention over the model axis), experts over the model axis, and EP 4 with
-gradient accumulation 2. Parameters after 3 steps within 1e-6.
+EP 4 for a second epoch against one process's two epochs; EP 4 with global-norm clipping; EP 4 x ZeRO-3;
+EP 2 x TP 2 (experts over the data axis, attention over the model axis); experts over the model axis;
+EP 4 with gradient accumulation 2; EP 4 with full activation checkpointing (the dispatch recomputed in
+backward). Parameters after 3 steps within 1e-6.
 
 lr 1e-3 (eps 1e-5): Adam moves a weight by about lr whatever its gradient's size, so the fp32 noise of
 summing a dense gradient over processes in another order than one process (~1e-8, the same under plain
@@ -39,6 +40,7 @@ TRAINER_CASES = [  # name, family, mesh shape, axes, expert axis, Trainer option
     ("ep2_tp2", "mixtral", (2, 2), ["data", "model"], "data", dict()),
     ("experts_over_model_axis", "mixtral", (2, 2), ["data", "model"], "model", dict()),
     ("ep4_accumulation2", "mixtral", (4,), ["data"], "data", dict(grad_accum_steps=2)),
+    ("ep4_checkpointing", "mixtral", (4,), ["data"], "data", dict(activation_checkpointing="full")),
 ]
 
 

@@ -125,3 +125,15 @@ def test_load_balancing_loss_on_one_process_is_transformers_own():
             torch.testing.assert_close(got, expected, rtol=0, atol=1e-7)
     with pytest.raises(ValueError, match="needs the model output's router_logits"):
         load_balancing_loss(None, 4, 2)
+
+
+def test_experts_with_a_pipeline_are_refused_by_name():
+    model = _qwen3_moe()
+    mesh = _mesh(2, 2, axes=("pipe", "data"))
+    layout_map = tm.LayoutMap.auto(model, mesh, expert_axis="data", model_axis="pipe", verbose=False)
+    distribution = tm.ModelParallel(layout_map=tm.LayoutMap(mesh), batch_dim_name="data", pipeline=tm.Pipeline())
+    for key in layout_map:
+        if "experts" in key:
+            distribution.layout_map[key] = layout_map[key].axes
+    with pytest.raises(ValueError, match=r"Expert parallelism over 'data' with a pipeline over 'pipe' is not offered"):
+        build_expert_plan(model, distribution)
