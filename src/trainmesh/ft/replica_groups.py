@@ -1,0 +1,258 @@
+"""Replica groups that survive the loss of one of them: torchft's Lighthouse and Manager under trainmesh's step.
+
+Each replica group is one process here (this first slice); a Lighthouse keeps the quorum of the
+groups that are alive, and each group's ``torchft.Manager`` joins it once per step. Per step:
+
+1. ``begin_step``: a synchronous quorum (torchft's asynchronous one races an FSDP2 forward); a group
+   that is behind (restarted, or new) receives the live state from a peer *before* its forward;
+2. the user's forward and backward;
+3. ``finish_step``: the gradients are flattened into one bucket per dtype and averaged over the groups
+   alive at this step with ``manager.allreduce`` (trainmesh's own step: torchft's DDP wrapper crashes
+   the survivor when a peer dies mid-all-reduce); ``should_commit`` then gates the optimizer step,
+   the learning-rate schedule and the step counter. A step whose all-reduce failed is not committed
+   anywhere, and its gradients are dropped.
+
+The state a recovering group receives goes over the groups' own gloo process group as a JSON header
+plus raw tensor bytes (``tensor_codec``): nothing a peer sends is unpickled.
+
+>>> sync = ReplicaGroupSync(model, optimizer, ReplicaGroups(replica_group=0, lighthouse=url))  # doctest: +SKIP
+>>> while sync.current_step < 100:                                                            # doctest: +SKIP
+...     info = sync.begin_step()          # quorum; heals this group from a peer if it is behind
+...     loss_fn(model(batch_for(info))).backward()
+...     committed = sync.finish_step()    # cross-group average, then should_commit gates optimizer.step
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+
+from trainmesh.ft.tensor_codec import encode_state, parse_header, tensor_specs, decode_state
+
+__all__ = ["ReplicaGroups", "ReplicaGroupSync", "StepInfo", "SafeStateTransport", "torchft_available"]
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable, so its tools and ours agree
+REPLICA_GROUP_ENV = "TRAINMESH_REPLICA_GROUP"
+
+
+def torchft_available() -> bool:
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(kw_only=True)
+class ReplicaGroups:
+    """How this process's replica group joins the others.
+
+    ``min_replicas``: a step commits only with at least this many groups in it. ``lighthouse``: the
+    Lighthouse URL (default ``$TORCHFT_LIGHTHOUSE``). ``replica_group``: this group's number (default
+    ``$TRAINMESH_REPLICA_GROUP``). ``quorum_retries``: how many failed quorum calls (a Lighthouse outage)
+    are retried before the group gives up; torchft's default, 0, kills every group within 0.2 s of
+    losing the Lighthouse. ``advertise_host``: the address peers reach this group at (its manager
+    server and its gloo store); default this host's name.
+    """
+
+    min_replicas: int = 1
+    lighthouse: str | None = None
+    replica_group: int | None = None
+    timeout_s: float = 30.0
+    quorum_timeout_s: float = 60.0
+    connect_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 0.1
+    quorum_retries: int = 3
+    advertise_host: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_replicas, int) or self.min_replicas < 1:
+            raise ValueError(f"min_replicas must be an int >= 1. Received: min_replicas={self.min_replicas!r}")
+        for name in ("timeout_s", "quorum_timeout_s", "connect_timeout_s", "heartbeat_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0. Received: {name}={getattr(self, name)!r}")
+        if self.quorum_retries < 0:
+            raise ValueError(f"quorum_retries must be >= 0. Received: quorum_retries={self.quorum_retries!r}")
+        if self.lighthouse is None:
+            self.lighthouse = os.environ.get(LIGHTHOUSE_ENV)
+        if not self.lighthouse:
+            raise ValueError(f"ReplicaGroups needs the Lighthouse's URL: lighthouse=... or ${LIGHTHOUSE_ENV}. "
+                             f"Received: lighthouse={self.lighthouse!r}")
+        if self.replica_group is None and os.environ.get(REPLICA_GROUP_ENV):
+            self.replica_group = int(os.environ[REPLICA_GROUP_ENV])
+        if not isinstance(self.replica_group, int) or self.replica_group < 0:
+            raise ValueError(f"replica_group must be an int >= 0 (or ${REPLICA_GROUP_ENV}). "
+                             f"Received: replica_group={self.replica_group!r}")
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What ``begin_step`` tells the step: which committed step this is, and this group's share of it."""
+
+    step: int           # committed steps so far (every live group agrees after begin_step)
+    replica_rank: int   # this group's rank among the groups in this step's quorum
+    num_replicas: int   # groups in this step's quorum
+    healed: bool        # this group just received the live state from a peer
+
+
+def _build_transport_class():
+    from torchft.checkpointing.transport import CheckpointTransport
+
+    class _SafeStateTransport(CheckpointTransport):
+        """torchft's ``CheckpointTransport`` over the replica groups' own process group, without pickle:
+        a length, a JSON header (``tensor_codec``), then each tensor's bytes, each send a tagged gloo
+        message. The receiver checks the header before it allocates anything."""
+
+        def __init__(self, pg: Any, timeout: timedelta) -> None:
+            self._pg = pg
+            self._timeout = timeout
+
+        def metadata(self) -> str:
+            return "trainmesh-json-v1"  # no address: the bytes go over the quorum's process group
+
+        def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
+            header, tensors = encode_state({"step": step, "state": state_dict})
+            header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+            length = torch.tensor([len(header)], dtype=torch.int64)
+            for dst in dst_ranks:
+                self._pg.send([length], dst, tag=1).wait(timeout)
+                self._pg.send([header_t], dst, tag=2).wait(timeout)
+                for i, tensor in enumerate(tensors):
+                    raw = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                    self._pg.send([raw], dst, tag=3 + i).wait(timeout)
+
+        def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+            length = torch.zeros(1, dtype=torch.int64)
+            self._pg.recv([length], src_rank, tag=1).wait(timeout)
+            header_t = torch.empty(int(length.item()), dtype=torch.uint8)
+            self._pg.recv([header_t], src_rank, tag=2).wait(timeout)
+            header = header_t.numpy().tobytes()
+            specs = tensor_specs(parse_header(header))  # refuses a pickle before any tensor is received
+            tensors = []
+            for i, (dtype, shape) in enumerate(specs):
+                out = torch.empty(shape, dtype=dtype)
+                self._pg.recv([out.reshape(-1).view(torch.uint8)], src_rank, tag=3 + i).wait(timeout)
+                tensors.append(out)
+            received = decode_state(header, tensors)
+            if received["step"] != step:
+                raise ValueError(f"recovery state is for step {received['step']}. Expected: step={step}")
+            return received["state"]
+
+    return _SafeStateTransport
+
+
+def SafeStateTransport(pg: Any, timeout: timedelta) -> Any:  # noqa: N802 (a class built on first use)
+    """torchft ``CheckpointTransport`` without pickle (built lazily: torchft is optional)."""
+    return _build_transport_class()(pg, timeout)
+
+
+class ReplicaGroupSync:
+    """One replica group's side of the fault-tolerant step (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: ReplicaGroups, *,
+                 scheduler: Any = None, extra_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None):
+        if not isinstance(config, ReplicaGroups):
+            raise TypeError(f"config must be a ReplicaGroups. Received: {type(config).__name__}")
+        group_world = int(os.environ.get("WORLD_SIZE", "1"))
+        if group_world != 1:
+            raise NotImplementedError(f"replica groups of more than one process are not supported yet (the "
+                                      f"within-group layout is the next slice). Received: WORLD_SIZE={group_world}")
+        if not torchft_available():
+            raise ImportError("ReplicaGroups needs torchft: pip install 'trainmesh[ft]'")
+        from torch.distributed import TCPStore
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        self.model, self.optimizer, self.scheduler, self.config = model, optimizer, scheduler, config
+        self._extra_state = extra_state
+        timeout = timedelta(seconds=config.timeout_s)
+        host = config.advertise_host or socket.gethostname()
+        # This group's store: the quorum's gloo group rendezvouses in the first member's store.
+        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        self._pg = ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=self._pg, load_state_dict=self._load_state, state_dict=self._state, min_replica_size=config.min_replicas,
+            use_async_quorum=False,  # synchronous: a healed group has the live state before its forward
+            timeout=timeout, quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=config.connect_timeout_s), rank=0, world_size=1,
+            store_addr=host, store_port=self._store.port, lighthouse_addr=config.lighthouse,
+            replica_id=f"trainmesh_group_{config.replica_group}", hostname=host,
+            heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s),
+            checkpoint_transport=SafeStateTransport(self._pg, timeout), init_sync=True,
+            quorum_retries=config.quorum_retries)
+        self._healed = False
+        self.uncommitted_steps = 0
+
+    # --- the state a recovering group receives (tensors and plain types only) ---------------
+    def _state(self) -> dict[str, Any]:
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        if self._extra_state is not None:
+            state["extra"] = self._extra_state[0]()
+        return state
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self._extra_state is not None and "extra" in state:
+            self._extra_state[1](state["extra"])
+        self._healed = True
+
+    # --- the step ------------------------------------------------------------------------
+    @property
+    def current_step(self) -> int:
+        """Committed steps so far; a healed group takes the live groups' count."""
+        return self.manager.current_step()
+
+    @property
+    def batches_committed(self) -> int:
+        return self.manager.batches_committed()
+
+    def begin_step(self) -> StepInfo:
+        self._healed = False
+        self.manager.start_quorum()  # synchronous: returns with the quorum formed and any healing applied
+        rank = self.manager.participating_rank()
+        return StepInfo(step=self.manager.current_step(), replica_rank=0 if rank is None else rank,
+                        num_replicas=max(1, self.manager.num_participants()), healed=self._healed)
+
+    def allreduce_gradients(self) -> None:
+        """Average every gradient over this step's groups: one flat bucket per dtype, one
+        ``manager.allreduce`` each. A failure is recorded by the manager (``should_commit`` says no)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in params:
+            if p.grad is None:  # a parameter unused this step: zeros, so every group's bucket matches
+                p.grad = torch.zeros_like(p)
+            by_dtype.setdefault(p.grad.dtype, []).append(p)
+        for group in by_dtype.values():
+            flat = torch.cat([p.grad.reshape(-1) for p in group])
+            self.manager.allreduce(flat).wait()
+            offset = 0
+            for p in group:
+                p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
+                offset += p.grad.numel()
+
+    def finish_step(self) -> bool:
+        """All-reduce, then commit (optimizer, schedule, step counter) only if every group agrees."""
+        self.allreduce_gradients()
+        committed = self.manager.should_commit()
+        if committed:
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        else:
+            self.uncommitted_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return committed
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)

@@ -1,0 +1,110 @@
+"""Issue 45, first slice: two replica groups of one process under a real torchft Lighthouse (loopback).
+
+One launch checks: the second group to arrive starts from the first one's state (healed over
+trainmesh's pickle-free transport, though each seeds its weights differently); one group is SIGKILLed mid-run and the survivor goes on alone, with every
+committed step kept (its step counter runs 0..N-1 with no gap), and exits 0; the killed group is
+restarted, heals from the survivor at the live step, and from then on its parameters equal the
+survivor's at every step and at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("torchft", reason="torchft is not installed (pip install 'trainmesh[ft]')")
+from torchft.coordination import LighthouseServer  # noqa: E402
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(150)]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(ROOT, "examples", "ft_replica_groups.py")
+STEPS = 120
+HEARTBEAT_TIMEOUT_S = 1.5
+
+
+def _records(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.endswith("\n")]
+
+
+def _wait(predicate, timeout_s: float, what: str, procs) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        for proc in procs:
+            if proc.poll() not in (None, 0):
+                raise AssertionError(f"a group exited {proc.returncode} while waiting for {what}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def test_sigkilled_group_loses_no_committed_step_and_rejoins_equal(tmp_path):
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=500,
+                                  heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT_S * 1000))
+    url = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "src"), "RUST_LOG": "warn"}
+    procs: list[subprocess.Popen] = []
+
+    def launch(group: int, name: str) -> subprocess.Popen:
+        out = open(tmp_path / f"{name}.out", "w")
+        proc = subprocess.Popen([sys.executable, EXAMPLE, "--replica-group", str(group), "--lighthouse", url,
+                                 "--steps", str(STEPS), "--step-sleep", "0.08", "--log", str(tmp_path / f"{name}.jsonl"),
+                                 "--save", str(tmp_path / f"{name}.pt")], env=env, stdout=out, stderr=subprocess.STDOUT)
+        procs.append(proc)
+        return proc
+
+    log = {name: str(tmp_path / f"{name}.jsonl") for name in ("g0", "g1", "g1b")}
+    try:
+        survivor, victim = launch(0, "g0"), launch(1, "g1")
+        # both in the quorum, a few steps committed together
+        _wait(lambda: sum(r["committed"] and r["replicas"] == 2 for r in _records(log["g1"])) >= 3, 60,
+              "3 committed steps with both groups", procs)
+        victim.send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        victim.wait(timeout=10)
+        _wait(lambda: any(r["committed"] and r["replicas"] == 1 and r["time"] > killed_at
+                          for r in _records(log["g0"])), 30, "the survivor's first commit alone", [survivor])
+        restarted = launch(1, "g1b")
+        assert restarted.wait(timeout=90) == 0, (tmp_path / "g1b.out").read_text()[-3000:]
+        assert survivor.wait(timeout=30) == 0, (tmp_path / "g0.out").read_text()[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        lighthouse.shutdown()
+
+    g0, g1, g1b = _records(log["g0"]), _records(log["g1"]), _records(log["g1b"])
+    # The later of the two groups started from the earlier one's state (different seeds, healed on arrival).
+    assert g1[0]["healed"] or g0[0]["healed"]
+    # No committed step lost: the survivor committed each step 0..STEPS-1 exactly once, in order.
+    committed = [r["step"] for r in g0 if r["committed"]]
+    assert committed == list(range(STEPS))
+    after_kill = [r for r in g0 if r["time"] > killed_at]
+    assert sum(not r["committed"] for r in g0) <= 2, [r for r in g0 if not r["committed"]]
+    first_alone = next(r for r in after_kill if r["committed"] and r["replicas"] == 1)
+    recovery_s = first_alone["time"] - killed_at
+    print(f"survivor's first commit alone {recovery_s:.2f} s after the SIGKILL "
+          f"(heartbeat timeout {HEARTBEAT_TIMEOUT_S} s)")
+    assert recovery_s < HEARTBEAT_TIMEOUT_S + 6.0  # the issue's goal is + 1.5 s; a shared 2-core CI box needs slack
+    # The restarted group healed from the survivor at the live step, not from step 0 ...
+    assert g1b[0]["healed"] and g1b[0]["step"] > 0, g1b[0]
+    # ... and its parameters equal the survivor's at every step from then on, and at the end.
+    survivor_sums = {r["step"]: r["param_sum"] for r in g0 if r["committed"]}
+    rejoined = [r for r in g1b if r["committed"]]
+    assert rejoined and all(r["param_sum"] == survivor_sums[r["step"]] for r in rejoined)
+    assert [r["step"] for r in rejoined] == list(range(rejoined[0]["step"], STEPS))
+    final0 = torch.load(tmp_path / "g0.pt", weights_only=True)
+    final1 = torch.load(tmp_path / "g1b.pt", weights_only=True)
+    assert final0.keys() == final1.keys() and all(torch.equal(final0[k], final1[k]) for k in final0)
