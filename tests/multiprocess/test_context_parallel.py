@@ -2,9 +2,11 @@
 every sequence split over the axis, against a plain one-process loop on the same global batches.
 
 Two launches: 2 processes (seq 2: both methods, collective counts per layer, activation bytes saved for
-backward, the clear errors) and 4 processes (data 2 x seq 2 with both methods and padding masks, seq 4,
-ZeRO-3 x seq 2 under ModelParallel). Tolerance: 1e-6 absolute on loss and parameters after 3 AdamW
-steps in fp32 (measured: ~6e-7; the same steps under plain data parallelism differ by about as much).
+backward, evaluate, the clear errors; model 2 with sequence parallelism) and 4 processes (data 2 x seq 2
+with both methods and padding masks, seq 4, ZeRO-3 x seq 2 under ModelParallel, seq 2 x model 2 with
+tensor parallelism). Tolerance: 1e-6 absolute on loss and parameters after 3 AdamW steps in fp32 at
+lr 1e-3 (measured: ~2e-7; on one process, eager and sdpa attention differ by 1.2e-7 after the same
+steps, see ``cp_cases.make_optimizer``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ FOUR = [  # (name, family, mesh shape, axes, method, padding, distribution kind,
     ("seq4 ring", "llama", (4,), ["seq"], "ring", None, "dp", 0),
     ("seq4 ulysses qwen3", "qwen3", (4,), ["seq"], "ulysses", None, "dp", 0),
     ("zero3 x seq2 ring qwen3", "qwen3", (2, 2), ["data", "seq"], "ring", None, "mp", 3),
+    ("seq2 x model2 ulysses (TP)", "llama", (1, 2, 2), ["data", "seq", "model"], "ulysses", None, "tp", 0),
     ("data2xseq2 ulysses left+right padding", "llama", (2, 2), ["data", "seq"], "ulysses", "left", "dp", 0),
     ("data2xseq2 ring right padding", "llama", (2, 2), ["data", "seq"], "ring", "right", "dp", 0),
 ]
@@ -67,12 +70,15 @@ def _four() -> dict:
     out = {}
     for name, family, shape, axes, method, padding, kind, stage in FOUR:
         mesh = tm.DeviceMesh(shape, axes, devices=tm.list_devices())
+        model = _build(family, padding)
         if kind == "dp":
             distribution = tm.DataParallel(mesh, sequence_dim_name="seq", context_parallel=method)
-        else:
-            distribution = tm.ModelParallel(layout_map=tm.LayoutMap(mesh), batch_dim_name="data",
+        else:  # "mp": no parameter sharded; "tp": the model's own TP plan over "model"
+            layout_map = tm.LayoutMap.auto(model, mesh, model_axis="model", verbose=False) if kind == "tp" \
+                else tm.LayoutMap(mesh)
+            distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data",
                                             sequence_dim_name="seq", context_parallel=method)
-        out[name] = _train(_build(family, padding), distribution, _batches(padding), zero_stage=stage)[:2]
+        out[name] = _train(model, distribution, _batches(padding), zero_stage=stage)[:2]
     return out
 
 

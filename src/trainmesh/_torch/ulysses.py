@@ -52,6 +52,10 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     argsort. ``mask``: ``[B, 1, S, S]`` boolean (True = attend) in sequence order, or ``None`` (causal).
     Returns ``[B, H, s, D]``."""
     heads, kv_heads = query.shape[1], key.shape[1]
+    if heads % n:  # this process's heads: fewer than the model's under tensor parallelism
+        raise ValueError(f"Ulysses splits this process's {heads} attention heads over the sequence axis of {n}; they "
+                         f"do not divide (tensor parallelism leaves each process heads / model axis). Use "
+                         f"context_parallel='ring'. Received: {heads} local heads, axis size {n}")
     if kv_heads % n:
         key = key.repeat_interleave(heads // kv_heads, dim=1)
         value = value.repeat_interleave(heads // kv_heads, dim=1)
