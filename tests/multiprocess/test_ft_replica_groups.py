@@ -92,7 +92,8 @@ def test_sigkilled_group_loses_no_committed_step_and_rejoins_equal(tmp_path):
     committed = [r["step"] for r in g0 if r["committed"]]
     assert committed == list(range(STEPS))
     after_kill = [r for r in g0 if r["time"] > killed_at]
-    assert sum(not r["committed"] for r in g0) <= 2, [r for r in g0 if not r["committed"]]
+    # one step fails with the dead peer (observed: 1); 3 leaves room for a heartbeat missed on a loaded CI box
+    assert sum(not r["committed"] for r in g0) <= 3, [r for r in g0 if not r["committed"]]
     first_alone = next(r for r in after_kill if r["committed"] and r["replicas"] == 1)
     recovery_s = first_alone["time"] - killed_at
     print(f"survivor's first commit alone {recovery_s:.2f} s after the SIGKILL "

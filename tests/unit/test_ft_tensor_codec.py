@@ -1,5 +1,6 @@
 """trainmesh.ft.tensor_codec: the recovery state's wire format (no torchft needed): round trips of a real
-model + AdamW + schedule state, and a pickle (or anything that is not our JSON header) refused."""
+model + AdamW + schedule state, a pickle (or anything that is not our JSON header) refused; and
+ReplicaGroups' validation (no torchft needed either)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,15 @@ def _torch_save_bytes() -> bytes:
     buffer = io.BytesIO()
     torch.save({"w": torch.ones(1)}, buffer)
     return buffer.getvalue()
+
+
+def test_replica_groups_config_says_what_it_received():
+    from trainmesh.ft import ReplicaGroups
+
+    assert ReplicaGroups(replica_group=1, lighthouse="http://127.0.0.1:1").quorum_retries == 3
+    with pytest.raises(ValueError, match="min_replicas=0"):
+        ReplicaGroups(replica_group=0, lighthouse="http://127.0.0.1:1", min_replicas=0)
+    with pytest.raises(ValueError, match="replica_group=-1"):
+        ReplicaGroups(replica_group=-1, lighthouse="http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="timeout_s=0"):
+        ReplicaGroups(replica_group=0, lighthouse="http://127.0.0.1:1", timeout_s=0)
