@@ -18,7 +18,8 @@ a 2-layer one) measures:
 * ``sp_activations_vs_tp``: saved bytes per process with sequence parallelism over plain TP, data 2 x
   model 2;
 * ``ring_vs_ulysses_step``: training step time, ring over Ulysses at seq 4, in interleaved rounds
-  (the order alternates, ``trainer_overhead.round_order``); the median ratio and its spread;
+  (the order alternates, ``trainer_overhead.round_order``) after an untimed epoch each; the median
+  ratio and its spread;
 * ``cp_step_vs_deepspeed_ulysses``: DeepSpeed's Ulysses on the same model, when DeepSpeed imports;
   otherwise ``null`` with the reason under ``skipped``.
 
@@ -86,13 +87,16 @@ def _job(cfg) -> dict:
             out["saved"][(method, seq)] = _saved_bytes(trainer.model, *local)
         if rank == 0:
             out["saved"][("single", seq)] = _saved_bytes(_model(cfg), x, y)
-    # step times, interleaved rounds
+    # step times, interleaved rounds, after one untimed epoch each; each round is the next epoch (fit
+    # trains up to ``epochs`` in all)
     x, y = _tokens(cfg, cfg["seq"], cfg["batch"] * cfg["steps"])
-    for r in range(cfg["rounds"]):
-        for method in round_order(("ring", "ulysses"), r):
+    for r in range(-1, cfg["rounds"]):
+        for method in round_order(("ring", "ulysses"), max(r, 0)):
+            trainer = trainers[method]
             started = time.perf_counter()
-            trainers[method].fit((x, y), epochs=1, batch_size=cfg["batch"], shuffle=False)
-            out["steps"][method].append((time.perf_counter() - started) / cfg["steps"])
+            trainer.fit((x, y), epochs=trainer.epoch + 1, batch_size=cfg["batch"], shuffle=False)
+            if r >= 0:
+                out["steps"][method].append((time.perf_counter() - started) / cfg["steps"])
     del trainers
     # parity on the tests' tiny Llama
     from cp_cases import data
