@@ -3,7 +3,7 @@
 Start a Lighthouse, then one of these per replica group (any group may be killed and restarted;
 a restarted group copies the live state from a peer and goes on at the shared step):
 
-    python -m trainmesh.ft.lighthouse --bind 127.0.0.1:29510 &
+    trainmesh lighthouse --bind 127.0.0.1:29510 &
     python examples/ft_replica_groups.py --replica-group 0 --lighthouse http://127.0.0.1:29510 &
     python examples/ft_replica_groups.py --replica-group 1 --lighthouse http://127.0.0.1:29510
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -40,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds of pretend compute per step")
+    parser.add_argument("--slow-file", default=None,
+                        help="while this file exists, each step takes 1 s (tests pace a group with it)")
     parser.add_argument("--log", default=None)
     parser.add_argument("--save", default=None)
     args = parser.parse_args(argv)
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             # the mean over this group's rows, scaled so the all-reduce's average is the whole batch's mean
             loss = torch.nn.functional.mse_loss(model(x), y)
             (loss * (x.shape[0] * info.num_replicas / BATCH)).backward()
-            time.sleep(args.step_sleep)
+            time.sleep(1.0 if args.slow_file and os.path.exists(args.slow_file) else args.step_sleep)
             committed = sync.finish_step()
             record = {"step": info.step, "committed": committed, "replicas": info.num_replicas,
                       "healed": info.healed, "loss": loss.item(), "time": time.time(),

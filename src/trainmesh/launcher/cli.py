@@ -12,7 +12,7 @@ from typing import Protocol, Sequence
 
 import trainmesh
 
-from . import demo, env_report, export, plan, plot, ps_server, run
+from . import demo, env_report, export, lighthouse, plan, plot, ps_server, run
 
 
 class Command(Protocol):
@@ -26,7 +26,8 @@ class Command(Protocol):
 
 
 # Order is the order ``trainmesh --help`` lists them in.
-COMMANDS: tuple[Command, ...] = (run, demo, env_report, plan, plot, export, ps_server)
+# lighthouse: torchft's quorum server for trainmesh.ft's replica groups (issue 45)
+COMMANDS: tuple[Command, ...] = (run, demo, env_report, plan, plot, export, ps_server, lighthouse)
 
 
 def build_parser() -> argparse.ArgumentParser:
