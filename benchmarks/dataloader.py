@@ -91,6 +91,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--step-ms", type=float, default=30.0)
+    p.add_argument("--prefetch", type=int, default=2,
+                   help="batches trainmesh's prefetch thread holds ahead of the step (the loader's default 2)")
     p.add_argument("--json", default=None)
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
     plain = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=True, num_workers=args.workers,
                                         persistent_workers=args.workers > 0)
     sampler = tmd.GlobalBatchSampler(n, global_batch_size=args.batch, data_parallel_size=1, data_index=0)
-    ours = tmd.DataLoader(data, sampler, num_workers=args.workers, prefetch=2)
+    ours = tmd.DataLoader(data, sampler, num_workers=args.workers, prefetch=args.prefetch)
     iters = {"trainmesh": iter(ours), "torch": iter(plain)}
     weight = torch.randn(256, 256) / 16
     for it in iters.values():  # warm up: worker start-up is not throughput
