@@ -160,8 +160,9 @@ class ReplicaGroupSync:
             raise TypeError(f"config must be a ReplicaGroups. Received: {type(config).__name__}")
         group_world = int(os.environ.get("WORLD_SIZE", "1"))
         if group_world != 1:
-            raise NotImplementedError(f"replica groups of more than one process are not supported yet (the "
-                                      f"within-group layout is the next slice). Received: WORLD_SIZE={group_world}")
+            raise ValueError(f"ReplicaGroupSync runs one process per replica group: groups of several processes "
+                             f"(ZeRO, TP or a pipeline inside a group) are not supported. Start each group as one "
+                             f"process. Received: WORLD_SIZE={group_world}")
         if not torchft_available():
             raise ImportError("ReplicaGroups needs torchft: pip install 'trainmesh[ft]'")
         from torch.distributed import TCPStore
