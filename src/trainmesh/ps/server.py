@@ -231,7 +231,10 @@ class ParameterServer:
     def _mutate(self, msg: Message) -> None:
         """Replay one logged frame (dedup skips pushes the snapshot already holds)."""
         if msg.type is MessageType.CLOCK:  # sync rounds closed and applied (see _apply_due_rounds)
-            for round_ in msg.meta.get("apply_rounds", [msg.meta.get("apply_round")] if "apply_round" in msg.meta else []):
+            applied = msg.meta.get("apply_rounds")
+            if applied is None:  # a log written before markers carried several rounds
+                applied = [msg.meta["apply_round"]]
+            for round_ in applied:
                 self.state.apply_round(round_)
             closed = msg.meta.get("closed_below")
             if isinstance(closed, int):
@@ -292,8 +295,9 @@ class ParameterServer:
             log.warning("ps %s: sync rounds %d-%d close without worker(s) %s (declared dead); their late pushes "
                         "for these rounds will be refused", self.server_id, closing.start, closing.stop - 1, missing)
         due = rounds.close_below(slowest)
-        if not due and self.state.store is None:
-            return
+        if not due:  # nothing to apply: no marker (a clock must not cost a log write, an fsync with
+            return   # "wal"); closed_below reaches the log with the next marker or snapshot, and a
+                     # replay, lower until then, still accepts every push the live server accepted
         marker = encode(Message(MessageType.CLOCK, self.server_id, 0,
                                 meta={"apply_rounds": due, "closed_below": rounds.closed_below}), self.secret)
         self.state.log_then(marker, lambda: [self.state.apply_round(r) for r in due])
