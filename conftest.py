@@ -34,8 +34,10 @@ class ReasonedSkipParser(SkipParser):
         for region in super().__call__(document):
             action, reason = region.parsed
             if action != "end" and not reason:
-                raise ValueError(f"{document.path}, {document.line_column(region.start)}: 'skip: {action}' "
-                                 "needs a reason, e.g. <!-- skip: next \"a fragment: `model` is not defined\" -->")
+                raise ValueError(
+                    f"{document.path}, {document.line_column(region.start)}: 'skip: {action}' "
+                    "needs a reason, e.g. <!-- skip: next \"a fragment: `model` is not defined\" -->"
+                )
             yield region
 
 
@@ -75,8 +77,11 @@ class Launch:
 
 
 def _bash(example):
-    _run(["bash", "-euo", "pipefail", "-c", str(example.parsed)], example.namespace["__scratch__"],
-         f"bash block at line {example.line}")
+    _run(
+        ["bash", "-euo", "pipefail", "-c", str(example.parsed)],
+        example.namespace["__scratch__"],
+        f"bash block at line {example.line}",
+    )
 
 
 def _setup(namespace):

@@ -46,20 +46,29 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SIZES = {"full": dict(hidden=1536, layers=12, intermediate=4096), "quick": dict(hidden=768, layers=6, intermediate=2048),
-         # --smoke: the code path only (hidden 768 is the least that gives 4 heads and 4 KV heads to split 4 ways)
-         "smoke": dict(hidden=768, layers=2, intermediate=256, vocab=512)}
+SIZES = {
+    "full": dict(hidden=1536, layers=12, intermediate=4096),
+    "quick": dict(hidden=768, layers=6, intermediate=2048),
+    # --smoke: the code path only (hidden 768 is the least that gives 4 heads and 4 KV heads to split 4 ways)
+    "smoke": dict(hidden=768, layers=2, intermediate=256, vocab=512),
+}
 SHARD = "500MB"
 
 
 def llama_config(hidden: int, layers: int, intermediate: int, vocab: int = 32000):
     import transformers
 
-    return transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                                    # heads of 96 (16 at hidden 1536) and half as many KV heads: both split 4 ways
-                                    num_hidden_layers=layers, num_attention_heads=max(hidden // 96, 2),
-                                    num_key_value_heads=max(hidden // 192, 1), max_position_embeddings=256,
-                                    tie_word_embeddings=False)
+    return transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        # heads of 96 (16 at hidden 1536) and half as many KV heads: both split 4 ways
+        num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 96, 2),
+        num_key_value_heads=max(hidden // 192, 1),
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
 
 
 def _meta_model(config):
@@ -153,17 +162,19 @@ def _init_worker() -> float:
 
     def model_parallel(shape, model, axes=("data", "model"), **options):
         mesh = tm.DeviceMesh(shape, list(axes), devices=tm.list_devices())
-        return tm.ModelParallel(layout_map=tm.LayoutMap.auto(model, mesh, verbose=False), batch_dim_name="data",
-                                **options)
+        return tm.ModelParallel(
+            layout_map=tm.LayoutMap.auto(model, mesh, verbose=False), batch_dim_name="data", **options
+        )
 
     layouts = {
         "dp": lambda m: tm.DataParallel(),
         "zero3": lambda m: tm.DataParallel(zero_stage=3),
         "tp2x2": lambda m: model_parallel((2, 2), m),
         "tp1x4": lambda m: model_parallel((1, 4), m),
-        "pipe2": lambda m: tm.DataParallel(device_mesh=tm.DeviceMesh((2, 2), ["pipe", "data"],
-                                                                     devices=tm.list_devices()),
-                                           pipeline=tm.Pipeline(axis="pipe", schedule="1f1b", microbatches=2)),
+        "pipe2": lambda m: tm.DataParallel(
+            device_mesh=tm.DeviceMesh((2, 2), ["pipe", "data"], devices=tm.list_devices()),
+            pipeline=tm.Pipeline(axis="pipe", schedule="1f1b", microbatches=2),
+        ),
     }
     worst = 0.0
     for make in layouts.values():
@@ -184,7 +195,9 @@ def _median(values):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--smoke", action="store_true", help="a tiny model, 1 round: the code path only (the test suite's)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="a tiny model, 1 round: the code path only (the test suite's)"
+    )
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     parser.add_argument("--json", default=None)
@@ -210,14 +223,23 @@ def main(argv=None) -> int:
         sides = ["trainmesh zero3", "transformers fsdp", "trainmesh tp"]
         runs: dict[str, list[dict]] = {s: [] for s in sides + ["single read", "transformers save"]}
         for r in range(rounds):
-            order = sides[r % len(sides):] + sides[:r % len(sides)]
+            order = sides[r % len(sides) :] + sides[: r % len(sides)]
             for side in order:
                 out = run_distributed(_load_worker, world_size=4, args=(side, directory, tiny, sizes), timeout=900)
-                runs[side].append({"seconds": max(o["seconds"] for o in out),
-                                   "rss": max(o["rss_growth"] for o in out) / full_bytes,
-                                   **({"save_seconds": max(o["save_seconds"] for o in out),
-                                       "save_rss": max(o["save_rss_growth"] for o in out) / full_bytes}
-                                      if side == "trainmesh zero3" else {})})
+                runs[side].append(
+                    {
+                        "seconds": max(o["seconds"] for o in out),
+                        "rss": max(o["rss_growth"] for o in out) / full_bytes,
+                        **(
+                            {
+                                "save_seconds": max(o["save_seconds"] for o in out),
+                                "save_rss": max(o["save_rss_growth"] for o in out) / full_bytes,
+                            }
+                            if side == "trainmesh zero3"
+                            else {}
+                        ),
+                    }
+                )
                 shutil.rmtree(os.path.join(scratch, "saved-trainmesh"), ignore_errors=True)
             runs["single read"].append({"seconds": _single_read(directory)})
             runs["transformers save"].append({"seconds": _transformers_save(directory, os.path.join(scratch, "saved"))})
@@ -231,11 +253,13 @@ def main(argv=None) -> int:
         "meta_load_peak_rss_vs_full_fp32": _median([r["rss"] for r in zero3]),
         "meta_load_peak_rss_vs_full_fp32_tp": _median([r["rss"] for r in tp]),
         "hf_load_time_vs_transformers_distributed": _median([a["seconds"] / b["seconds"] for a, b in zip(zero3, tf)]),
-        "hf_load_time_vs_single_read": _median([a["seconds"] / b["seconds"]
-                                                for a, b in zip(zero3, runs["single read"])]),
+        "hf_load_time_vs_single_read": _median(
+            [a["seconds"] / b["seconds"] for a, b in zip(zero3, runs["single read"])]
+        ),
         "save_pretrained_peak_rss_vs_full_fp32": _median([r["save_rss"] for r in zero3]),
-        "save_pretrained_time_vs_single_write": _median([a["save_seconds"] / b["seconds"]
-                                                         for a, b in zip(zero3, runs["transformers save"])]),
+        "save_pretrained_time_vs_single_write": _median(
+            [a["save_seconds"] / b["seconds"] for a, b in zip(zero3, runs["transformers save"])]
+        ),
         "meta_init_layout_max_abs_diff": init_diff,
         "transformers_fsdp_load_peak_rss_vs_full_fp32": _median([r["rss"] for r in tf]),  # context: the peer
     }
@@ -244,15 +268,28 @@ def main(argv=None) -> int:
     for side, values in runs.items():
         rss = _median([v["rss"] for v in values if "rss" in v])
         print(f"{side:<22}{_median([v['seconds'] for v in values]):>18.2f}{rss:>26.3f}")
-    print(f"{'trainmesh save':<22}{_median([v['save_seconds'] for v in zero3]):>18.2f}"
-          f"{_median([v['save_rss'] for v in zero3]):>26.3f}")
+    print(
+        f"{'trainmesh save':<22}{_median([v['save_seconds'] for v in zero3]):>18.2f}"
+        f"{_median([v['save_rss'] for v in zero3]):>26.3f}"
+    )
     print()
     for name, value in figures.items():
         print(f"{name:<48}{value:10.4g}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "big_model", "quick": args.quick, "rounds": rounds, "full_fp32_bytes": full_bytes,
-                       "sizes": sizes, "runs": runs, "figures": figures}, f, indent=2)
+            json.dump(
+                {
+                    "benchmark": "big_model",
+                    "quick": args.quick,
+                    "rounds": rounds,
+                    "full_fp32_bytes": full_bytes,
+                    "sizes": sizes,
+                    "runs": runs,
+                    "figures": figures,
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 

@@ -76,8 +76,11 @@ def _complete_steps(ckpt: str) -> list[int]:
     if not os.path.isdir(ckpt):
         return []
     names = os.listdir(ckpt)
-    return sorted(integrity.parse_step(n) for n in names
-                  if integrity.parse_step(n) is not None and os.path.exists(os.path.join(ckpt, n, integrity.MARKER)))
+    return sorted(
+        integrity.parse_step(n)
+        for n in names
+        if integrity.parse_step(n) is not None and os.path.exists(os.path.join(ckpt, n, integrity.MARKER))
+    )
 
 
 def _corrupt(ckpt: str, rng: random.Random) -> str:
@@ -148,8 +151,9 @@ def worker(args: argparse.Namespace) -> None:
 
         def seal_then_die(tmp_dir, final_dir, info):
             if info["step"] == args.fault_step:  # the marker is written, the rename never happens
-                integrity.write_json_atomic(os.path.join(tmp_dir, integrity.MARKER),
-                                            {**info, "files": integrity.file_checksums(tmp_dir)})
+                integrity.write_json_atomic(
+                    os.path.join(tmp_dir, integrity.MARKER), {**info, "files": integrity.file_checksums(tmp_dir)}
+                )
                 _log(log, f"FAULT {restart} kill_during_save commit {info['step']} rank0")
                 os.kill(os.getpid(), signal.SIGKILL)
             return seal(tmp_dir, final_dir, info)
@@ -160,8 +164,9 @@ def worker(args: argparse.Namespace) -> None:
     n = GLOBAL_BATCH * STEPS_PER_EPOCH
     data = (torch.randn(n, 16, generator=g), torch.randn(n, 4, generator=g))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
-                                torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)
+    )
     checkpoint = tm.ShardedCheckpoint(args.ckpt, every_n_steps=INTERVAL, async_save=True)
 
     class Fault(tm.Callback):  # after the checkpoint's own callback: a step's save has started
@@ -194,8 +199,14 @@ def worker(args: argparse.Namespace) -> None:
                 _log(log, f"FAULT {restart} kill_during_save write {s} rank{rank} in_flight={int(in_flight)}")
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), torch.nn.MSELoss(), zero_stage=2,
-                         callbacks=[SampleLog(log, str(restart)), checkpoint, Fault()], progress=False)
+    trainer = tm.Trainer(
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        torch.nn.MSELoss(),
+        zero_stage=2,
+        callbacks=[SampleLog(log, str(restart)), checkpoint, Fault()],
+        progress=False,
+    )
     trainer.fit(data, epochs=EPOCHS, batch_size=GLOBAL_BATCH, resume=True)
     final = trainer.state_dict()["model"]
     if rank == 0:
@@ -237,10 +248,34 @@ def _launch(out: str, ckpt: str, plan: dict, timeout_s: float) -> dict:
     """One `trainmesh run -n 4` job (with restarts) until it exits; a stopped rank gets SIGCONT
     2 collective timeouts after it stopped."""
     hang_timeout = HANG_TIMEOUT_S if plan["kind"] == "sigstop" else TIMEOUT_S
-    cmd = [sys.executable, "-m", "trainmesh", "run", "-n", str(NPROC), "--max-restarts", "2",
-           "--monitor-interval", "0.2", HERE, "--worker", "--out", out, "--ckpt", ckpt,
-           "--fault", plan["kind"], "--fault-step", str(plan.get("step", 0)), "--fault-rank", str(plan["rank"]),
-           "--phase", plan["phase"], "--fault-seed", str(plan["seed"])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainmesh",
+        "run",
+        "-n",
+        str(NPROC),
+        "--max-restarts",
+        "2",
+        "--monitor-interval",
+        "0.2",
+        HERE,
+        "--worker",
+        "--out",
+        out,
+        "--ckpt",
+        ckpt,
+        "--fault",
+        plan["kind"],
+        "--fault-step",
+        str(plan.get("step", 0)),
+        "--fault-rank",
+        str(plan["rank"]),
+        "--phase",
+        plan["phase"],
+        "--fault-seed",
+        str(plan["seed"]),
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC"))}
     env.update(TRAINMESH_TIMEOUT_S=str(hang_timeout), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     started = time.monotonic()
@@ -271,8 +306,14 @@ def _launch(out: str, ckpt: str, plan: dict, timeout_s: float) -> dict:
         stdout = fh.read()
     with open(os.path.join(out, "stderr.txt")) as fh:
         stderr = fh.read()
-    return {"exit_code": proc.returncode, "timed_out": timed_out, "seconds": round(time.monotonic() - started, 1),
-            "sigcont_sent": continued, "stdout": stdout, "stderr": stderr}
+    return {
+        "exit_code": proc.returncode,
+        "timed_out": timed_out,
+        "seconds": round(time.monotonic() - started, 1),
+        "sigcont_sent": continued,
+        "stdout": stdout,
+        "stderr": stderr,
+    }
 
 
 def _descendants(root: int) -> list[int]:
@@ -346,8 +387,13 @@ def read_logs(out: str) -> dict:
                     faults.append(" ".join(parts[2:]))
                 elif parts[0] == "COMMIT":
                     lag.append(int(parts[3]) - int(parts[2]))
-    return {"resume": {k: sorted(v) for k, v in resume.items()}, "last": last, "survey": survey, "faults": faults,
-            "commit_lag": lag}
+    return {
+        "resume": {k: sorted(v) for k, v in resume.items()},
+        "last": last,
+        "survey": survey,
+        "faults": faults,
+        "commit_lag": lag,
+    }
 
 
 def analyse(plan: dict, launch: dict, logs: dict, reference: dict | None, out: str) -> dict:
@@ -364,7 +410,9 @@ def analyse(plan: dict, launch: dict, logs: dict, reference: dict | None, out: s
         if at == 0 and existing:
             fresh_with_ckpts += 1
             silent += 0 if said_start_over else 1
-    corrupted = [int(re.match(r"corrupt \d+ step_(\d+)/", f).group(1)) for f in logs["faults"] if f.startswith("corrupt")]
+    corrupted = [
+        int(re.match(r"corrupt \d+ step_(\d+)/", f).group(1)) for f in logs["faults"] if f.startswith("corrupt")
+    ]
     if corrupted and len(attempts) > 1:
         older = [s for s in logs["survey"].get(attempts[1], []) if s < corrupted[0]]
         destroyed = corrupted[0] - (max(older) if older else 0)
@@ -377,21 +425,38 @@ def analyse(plan: dict, launch: dict, logs: dict, reference: dict | None, out: s
     if reference is not None and os.path.exists(final_path):
         final = torch.load(final_path, weights_only=True)
         identical = final.keys() == reference.keys() and all(torch.equal(final[k], reference[k]) for k in reference)
-        max_abs_diff = max(float((final[k] - reference[k]).abs().max()) for k in reference) if final.keys() == reference.keys() else None
+        max_abs_diff = (
+            max(float((final[k] - reference[k]).abs().max()) for k in reference)
+            if final.keys() == reference.keys()
+            else None
+        )
     hang_named = None
     if plan["kind"] == "sigstop":
         hang_named = "CollectiveTimeoutError" in launch["stderr"] and f"rank(s) [{plan['rank']}]" in launch["stderr"]
-    return {**plan, "exit_code": launch["exit_code"], "timed_out": launch["timed_out"], "seconds": launch["seconds"],
-            "attempts": len(attempts), "resumed_at": [max(logs["resume"][a]) for a in attempts],
-            "last_step": [logs["last"].get(a, 0) for a in attempts], "faults": logs["faults"],
-            "newest_valid": newest_valid if len(attempts) > 1 else None,
-            "resumed_newest_valid": len(attempts) < 2 or max(logs["resume"][attempts[1]]) == newest_valid,
-            "recomputed_steps": recomputed, "destroyed_steps": destroyed, "lost_steps": max(0, recomputed - destroyed),
-            "fresh_starts_with_checkpoints": fresh_with_ckpts, "silent_fresh_starts": silent,
-            "identical": bool(identical), "max_abs_diff": max_abs_diff, "hang_named": hang_named,
-            "sigcont_sent": launch["sigcont_sent"], "commit_lag_steps": logs["commit_lag"],
-            "skipped_warnings": len(re.findall(r"Skipping checkpoint", launch["stderr"])),
-            "no_valid_checkpoint_error": "NoValidCheckpointError" in launch["stderr"]}
+    return {
+        **plan,
+        "exit_code": launch["exit_code"],
+        "timed_out": launch["timed_out"],
+        "seconds": launch["seconds"],
+        "attempts": len(attempts),
+        "resumed_at": [max(logs["resume"][a]) for a in attempts],
+        "last_step": [logs["last"].get(a, 0) for a in attempts],
+        "faults": logs["faults"],
+        "newest_valid": newest_valid if len(attempts) > 1 else None,
+        "resumed_newest_valid": len(attempts) < 2 or max(logs["resume"][attempts[1]]) == newest_valid,
+        "recomputed_steps": recomputed,
+        "destroyed_steps": destroyed,
+        "lost_steps": max(0, recomputed - destroyed),
+        "fresh_starts_with_checkpoints": fresh_with_ckpts,
+        "silent_fresh_starts": silent,
+        "identical": bool(identical),
+        "max_abs_diff": max_abs_diff,
+        "hang_named": hang_named,
+        "sigcont_sent": launch["sigcont_sent"],
+        "commit_lag_steps": logs["commit_lag"],
+        "skipped_warnings": len(re.findall(r"Skipping checkpoint", launch["stderr"])),
+        "no_valid_checkpoint_error": "NoValidCheckpointError" in launch["stderr"],
+    }
 
 
 def _mount_tmpfs(path: str) -> str | None:
@@ -400,8 +465,9 @@ def _mount_tmpfs(path: str) -> str | None:
         return "needs Linux (a tmpfs mount)"
     if os.geteuid() != 0:
         return "needs root to mount a size-limited tmpfs"
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_MB}m", "tmpfs", path],
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_MB}m", "tmpfs", path], capture_output=True, text=True, timeout=30
+    )
     return None if proc.returncode == 0 else f"mount -t tmpfs failed: {proc.stderr.strip()[:200]}"
 
 
@@ -433,16 +499,20 @@ def run_one(root: str, index: int, plan: dict, reference: dict | None, timeout_s
 
 def figures_of(results: list[dict]) -> dict:
     done = [r for r in results if "skipped" not in r]
-    return {"chaos_identical_fraction": round(sum(r["identical"] for r in done) / len(done), 4) if done else 0.0,
-            "chaos_max_lost_steps": max((r["lost_steps"] for r in done), default=0),
-            "chaos_silent_fresh_starts": sum(r["silent_fresh_starts"] for r in done),
-            "chaos_max_recomputed_steps": max((r["recomputed_steps"] for r in done), default=0),
-            "chaos_runs": len(done)}
+    return {
+        "chaos_identical_fraction": round(sum(r["identical"] for r in done) / len(done), 4) if done else 0.0,
+        "chaos_max_lost_steps": max((r["lost_steps"] for r in done), default=0),
+        "chaos_silent_fresh_starts": sum(r["silent_fresh_starts"] for r in done),
+        "chaos_max_recomputed_steps": max((r["recomputed_steps"] for r in done), default=0),
+        "chaos_runs": len(done),
+    }
 
 
 def table(results: list[dict]) -> str:
-    head = (f"{'#':>2} {'fault':<17} {'phase':<6} {'step':>4} {'rank':>4} {'exit':>4} {'tries':>5} "
-            f"{'resumed':>8} {'recomp':>6} {'lost':>4} {'ident':>5} {'silent':>6} {'sec':>5}  note")
+    head = (
+        f"{'#':>2} {'fault':<17} {'phase':<6} {'step':>4} {'rank':>4} {'exit':>4} {'tries':>5} "
+        f"{'resumed':>8} {'recomp':>6} {'lost':>4} {'ident':>5} {'silent':>6} {'sec':>5}  note"
+    )
     lines = [head, "-" * len(head)]
     for i, r in enumerate(results):
         if "skipped" in r:
@@ -461,10 +531,12 @@ def table(results: list[dict]) -> str:
             note.append("stopped: NoValidCheckpointError")
         if r["timed_out"]:
             note.append("TIMED OUT")
-        lines.append(f"{i:>2} {r['kind']:<17} {r['phase']:<6} {r['step']:>4} {r['rank']:>4} {r['exit_code']:>4} "
-                     f"{r['attempts']:>5} {','.join(map(str, r['resumed_at'][1:])) or '-':>8} "
-                     f"{r['recomputed_steps']:>6} {r['lost_steps']:>4} {'yes' if r['identical'] else 'NO':>5} "
-                     f"{r['silent_fresh_starts']:>6} {r['seconds']:>5.0f}  {'; '.join(note)}")
+        lines.append(
+            f"{i:>2} {r['kind']:<17} {r['phase']:<6} {r['step']:>4} {r['rank']:>4} {r['exit_code']:>4} "
+            f"{r['attempts']:>5} {','.join(map(str, r['resumed_at'][1:])) or '-':>8} "
+            f"{r['recomputed_steps']:>6} {r['lost_steps']:>4} {'yes' if r['identical'] else 'NO':>5} "
+            f"{r['silent_fresh_starts']:>6} {r['seconds']:>5.0f}  {'; '.join(note)}"
+        )
     return "\n".join(lines)
 
 
@@ -475,7 +547,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="every fault kind once")
     parser.add_argument("--json", default=None, metavar="PATH")
     parser.add_argument("--dir", default=None, help="keep the runs here (default: a temp dir, removed)")
-    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of fault kinds (default: all: {','.join(KINDS)})")
+    parser.add_argument(
+        "--kinds", default=",".join(KINDS), help=f"comma list of fault kinds (default: all: {','.join(KINDS)})"
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per job before it counts as hung")
     # the job's own arguments (run by `trainmesh run`)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -519,20 +593,35 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
     figures = figures_of(results)
     print()
-    print(f"uninterrupted run: {ref['seconds']:.0f} s, resumed at {ref['resumed_at']}; checkpoint interval "
-          f"{INTERVAL} steps, {TOTAL_STEPS} steps, {NPROC} processes, ZeRO-2, async sharded checkpoints; steps "
-          f"from a save to its commit: {ref['commit_lag_steps']}")
+    print(
+        f"uninterrupted run: {ref['seconds']:.0f} s, resumed at {ref['resumed_at']}; checkpoint interval "
+        f"{INTERVAL} steps, {TOTAL_STEPS} steps, {NPROC} processes, ZeRO-2, async sharded checkpoints; steps "
+        f"from a save to its commit: {ref['commit_lag_steps']}"
+    )
     print(table(results))
     print()
     for name, value in figures.items():
         print(f"{name:<28} {value}")
     total = time.monotonic() - started
     print(f"total {total:.0f} s")
-    report = {"figures": figures, "settings": {"nproc": NPROC, "zero_stage": 2, "checkpoint_interval": INTERVAL,
-                                               "total_steps": TOTAL_STEPS, "global_batch": GLOBAL_BATCH,
-                                               "hang_timeout_s": HANG_TIMEOUT_S, "seed": args.seed,
-                                               "quick": args.quick, "tmpfs_mb": TMPFS_MB},
-              "reference_seconds": ref["seconds"], "reference_commit_lag_steps": ref["commit_lag_steps"], "seconds": round(total, 1), "runs": results}
+    report = {
+        "figures": figures,
+        "settings": {
+            "nproc": NPROC,
+            "zero_stage": 2,
+            "checkpoint_interval": INTERVAL,
+            "total_steps": TOTAL_STEPS,
+            "global_batch": GLOBAL_BATCH,
+            "hang_timeout_s": HANG_TIMEOUT_S,
+            "seed": args.seed,
+            "quick": args.quick,
+            "tmpfs_mb": TMPFS_MB,
+        },
+        "reference_seconds": ref["seconds"],
+        "reference_commit_lag_steps": ref["commit_lag_steps"],
+        "seconds": round(total, 1),
+        "runs": results,
+    }
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=1)

@@ -78,8 +78,10 @@ def _worker(root, rounds, layers, width):
 
     # One manager per saver for the whole run, as in training (the async one keeps its staging
     # buffers between saves); keep_last=1 deletes the previous round's checkpoint.
-    managers = {flag: CheckpointManager(os.path.join(root, "async" if flag else "sync"), keep_last=1, async_save=flag)
-                for flag in (False, True)}
+    managers = {
+        flag: CheckpointManager(os.path.join(root, "async" if flag else "sync"), keep_last=1, async_save=flag)
+        for flag in (False, True)
+    }
 
     def run_manager(r, use_async):
         manager = managers[use_async]
@@ -93,18 +95,20 @@ def _worker(root, rounds, layers, width):
                 work @ work
             manager.close()
         total = time.perf_counter() - t0
-        out = {"blocking": slowest(blocking), "save": slowest(total),
-               "bytes": _dir_bytes(path) if rank == 0 else 0}
+        out = {"blocking": slowest(blocking), "save": slowest(total), "bytes": _dir_bytes(path) if rank == 0 else 0}
         return out, None
 
-    runners = {"torch.save": run_torch_save, "sync": lambda r: run_manager(r, False),
-               "async": lambda r: run_manager(r, True)}
+    runners = {
+        "torch.save": run_torch_save,
+        "sync": lambda r: run_manager(r, False),
+        "async": lambda r: run_manager(r, True),
+    }
     order = list(runners)
     results = {name: [] for name in order}
     for name in order:  # warm-up, untimed: first-save allocations (staging buffers, file cache)
         runners[name](-1)
     for r in range(rounds):
-        for name in order[r % 3:] + order[:r % 3]:
+        for name in order[r % 3 :] + order[: r % 3]:
             measured, path = runners[name](r)
             results[name].append(measured)
             dist.barrier()
@@ -112,8 +116,11 @@ def _worker(root, rounds, layers, width):
                 os.remove(path)
             dist.barrier()
     params = sum(p.numel() for p in model.parameters())
-    return {"results": results, "params": params, "same_work": _restores_equal(model, opt, managers, root, layers,
-                                                                               width, full)}
+    return {
+        "results": results,
+        "params": params,
+        "same_work": _restores_equal(model, opt, managers, root, layers, width, full),
+    }
 
 
 def _restores_equal(model, opt, managers, root, layers, width, full) -> dict:
@@ -124,12 +131,16 @@ def _restores_equal(model, opt, managers, root, layers, width, full) -> dict:
 
     import trainmesh as tm
 
-    want = {"model": get_model_state_dict(model, options=full), "optimizer": get_optimizer_state_dict(model, opt, options=full)}
+    want = {
+        "model": get_model_state_dict(model, options=full),
+        "optimizer": get_optimizer_state_dict(model, opt, options=full),
+    }
 
     def fresh():
         torch.manual_seed(1)
         other = tm.DataParallel().distribute_model(
-            torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]))
+            torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+        )
         other_opt = torch.optim.Adam(other.parameters(), lr=1e-4)
         other(torch.randn(4, width)).sum().backward()
         other_opt.step()
@@ -146,8 +157,10 @@ def _restores_equal(model, opt, managers, root, layers, width, full) -> dict:
     for use_async, manager in managers.items():
         other, other_opt = fresh()
         manager.load(None, {"model": other, "optimizer": other_opt, "trainer": {}})
-        got = {"model": get_model_state_dict(other, options=full),
-               "optimizer": get_optimizer_state_dict(other, other_opt, options=full)}
+        got = {
+            "model": get_model_state_dict(other, options=full),
+            "optimizer": get_optimizer_state_dict(other, other_opt, options=full),
+        }
         verdict["async" if use_async else "sync"] = equal(want, got)
     path = os.path.join(root, "torch_check.pt")
     if tm.rank() == 0:
@@ -179,8 +192,13 @@ def main(argv=None):
     root = args.dir or tempfile.mkdtemp(prefix="trainmesh-ckpt-bench-")
     os.makedirs(root, exist_ok=True)
     try:
-        out = run_distributed(_worker, world_size=args.nproc, args=(root, args.rounds, args.layers, args.width),
-                              timeout=3600, collective_timeout=1800)[0]
+        out = run_distributed(
+            _worker,
+            world_size=args.nproc,
+            args=(root, args.rounds, args.layers, args.width),
+            timeout=3600,
+            collective_timeout=1800,
+        )[0]
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -193,23 +211,40 @@ def main(argv=None):
         rows[name] = row
     sync_med = rows["sync"]["save_s"]["median"]
     ratio = rows["async"]["blocking_s"]["median"] / sync_med
-    print(f"{out['params'] / 1e6:.1f}M parameters + Adam, {args.nproc} processes, {args.rounds} interleaved rounds "
-          f"(slowest rank; median [min-max])")
+    print(
+        f"{out['params'] / 1e6:.1f}M parameters + Adam, {args.nproc} processes, {args.rounds} interleaved rounds "
+        f"(slowest rank; median [min-max])"
+    )
     print(f"{'saver':<11}{'blocks training s':>26}{'total s':>26}{'MB on disk':>12}{'MB/s':>9}")
     for name, row in rows.items():
         b, s = row["blocking_s"], row["save_s"]
-        print(f"{name:<11}{b['median']:>9.3f} [{b['min']:.3f}-{b['max']:.3f}]{'':>2}"
-              f"{s['median']:>9.3f} [{s['min']:.3f}-{s['max']:.3f}]{'':>2}{row['bytes'] / 1e6:>10.0f}{row['MB_per_s']:>9.0f}")
-    print(f"async blocking / sync save = {ratio:.3f} (target <= 0.10: {'met' if ratio <= 0.10 else 'NOT met'}); "
-          f"sync / torch.save = {sync_med / rows['torch.save']['save_s']['median']:.2f}")
+        print(
+            f"{name:<11}{b['median']:>9.3f} [{b['min']:.3f}-{b['max']:.3f}]{'':>2}"
+            f"{s['median']:>9.3f} [{s['min']:.3f}-{s['max']:.3f}]{'':>2}{row['bytes'] / 1e6:>10.0f}{row['MB_per_s']:>9.0f}"
+        )
+    print(
+        f"async blocking / sync save = {ratio:.3f} (target <= 0.10: {'met' if ratio <= 0.10 else 'NOT met'}); "
+        f"sync / torch.save = {sync_med / rows['torch.save']['save_s']['median']:.2f}"
+    )
     same = out["same_work"]
     valid = bool(same) and all(same.values())
     print(f"same state written by every saver (read back, compared exactly): {same}")
     if not valid:
         print("INVALID: the savers did not write the same state", file=sys.stderr)
-    report = {"valid": valid, "same_work": same, "params": out["params"], "nproc": args.nproc, "rounds": args.rounds, "savers": rows,
-              "async_blocking_over_sync": ratio, "raw": res, "torch": torch.__version__, "quick": args.quick,
-              "figures": {"async_ckpt_block_vs_sync": ratio}, "loadavg": os.getloadavg()}
+    report = {
+        "valid": valid,
+        "same_work": same,
+        "params": out["params"],
+        "nproc": args.nproc,
+        "rounds": args.rounds,
+        "savers": rows,
+        "async_blocking_over_sync": ratio,
+        "raw": res,
+        "torch": torch.__version__,
+        "quick": args.quick,
+        "figures": {"async_ckpt_block_vs_sync": ratio},
+        "loadavg": os.getloadavg(),
+    }
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=1)

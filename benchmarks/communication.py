@@ -63,9 +63,14 @@ from torch import nn
 
 HERE = Path(__file__).resolve()
 VARIANTS = ("flat", "hier", "int8", "topk1", "powersgd", "auto")
-OPTIONS = {"flat": {"hierarchical_allreduce": False}, "hier": {"hierarchical_allreduce": True},
-           "int8": {"compression": "int8"}, "topk1": {"compression": "topk:0.01"},
-           "powersgd": {"compression": "powersgd:2"}, "auto": {"communication": "auto"}}
+OPTIONS = {
+    "flat": {"hierarchical_allreduce": False},
+    "hier": {"hierarchical_allreduce": True},
+    "int8": {"compression": "int8"},
+    "topk1": {"compression": "topk:0.01"},
+    "powersgd": {"compression": "powersgd:2"},
+    "auto": {"communication": "auto"},
+}
 AUTO_CANDIDATES = ("flat", "hier", "int8")  # what auto chooses among: its "best fixed choice"
 IN_DIM, HIDDEN, OUT_DIM, BATCH, LR = 256, 1024, 256, 64, 0.05
 RDZV_PORT = 29511
@@ -75,8 +80,9 @@ LAYOUTS = ("2x4_100mbit", "2x4_unshaped", "2x2_100mbit")  # hosts x processes pe
 # --- the job: runs in every process of the 2-host cluster ----------------------------------------
 def build_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(IN_DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
-                         nn.Linear(HIDDEN, OUT_DIM))
+    return nn.Sequential(
+        nn.Linear(IN_DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT_DIM)
+    )
 
 
 def make_data(batches: int):
@@ -110,13 +116,20 @@ def job(cfg: dict) -> None:
         model = tm.DataParallel().distribute_model(build_model())
         comm = install_communication(model, TrainerConfig(**OPTIONS[name]))
         printed[name] = comm.describe()
-        sides[name] = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=LR), "step": 0,
-                       "comm": comm, "tx": 0, "timed": 0, "cpu": 0.0}
+        sides[name] = {
+            "model": model,
+            "opt": torch.optim.SGD(model.parameters(), lr=LR),
+            "step": 0,
+            "comm": comm,
+            "tx": 0,
+            "timed": 0,
+            "cpu": 0.0,
+        }
 
     def step(side) -> None:
         start = (side["step"] % num_batches) * BATCH + rank * local
         side["step"] += 1
-        loss = nn.functional.mse_loss(side["model"](x[start:start + local]), y[start:start + local])
+        loss = nn.functional.mse_loss(side["model"](x[start : start + local]), y[start : start + local])
         loss.backward()
         side["opt"].step()
         side["opt"].zero_grad()
@@ -135,7 +148,7 @@ def job(cfg: dict) -> None:
         # direction the order gave.
         block = {name: [] for name in order}
         for k in range(cfg["steps"]):
-            for name in order[k % len(order):] + order[:k % len(order)]:
+            for name in order[k % len(order) :] + order[: k % len(order)]:
                 side = sides[name]
                 for _ in range(cfg["warmup"]):
                     step(side)
@@ -155,15 +168,24 @@ def job(cfg: dict) -> None:
     # machine the step is often CPU-bound, and this says how much of it each variant's work is.
     cpu = torch.tensor([sides[n]["cpu"] / max(1, sides[n]["timed"]) for n in cfg["variants"]], dtype=torch.float64)
     dist.all_reduce(cpu)
-    result = {"times": times, "printed": printed, "cpu_s_per_step": dict(zip(cfg["variants"], cpu.tolist())),
-              "steps": {n: s["step"] for n, s in sides.items()}, "tx": {n: s["tx"] for n, s in sides.items()},
-              "timed": {n: s["timed"] for n, s in sides.items()}}
+    result = {
+        "times": times,
+        "printed": printed,
+        "cpu_s_per_step": dict(zip(cfg["variants"], cpu.tolist())),
+        "steps": {n: s["step"] for n, s in sides.items()},
+        "tx": {n: s["tx"] for n, s in sides.items()},
+        "timed": {n: s["timed"] for n, s in sides.items()},
+    }
     with torch.no_grad():
         result["final_loss"] = {n: nn.functional.mse_loss(s["model"].module(x), y).item() for n, s in sides.items()}
-        result["checksum"] = {n: float(sum(p.double().sum() for p in s["model"].parameters()))
-                              for n, s in sides.items()}
-    result["plan"] = getattr(sides.get("auto", {}).get("comm"), "plan", None).__dict__ \
-        if "auto" in sides and sides["auto"]["comm"].plan is not None else None
+        result["checksum"] = {
+            n: float(sum(p.double().sum() for p in s["model"].parameters())) for n, s in sides.items()
+        }
+    result["plan"] = (
+        getattr(sides.get("auto", {}).get("comm"), "plan", None).__dict__
+        if "auto" in sides and sides["auto"]["comm"].plan is not None
+        else None
+    )
     with open(os.path.join(cfg["out"], f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)
     tm.shutdown()
@@ -177,11 +199,34 @@ def launch(cluster, nproc: int, rate: str | None, cfg: dict, tag: str) -> list[d
         job_cfg = {**cfg, "out": out}
         endpoint = f"{cluster.hosts[0].address}:{RDZV_PORT}"
         env = {"OMP_NUM_THREADS": "1", "TRAINMESH_TIMEOUT_S": "300"}
-        procs = [host.popen([sys.executable, "-m", "trainmesh", "run", "--nnodes", "2", "--nproc-per-node",
-                             str(nproc), "--node-rank", str(host.index), "--rdzv-endpoint", endpoint,
-                             "--rdzv-id", tag, str(HERE), "--job", json.dumps(job_cfg)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for host in cluster.hosts]
+        procs = [
+            host.popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "trainmesh",
+                    "run",
+                    "--nnodes",
+                    "2",
+                    "--nproc-per-node",
+                    str(nproc),
+                    "--node-rank",
+                    str(host.index),
+                    "--rdzv-endpoint",
+                    endpoint,
+                    "--rdzv-id",
+                    tag,
+                    str(HERE),
+                    "--job",
+                    json.dumps(job_cfg),
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for host in cluster.hosts
+        ]
         outputs = []
         for proc in procs:
             try:
@@ -209,32 +254,46 @@ def summarize(results: list[dict], tag: str) -> dict:
     rows = {}
     for name in r0["times"]:
         tx = sum(r["tx"][name] for r in results)  # only local rank 0 of each host counted
-        rows[name] = {"inter_host_bytes_per_step": tx / r0["timed"][name], "median_step_ms":
-                      statistics.median(r0["times"][name]) * 1e3, "final_loss": r0["final_loss"][name],
-                      "steps": r0["steps"][name], "round_step_s": r0["times"][name],
-                      "cpu_ms_per_step": r0["cpu_s_per_step"][name] * 1e3}
+        rows[name] = {
+            "inter_host_bytes_per_step": tx / r0["timed"][name],
+            "median_step_ms": statistics.median(r0["times"][name]) * 1e3,
+            "final_loss": r0["final_loss"][name],
+            "steps": r0["steps"][name],
+            "round_step_s": r0["times"][name],
+            "cpu_ms_per_step": r0["cpu_s_per_step"][name] * 1e3,
+        }
     for name, row in rows.items():
         for base in ("flat", "hier"):
             if base in rows:
                 row[f"step_vs_{base}"] = _ratio_ci(row["round_step_s"], rows[base]["round_step_s"])
                 row[f"bytes_vs_{base}"] = row["inter_host_bytes_per_step"] / rows[base]["inter_host_bytes_per_step"]
     same_steps = len({row["steps"] for row in rows.values()}) == 1
-    same_weights = all(abs(r["checksum"][n] - r0["checksum"][n]) <= 1e-6 * (1 + abs(r0["checksum"][n]))
-                       for r in results for n in rows)
-    return {"tag": tag, "variants": rows, "valid": same_steps and same_weights, "plan": r0.get("plan"),
-            "printed": r0["printed"]}
+    same_weights = all(
+        abs(r["checksum"][n] - r0["checksum"][n]) <= 1e-6 * (1 + abs(r0["checksum"][n])) for r in results for n in rows
+    )
+    return {
+        "tag": tag,
+        "variants": rows,
+        "valid": same_steps and same_weights,
+        "plan": r0.get("plan"),
+        "printed": r0["printed"],
+    }
 
 
 def print_table(summary: dict) -> None:
     print(f"\n== {summary['tag']} ==")
-    header = (f"{'variant':<10}{'inter-host B/step':>18}{'vs flat':>9}{'ms/step':>9}{'CPU ms':>8}"
-              f"{'step vs hier (95% CI)':>26}{'loss':>9}")
+    header = (
+        f"{'variant':<10}{'inter-host B/step':>18}{'vs flat':>9}{'ms/step':>9}{'CPU ms':>8}"
+        f"{'step vs hier (95% CI)':>26}{'loss':>9}"
+    )
     print(header + "\n" + "-" * len(header))
     for name, row in summary["variants"].items():
         ratio, lo, hi = row.get("step_vs_hier", (float("nan"),) * 3)
-        print(f"{name:<10}{row['inter_host_bytes_per_step'] / 2**20:>15.2f} MB{row.get('bytes_vs_flat', 1):>9.3f}"
-              f"{row['median_step_ms']:>9.0f}{row['cpu_ms_per_step']:>8.0f}{f'{ratio:.2f} ({lo:.2f}-{hi:.2f})':>26}"
-              f"{row['final_loss']:>9.4f}")
+        print(
+            f"{name:<10}{row['inter_host_bytes_per_step'] / 2**20:>15.2f} MB{row.get('bytes_vs_flat', 1):>9.3f}"
+            f"{row['median_step_ms']:>9.0f}{row['cpu_ms_per_step']:>8.0f}{f'{ratio:.2f} ({lo:.2f}-{hi:.2f})':>26}"
+            f"{row['final_loss']:>9.4f}"
+        )
     if summary["plan"]:
         print("auto:", summary["printed"].get("auto"))
     if not summary["valid"]:
@@ -256,13 +315,22 @@ def figures(shaped: dict | None, unshaped: dict | None, ssp: dict | None) -> dic
         "topk1_wire_bytes_reduction_2x4": (s, ("topk1", "flat"), lambda: 1 / s["topk1"]["bytes_vs_flat"]),
         "int8_step_vs_fp32_100mbit": (s, ("int8", "hier"), lambda: s["int8"]["step_vs_hier"][0]),
         "powersgd_step_vs_fp32_100mbit": (s, ("powersgd", "hier"), lambda: s["powersgd"]["step_vs_hier"][0]),
-        "auto_step_vs_best_fixed_100mbit": (s, ("auto",) + AUTO_CANDIDATES, lambda: _ratio_ci(
-            s["auto"]["round_step_s"], s[best_fixed(s)]["round_step_s"])[0]),
-        "auto_step_vs_best_fixed_unshaped": (u, ("auto",) + AUTO_CANDIDATES, lambda: _ratio_ci(
-            u["auto"]["round_step_s"], u[best_fixed(u)]["round_step_s"])[0]),
+        "auto_step_vs_best_fixed_100mbit": (
+            s,
+            ("auto",) + AUTO_CANDIDATES,
+            lambda: _ratio_ci(s["auto"]["round_step_s"], s[best_fixed(s)]["round_step_s"])[0],
+        ),
+        "auto_step_vs_best_fixed_unshaped": (
+            u,
+            ("auto",) + AUTO_CANDIDATES,
+            lambda: _ratio_ci(u["auto"]["round_step_s"], u[best_fixed(u)]["round_step_s"])[0],
+        ),
         "int8_final_loss_vs_fp32": (u, ("int8", "hier"), lambda: u["int8"]["final_loss"] / u["hier"]["final_loss"]),
-        "powersgd_final_loss_vs_fp32": (u, ("powersgd", "hier"),
-                                        lambda: u["powersgd"]["final_loss"] / u["hier"]["final_loss"]),
+        "powersgd_final_loss_vs_fp32": (
+            u,
+            ("powersgd", "hier"),
+            lambda: u["powersgd"]["final_loss"] / u["hier"]["final_loss"],
+        ),
     }
     out = {name: value() for name, (rows, needs, value) in wanted.items() if all(n in rows for n in needs)}
     if ssp is not None:
@@ -275,19 +343,25 @@ def extra_figures(summaries: dict, ssp: dict | None) -> dict:
     out = {}
     s = summaries.get("2x4_100mbit", {}).get("variants", {})
     if all(n in s for n in ("hier", "int8", "topk1")):
-        out = {"int8_wire_bytes_reduction_vs_hier_2x4": s["hier"]["inter_host_bytes_per_step"]
-               / s["int8"]["inter_host_bytes_per_step"],
-               "topk1_wire_bytes_reduction_vs_hier_2x4": s["hier"]["inter_host_bytes_per_step"]
-               / s["topk1"]["inter_host_bytes_per_step"],
-               "topk1_step_vs_fp32_100mbit": s["topk1"]["step_vs_hier"][0]}
+        out = {
+            "int8_wire_bytes_reduction_vs_hier_2x4": s["hier"]["inter_host_bytes_per_step"]
+            / s["int8"]["inter_host_bytes_per_step"],
+            "topk1_wire_bytes_reduction_vs_hier_2x4": s["hier"]["inter_host_bytes_per_step"]
+            / s["topk1"]["inter_host_bytes_per_step"],
+            "topk1_step_vs_fp32_100mbit": s["topk1"]["step_vs_hier"][0],
+        }
     t = summaries.get("2x2_100mbit", {}).get("variants", {})
     if all(n in t for n in VARIANTS[:-1]):
-        out.update({"hier_inter_host_bytes_vs_flat_2x2": t["hier"]["bytes_vs_flat"],
-                    "int8_wire_bytes_reduction_2x2": 1 / t["int8"]["bytes_vs_flat"],
-                    "topk1_wire_bytes_reduction_2x2": 1 / t["topk1"]["bytes_vs_flat"],
-                    "hier_step_vs_flat_100mbit_2x2": t["hier"]["step_vs_flat"][0],
-                    "int8_step_vs_fp32_100mbit_2x2": t["int8"]["step_vs_hier"][0],
-                    "powersgd_step_vs_fp32_100mbit_2x2": t["powersgd"]["step_vs_hier"][0]})
+        out.update(
+            {
+                "hier_inter_host_bytes_vs_flat_2x2": t["hier"]["bytes_vs_flat"],
+                "int8_wire_bytes_reduction_2x2": 1 / t["int8"]["bytes_vs_flat"],
+                "topk1_wire_bytes_reduction_2x2": 1 / t["topk1"]["bytes_vs_flat"],
+                "hier_step_vs_flat_100mbit_2x2": t["hier"]["step_vs_flat"][0],
+                "int8_step_vs_fp32_100mbit_2x2": t["int8"]["step_vs_hier"][0],
+                "powersgd_step_vs_fp32_100mbit_2x2": t["powersgd"]["step_vs_hier"][0],
+            }
+        )
     for schedule in ("transient", "persistent"):
         if ssp is not None and schedule in ssp:
             out[f"ssp_time_to_loss_vs_sync_{schedule}_straggler"] = ssp[schedule]
@@ -351,7 +425,7 @@ def _ps_worker(rounds: int) -> dict:
     out = {}
     for schedule in ("persistent", "transient"):
         for r in range(rounds):
-            for mode in (SSP_MODES if r % 2 == 0 else SSP_MODES[::-1]):
+            for mode in SSP_MODES if r % 2 == 0 else SSP_MODES[::-1]:
                 out.setdefault(f"{schedule}/{mode}", []).append(_ps_run(mode, schedule))
     return out
 
@@ -361,13 +435,17 @@ def loopback_ssp_part(rounds: int) -> dict:
 
     runs = run_distributed(_ps_worker, 2, args=(rounds,), timeout=900, collective_timeout=300)[0]
     out = {"runs": runs}
-    print(f"\nparameter server on loopback, 2 workers, a held-back worker (sleep), time to {TARGET_FRACTION} x "
-          f"initial loss (median of {rounds}):")
+    print(
+        f"\nparameter server on loopback, 2 workers, a held-back worker (sleep), time to {TARGET_FRACTION} x "
+        f"initial loss (median of {rounds}):"
+    )
     for schedule in ("persistent", "transient"):
         sec = {m: statistics.median([r["seconds"] or float("inf") for r in runs[f"{schedule}/{m}"]]) for m in SSP_MODES}
         out[schedule] = sec[SSP_MODES[1]] / sec["sync"]
-        print(f"  {schedule:<10} sync {sec['sync']:.2f}s  {SSP_MODES[1]} {sec[SSP_MODES[1]]:.2f}s  "
-              f"ratio {out[schedule]:.2f}")
+        print(
+            f"  {schedule:<10} sync {sec['sync']:.2f}s  {SSP_MODES[1]} {sec[SSP_MODES[1]]:.2f}s  "
+            f"ratio {out[schedule]:.2f}"
+        )
     return out
 
 
@@ -392,10 +470,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", default="100mbit")
     parser.add_argument("--skip-ssp", action="store_true", help="leave out the parameter-server SSP part")
     parser.add_argument("--ssp-only", action="store_true", help="only the parameter-server SSP part")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated subset of {','.join(VARIANTS)} (figures need their variants)")
-    parser.add_argument("--layouts", help=f"comma-separated subset of {','.join(LAYOUTS)} "
-                        "(default: all; the 2x2 one is left out with --quick)")
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated subset of {','.join(VARIANTS)} (figures need their variants)",
+    )
+    parser.add_argument(
+        "--layouts",
+        help=f"comma-separated subset of {','.join(LAYOUTS)} (default: all; the 2x2 one is left out with --quick)",
+    )
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
@@ -416,23 +499,33 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name} = {value:.3f}")
         if args.json:
             with open(args.json, "w") as fh:
-                json.dump({"figures": figs, "extra": extra, "ssp": ssp, "valid": ssp["valid"],
-                           "load_avg": os.getloadavg()}, fh, indent=1, default=str)
+                json.dump(
+                    {"figures": figs, "extra": extra, "ssp": ssp, "valid": ssp["valid"], "load_avg": os.getloadavg()},
+                    fh,
+                    indent=1,
+                    default=str,
+                )
         if not ssp["valid"]:
             print("INVALID")
             return 1
         return 0
     variants = [v for v in args.variants.split(",") if v]
-    layouts = [t for t in (args.layouts or "").split(",") if t] or \
-        [t for t in LAYOUTS if not (args.quick and t == "2x2_100mbit")]
+    layouts = [t for t in (args.layouts or "").split(",") if t] or [
+        t for t in LAYOUTS if not (args.quick and t == "2x2_100mbit")
+    ]
     unknown = [v for v in variants if v not in VARIANTS] + [t for t in layouts if t not in LAYOUTS]
     if unknown:
         parser.error(f"unknown variants or layouts: {unknown}")
     # Quick: 5 rounds of 2 steps, not fewer. Every variant shares 2 cores with the other 7
     # processes (and whatever else runs), and a median over 2 rounds is their mean: one disturbed
     # block moved auto-vs-flat, the same configuration, to 1.18 (0.83 and 1.53 in its 2 rounds).
-    cfg = {"rounds": args.rounds or 5, "steps": args.steps or (2 if args.quick else 3),
-           "warmup": args.warmup, "variants": variants, "timeout": 900}
+    cfg = {
+        "rounds": args.rounds or 5,
+        "steps": args.steps or (2 if args.quick else 3),
+        "warmup": args.warmup,
+        "variants": variants,
+        "timeout": 900,
+    }
     summaries = {}
     with Cluster(2) as cluster:
         cluster.wait_reachable()
@@ -457,8 +550,20 @@ def main(argv: list[str] | None = None) -> int:
     valid = all(s["valid"] for s in summaries.values()) and (ssp is None or ssp["valid"])
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"figures": figs, "extra": extra, "runs": summaries, "ssp": ssp, "config": cfg, "valid": valid,
-                       "load_avg": os.getloadavg()}, fh, indent=1, default=str)
+            json.dump(
+                {
+                    "figures": figs,
+                    "extra": extra,
+                    "runs": summaries,
+                    "ssp": ssp,
+                    "config": cfg,
+                    "valid": valid,
+                    "load_avg": os.getloadavg(),
+                },
+                fh,
+                indent=1,
+                default=str,
+            )
     if not valid:
         print("INVALID")
         return 1

@@ -40,8 +40,9 @@ LOSS_BAND = 0.02
 
 def build_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN_DIM, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, BOTTLENECK), nn.ReLU(),
-                         nn.Linear(BOTTLENECK, CLASSES))
+    return nn.Sequential(
+        nn.Linear(IN_DIM, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, BOTTLENECK), nn.ReLU(), nn.Linear(BOTTLENECK, CLASSES)
+    )
 
 
 def make_data(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,8 +73,14 @@ def worker(cfg: dict) -> dict:
     for name in cfg["variants"]:
         model = tm.DataParallel().distribute_model(build_model(cfg["seed"]))
         communication = install_communication(model, TrainerConfig(compression=build_compressor_spec(name)))
-        sides[name] = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=cfg["lr"]),
-                       "comm": communication, "step": 0, "bytes": [], "losses": []}
+        sides[name] = {
+            "model": model,
+            "opt": torch.optim.SGD(model.parameters(), lr=cfg["lr"]),
+            "comm": communication,
+            "step": 0,
+            "bytes": [],
+            "losses": [],
+        }
 
     def train_step(side) -> None:
         start = (side["step"] % NUM_BATCHES) * cfg["batch"] + rank * local
@@ -84,8 +91,14 @@ def worker(cfg: dict) -> dict:
         side["opt"].zero_grad()
         side["losses"].append(loss.item())
         record = side["comm"].step_record()
-        side["bytes"].append((record.get("comm_bytes"), record.get("comm_bytes_uncompressed"),
-                              record.get("comm_wire_bytes"), record.get("comm_wire_bytes_fp32")))
+        side["bytes"].append(
+            (
+                record.get("comm_bytes"),
+                record.get("comm_bytes_uncompressed"),
+                record.get("comm_wire_bytes"),
+                record.get("comm_wire_bytes_fp32"),
+            )
+        )
 
     times = {name: [] for name in cfg["variants"]}
     orders = []
@@ -109,10 +122,17 @@ def worker(cfg: dict) -> dict:
         for name, side in sides.items():
             final_losses[name] = nn.functional.cross_entropy(side["model"].module(x), y).item()
     first_loss = nn.functional.cross_entropy(build_model(cfg["seed"])(x), y).item()
-    return {"times": times, "orders": orders, "final_loss": final_losses, "initial_loss": first_loss,
-            "bytes": {n: s["bytes"] for n, s in sides.items()}, "steps": {n: s["step"] for n, s in sides.items()},
-            "train_loss_last_round": {n: statistics.mean(s["losses"][-(cfg["steps"] + cfg["warmup"]):])
-                                      for n, s in sides.items()}}
+    return {
+        "times": times,
+        "orders": orders,
+        "final_loss": final_losses,
+        "initial_loss": first_loss,
+        "bytes": {n: s["bytes"] for n, s in sides.items()},
+        "steps": {n: s["step"] for n, s in sides.items()},
+        "train_loss_last_round": {
+            n: statistics.mean(s["losses"][-(cfg["steps"] + cfg["warmup"]) :]) for n, s in sides.items()
+        },
+    }
 
 
 def summarize(results: list[dict], cfg: dict) -> dict:
@@ -121,19 +141,26 @@ def summarize(results: list[dict], cfg: dict) -> dict:
     names = cfg["variants"]
     rows = {}
     for name in names:
-        rounds = [[max(step) * 1e3 for step in zip(*(res["times"][name][r] for res in results))]
-                  for r in range(cfg["rounds"])]
+        rounds = [
+            [max(step) * 1e3 for step in zip(*(res["times"][name][r] for res in results))] for r in range(cfg["rounds"])
+        ]
         pooled = [t for rnd in rounds for t in rnd]
         sent = [b[0] if b[0] is not None else dense for res in results for b in res["bytes"][name]]
         wire = [(b[2], b[3]) for res in results for b in res["bytes"][name] if len(b) > 3 and b[2]]
-        rows[name] = {"median_ms": statistics.median(pooled), "round_medians_ms": [statistics.median(r) for r in rounds],
-                      # what crosses the transport (an all-gather of payloads, a two-phase exchange...) vs an
-                      # fp32 ring all-reduce of the same gradients, as the communication layer counts them
-                      "wire_bytes_ratio": (statistics.mean(d for _, d in wire) / statistics.mean(w for w, _ in wire)
-                                           if wire else None),
-                      "bytes_per_step_per_rank": statistics.mean(sent), "bytes_ratio": dense / statistics.mean(sent),
-                      "final_loss": results[0]["final_loss"][name], "steps": results[0]["steps"][name],
-                      "train_loss_last_round": results[0]["train_loss_last_round"][name]}
+        rows[name] = {
+            "median_ms": statistics.median(pooled),
+            "round_medians_ms": [statistics.median(r) for r in rounds],
+            # what crosses the transport (an all-gather of payloads, a two-phase exchange...) vs an
+            # fp32 ring all-reduce of the same gradients, as the communication layer counts them
+            "wire_bytes_ratio": (
+                statistics.mean(d for _, d in wire) / statistics.mean(w for w, _ in wire) if wire else None
+            ),
+            "bytes_per_step_per_rank": statistics.mean(sent),
+            "bytes_ratio": dense / statistics.mean(sent),
+            "final_loss": results[0]["final_loss"][name],
+            "steps": results[0]["steps"][name],
+            "train_loss_last_round": results[0]["train_loss_last_round"][name],
+        }
     base = rows.get("none")
     rng = random.Random(0)
     for name, row in rows.items():
@@ -148,9 +175,17 @@ def summarize(results: list[dict], cfg: dict) -> dict:
         if name in BYTE_TARGETS:
             row["bytes_target"] = BYTE_TARGETS[name]
             row["bytes_met"] = row["bytes_ratio"] >= BYTE_TARGETS[name]
-    return {"variants": rows, "round_order": results[0]["orders"], "num_params": params, "dense_bytes": dense,
-            "initial_loss": results[0]["initial_loss"], "loss_band": LOSS_BAND, "config": cfg,
-            "world_size": cfg["nproc"], "torch_version": torch.__version__}
+    return {
+        "variants": rows,
+        "round_order": results[0]["orders"],
+        "num_params": params,
+        "dense_bytes": dense,
+        "initial_loss": results[0]["initial_loss"],
+        "loss_band": LOSS_BAND,
+        "config": cfg,
+        "world_size": cfg["nproc"],
+        "torch_version": torch.__version__,
+    }
 
 
 def figures(rows: dict) -> dict:
@@ -170,27 +205,38 @@ def figures(rows: dict) -> dict:
 
 def print_report(report: dict) -> None:
     cfg = report["config"]
-    print(f"MLP {report['num_params'] / 1e6:.2f}M params ({report['dense_bytes'] / 2**20:.1f} MB of fp32 gradients), "
-          f"{cfg['nproc']} processes (gloo, CPU, fp32, SGD lr {cfg['lr']}), global batch {cfg['batch']}, "
-          f"{cfg['rounds']} rounds x ({cfg['warmup']} warmup + {cfg['steps']} timed) steps per variant, "
-          f"load avg {report['load_avg_1min']['before']:.2f} -> {report['load_avg_1min']['after']:.2f}")
-    header = (f"{'variant':<24}{'bytes/step/rank':>16}{'fp32/sent':>11}{'ms/step':>10}{'time vs none':>22}"
-              f"{'final loss':>11}{'vs none':>9}  targets")
+    print(
+        f"MLP {report['num_params'] / 1e6:.2f}M params ({report['dense_bytes'] / 2**20:.1f} MB of fp32 gradients), "
+        f"{cfg['nproc']} processes (gloo, CPU, fp32, SGD lr {cfg['lr']}), global batch {cfg['batch']}, "
+        f"{cfg['rounds']} rounds x ({cfg['warmup']} warmup + {cfg['steps']} timed) steps per variant, "
+        f"load avg {report['load_avg_1min']['before']:.2f} -> {report['load_avg_1min']['after']:.2f}"
+    )
+    header = (
+        f"{'variant':<24}{'bytes/step/rank':>16}{'fp32/sent':>11}{'ms/step':>10}{'time vs none':>22}"
+        f"{'final loss':>11}{'vs none':>9}  targets"
+    )
     print(header)
     print("-" * len(header))
     for name, row in report["variants"].items():
-        time_text = "-" if name == "none" or "time_ratio_vs_none" not in row else (
-            f"{row['time_ratio_vs_none']:.2f} ({row['time_ratio_ci95'][0]:.2f}-{row['time_ratio_ci95'][1]:.2f})")
+        time_text = (
+            "-"
+            if name == "none" or "time_ratio_vs_none" not in row
+            else (f"{row['time_ratio_vs_none']:.2f} ({row['time_ratio_ci95'][0]:.2f}-{row['time_ratio_ci95'][1]:.2f})")
+        )
         loss_text = f"{row['loss_vs_none'] * 100:+.2f}%" if "loss_vs_none" in row else "-"
         targets = []
         if "bytes_target" in row:
             targets.append(f"bytes >= {row['bytes_target']}x {'met' if row['bytes_met'] else 'NOT MET'}")
         if name != "none" and "loss_met" in row:
             targets.append(f"loss within {report['loss_band']:.0%} {'met' if row['loss_met'] else 'NOT MET'}")
-        print(f"{name:<24}{row['bytes_per_step_per_rank'] / 2**20:>13.3f} MB{row['bytes_ratio']:>10.1f}x"
-              f"{row['median_ms']:>10.0f}{time_text:>22}{row['final_loss']:>11.4f}{loss_text:>9}  {', '.join(targets)}")
-    print(f"initial loss {report['initial_loss']:.4f}; every variant took "
-          f"{next(iter(report['variants'].values()))['steps']} steps on the same batches")
+        print(
+            f"{name:<24}{row['bytes_per_step_per_rank'] / 2**20:>13.3f} MB{row['bytes_ratio']:>10.1f}x"
+            f"{row['median_ms']:>10.0f}{time_text:>22}{row['final_loss']:>11.4f}{loss_text:>9}  {', '.join(targets)}"
+        )
+    print(
+        f"initial loss {report['initial_loss']:.4f}; every variant took "
+        f"{next(iter(report['variants'].values()))['steps']} steps on the same batches"
+    )
     for name, value in report.get("figures", {}).items():
         print(f"  {name} = {value:.4g}")
     if cfg["quick"]:
@@ -211,8 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     args = parser.parse_args(argv)
     quick, full = {"rounds": 2, "steps": 2, "warmup": 1}, {"rounds": 8, "steps": 5, "warmup": 1}
-    cfg = {key: getattr(args, key) if getattr(args, key) is not None else (quick if args.quick else full)[key]
-           for key in ("rounds", "steps", "warmup")}
+    cfg = {
+        key: getattr(args, key) if getattr(args, key) is not None else (quick if args.quick else full)[key]
+        for key in ("rounds", "steps", "warmup")
+    }
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown or not variants:

@@ -91,8 +91,12 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--step-ms", type=float, default=30.0)
-    p.add_argument("--prefetch", type=int, default=2,
-                   help="batches trainmesh's prefetch thread holds ahead of the step (the loader's default 2)")
+    p.add_argument(
+        "--prefetch",
+        type=int,
+        default=2,
+        help="batches trainmesh's prefetch thread holds ahead of the step (the loader's default 2)",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
@@ -101,8 +105,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     n = args.batch * args.steps * args.rounds * 2 + args.batch * 4
     data = DecodeAugment(n)
-    plain = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=True, num_workers=args.workers,
-                                        persistent_workers=args.workers > 0)
+    plain = torch.utils.data.DataLoader(
+        data, batch_size=args.batch, shuffle=True, num_workers=args.workers, persistent_workers=args.workers > 0
+    )
     sampler = tmd.GlobalBatchSampler(n, global_batch_size=args.batch, data_parallel_size=1, data_index=0)
     ours = tmd.DataLoader(data, sampler, num_workers=args.workers, prefetch=args.prefetch)
     iters = {"trainmesh": iter(ours), "torch": iter(plain)}
@@ -134,20 +139,38 @@ def main(argv=None) -> int:
         print(f"{name:<11} {med:>19.1f} {q[0]:>7.1f}-{q[2]:<7.1f} {wait * 100:>18.2f}%")
     ratio = statistics.median(ratios)
     met = ratio >= 1.0
-    print(f"throughput ratio trainmesh / torch: median {ratio:.3f} (per-round min {min(ratios):.3f}, "
-          f"max {max(ratios):.3f}); target >= 1.00: {'met' if met else 'NOT met'}")
-    print(f"same work: {args.rounds * args.steps} full batches of distinct samples equal to the dataset's, per loader: "
-          f"{'yes' if valid else problems}")
+    print(
+        f"throughput ratio trainmesh / torch: median {ratio:.3f} (per-round min {min(ratios):.3f}, "
+        f"max {max(ratios):.3f}); target >= 1.00: {'met' if met else 'NOT met'}"
+    )
+    print(
+        f"same work: {args.rounds * args.steps} full batches of distinct samples equal to the dataset's, per loader: "
+        f"{'yes' if valid else problems}"
+    )
     if not valid:
         print(f"INVALID: the loaders did not deliver the same work: {problems}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"valid": valid, "problems": problems, "config": vars(args), "rounds": results, "ratios": ratios, "summary": summary,
-                       "ratio": ratio, "target": 1.0, "met": met, "torch": torch.__version__,
-                       "loadavg": os.getloadavg(),
-                       # trainmesh's loader: time blocked on the next batch / wall time, at a 30 ms step and
-                       # 2 workers (the demo's loader settings on this 2-core machine)
-                       "figures": {"data_wait_fraction": summary["trainmesh"]["median_wait_fraction"]}}, fh, indent=1)
+            json.dump(
+                {
+                    "valid": valid,
+                    "problems": problems,
+                    "config": vars(args),
+                    "rounds": results,
+                    "ratios": ratios,
+                    "summary": summary,
+                    "ratio": ratio,
+                    "target": 1.0,
+                    "met": met,
+                    "torch": torch.__version__,
+                    "loadavg": os.getloadavg(),
+                    # trainmesh's loader: time blocked on the next batch / wall time, at a 30 ms step and
+                    # 2 workers (the demo's loader settings on this 2-core machine)
+                    "figures": {"data_wait_fraction": summary["trainmesh"]["median_wait_fraction"]},
+                },
+                fh,
+                indent=1,
+            )
     return 0 if valid else 1
 
 

@@ -122,8 +122,13 @@ def worker(cfg: dict) -> dict:
 
     # Same seed, same batches, same number of steps: the parameters must match.
     with torch.no_grad():
-        diff = max((a - b).abs().max().item() for a, b in zip(tm_model.module.parameters(), hw_model.module.parameters()))
-        moved = max((a - b).abs().max().item() for a, b in zip(tm_model.module.parameters(), build_model(cfg["seed"]).parameters()))
+        diff = max(
+            (a - b).abs().max().item() for a, b in zip(tm_model.module.parameters(), hw_model.module.parameters())
+        )
+        moved = max(
+            (a - b).abs().max().item()
+            for a, b in zip(tm_model.module.parameters(), build_model(cfg["seed"]).parameters())
+        )
     return {"times": times, "orders": orders, "max_abs_diff": diff, "max_change_from_init": moved}
 
 
@@ -134,14 +139,20 @@ def summarize(results: list[dict], cfg: dict) -> dict:
     summary = {}
     for name in VARIANTS:
         # A step is as slow as its slowest process: combine ranks step by step with max.
-        rounds = [ms(max(step) for step in zip(*(res["times"][name][r] for res in results))) for r in range(cfg["rounds"])]
+        rounds = [
+            ms(max(step) for step in zip(*(res["times"][name][r] for res in results))) for r in range(cfg["rounds"])
+        ]
         pooled = [t for rnd in rounds for t in rnd]
         median = statistics.median(pooled)
         q1, _, q3 = statistics.quantiles(pooled, n=4, method="inclusive") if len(pooled) > 1 else pooled * 3
         round_medians = [statistics.median(rnd) for rnd in rounds]
         summary[name] = {
-            "median_ms": median, "p25_ms": q1, "p75_ms": q3,
-            "round_medians_ms": round_medians, "per_step_ms": rounds, "steps": len(pooled),
+            "median_ms": median,
+            "p25_ms": q1,
+            "p75_ms": q3,
+            "round_medians_ms": round_medians,
+            "per_step_ms": rounds,
+            "steps": len(pooled),
         }
     tm_s, hw_s = summary["trainmesh"], summary["hand-written"]
     round_ratios = [a / b for a, b in zip(tm_s["round_medians_ms"], hw_s["round_medians_ms"])]
@@ -174,11 +185,15 @@ def summarize(results: list[dict], cfg: dict) -> dict:
 
 def print_report(report: dict) -> None:
     cfg = report["config"]
-    print(f"MLP {report['num_params'] / 1e6:.2f}M params, {cfg['nproc']} processes (gloo, CPU, fp32, SGD), "
-          f"global batch {cfg['batch']}, {cfg['rounds']} rounds x ({cfg['warmup']} warmup + {cfg['steps']} timed) steps, "
-          f"load avg {report['load_avg_1min']['before']:.2f} -> {report['load_avg_1min']['after']:.2f}")
-    print(f"both sides: torch DDP with {report['ddp_kwargs']} (torch {report['torch_version']}), "
-          f"{cfg['nproc']} threads in all (1 per process), same seed {cfg['seed']} and batches")
+    print(
+        f"MLP {report['num_params'] / 1e6:.2f}M params, {cfg['nproc']} processes (gloo, CPU, fp32, SGD), "
+        f"global batch {cfg['batch']}, {cfg['rounds']} rounds x ({cfg['warmup']} warmup + {cfg['steps']} timed) steps, "
+        f"load avg {report['load_avg_1min']['before']:.2f} -> {report['load_avg_1min']['after']:.2f}"
+    )
+    print(
+        f"both sides: torch DDP with {report['ddp_kwargs']} (torch {report['torch_version']}), "
+        f"{cfg['nproc']} threads in all (1 per process), same seed {cfg['seed']} and batches"
+    )
     header = f"{'variant':<14}{'median ms/step':>16}{'IQR ms/step':>18}{'round medians ms':>20}{'steps':>8}"
     print(header)
     print("-" * len(header))
@@ -192,14 +207,22 @@ def print_report(report: dict) -> None:
         verdict += " (--quick: a smoke test, too few steps to judge the target)"
     print(f"ratio trainmesh / hand-written = {report['ratio']:.4f}, target <= {report['target']}: {verdict}")
     low, high = report["ratio_round_median_ci95"]
-    print(f"  robust views: median of per-round ratios {report['ratio_round_median']:.4f} "
-          f"(95% CI {low:.3f}-{high:.3f}), ratio of p25s {report['ratio_p25']:.4f}")
+    print(
+        f"  robust views: median of per-round ratios {report['ratio_round_median']:.4f} "
+        f"(95% CI {low:.3f}-{high:.3f}), ratio of p25s {report['ratio_p25']:.4f}"
+    )
     if report["params_match"]:
-        print(f"parameters agree after equal steps: max |diff| = {report['max_abs_param_diff']:.3g} "
-              f"(tolerance {report['param_tolerance']:g}; max change from init {report['max_param_change_from_init']:.3g})")
+        print(
+            f"parameters agree after equal steps: max |diff| = {report['max_abs_param_diff']:.3g} "
+            f"(tolerance {report['param_tolerance']:g}; max change from init {report['max_param_change_from_init']:.3g})"
+        )
     else:
-        print("!" * 78 + f"\n!!! PARAMETERS DIFFER: max |diff| = {report['max_abs_param_diff']:.3g} > {report['param_tolerance']:g}."
-              "\n!!! The two variants did not do the same work; the timing comparison is NOT valid.\n" + "!" * 78)
+        print(
+            "!"
+            * 78
+            + f"\n!!! PARAMETERS DIFFER: max |diff| = {report['max_abs_param_diff']:.3g} > {report['param_tolerance']:g}."
+            "\n!!! The two variants did not do the same work; the timing comparison is NOT valid.\n" + "!" * 78
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     # Many short rounds rather than a few long ones: load from elsewhere on the machine then
     # lands on both variants alike, and the per-round ratios average it out.
     full = {"rounds": 80, "steps": 6, "warmup": 1}
-    cfg = {key: getattr(args, key) if getattr(args, key) is not None else (quick if args.quick else full)[key]
-           for key in ("rounds", "steps", "warmup")}
+    cfg = {
+        key: getattr(args, key) if getattr(args, key) is not None else (quick if args.quick else full)[key]
+        for key in ("rounds", "steps", "warmup")
+    }
     # lr 0.5 makes every SGD step move some weight by > 3e-4, far above PARAM_TOLERANCE, so
     # a skipped step or a different batch on one side cannot hide below it (and stays stable).
     cfg.update(batch=args.batch, nproc=args.nproc, seed=args.seed, lr=0.5, quick=args.quick)

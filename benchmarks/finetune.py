@@ -113,17 +113,19 @@ GOALS = {  # figure -> (text, test)
 }
 PEER_SETTINGS = {
     "peft": "get_peft_model(from_pretrained(DIR), LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="
-            "q,k,v,o,gate,up,down, task_type=CAUSAL_LM)), peft's default init (lora_B zero)",
+    "q,k,v,o,gate,up,down, task_type=CAUSAL_LM)), peft's default init (lora_B zero)",
     "DDP": "DistributedDataParallel(model, gradient_as_bucket_view=True); torch's defaults otherwise "
-           "(bucket_cap_mb 25, find_unused_parameters False, broadcast_buffers True); frozen parameters are in no "
-           "bucket",
+    "(bucket_cap_mb 25, find_unused_parameters False, broadcast_buffers True); frozen parameters are in no "
+    "bucket",
     "optimizer": "torch.optim.AdamW(trainable parameters, lr=1e-4, weight_decay=0), torch's default kernels, "
-                 "zero_grad(set_to_none=True)",
+    "zero_grad(set_to_none=True)",
     "accelerate": "Accelerator(cpu=True, mixed_precision as the run, kwargs_handlers=[DistributedDataParallelKwargs("
-                  "gradient_as_bucket_view=True)]); accelerator.backward",
+    "gradient_as_bucket_view=True)]); accelerator.backward",
 }
-TRAINMESH_SETTINGS = ("tm.Trainer(meta-built model, AdamW factory, loss, zero_stage=3, weights=DIR, precision=<run's>, "
-                      "progress=False); every other option its default (log_every_n_steps=1, nonfinite_loss='skip')")
+TRAINMESH_SETTINGS = (
+    "tm.Trainer(meta-built model, AdamW factory, loss, zero_stage=3, weights=DIR, precision=<run's>, "
+    "progress=False); every other option its default (log_every_n_steps=1, nonfinite_loss='skip')"
+)
 
 
 # --------------------------------------------------------------------------- model, data, sides
@@ -131,10 +133,19 @@ def llama_config(size: dict):
     import transformers
 
     return transformers.LlamaConfig(
-        vocab_size=size["vocab"], hidden_size=size["hidden"], intermediate_size=size["intermediate"],
-        num_hidden_layers=size["layers"], num_attention_heads=size["heads"], num_key_value_heads=size["kv_heads"],
-        max_position_embeddings=max(256, size["seq"]), tie_word_embeddings=False, use_cache=False,
-        bos_token_id=0, eos_token_id=1, pad_token_id=2)
+        vocab_size=size["vocab"],
+        hidden_size=size["hidden"],
+        intermediate_size=size["intermediate"],
+        num_hidden_layers=size["layers"],
+        num_attention_heads=size["heads"],
+        num_key_value_heads=size["kv_heads"],
+        max_position_embeddings=max(256, size["seq"]),
+        tie_word_embeddings=False,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+    )
 
 
 def lora_config(init=True):
@@ -181,8 +192,16 @@ class TrainerSide:
                 import peft
 
                 model = peft.get_peft_model(model, lora_config())
-        self.trainer = tm.Trainer(model, make_adamw, lm_loss, zero_stage=stage, weights=cfg["base_dir"],
-                                  precision=cfg["precision"], progress=False, callbacks=[self.clock])
+        self.trainer = tm.Trainer(
+            model,
+            make_adamw,
+            lm_loss,
+            zero_stage=stage,
+            weights=cfg["base_dir"],
+            precision=cfg["precision"],
+            progress=False,
+            callbacks=[self.clock],
+        )
         self.batch = cfg["size"]["rows"] * WORLD
 
     def run(self, x: torch.Tensor, y: torch.Tensor) -> tuple[list[float], list[float]]:
@@ -212,8 +231,11 @@ class LoopSide:
             from accelerate import Accelerator
             from accelerate.utils import DistributedDataParallelKwargs
 
-            self.accelerator = Accelerator(cpu=True, mixed_precision="bf16" if bf16 else "no",
-                                           kwargs_handlers=[DistributedDataParallelKwargs(**DDP_KWARGS)])
+            self.accelerator = Accelerator(
+                cpu=True,
+                mixed_precision="bf16" if bf16 else "no",
+                kwargs_handlers=[DistributedDataParallelKwargs(**DDP_KWARGS)],
+            )
             assert self.accelerator.num_processes == WORLD, self.accelerator.state
             self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
             self.backward, self.autocast = self.accelerator.backward, contextlib.nullcontext
@@ -262,9 +284,24 @@ def _global_mean(values: list[float]) -> list[float]:
 # --------------------------------------------------------------------------- workers
 def _malloc_free_bytes() -> int | None:
     """Bytes glibc malloc holds free in its arenas (``mallinfo2().fordblks``), or None off glibc."""
+
     class MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+        _fields_ = [
+            (n, ctypes.c_size_t)
+            for n in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
+
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallinfo2.restype = MallInfo2
@@ -297,15 +334,20 @@ def memory_worker(cfg: dict, side: str) -> dict:
         warnings.simplefilter("ignore")
         with PeakRSSGrowth() as growth, LiveTensorBytes("cpu") as live:
             runner = build_side(cfg, side)
-            out.update(live_after_build=live.live, live_peak_build=live.peak,
-                       rss_growth_build=peak_rss_bytes() - growth.start)
+            out.update(
+                live_after_build=live.live, live_peak_build=live.peak, rss_growth_build=peak_rss_bytes() - growth.start
+            )
             live.reset_peak()
             runner.run(x[: steps * batch], y[: steps * batch])
-        out.update(rss_growth=growth.bytes, live_peak=max(live.peak, out["live_peak_build"]),
-                   live_peak_steps=live.peak, malloc_free=_malloc_free_bytes())
+        out.update(
+            rss_growth=growth.bytes,
+            live_peak=max(live.peak, out["live_peak_build"]),
+            live_peak_steps=live.peak,
+            malloc_free=_malloc_free_bytes(),
+        )
         log = CallLog()
         with CollectiveCounter({}, log=log):
-            runner.run(x[steps * batch:], y[steps * batch:])
+            runner.run(x[steps * batch :], y[steps * batch :])
     calls = getattr(log, "calls", [])
     out["collectives"] = {kind: sum(n for k, n in calls if k == kind) for kind in {k for k, _ in calls}}
     grad_kind = "reduce_scatter" if side in ("tm-full", "tm-lora") else "all_reduce"
@@ -338,15 +380,21 @@ def timing_worker(cfg: dict) -> dict:
             dist.barrier()  # every process starts the phase together
             with contextlib.redirect_stdout(captured):
                 step_times, step_losses = sides[side].run(x[rows], y[rows])
-            times[side].append(step_times[cfg["warmup"]:])  # a phase's first step carries fit's own set-up
+            times[side].append(step_times[cfg["warmup"] :])  # a phase's first step carries fit's own set-up
             losses[side].append(step_losses)
     for side, runner in sides.items():
         if isinstance(runner, LoopSide):  # local losses -> global means (the Trainer reports global ones)
             losses[side] = [_global_mean(values) for values in losses[side]]
     threads = torch.get_num_threads()
     del sides
-    return {"times": times, "losses": losses, "orders": orders, "threads": threads,
-            "trainer_output": captured.getvalue()[-2000:], "parity": parity_run()}
+    return {
+        "times": times,
+        "losses": losses,
+        "orders": orders,
+        "threads": threads,
+        "trainer_output": captured.getvalue()[-2000:],
+        "parity": parity_run(),
+    }
 
 
 def parity_model(seed: int = 0):
@@ -381,18 +429,31 @@ def parity_run() -> dict:
             model, distribution, stage = parity_model(), None, 3
             if layout == "tp2x2":
                 mesh = tm.DeviceMesh((2, 2), ["data", "model"], devices=tm.list_devices())
-                distribution = tm.ModelParallel(layout_map=tm.LayoutMap.auto(model, mesh, verbose=False),
-                                                batch_dim_name="data")
+                distribution = tm.ModelParallel(
+                    layout_map=tm.LayoutMap.auto(model, mesh, verbose=False), batch_dim_name="data"
+                )
                 stage = None
             with contextlib.redirect_stdout(io.StringIO()):
-                trainer = tm.Trainer(model, lambda p, kind=kind: parity_optimizer(p, kind), lm_loss,
-                                     distribution=distribution, zero_stage=stage, precision="fp32", progress=False)
+                trainer = tm.Trainer(
+                    model,
+                    lambda p, kind=kind: parity_optimizer(p, kind),
+                    lm_loss,
+                    distribution=distribution,
+                    zero_stage=stage,
+                    precision="fp32",
+                    progress=False,
+                )
                 trainer.fit((x, y), epochs=1, batch_size=PARITY_SIZE["rows"] * WORLD, shuffle=False)
             state = trainer.state_dict()["model"]
-            sharded = sum(1 for p in trainer.model.parameters() if getattr(p, "placements", None)
-                          and any(pl.is_shard() for pl in p.placements))
-            out[f"{kind}/{layout}"] = {"state": {k: v.detach().clone() for k, v in state.items()}
-                                       if tm.rank() == 0 else None, "sharded_params": sharded}
+            sharded = sum(
+                1
+                for p in trainer.model.parameters()
+                if getattr(p, "placements", None) and any(pl.is_shard() for pl in p.placements)
+            )
+            out[f"{kind}/{layout}"] = {
+                "state": {k: v.detach().clone() for k, v in state.items()} if tm.rank() == 0 else None,
+                "sharded_params": sharded,
+            }
     return out
 
 
@@ -416,8 +477,12 @@ def parity_summary(got: dict) -> dict:
     def adapter_diff(a: dict, b: dict) -> float:
         return max((a[k] - v).abs().max().item() for k, v in b.items() if "lora_" in k)
 
-    out = {"max_abs_diff": {}, "adamw_max_abs_diff": {}, "frozen_unchanged": True,
-           "tp_sharded_params": got["sgd/tp2x2"]["sharded_params"]}
+    out = {
+        "max_abs_diff": {},
+        "adamw_max_abs_diff": {},
+        "frozen_unchanged": True,
+        "tp_sharded_params": got["sgd/tp2x2"]["sharded_params"],
+    }
     for kind in ("sgd", "adamw"):
         start, expected = parity_reference(kind)
         for layout in ("tp2x2", "zero3"):
@@ -445,35 +510,59 @@ def summarize(cfg: dict, memory: dict, timing: list[dict], parity: dict, counts:
     mem = {}
     for side, launches in memory.items():
         worst = lambda key: _median([max(r[key] for r in ranks) for ranks in launches])  # noqa: E731
-        mem[side] = {"rss_growth": worst("rss_growth"), "rss_growth_build": worst("rss_growth_build"),
-                     "live_peak": worst("live_peak"), "live_peak_build": worst("live_peak_build"),
-                     "live_peak_steps": worst("live_peak_steps"), "live_after_build": worst("live_after_build"),
-                     "vmhwm": worst("vmhwm"),
-                     "malloc_free": worst("malloc_free") if launches[0][0]["malloc_free"] is not None else None,
-                     "grad_bytes": _median([ranks[0]["grad_bytes"] for ranks in launches]),
-                     "gather_bytes": _median([ranks[0]["gather_bytes"] for ranks in launches]),
-                     "collectives_rank0": launches[0][0]["collectives"]}
+        mem[side] = {
+            "rss_growth": worst("rss_growth"),
+            "rss_growth_build": worst("rss_growth_build"),
+            "live_peak": worst("live_peak"),
+            "live_peak_build": worst("live_peak_build"),
+            "live_peak_steps": worst("live_peak_steps"),
+            "live_after_build": worst("live_after_build"),
+            "vmhwm": worst("vmhwm"),
+            "malloc_free": worst("malloc_free") if launches[0][0]["malloc_free"] is not None else None,
+            "grad_bytes": _median([ranks[0]["grad_bytes"] for ranks in launches]),
+            "gather_bytes": _median([ranks[0]["gather_bytes"] for ranks in launches]),
+            "collectives_rank0": launches[0][0]["collectives"],
+        }
     report["memory"] = mem
     # step times: a step is as slow as its slowest process
     sides = cfg["sides"]
-    steps = {s: [[max(ts) for ts in zip(*(res["times"][s][r] for res in timing))] for r in range(cfg["rounds"])]
-             for s in sides}
+    steps = {
+        s: [[max(ts) for ts in zip(*(res["times"][s][r] for res in timing))] for r in range(cfg["rounds"])]
+        for s in sides
+    }
     med = {s: _median([t for rnd in steps[s] for t in rnd]) for s in sides}
-    report["step_s"] = {s: {"median": med[s], "per_round_median": [_median(rnd) for rnd in steps[s]],
-                            "ci95_of_median": median_ci95([t for rnd in steps[s] for t in rnd])} for s in sides}
+    report["step_s"] = {
+        s: {
+            "median": med[s],
+            "per_round_median": [_median(rnd) for rnd in steps[s]],
+            "ci95_of_median": median_ci95([t for rnd in steps[s] for t in rnd]),
+        }
+        for s in sides
+    }
     report["orders"] = timing[0]["orders"]
 
     def ratio(a: str, b: str) -> dict | None:
         if a not in sides or b not in sides:
             return None
         rounds = [_median(x) / _median(y) for x, y in zip(steps[a], steps[b])]
-        return {"ratio": _median(rounds), "per_round": rounds, "pooled": med[a] / med[b],
-                "ci95": median_ci95(rounds) if len(rounds) > 1 else None}
+        return {
+            "ratio": _median(rounds),
+            "per_round": rounds,
+            "pooled": med[a] / med[b],
+            "ci95": median_ci95(rounds) if len(rounds) > 1 else None,
+        }
 
-    report["step_ratios"] = {name: ratio(a, b) for name, (a, b) in {
-        "lora_step_vs_full_ft": ("tm-lora", "tm-full"), "lora_step_vs_peft_ddp": ("tm-lora", "peft-ddp"),
-        "lora_step_vs_accelerate": ("tm-lora", "accelerate"), "lora_dp_step_vs_peft_ddp": ("tm-lora-dp", "peft-ddp"),
-        "accelerate_step_vs_peft_ddp": ("accelerate", "peft-ddp")}.items() if ratio(a, b) is not None}
+    report["step_ratios"] = {
+        name: ratio(a, b)
+        for name, (a, b) in {
+            "lora_step_vs_full_ft": ("tm-lora", "tm-full"),
+            "lora_step_vs_peft_ddp": ("tm-lora", "peft-ddp"),
+            "lora_step_vs_accelerate": ("tm-lora", "accelerate"),
+            "lora_dp_step_vs_peft_ddp": ("tm-lora-dp", "peft-ddp"),
+            "accelerate_step_vs_peft_ddp": ("accelerate", "peft-ddp"),
+        }.items()
+        if ratio(a, b) is not None
+    }
     # same work: every side's first global loss (the same base model, the same rows, lora_B = 0)
     first = {s: timing[0]["losses"][s][0][0] for s in sides}
     reference = first["tm-full"] if "tm-full" in first else next(iter(first.values()))
@@ -494,8 +583,9 @@ def summarize(cfg: dict, memory: dict, timing: list[dict], parity: dict, counts:
     figures["adamw_microbatch_noise_1proc"] = parity["adamw_microbatch_noise_1proc"]
     if "tm-lora" in mem and "tm-full" in mem:
         figures["lora_peak_live_vs_full_ft"] = mem["tm-lora"]["live_peak"] / mem["tm-full"]["live_peak"]
-        figures["lora_steps_peak_live_vs_full_ft"] = (mem["tm-lora"]["live_peak_steps"]
-                                                      / mem["tm-full"]["live_peak_steps"])
+        figures["lora_steps_peak_live_vs_full_ft"] = (
+            mem["tm-lora"]["live_peak_steps"] / mem["tm-full"]["live_peak_steps"]
+        )
         figures["lora_gather_bytes_vs_full"] = mem["tm-lora"]["gather_bytes"] / mem["tm-full"]["gather_bytes"]
     if "tm-lora" in mem and "peft-ddp" in mem:
         figures["lora_peak_vs_peft_ddp"] = mem["tm-lora"]["rss_growth"] / mem["peft-ddp"]["rss_growth"]
@@ -510,13 +600,15 @@ def summarize(cfg: dict, memory: dict, timing: list[dict], parity: dict, counts:
 def print_report(report: dict) -> None:
     cfg, mb = report["config"], 2**20
     size, counts = cfg["size"], report["counts"]
-    print(f"Llama {counts['params'] / 1e6:.1f}M parameters (hidden {size['hidden']}, {size['layers']} layers, "
-          f"vocabulary {size['vocab']}), LoRA r={LORA['r']} on {','.join(TARGET_MODULES)}: "
-          f"{counts['trainable'] / 1e6:.2f}M trainable ({counts['trainable'] / counts['params']:.1%}); "
-          f"{WORLD} gloo processes x 1 thread; "
-          f"{size['rows']} x {size['seq']} tokens per process and step; precision {cfg['precision']} "
-          f"({cfg['precision_why']}); {cfg['rounds']} rounds x ({cfg['warmup']} warmup + {cfg['steps']} timed steps) "
-          f"per side; memory: {cfg['mem_rounds']} fresh launch(es) per side x {cfg['mem_steps']} steps")
+    print(
+        f"Llama {counts['params'] / 1e6:.1f}M parameters (hidden {size['hidden']}, {size['layers']} layers, "
+        f"vocabulary {size['vocab']}), LoRA r={LORA['r']} on {','.join(TARGET_MODULES)}: "
+        f"{counts['trainable'] / 1e6:.2f}M trainable ({counts['trainable'] / counts['params']:.1%}); "
+        f"{WORLD} gloo processes x 1 thread; "
+        f"{size['rows']} x {size['seq']} tokens per process and step; precision {cfg['precision']} "
+        f"({cfg['precision_why']}); {cfg['rounds']} rounds x ({cfg['warmup']} warmup + {cfg['steps']} timed steps) "
+        f"per side; memory: {cfg['mem_rounds']} fresh launch(es) per side x {cfg['mem_steps']} steps"
+    )
     print(f"trainmesh: {TRAINMESH_SETTINGS}")
     for name, text in PEER_SETTINGS.items():
         print(f"peer {name}: {text}")
@@ -528,23 +620,37 @@ def print_report(report: dict) -> None:
     for side in cfg["sides"]:
         st, m = report["step_s"][side], report["memory"].get(side)
         lo, hi = st["ci95_of_median"]
-        keys = ("rss_growth_build", "rss_growth", "live_peak_build", "live_peak_steps", "malloc_free", "grad_bytes",
-                "gather_bytes")
+        keys = (
+            "rss_growth_build",
+            "rss_growth",
+            "live_peak_build",
+            "live_peak_steps",
+            "malloc_free",
+            "grad_bytes",
+            "gather_bytes",
+        )
         mem_cols = "".join(f"{(m[k] or 0) / mb:>12.1f}" if m else f"{'-':>12}" for k in keys)
         interval = f"{lo:.2f}-{hi:.2f}"
         print(f"{side:<12}{st['median']:>8.3f}{interval:>11}{mem_cols}{report['first_losses'][side]:>10.5f}")
-    print("MB (2^20 bytes), the worst process: RSS+ = peak RSS growth from before the model is built, to the end of "
-          "building / of the memory steps; live = most tensor bytes alive at once while building / during the steps; "
-          "malloc free = what glibc malloc holds free at the end")
-    print("grad / gather MB: one process's gradient collectives (ZeRO-3 reduce-scatters, DDP all-reduces) and "
-          "parameter all-gathers per step, full buffers, counted at the dispatcher")
+    print(
+        "MB (2^20 bytes), the worst process: RSS+ = peak RSS growth from before the model is built, to the end of "
+        "building / of the memory steps; live = most tensor bytes alive at once while building / during the steps; "
+        "malloc free = what glibc malloc holds free at the end"
+    )
+    print(
+        "grad / gather MB: one process's gradient collectives (ZeRO-3 reduce-scatters, DDP all-reduces) and "
+        "parameter all-gathers per step, full buffers, counted at the dispatcher"
+    )
     p = report["parity"]
-    print(f"parity ({PARITY_STEPS} steps of SGD lr 0.5 momentum 0.9, fp32, adapters vs one process): "
-          + ", ".join(f"{k} {v:.3g}" for k, v in p["max_abs_diff"].items())
-          + "; with AdamW (lr 1e-2): " + ", ".join(f"{k} {v:.3g}" for k, v in p["adamw_max_abs_diff"].items())
-          + f" against AdamW's own noise on one process (4 micro-batches vs 1) {p['adamw_microbatch_noise_1proc']:.3g}"
-          + f"; adapters moved {p['adapters_moved']:.3g}; frozen base unchanged: {p['frozen_unchanged']}; "
-          f"TP sharded parameters {p['tp_sharded_params']}")
+    print(
+        f"parity ({PARITY_STEPS} steps of SGD lr 0.5 momentum 0.9, fp32, adapters vs one process): "
+        + ", ".join(f"{k} {v:.3g}" for k, v in p["max_abs_diff"].items())
+        + "; with AdamW (lr 1e-2): "
+        + ", ".join(f"{k} {v:.3g}" for k, v in p["adamw_max_abs_diff"].items())
+        + f" against AdamW's own noise on one process (4 micro-batches vs 1) {p['adamw_microbatch_noise_1proc']:.3g}"
+        + f"; adapters moved {p['adapters_moved']:.3g}; frozen base unchanged: {p['frozen_unchanged']}; "
+        f"TP sharded parameters {p['tp_sharded_params']}"
+    )
     print()
     quick = " (--quick: smoke run, too few steps to judge)" if cfg["quick"] else ""
     print(f"{'figure':<30}{'value':>10}  {'goal':<9}{'verdict':<9}per-round range")
@@ -557,8 +663,10 @@ def print_report(report: dict) -> None:
     if quick:
         print(quick.strip())
     if not report["same_work"]:
-        print(f"INVALID: first-step losses differ beyond {LOSS_TOLERANCE[cfg['precision']]:g} relative: "
-              f"{report['first_losses']}")
+        print(
+            f"INVALID: first-step losses differ beyond {LOSS_TOLERANCE[cfg['precision']]:g} relative: "
+            f"{report['first_losses']}"
+        )
     elif not report["valid"]:
         print("INVALID: the parity run did not train the adapters or changed the frozen base")
 
@@ -594,12 +702,20 @@ def main(argv: list[str] | None = None) -> int:
         precision, why = fastest_precision("cpu")
     else:
         precision, why = args.precision, "--precision"
-    cfg = {"quick": args.quick, "size": SIZES["quick" if args.quick else "full"], "precision": precision,
-           "precision_why": why, "rounds": args.rounds or (2 if args.quick else 8),
-           "steps": args.steps or (2 if args.quick else 3), "warmup": args.warmup,
-           "mem_steps": args.mem_steps or (2 if args.quick else 3),
-           "mem_rounds": args.mem_rounds or (1 if args.quick else 2), "sides": sides, "seed": args.seed,
-           "skipped": skipped}
+    cfg = {
+        "quick": args.quick,
+        "size": SIZES["quick" if args.quick else "full"],
+        "precision": precision,
+        "precision_why": why,
+        "rounds": args.rounds or (2 if args.quick else 8),
+        "steps": args.steps or (2 if args.quick else 3),
+        "warmup": args.warmup,
+        "mem_steps": args.mem_steps or (2 if args.quick else 3),
+        "mem_rounds": args.mem_rounds or (1 if args.quick else 2),
+        "sides": sides,
+        "seed": args.seed,
+        "skipped": skipped,
+    }
     import peft
     import transformers
 
@@ -614,8 +730,9 @@ def main(argv: list[str] | None = None) -> int:
         base = transformers.LlamaForCausalLM(llama_config(cfg["size"]))
         base.save_pretrained(cfg["base_dir"])
         counts = {"params": sum(p.numel() for p in base.parameters())}
-        counts["trainable"] = sum(p.numel() for p in peft.get_peft_model(base, lora_config()).parameters()
-                                  if p.requires_grad)
+        counts["trainable"] = sum(
+            p.numel() for p in peft.get_peft_model(base, lora_config()).parameters() if p.requires_grad
+        )
         del base
         # --quick: the two launches the figures need (the peer's peak is context); a launch costs ~25 s here
         memory_sides = list(MEMORY_SIDES[:2] if args.quick else MEMORY_SIDES)
@@ -623,8 +740,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(cfg["mem_rounds"]):
             for side in round_order(memory_sides, r):
                 t = time.time()
-                memory[side].append(run_distributed(memory_worker, world_size=WORLD, args=(cfg, side),
-                                                    timeout=1800, collective_timeout=900))
+                memory[side].append(
+                    run_distributed(
+                        memory_worker, world_size=WORLD, args=(cfg, side), timeout=1800, collective_timeout=900
+                    )
+                )
                 print(f"  memory {side}: {time.time() - t:.0f} s", flush=True)
         t = time.time()
         timing = run_distributed(timing_worker, world_size=WORLD, args=(cfg,), timeout=3600, collective_timeout=900)
@@ -635,11 +755,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     report = summarize(cfg, memory, timing, parity, counts)
-    report.update(seconds=time.time() - started, load_avg_1min={"before": load_before, "after": os.getloadavg()[0]},
-                  versions={"torch": torch.__version__, "transformers": transformers.__version__,
-                            "peft": peft.__version__},
-                  raw={"memory": memory, "timing_times": [r["times"] for r in timing],
-                       "timing_losses": timing[0]["losses"]})
+    report.update(
+        seconds=time.time() - started,
+        load_avg_1min={"before": load_before, "after": os.getloadavg()[0]},
+        versions={"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
+        raw={"memory": memory, "timing_times": [r["times"] for r in timing], "timing_losses": timing[0]["losses"]},
+    )
     print_report(report)
     if args.json:
         with open(args.json, "w") as fh:

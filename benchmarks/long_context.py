@@ -45,9 +45,15 @@ def _model(cfg):
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
-                                      num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
-                                      num_key_value_heads=cfg["kv_heads"], max_position_embeddings=1 << 17)
+    config = transformers.LlamaConfig(
+        vocab_size=cfg["vocab"],
+        hidden_size=cfg["hidden"],
+        intermediate_size=cfg["ffn"],
+        num_hidden_layers=cfg["layers"],
+        num_attention_heads=cfg["heads"],
+        num_key_value_heads=cfg["kv_heads"],
+        max_position_embeddings=1 << 17,
+    )
     config._attn_implementation = "sdpa"
     return transformers.LlamaForCausalLM(config).float()
 
@@ -76,8 +82,9 @@ def _job(cfg) -> dict:
     trainers = {}
     for method in ("ring", "ulysses"):
         distribution = tm.DataParallel(seq_mesh, sequence_dim_name="seq", context_parallel=method)
-        trainers[method] = tm.Trainer(_model(cfg), make_optimizer, lm_loss, distribution=distribution,
-                                      progress=False, nonfinite_loss=None)
+        trainers[method] = tm.Trainer(
+            _model(cfg), make_optimizer, lm_loss, distribution=distribution, progress=False, nonfinite_loss=None
+        )
     # saved bytes per process at two lengths (for the budget line), and one process's at the same lengths
     for seq in (cfg["seq"] // 2, cfg["seq"]):
         x, y = _tokens(cfg, seq, cfg["batch"])
@@ -111,8 +118,9 @@ def _job(cfg) -> dict:
     x, y = _tokens(cfg, cfg["seq"], cfg["batch"])
     for sp in (False, True):
         model = _model(cfg)
-        distribution = tm.ModelParallel(layout_map=tm.LayoutMap.auto(model, mesh, verbose=False),
-                                        batch_dim_name="data", sequence_parallel=sp)
+        distribution = tm.ModelParallel(
+            layout_map=tm.LayoutMap.auto(model, mesh, verbose=False), batch_dim_name="data", sequence_parallel=sp
+        )
         trainer = tm.Trainer(model, make_optimizer, lm_loss, distribution=distribution, progress=False)
         trainer.model.train()
         rows = slice(0, cfg["batch"] // 2) if distribution.data_index() == 0 else slice(cfg["batch"] // 2, None)
@@ -137,8 +145,9 @@ def main(argv=None) -> int:
     if args.quick:
         cfg = dict(vocab=2048, hidden=128, ffn=352, layers=2, heads=8, kv_heads=4, seq=256, batch=2, steps=2, rounds=2)
     else:
-        cfg = dict(vocab=8192, hidden=512, ffn=1408, layers=6, heads=8, kv_heads=4, seq=1024, batch=2, steps=2,
-                   rounds=3)
+        cfg = dict(
+            vocab=8192, hidden=512, ffn=1408, layers=6, heads=8, kv_heads=4, seq=1024, batch=2, steps=2, rounds=3
+        )
     cfg["seq"] = args.seq or cfg["seq"]
     cfg["rounds"] = args.rounds or cfg["rounds"]
     import torch
@@ -158,8 +167,9 @@ def main(argv=None) -> int:
     per_process = {k: max(r["saved"][k] for r in results) for k in saved if k[0] in ("ring", "ulysses")}
     longest = min(_longest(per_process, m, (half, seq), budget) for m in ("ring", "ulysses")) / seq
     expected, _ = reference(build_model(), *data())
-    parity = max(max((first["parity"][m][k] - expected[k]).abs().max().item() for k in expected)
-                 for m in ("ring", "ulysses"))
+    parity = max(
+        max((first["parity"][m][k] - expected[k]).abs().max().item() for k in expected) for m in ("ring", "ulysses")
+    )
     sp_ratio = max(r["saved"][("sp", seq)] for r in results) / max(r["saved"][("tp", seq)] for r in results)
     ring, ulysses = first["steps"]["ring"], first["steps"]["ulysses"]
     ratios = [a / b for a, b in zip(ring, ulysses)]
@@ -178,21 +188,38 @@ def main(argv=None) -> int:
         "cp_step_vs_deepspeed_ulysses": None,
         "ring_vs_ulysses_step": statistics.median(ratios),
     }
-    report = {"config": cfg, "parameters": params, "world_size": 4, "quick": args.quick, "figures": figures,
-              "skipped": skipped, "load_avg_1min": {"before": load_before, "after": load_after},
-              "step_s": {"ring": ring, "ulysses": ulysses}, "ring_over_ulysses_per_round": ratios,
-              "saved_bytes": {f"{k[0]}@{k[1]}": v for k, v in saved.items()}, "torch": torch.__version__}
-    targets = {"cp_saved_activations_vs_single": "<= 0.30", "cp_longest_seq_vs_single": ">= 3.5",
-               "cp_parity_max_abs_diff": "<= 1e-6", "sp_activations_vs_tp": "<= 0.65",
-               "cp_step_vs_deepspeed_ulysses": "<= 1.0", "ring_vs_ulysses_step": "reported"}
-    print(f"Llama {params / 1e6:.1f}M parameters, seq {seq}, 4 gloo processes, load {load_before:.1f} -> "
-          f"{load_after:.1f}")
+    report = {
+        "config": cfg,
+        "parameters": params,
+        "world_size": 4,
+        "quick": args.quick,
+        "figures": figures,
+        "skipped": skipped,
+        "load_avg_1min": {"before": load_before, "after": load_after},
+        "step_s": {"ring": ring, "ulysses": ulysses},
+        "ring_over_ulysses_per_round": ratios,
+        "saved_bytes": {f"{k[0]}@{k[1]}": v for k, v in saved.items()},
+        "torch": torch.__version__,
+    }
+    targets = {
+        "cp_saved_activations_vs_single": "<= 0.30",
+        "cp_longest_seq_vs_single": ">= 3.5",
+        "cp_parity_max_abs_diff": "<= 1e-6",
+        "sp_activations_vs_tp": "<= 0.65",
+        "cp_step_vs_deepspeed_ulysses": "<= 1.0",
+        "ring_vs_ulysses_step": "reported",
+    }
+    print(
+        f"Llama {params / 1e6:.1f}M parameters, seq {seq}, 4 gloo processes, load {load_before:.1f} -> {load_after:.1f}"
+    )
     print(f"{'figure':34} {'value':>12}  goal")
     for name, value in figures.items():
         shown = "n/a" if value is None else (f"{value:.3g}" if abs(value) < 1e-3 else f"{value:.3f}")
         print(f"{name:34} {shown:>12}  {targets[name]}")
-    print(f"ring / ulysses step per round: {', '.join(f'{r:.2f}' for r in ratios)} "
-          f"(spread {min(ratios):.2f}-{max(ratios):.2f})")
+    print(
+        f"ring / ulysses step per round: {', '.join(f'{r:.2f}' for r in ratios)} "
+        f"(spread {min(ratios):.2f}-{max(ratios):.2f})"
+    )
     for name, reason in skipped.items():
         print(f"{name}: {reason}")
     if args.json:

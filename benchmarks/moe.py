@@ -59,8 +59,9 @@ from trainer_overhead import round_order  # noqa: E402  rotating, reversing roun
 WORLD = 4
 SIDES = ("tm-ep4", "tm-ep4-zero3", "hf-ep4", "tm-zero3")
 SIZES = {
-    "full": dict(hidden=512, layers=4, experts=16, moe_intermediate=768, heads=8, kv_heads=4, vocab=16384,
-                 seq=128, rows=1),
+    "full": dict(
+        hidden=512, layers=4, experts=16, moe_intermediate=768, heads=8, kv_heads=4, vocab=16384, seq=128, rows=1
+    ),
     "quick": dict(hidden=64, layers=2, experts=8, moe_intermediate=64, heads=4, kv_heads=2, vocab=512, seq=32, rows=2),
 }
 TOP_K = 2
@@ -75,11 +76,21 @@ def moe_config(size: dict):
     import transformers
 
     return transformers.Qwen3MoeConfig(
-        vocab_size=size["vocab"], hidden_size=size["hidden"], intermediate_size=4 * size["hidden"],
-        moe_intermediate_size=size["moe_intermediate"], num_hidden_layers=size["layers"],
-        num_attention_heads=size["heads"], num_key_value_heads=size["kv_heads"],
-        head_dim=size["hidden"] // size["heads"], num_experts=size["experts"], num_experts_per_tok=TOP_K,
-        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False, max_position_embeddings=size["seq"])
+        vocab_size=size["vocab"],
+        hidden_size=size["hidden"],
+        intermediate_size=4 * size["hidden"],
+        moe_intermediate_size=size["moe_intermediate"],
+        num_hidden_layers=size["layers"],
+        num_attention_heads=size["heads"],
+        num_key_value_heads=size["kv_heads"],
+        head_dim=size["hidden"] // size["heads"],
+        num_experts=size["experts"],
+        num_experts_per_tok=TOP_K,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+        max_position_embeddings=size["seq"],
+    )
 
 
 def lm_loss(outputs, targets):
@@ -97,7 +108,8 @@ def build_side(side: str, cfg: dict):
         from transformers.distributed import DistributedConfig
 
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            cfg["dir"], dtype=torch.float32, distributed_config=DistributedConfig(ep_size=WORLD, fsdp_size=WORLD))
+            cfg["dir"], dtype=torch.float32, distributed_config=DistributedConfig(ep_size=WORLD, fsdp_size=WORLD)
+        )
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
     model = transformers.AutoModelForCausalLM.from_pretrained(cfg["dir"], dtype=torch.float32)
     if side == "tm-zero3":
@@ -105,8 +117,9 @@ def build_side(side: str, cfg: dict):
     else:
         mesh = tm.DeviceMesh((WORLD,), ["data"], devices=tm.list_devices())
         layout_map = tm.LayoutMap.auto(model, mesh, expert_axis="data", verbose=False)
-        distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data",
-                                        zero_stage=3 if side == "tm-ep4-zero3" else 0)
+        distribution = tm.ModelParallel(
+            layout_map=layout_map, batch_dim_name="data", zero_stage=3 if side == "tm-ep4-zero3" else 0
+        )
     model = distribution.distribute_model(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -155,8 +168,9 @@ def parity() -> dict:
         model = moe_model(family)
         layout_map = tm.LayoutMap.auto(model, mesh, expert_axis=expert_axis, verbose=False)
         distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data")
-        trainer = tm.Trainer(model, make_optimizer, case_loss, distribution=distribution, zero_stage=stage,
-                             progress=False)
+        trainer = tm.Trainer(
+            model, make_optimizer, case_loss, distribution=distribution, zero_stage=stage, progress=False
+        )
         trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
         out[name] = {k: v.detach().clone() for k, v in trainer.state_dict()["model"].items()}
     return out
@@ -172,7 +186,7 @@ def timing_worker(cfg: dict) -> dict:
     size = cfg["size"]
     g = torch.Generator().manual_seed(cfg["seed"] + 1)
     tokens = torch.randint(0, size["vocab"], (WORLD * size["rows"], size["seq"] + 1), generator=g)
-    mine = tokens[rank * size["rows"]:(rank + 1) * size["rows"]]
+    mine = tokens[rank * size["rows"] : (rank + 1) * size["rows"]]
     x, y = mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
     sides, skipped = {}, {}
     for side in SIDES:
@@ -199,15 +213,28 @@ def timing_worker(cfg: dict) -> dict:
     sent = torch.tensor([sum(layer["bytes_to_others"] for layer in stats.values())], dtype=torch.float64)
     dist.all_reduce(sent)
     sides.clear()
-    return {"times": times, "skipped": skipped, "loads": loads, "dispatch_bytes": float(sent),
-            "moe_layers": len(stats), "expert_state": (state_local, state_full), "parity": parity()}
+    return {
+        "times": times,
+        "skipped": skipped,
+        "loads": loads,
+        "dispatch_bytes": float(sent),
+        "moe_layers": len(stats),
+        "expert_state": (state_local, state_full),
+        "parity": parity(),
+    }
 
 
 def summarize(cfg: dict, result: dict, counts: dict) -> dict:
     size = cfg["size"]
     medians = {side: [statistics.median(r) for r in rounds] for side, rounds in result["times"].items()}
-    report = {"config": {k: v for k, v in cfg.items() if k != "dir"}, "params": counts,
-              "skipped": result["skipped"], "loads_per_round": result["loads"], "step_seconds": {}, "ratios": {}}
+    report = {
+        "config": {k: v for k, v in cfg.items() if k != "dir"},
+        "params": counts,
+        "skipped": result["skipped"],
+        "loads_per_round": result["loads"],
+        "step_seconds": {},
+        "ratios": {},
+    }
     for side, values in medians.items():
         report["step_seconds"][side] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -215,14 +242,19 @@ def summarize(cfg: dict, result: dict, counts: dict) -> dict:
         if a not in medians or b not in medians:
             return None
         per_round = [x / y for x, y in zip(medians[a], medians[b])]
-        report["ratios"][f"{a} / {b}"] = {"median": statistics.median(per_round), "min": min(per_round),
-                                          "max": max(per_round)}
+        report["ratios"][f"{a} / {b}"] = {
+            "median": statistics.median(per_round),
+            "min": min(per_round),
+            "max": max(per_round),
+        }
         return statistics.median(per_round)
 
     figures = {}
-    for name, a, b in (("moe_ep_step_vs_transformers_ep", "tm-ep4-zero3", "hf-ep4"),
-                       ("moe_ep_dp_step_vs_transformers_ep", "tm-ep4", "hf-ep4"),
-                       ("moe_ep_step_vs_zero3", "tm-ep4", "tm-zero3")):
+    for name, a, b in (
+        ("moe_ep_step_vs_transformers_ep", "tm-ep4-zero3", "hf-ep4"),
+        ("moe_ep_dp_step_vs_transformers_ep", "tm-ep4", "hf-ep4"),
+        ("moe_ep_step_vs_zero3", "tm-ep4", "tm-zero3"),
+    ):
         value = ratio(a, b)
         if value is not None:
             figures[name] = value
@@ -238,8 +270,10 @@ def summarize(cfg: dict, result: dict, counts: dict) -> dict:
 
 
 def print_report(report: dict) -> None:
-    print(f"\nQwen3-MoE, {report['params']['total'] / 1e6:.1f}M parameters ({report['params']['experts'] / 1e6:.1f}M "
-          f"in experts), {WORLD} gloo processes")
+    print(
+        f"\nQwen3-MoE, {report['params']['total'] / 1e6:.1f}M parameters ({report['params']['experts'] / 1e6:.1f}M "
+        f"in experts), {WORLD} gloo processes"
+    )
     print(f"{'side':<16}{'median s/step':>14}{'min':>10}{'max':>10}")
     for side, s in report["step_seconds"].items():
         print(f"{side:<16}{s['median']:>14.4f}{s['min']:>10.4f}{s['max']:>10.4f}")
@@ -270,19 +304,26 @@ def main(argv: list[str] | None = None) -> int:
     from trainmesh.testing import run_distributed
 
     size = SIZES["quick" if args.quick else "full"]
-    cfg = {"quick": args.quick, "size": size, "rounds": args.rounds or (2 if args.quick else 6),
-           "steps": args.steps or (2 if args.quick else 3), "warmup": args.warmup, "seed": args.seed}
+    cfg = {
+        "quick": args.quick,
+        "size": size,
+        "rounds": args.rounds or (2 if args.quick else 6),
+        "steps": args.steps or (2 if args.quick else 3),
+        "warmup": args.warmup,
+        "seed": args.seed,
+    }
     started, scratch = time.time(), tempfile.mkdtemp(prefix="moe-")
     try:
         cfg["dir"] = os.path.join(scratch, "model")
         torch.manual_seed(args.seed)
         model = transformers.Qwen3MoeForCausalLM(moe_config(size))
         model.save_pretrained(cfg["dir"])
-        counts = {"total": sum(p.numel() for p in model.parameters()),
-                  "experts": sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)}
+        counts = {
+            "total": sum(p.numel() for p in model.parameters()),
+            "experts": sum(p.numel() for n, p in model.named_parameters() if ".experts." in n),
+        }
         del model
-        result = run_distributed(timing_worker, world_size=WORLD, args=(cfg,), timeout=3600,
-                                 collective_timeout=900)[0]
+        result = run_distributed(timing_worker, world_size=WORLD, args=(cfg,), timeout=3600, collective_timeout=900)[0]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     got = result.pop("parity")
@@ -291,8 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         want = reference(family)["params"]
         result["parity_diffs"][name] = max((got[name][k] - want[k]).abs().max().item() for k in want)
     report = summarize(cfg, result, counts)
-    report.update(seconds=time.time() - started, versions={"torch": torch.__version__,
-                                                           "transformers": transformers.__version__})
+    report.update(
+        seconds=time.time() - started, versions={"torch": torch.__version__, "transformers": transformers.__version__}
+    )
     print_report(report)
     if args.json:
         with open(args.json, "w") as fh:

@@ -57,8 +57,13 @@ def worker(steps: int, out: str) -> None:
     tm.initialize()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, WIDTH),
-                                torch.nn.Tanh(), torch.nn.Linear(WIDTH, 256))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, WIDTH),
+        torch.nn.Tanh(),
+        torch.nn.Linear(WIDTH, WIDTH),
+        torch.nn.Tanh(),
+        torch.nn.Linear(WIDTH, 256),
+    )
     g = torch.Generator().manual_seed(1)
     n = steps * GLOBAL_BATCH
     data = (torch.randn(n, 256, generator=g), torch.randn(n, 256, generator=g))
@@ -68,8 +73,9 @@ def worker(steps: int, out: str) -> None:
         def on_train_batch_end(self, step, logs=None):
             stamps.append(time.perf_counter())
 
-    trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=1e-3), torch.nn.MSELoss(),
-                         callbacks=[Clock()], progress=False)
+    trainer = tm.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=1e-3), torch.nn.MSELoss(), callbacks=[Clock()], progress=False
+    )
     trainer.fit(data, epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
     final = trainer.state_dict()["model"]
     if tm.is_main_process():
@@ -87,9 +93,21 @@ def _run(host, script_args: list[str], *run_args: str, log: Path) -> subprocess.
 
 
 def _multi(host, port: int, *extra: str) -> list[str]:
-    return ["--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(host.index),
-            "--rdzv-endpoint", f"{host.cluster.hosts[0].address}:{port}", "--rdzv-id", f"bench{port}",
-            "--rdzv-conf", RDZV_CONF, *extra]
+    return [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--node-rank",
+        str(host.index),
+        "--rdzv-endpoint",
+        f"{host.cluster.hosts[0].address}:{port}",
+        "--rdzv-id",
+        f"bench{port}",
+        "--rdzv-conf",
+        RDZV_CONF,
+        *extra,
+    ]
 
 
 def _wait(procs, log: Path, timeout: float = 600) -> None:
@@ -104,8 +122,11 @@ def _wait(procs, log: Path, timeout: float = 600) -> None:
 
 
 def _tail(log: Path) -> str:
-    lines = [line for line in log.read_text().splitlines()
-             if "Warning" not in line and "return func" not in line and not line.startswith("frame #")]
+    lines = [
+        line
+        for line in log.read_text().splitlines()
+        if "Warning" not in line and "return func" not in line and not line.startswith("frame #")
+    ]
     return "\n".join(lines[-40:])
 
 
@@ -129,8 +150,10 @@ def parity(cluster, work: Path) -> float:
     log = work / "parity.log"
     _wait([_run(cluster.hosts[0], [str(DP_JOB), "--out", str(one), "--runs", "dp"], "-n", "4", log=log)], log)
     port = Ports.take()
-    _wait([_run(h, [str(DP_JOB), "--out", str(two), "--runs", "dp"], *_multi(h, port), log=log)
-           for h in cluster.hosts], log)
+    _wait(
+        [_run(h, [str(DP_JOB), "--out", str(two), "--runs", "dp"], *_multi(h, port), log=log) for h in cluster.hosts],
+        log,
+    )
     return _max_abs_diff(torch.load(one / "final_dp.pt"), torch.load(two / "final_dp.pt"))
 
 
@@ -159,8 +182,12 @@ def host_kill(cluster, work: Path) -> tuple[int, int, float]:
     host1.kill()
     back = _run(host1, _ft_args(hit, "--tag", "back"), *_multi(host1, port, "--max-restarts", "2"), log=log)
     _wait([survivor, back], log)
-    resumed = [int(line.split()[2]) for name in glob.glob(str(hit / "samples.rank*.log"))
-               for line in Path(name).read_text().splitlines() if line.startswith("RESUME run-1 ")]
+    resumed = [
+        int(line.split()[2])
+        for name in glob.glob(str(hit / "samples.rank*.log"))
+        for line in Path(name).read_text().splitlines()
+        if line.startswith("RESUME run-1 ")
+    ]
     if not resumed:
         raise RuntimeError(f"no restart was logged; the log ends:\n{_tail(log)}")
     a, b = torch.load(ref / "final.pt"), torch.load(hit / "final.pt")
@@ -230,23 +257,39 @@ def main() -> int:
     ratios = [b / a for a, b in zip(times["1 host"], times["2 hosts 1Gbit"])]
     ratio = statistics.median(ratios)
     low, high = ci95(ratios)
-    print(f"2 network-namespace hosts x 2 processes vs 1 host x 4 (gloo, CPU, 1 thread each), "
-          f"torch {torch.__version__}, {platform.machine()}, load {_load()}")
+    print(
+        f"2 network-namespace hosts x 2 processes vs 1 host x 4 (gloo, CPU, 1 thread each), "
+        f"torch {torch.__version__}, {platform.machine()}, load {_load()}"
+    )
     print(f"{'side':<16}{'median s/step':>15}{'95% of launches':>24}")
     for side, values in times.items():
         lo, hi = ci95(values)
         print(f"{side:<16}{statistics.median(values):>15.4f}{f'[{lo:.4f}, {hi:.4f}]':>24}")
-    print(f"dp_2hosts_step_vs_1host        {ratio:.3f}  (95% of rounds in [{low:.3f}, {high:.3f}]; "
-          f"{len(ratios)} rounds, MLP {WIDTH} wide, global batch {GLOBAL_BATCH})")
+    print(
+        f"dp_2hosts_step_vs_1host        {ratio:.3f}  (95% of rounds in [{low:.3f}, {high:.3f}]; "
+        f"{len(ratios)} rounds, MLP {WIDTH} wide, global batch {GLOBAL_BATCH})"
+    )
     print(f"dp_2hosts_parity_max_abs_diff  {parity_diff:.3g}  (goal <= 1e-6)")
     print(f"host_kill_resume_identical     {identical}  (max |diff| {kill_diff:.3g})")
-    print(f"host_kill_lost_steps           {lost_steps}  (saves every {SAVE_EVERY}, host killed at step {KILL_AT}; goal <= 3)")
-    figures = {"dp_2hosts_parity_max_abs_diff": parity_diff, "host_kill_resume_identical": identical,
-               "host_kill_lost_steps": lost_steps, "dp_2hosts_step_vs_1host": ratio}
+    print(
+        f"host_kill_lost_steps           {lost_steps}  (saves every {SAVE_EVERY}, host killed at step {KILL_AT}; goal <= 3)"
+    )
+    figures = {
+        "dp_2hosts_parity_max_abs_diff": parity_diff,
+        "host_kill_resume_identical": identical,
+        "host_kill_lost_steps": lost_steps,
+        "dp_2hosts_step_vs_1host": ratio,
+    }
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"figures": figures, "detail": {"step_s": times, "ratios": ratios,
-                                                      "step_sides_max_abs_diff": same_work}}, fh, indent=2)
+            json.dump(
+                {
+                    "figures": figures,
+                    "detail": {"step_s": times, "ratios": ratios, "step_sides_max_abs_diff": same_work},
+                },
+                fh,
+                indent=2,
+            )
     if same_work > 1e-5:
         print(f"INVALID: the step-time launches ended with different parameters (max |diff| {same_work:.3g})")
         return 1

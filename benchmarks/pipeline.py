@@ -77,11 +77,14 @@ def _parity_job(shape: tuple, axes: list) -> dict:
         distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", pipeline=pipeline)
     else:
         distribution = tm.DataParallel(device_mesh=mesh, pipeline=pipeline)
-    trainer = tm.Trainer(model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lm_loss,
-                         distribution=distribution, progress=False)
+    trainer = tm.Trainer(
+        model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lm_loss, distribution=distribution, progress=False
+    )
     trainer.fit(tokens(STEPS, BATCH), epochs=1, batch_size=BATCH, shuffle=False)
-    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for name, p in trainer.model.named_parameters()}
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in trainer.model.named_parameters()
+    }
 
 
 def _single_process() -> dict:
@@ -99,7 +102,9 @@ def _single_process() -> dict:
 def parity(world: int, shape: tuple, axes: list) -> float:
     results = run_distributed(_parity_job, world_size=world, args=(shape, axes), timeout=600)
     reference = _single_process()
-    return max((reference[name].detach() - value).abs().max().item() for part in results for name, value in part.items())
+    return max(
+        (reference[name].detach() - value).abs().max().item() for part in results for name, value in part.items()
+    )
 
 
 # --- bubble and activations -------------------------------------------------------------------
@@ -159,6 +164,7 @@ class BusyClock:
                 return method(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start
+
         return timed
 
 
@@ -215,11 +221,22 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="6 rounds (of the same model: see below)")
-    parser.add_argument("--smoke", action="store_true", help="the code path only (the test suite's): 1 round of a "
-                        "tiny model, 2 microbatches; the 8-process hybrid parity is left out")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the code path only (the test suite's): 1 round of a "
+        "tiny model, 2 microbatches; the 8-process hybrid parity is left out",
+    )
     args = parser.parse_args()
     if args.smoke:
-        args.rounds, args.microbatches, args.layers, args.d_model, args.rows_per_microbatch, args.seq = 1, 2, 4, 64, 2, 16
+        args.rounds, args.microbatches, args.layers, args.d_model, args.rows_per_microbatch, args.seq = (
+            1,
+            2,
+            4,
+            64,
+            2,
+            16,
+        )
     if args.quick:
         # Fewer rounds of the same model, not a narrower one: with blocks of width 128 a microbatch
         # carried ~22 ms of forward, too little for the bubble to mean anything (see the docstring),
@@ -228,9 +245,12 @@ def main() -> int:
 
     pp2 = parity(2, (2, 1), ["pipe", "data"])
     hybrid = None if args.smoke else parity(8, (2, 2, 2), ["pipe", "data", "model"])
-    ranks = run_distributed(_bubble_job, world_size=2, args=(args.rounds, args.microbatches, args.layers, args.d_model,
-                                                                    args.rows_per_microbatch, args.seq),
-                            timeout=900)
+    ranks = run_distributed(
+        _bubble_job,
+        world_size=2,
+        args=(args.rounds, args.microbatches, args.layers, args.d_model, args.rows_per_microbatch, args.seq),
+        timeout=900,
+    )
     p, m = 2, args.microbatches
     theory = (p - 1) / (m + p - 1)
     rows, idle, step_s = [], {}, {}
@@ -253,8 +273,10 @@ def main() -> int:
         "gpipe_receives_when_due_bubble_vs_theory": idle["gpipe_receives_when_due"] / theory,
         "gpipe_step_vs_receives_when_due": step_s["gpipe"] / step_s["gpipe_receives_when_due"],
     }
-    print(f"pipeline, p = {p} processes, M = {m} microbatches, {args.layers} blocks of width {args.d_model}, "
-          f"{args.rounds} interleaved rounds; load {os.getloadavg()[0]:.1f}")
+    print(
+        f"pipeline, p = {p} processes, M = {m} microbatches, {args.layers} blocks of width {args.d_model}, "
+        f"{args.rounds} interleaved rounds; load {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'schedule':<25}{'step ms':>10}{'95% range':>20}{'idle':>8}{'saved MiB':>11}")
     for schedule, step, lo, hi, frac, mib in rows:
         print(f"{schedule:<25}{step:>10.1f}{f'[{lo:.1f}, {hi:.1f}]':>20}{frac:>8.3f}{mib:>11.2f}")
@@ -266,10 +288,23 @@ def main() -> int:
         print("INVALID: the pipelined runs did not do the same work as one process", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"figures": figures,
-                       "detail": {"rows": rows, "theory_idle": theory, "config": vars(args),
-                                  "torch": torch.__version__, "machine": platform.machine(),
-                                  "load": os.getloadavg()[0], "per_rank": ranks}}, fh, indent=2, default=str)
+            json.dump(
+                {
+                    "figures": figures,
+                    "detail": {
+                        "rows": rows,
+                        "theory_idle": theory,
+                        "config": vars(args),
+                        "torch": torch.__version__,
+                        "machine": platform.machine(),
+                        "load": os.getloadavg()[0],
+                        "per_rank": ranks,
+                    },
+                },
+                fh,
+                indent=2,
+                default=str,
+            )
     return 0 if valid else 1
 
 

@@ -56,8 +56,16 @@ import torch
 from trainmesh.testing.memory import LiveTensorBytes
 from trainmesh.testing.stats import ci95
 
-MODEL = dict(model_type="llama", hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=8, vocab_size=4096, max_position_embeddings=256)
+MODEL = dict(
+    model_type="llama",
+    hidden_size=512,
+    intermediate_size=1376,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    vocab_size=4096,
+    max_position_embeddings=256,
+)
 MICRO_BATCH, SEQ = 4, 128
 MICROBATCHES = 4  # a pipeline step: 4 microbatches of MICRO_BATCH // 4 rows, the same tokens as the others
 CASES = [  # (processes, mesh, zero stage, checkpointing, label)
@@ -76,8 +84,16 @@ QUICK = ("DP", "ZeRO-3", "TP", "PP")  # 2 processes: every kind of axis, one lau
 # processes read the size from the environment (they import this module anew).
 SMOKE_ENV = "TRAINMESH_PLAN_ACCURACY_SMOKE"
 if os.environ.get(SMOKE_ENV):
-    MODEL = dict(MODEL, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=4, vocab_size=256, max_position_embeddings=32)
+    MODEL = dict(
+        MODEL,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=256,
+        max_position_embeddings=32,
+    )
     SEQ = 32
 
 
@@ -214,8 +230,16 @@ def _worker(cases, rounds: int, hardware, priority: bool) -> dict:
             units, wall, _ = run_window(work, window)  # and right after it: the load during the step is between
             rates["cases"][i] = 2 / (before + wall / units)
         shares.append(rates)
-    return {"times": times, "cpu": cpu, "wire": wire, "peaks": peaks, "flops": flops, "ops": ops, "probes": probes,
-            "shares": shares}
+    return {
+        "times": times,
+        "cpu": cpu,
+        "wire": wire,
+        "peaks": peaks,
+        "flops": flops,
+        "ops": ops,
+        "probes": probes,
+        "shares": shares,
+    }
 
 
 def _round_hardware(hardware, measured: list[dict], k: int, index: int):
@@ -235,10 +259,17 @@ def _round_hardware(hardware, measured: list[dict], k: int, index: int):
         curve.append((2, alone / pace_of([measured[r]["shares"][k][2] for r in range(2)])))
     curve.append((n, alone / pace_of([measured[r]["shares"][k]["cases"][index] for r in range(n)])))
     probe = Hardware.from_dict(measured[0]["probes"][k])
-    return replace(hardware, flops=probe.flops, flops_curve=probe.flops_curve, bandwidth_curve=probe.bandwidth_curve,
-                   memory_bandwidth=probe.memory_bandwidth, op_overhead=probe.op_overhead,
-                   op_kind_curves=probe.op_kind_curves, external_load=probe.external_load,
-                   contention_curve=tuple(curve))
+    return replace(
+        hardware,
+        flops=probe.flops,
+        flops_curve=probe.flops_curve,
+        bandwidth_curve=probe.bandwidth_curve,
+        memory_bandwidth=probe.memory_bandwidth,
+        op_overhead=probe.op_overhead,
+        op_kind_curves=probe.op_kind_curves,
+        external_load=probe.external_load,
+        contention_curve=tuple(curve),
+    )
 
 
 def _median_hardware(hardware, probes: list[dict]):
@@ -248,16 +279,34 @@ def _median_hardware(hardware, probes: list[dict]):
     from trainmesh.planner.hardware import Hardware
 
     probes = [Hardware.from_dict(p) for p in probes]
-    curve = lambda name: tuple((size, statistics.median(getattr(p, name)[i][1] for p in probes))  # noqa: E731
-                               for i, (size, _) in enumerate(getattr(probes[0], name)))
+
+    def curve(name):
+        return tuple(
+            (size, statistics.median(getattr(p, name)[i][1] for p in probes))  # noqa: E731
+            for i, (size, _) in enumerate(getattr(probes[0], name))
+        )
+
     flops_curve, bandwidth_curve = curve("flops_curve"), curve("bandwidth_curve")
-    kinds = tuple((kind, tuple((size, statistics.median(dict(p.op_kind_curves)[kind][i][1] for p in probes))
-                               for i, (size, _) in enumerate(points)))
-                  for kind, points in probes[0].op_kind_curves)
-    return replace(hardware, flops=max(r for _, r in flops_curve), flops_curve=flops_curve,
-                   bandwidth_curve=bandwidth_curve, memory_bandwidth=bandwidth_curve[-1][1], op_kind_curves=kinds,
-                   op_overhead=statistics.median(p.op_overhead for p in probes),
-                   external_load=statistics.median(p.external_load for p in probes))
+    kinds = tuple(
+        (
+            kind,
+            tuple(
+                (size, statistics.median(dict(p.op_kind_curves)[kind][i][1] for p in probes))
+                for i, (size, _) in enumerate(points)
+            ),
+        )
+        for kind, points in probes[0].op_kind_curves
+    )
+    return replace(
+        hardware,
+        flops=max(r for _, r in flops_curve),
+        flops_curve=flops_curve,
+        bandwidth_curve=bandwidth_curve,
+        memory_bandwidth=bandwidth_curve[-1][1],
+        op_kind_curves=kinds,
+        op_overhead=statistics.median(p.op_overhead for p in probes),
+        external_load=statistics.median(p.external_load for p in probes),
+    )
 
 
 def _dry_run(case) -> list:
@@ -271,9 +320,18 @@ def _dry_run(case) -> list:
     meta = build_meta_model(build_model)
     results, boundary = [], None
     for rank in range(n):  # rank order is pipe order: the first stage tells the others what they receive
-        result = run_rank(meta, spec, rank, zero_stage=zero, activation_checkpointing=checkpointing,
-                          precision="fp32", micro_batch=_rows(mesh), seq_len=SEQ, microbatches=MICROBATCHES,
-                          boundary=boundary)
+        result = run_rank(
+            meta,
+            spec,
+            rank,
+            zero_stage=zero,
+            activation_checkpointing=checkpointing,
+            precision="fp32",
+            micro_batch=_rows(mesh),
+            seq_len=SEQ,
+            microbatches=MICROBATCHES,
+            boundary=boundary,
+        )
         boundary = boundary or result.boundary
         results.append(result)
     return results
@@ -287,23 +345,53 @@ def _price(case, results: list, hardware) -> dict:
     n, mesh, zero, checkpointing, _ = case
     spec = MeshSpec.parse(mesh, n)
     step = estimate_step(results, spec, hardware, tokens_per_rank=None, shape={})
-    plan = ParallelPlan(model="bench", mesh=spec, zero_stage=zero, activation_checkpointing=checkpointing,
-                        precision="fp32", micro_batch=_rows(mesh), seq_len=SEQ, num_parameters=0, ranks=results,
-                        step=step, hardware=hardware, device_memory=None)
-    wire = [sum(wire_bytes(row["kind"], row["bytes"], row["group_size"], hardware.backend)
-                for row in r.collectives.rows()) for r in results]
-    return {"peaks": [plan.peak(r) for r in results], "step": step, "wire": wire,
-            "flops": [r.flops for r in results], "ops": [r.ops.ops() for r in results]}
+    plan = ParallelPlan(
+        model="bench",
+        mesh=spec,
+        zero_stage=zero,
+        activation_checkpointing=checkpointing,
+        precision="fp32",
+        micro_batch=_rows(mesh),
+        seq_len=SEQ,
+        num_parameters=0,
+        ranks=results,
+        step=step,
+        hardware=hardware,
+        device_memory=None,
+    )
+    wire = [
+        sum(wire_bytes(row["kind"], row["bytes"], row["group_size"], hardware.backend) for row in r.collectives.rows())
+        for r in results
+    ]
+    return {
+        "peaks": [plan.peak(r) for r in results],
+        "step": step,
+        "wire": wire,
+        "flops": [r.flops for r in results],
+        "ops": [r.ops.ops() for r in results],
+    }
 
 
-def _compare(group: list, dry: list, measured: list[dict], hardware, rounds: int, link: str, rows: list, worst: dict,
-             invalid: list) -> None:
+def _compare(
+    group: list,
+    dry: list,
+    measured: list[dict],
+    hardware,
+    rounds: int,
+    link: str,
+    rows: list,
+    worst: dict,
+    invalid: list,
+) -> None:
     """Price each case of ``group`` (one world size, measured on ``link``) with ``hardware`` and the figures measured
     during its rounds, against what its processes measured; rows, worst ratios and INVALID lines are appended."""
     n = group[0][0]
     during = _median_hardware(hardware, measured[0]["probes"])
-    print(f"\n{n} processes, {link}; per-op figures measured during the rounds (median of {rounds}):\n"
-          + "\n".join(during.describe().splitlines()[1:4]) + f"\n  external load {during.external_load:.1f} runnable")
+    print(
+        f"\n{n} processes, {link}; per-op figures measured during the rounds (median of {rounds}):\n"
+        + "\n".join(during.describe().splitlines()[1:4])
+        + f"\n  external load {during.external_load:.1f} runnable"
+    )
     for index, (case, results) in enumerate(zip(group, dry)):
         plan = _price(case, results, during)
         before = _price(case, results, hardware).get("step").seconds
@@ -319,32 +407,57 @@ def _compare(group: list, dry: list, measured: list[dict], hardware, rounds: int
         paired = [e.seconds / t for e, t in zip(planned, per_round)]
         step_ratio = statistics.median(paired)
         unpaired = plan["step"].seconds / median
-        print(f"  {case[4]:<10} each of {n} processes {statistics.median(slowdowns):.2f}x slower than one alone "
-              f"(rounds {min(slowdowns):.2f}-{max(slowdowns):.2f}); plan/step per round {step_ratio:.2f} "
-              f"(95% {ci95(paired)[0]:.2f}-{ci95(paired)[1]:.2f}); median plan / median step {unpaired:.2f}")
+        print(
+            f"  {case[4]:<10} each of {n} processes {statistics.median(slowdowns):.2f}x slower than one alone "
+            f"(rounds {min(slowdowns):.2f}-{max(slowdowns):.2f}); plan/step per round {step_ratio:.2f} "
+            f"(95% {ci95(paired)[0]:.2f}-{ci95(paired)[1]:.2f}); median plan / median step {unpaired:.2f}"
+        )
         worst["step"].append(step_ratio)
         for rank in range(n):
             real = measured[rank]
             tolerance = 0.02 if _is_pipe(case[1]) else 0.0
             if abs(plan["flops"][rank] - real["flops"][index]) > tolerance * real["flops"][index]:
-                invalid.append(f"{case[4]} n={n} ({link}) rank {rank}: planned {plan['flops'][rank]} and run "
-                               f"{real['flops'][index]} FLOPs differ (not the same work)")
+                invalid.append(
+                    f"{case[4]} n={n} ({link}) rank {rank}: planned {plan['flops'][rank]} and run "
+                    f"{real['flops'][index]} FLOPs differ (not the same work)"
+                )
             socket = statistics.median(real["wire"][index])
             comm = plan["wire"][rank] / socket if socket > 0 else (1.0 if plan["wire"][rank] == 0 else float("nan"))
             memory = plan["peaks"][rank] / real["peaks"][index]
             worst["memory"].append(memory)
             worst["comm"].append(comm)
-            rows.append({"case": case[4], "n": n, "mesh": case[1], "link": link, "rank": rank,
-                         "plan_peak": plan["peaks"][rank], "peak": real["peaks"][index], "memory_ratio": memory,
-                         "plan_wire": plan["wire"][rank], "socket_bytes": socket, "comm_ratio": comm,
-                         "plan_ops": plan["ops"][rank], "ops": real["ops"][index],
-                         "plan_step": plan["step"].seconds, "step": median, "step_ci95": [low, high], "step_cpu": cpu_used,
-                         "step_ratio": step_ratio, "step_ratio_unpaired": unpaired,
-                         "step_ratio_rounds": paired, "step_slowdown_rounds": slowdowns,
-                         "plan_step_before": before,
-                         "step_ratio_before": before / median, "step_ratio_ci95": list(ci95(paired)),
-                         "plan_parts": {**{k: v for k, v in plan["step"].phases.items()},
-                                        **{f"{a} exposed": v for a, v in plan["step"].exposed.items()}}})
+            rows.append(
+                {
+                    "case": case[4],
+                    "n": n,
+                    "mesh": case[1],
+                    "link": link,
+                    "rank": rank,
+                    "plan_peak": plan["peaks"][rank],
+                    "peak": real["peaks"][index],
+                    "memory_ratio": memory,
+                    "plan_wire": plan["wire"][rank],
+                    "socket_bytes": socket,
+                    "comm_ratio": comm,
+                    "plan_ops": plan["ops"][rank],
+                    "ops": real["ops"][index],
+                    "plan_step": plan["step"].seconds,
+                    "step": median,
+                    "step_ci95": [low, high],
+                    "step_cpu": cpu_used,
+                    "step_ratio": step_ratio,
+                    "step_ratio_unpaired": unpaired,
+                    "step_ratio_rounds": paired,
+                    "step_slowdown_rounds": slowdowns,
+                    "plan_step_before": before,
+                    "step_ratio_before": before / median,
+                    "step_ratio_ci95": list(ci95(paired)),
+                    "plan_parts": {
+                        **{k: v for k, v in plan["step"].phases.items()},
+                        **{f"{a} exposed": v for a, v in plan["step"].exposed.items()},
+                    },
+                }
+            )
 
 
 # Across hosts: the 2-process cases (a process per host), and at 4 processes (2 hosts x 2) and 8 (2 hosts x 4),
@@ -361,8 +474,9 @@ def _shaped_group(cases: list, rounds: int, hardware, args, rows: list, worst: d
     from trainmesh.testing.cluster import ClusterUnavailable
     from trainmesh.testing.host_jobs import run_on_hosts
 
-    groups = [[c for c in cases if c[0] == 2]] + [[c for c in cases if c[0] == n and c[4] in labels]
-                                                   for n, labels in ACROSS_HOSTS.items()]
+    groups = [[c for c in cases if c[0] == 2]] + [
+        [c for c in cases if c[0] == n and c[4] in labels] for n, labels in ACROSS_HOSTS.items()
+    ]
     try:
         link = measure_host_link(RATE)
     except ClusterUnavailable as exc:
@@ -373,14 +487,22 @@ def _shaped_group(cases: list, rounds: int, hardware, args, rows: list, worst: d
         if per_host == 1:
             print("\n" + "\n".join(host_hardware.describe().splitlines()[-5:]))
         dry = [_dry_run(case) for case in group]
-        measured = run_on_hosts("plan_accuracy:_worker", (group, rounds, host_hardware, args.priority), group[0][0],
-                                processes_per_host=per_host, rate=RATE, path=[os.path.dirname(os.path.abspath(__file__))],
-                                env={"TRAINMESH_TIMEOUT_S": "900"})
+        measured = run_on_hosts(
+            "plan_accuracy:_worker",
+            (group, rounds, host_hardware, args.priority),
+            group[0][0],
+            processes_per_host=per_host,
+            rate=RATE,
+            path=[os.path.dirname(os.path.abspath(__file__))],
+            env={"TRAINMESH_TIMEOUT_S": "900"},
+        )
         _compare(group, dry, measured, host_hardware, rounds, f"2 hosts at {RATE}", rows, worst, invalid)
     beyond_two = "; ".join(f"{', '.join(labels)} at {n} ({n // 2} per host)" for n, labels in ACROSS_HOSTS.items())
-    return (f"shaped links: the two-process cases (a process per host) and, in the full run, {beyond_two} "
-            f"also ran on two network-namespace hosts, links shaped to {RATE} (tbf), planned with the link measured "
-            f"between two such hosts")
+    return (
+        f"shaped links: the two-process cases (a process per host) and, in the full run, {beyond_two} "
+        f"also ran on two network-namespace hosts, links shaped to {RATE} (tbf), planned with the link measured "
+        f"between two such hosts"
+    )
 
 
 def _farthest(values):
@@ -390,16 +512,37 @@ def _farthest(values):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK)} only, fewer rounds")
-    parser.add_argument("--smoke", action="store_true", help=f"the code path only (the test suite's): {', '.join(QUICK)} "
-                        "on a tiny model, 1 round, no link or core-sharing calibration, no shaped links")
-    parser.add_argument("--rounds", type=int, default=None, help="timed steps per case (default 8 quick, 10 full; the step figure is a median over them)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"the code path only (the test suite's): {', '.join(QUICK)} "
+        "on a tiny model, 1 round, no link or core-sharing calibration, no shaped links",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timed steps per case (default 8 quick, 10 full; the step figure is a median over them)",
+    )
     parser.add_argument("--json", default=None, metavar="PATH")
-    parser.add_argument("--cases", default=None, metavar="LABEL,...",
-                        help="run only the cases with these labels (e.g. 3-D,DP), at every size that has them")
-    parser.add_argument("--no-shaped", dest="shaped", action="store_false",
-                        help="skip the shaped-link group (two-process cases across two network-namespace hosts)")
-    parser.add_argument("--no-priority", dest="priority", action="store_false",
-                        help="do not raise the measured processes' priority (they then share the CPU with all load)")
+    parser.add_argument(
+        "--cases",
+        default=None,
+        metavar="LABEL,...",
+        help="run only the cases with these labels (e.g. 3-D,DP), at every size that has them",
+    )
+    parser.add_argument(
+        "--no-shaped",
+        dest="shaped",
+        action="store_false",
+        help="skip the shaped-link group (two-process cases across two network-namespace hosts)",
+    )
+    parser.add_argument(
+        "--no-priority",
+        dest="priority",
+        action="store_false",
+        help="do not raise the measured processes' priority (they then share the CPU with all load)",
+    )
     args = parser.parse_args()
     if args.smoke and not os.environ.get(SMOKE_ENV):  # this module's sizes are read at import: start again
         os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, **{SMOKE_ENV: "1"}))
@@ -415,8 +558,10 @@ def main() -> int:
         wanted = set(args.cases.split(","))
         unknown = wanted - {c[4] for c in CASES}
         if unknown:
-            parser.error(f"--cases: no case labelled {', '.join(sorted(unknown))}; "
-                         f"the labels are {', '.join(dict.fromkeys(c[4] for c in CASES))}")
+            parser.error(
+                f"--cases: no case labelled {', '.join(sorted(unknown))}; "
+                f"the labels are {', '.join(dict.fromkeys(c[4] for c in CASES))}"
+            )
         cases = [c for c in cases if c[4] in wanted]
     rounds = args.rounds or (1 if args.smoke else 8 if args.quick else 10)
     priority_note = _raise_priority(args.priority)
@@ -431,38 +576,63 @@ def main() -> int:
         dry = [_dry_run(case) for case in group]  # planned before anything runs
         measured = run_distributed(_worker, world_size=n, args=(group, rounds, hardware, args.priority), timeout=1200)
         _compare(group, dry, measured, hardware, rounds, "loopback", rows, worst, invalid)
-    shaped_note = _shaped_group(cases, rounds, hardware, args, rows, worst, invalid) if args.shaped else \
-        "shaped (netns) links not used (--no-shaped)"
-    print(f"\n{'case':<10}{'n':>2} {'mesh':<22}{'link':<16}{'rank':>4} {'plan MiB':>9} {'meas MiB':>9} {'ratio':>6}  "
-          f"{'plan MB':>8} {'sock MB':>8} {'ratio':>6}  {'plan ops':>8} {'ops':>6}")
+    shaped_note = (
+        _shaped_group(cases, rounds, hardware, args, rows, worst, invalid)
+        if args.shaped
+        else "shaped (netns) links not used (--no-shaped)"
+    )
+    print(
+        f"\n{'case':<10}{'n':>2} {'mesh':<22}{'link':<16}{'rank':>4} {'plan MiB':>9} {'meas MiB':>9} {'ratio':>6}  "
+        f"{'plan MB':>8} {'sock MB':>8} {'ratio':>6}  {'plan ops':>8} {'ops':>6}"
+    )
     for r in rows:
-        print(f"{r['case']:<10}{r['n']:>2} {r['mesh']:<22}{r['link']:<16}{r['rank']:>4} {r['plan_peak'] / 2**20:>9.1f} "
-              f"{r['peak'] / 2**20:>9.1f} {r['memory_ratio']:>6.3f}  {r['plan_wire'] / 1e6:>8.2f} "
-              f"{r['socket_bytes'] / 1e6:>8.2f} {r['comm_ratio']:>6.3f}  {r['plan_ops']:>8} {r['ops']:>6}")
-    print(f"\nstep time ({rounds} interleaved rounds; measured = slowest rank per step, median and 95% interval; "
-          "ratio = median over rounds of the round's plan / the round's step; unpair = median plan / median step; "
-          "before = the plan on the figures calibrated before the run / median step)")
-    print(f"{'case':<10}{'n':>2} {'mesh':<22}{'link':<16}{'plan ms':>8} {'meas ms':>8} {'95% interval':>16} {'ratio':>6} "
-          f"{'ratio 95%':>12} {'unpair':>7} {'before':>7} {'cpu ms':>7}  planned parts (ms)")
+        print(
+            f"{r['case']:<10}{r['n']:>2} {r['mesh']:<22}{r['link']:<16}{r['rank']:>4} {r['plan_peak'] / 2**20:>9.1f} "
+            f"{r['peak'] / 2**20:>9.1f} {r['memory_ratio']:>6.3f}  {r['plan_wire'] / 1e6:>8.2f} "
+            f"{r['socket_bytes'] / 1e6:>8.2f} {r['comm_ratio']:>6.3f}  {r['plan_ops']:>8} {r['ops']:>6}"
+        )
+    print(
+        f"\nstep time ({rounds} interleaved rounds; measured = slowest rank per step, median and 95% interval; "
+        "ratio = median over rounds of the round's plan / the round's step; unpair = median plan / median step; "
+        "before = the plan on the figures calibrated before the run / median step)"
+    )
+    print(
+        f"{'case':<10}{'n':>2} {'mesh':<22}{'link':<16}{'plan ms':>8} {'meas ms':>8} {'95% interval':>16} {'ratio':>6} "
+        f"{'ratio 95%':>12} {'unpair':>7} {'before':>7} {'cpu ms':>7}  planned parts (ms)"
+    )
     for r in rows:
         if r["rank"]:
             continue
         parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in r["plan_parts"].items() if v > 5e-4)
-        print(f"{r['case']:<10}{r['n']:>2} {r['mesh']:<22}{r['link']:<16}{r['plan_step'] * 1e3:>8.1f} {r['step'] * 1e3:>8.1f} "
-              f"{r['step_ci95'][0] * 1e3:>7.1f}-{r['step_ci95'][1] * 1e3:<8.1f} {r['step_ratio']:>6.2f} "
-              f"{r['step_ratio_ci95'][0]:>5.2f}-{r['step_ratio_ci95'][1]:<6.2f} {r['step_ratio_unpaired']:>7.2f} {r['step_ratio_before']:>7.2f} {r['step_cpu'] * 1e3:>7.0f}  {parts}")
-    figures = {"plan_memory_vs_measured_worst": round(_farthest(worst["memory"]), 4),
-               "plan_comm_bytes_vs_counted_worst": round(_farthest(worst["comm"]), 4),
-               "plan_step_time_vs_measured_worst": round(_farthest(worst["step"]), 4)}
+        print(
+            f"{r['case']:<10}{r['n']:>2} {r['mesh']:<22}{r['link']:<16}{r['plan_step'] * 1e3:>8.1f} {r['step'] * 1e3:>8.1f} "
+            f"{r['step_ci95'][0] * 1e3:>7.1f}-{r['step_ci95'][1] * 1e3:<8.1f} {r['step_ratio']:>6.2f} "
+            f"{r['step_ratio_ci95'][0]:>5.2f}-{r['step_ratio_ci95'][1]:<6.2f} {r['step_ratio_unpaired']:>7.2f} {r['step_ratio_before']:>7.2f} {r['step_cpu'] * 1e3:>7.0f}  {parts}"
+        )
+    figures = {
+        "plan_memory_vs_measured_worst": round(_farthest(worst["memory"]), 4),
+        "plan_comm_bytes_vs_counted_worst": round(_farthest(worst["comm"]), 4),
+        "plan_step_time_vs_measured_worst": round(_farthest(worst["step"]), 4),
+    }
     print(json.dumps(figures))
     print(priority_note)
     print("comm bytes are counted at the sockets (independent of the planner's dispatcher counter)")
     print(shaped_note)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"figures": figures, "rows": rows, "hardware": hardware.to_dict(), "invalid": invalid,
-                       "rounds": rounds, "priority": priority_note,
-                       "shaped_links": shaped_note}, f, indent=2)
+            json.dump(
+                {
+                    "figures": figures,
+                    "rows": rows,
+                    "hardware": hardware.to_dict(),
+                    "invalid": invalid,
+                    "rounds": rounds,
+                    "priority": priority_note,
+                    "shaped_links": shaped_note,
+                },
+                f,
+                indent=2,
+            )
     if invalid:
         print("INVALID: " + "; ".join(invalid))
         return 1

@@ -131,21 +131,35 @@ def _int_grad(shape, seed: int) -> torch.Tensor:
 
 def transport_part(rounds: int, repeats: int, window: int) -> dict:
     labels = [*DENSE_SIZES, "sparse"]
-    out: dict = {label: {"loopback_bps": [], "process_loopback_bps": [], "push_bps": [], "pull_s": [],
-                         "push_bps_w1": [], "loopback_bps_w1": [], "process_loopback_bps_w1": []}
-                 for label in labels}
+    out: dict = {
+        label: {
+            "loopback_bps": [],
+            "process_loopback_bps": [],
+            "push_bps": [],
+            "pull_s": [],
+            "push_bps_w1": [],
+            "loopback_bps_w1": [],
+            "process_loopback_bps_w1": [],
+        }
+        for label in labels
+    }
     pushes = {label: 0 for label in labels}  # every push acknowledged, warm-ups included
     problems: list[str] = []
     echo = ProcessLoopback()
-    with LocalCluster(2, num_workers=1) as cluster, PSClient(servers=cluster.addresses, worker_id=0,
-                                                               num_workers=1, secret=cluster.secret) as client:
+    with (
+        LocalCluster(2, num_workers=1) as cluster,
+        PSClient(servers=cluster.addresses, worker_id=0, num_workers=1, secret=cluster.secret) as client,
+    ):
         # lr 1 and integer gradients: the servers' values after the run are exactly -pushes * grad.
         sgd = {"name": "sgd", "lr": 1.0}
         grads = {label: _int_grad((size // 4,), i) for i, (label, size) in enumerate(DENSE_SIZES.items())}
-        client.init([{"name": label, "kind": "dense", "value": torch.zeros(size // 4), "optimizer": sgd}
-                     for label, size in DENSE_SIZES.items()] +
-                    [{"name": "rows", "kind": "sparse", "shape": [ROWS, ROW_DIM], "init": {"zeros": True},
-                      "optimizer": sgd}])
+        client.init(
+            [
+                {"name": label, "kind": "dense", "value": torch.zeros(size // 4), "optimizer": sgd}
+                for label, size in DENSE_SIZES.items()
+            ]
+            + [{"name": "rows", "kind": "sparse", "shape": [ROWS, ROW_DIM], "init": {"zeros": True}, "optimizer": sgd}]
+        )
         ids = torch.randperm(ROWS, generator=torch.Generator().manual_seed(7))[:ROWS_PER_PUSH]
         row_grads = _int_grad((ROWS_PER_PUSH, ROW_DIM), 9)
         for r in range(rounds):
@@ -176,8 +190,10 @@ def transport_part(rounds: int, repeats: int, window: int) -> dict:
                             pushes[label] += 1 + acked[side]
                             m["push_bps" + suffix].append(nbytes * acked[side] / seconds)
                     if set(acked.values()) != {repeats}:
-                        problems.append(f"{label} round {r} window {w}: messages acknowledged {acked}, "
-                                        f"expected {repeats} on every side")
+                        problems.append(
+                            f"{label} round {r} window {w}: messages acknowledged {acked}, "
+                            f"expected {repeats} on every side"
+                        )
                 for _ in range(repeats):
                     started = time.perf_counter()
                     pull()
@@ -187,8 +203,10 @@ def transport_part(rounds: int, repeats: int, window: int) -> dict:
         values = client.pull(list(DENSE_SIZES)).result()
         for label in DENSE_SIZES:
             if not torch.equal(values[label], -pushes[label] * grads[label]):
-                problems.append(f"{label}: server value != -{pushes[label]} pushes x gradient "
-                                f"(max error {float((values[label] + pushes[label] * grads[label]).abs().max()):.3g})")
+                problems.append(
+                    f"{label}: server value != -{pushes[label]} pushes x gradient "
+                    f"(max error {float((values[label] + pushes[label] * grads[label]).abs().max()):.3g})"
+                )
         if not torch.equal(client.pull_rows("rows", ids).result(), -pushes["sparse"] * row_grads):
             problems.append(f"sparse: the pushed rows != -{pushes['sparse']} pushes x row gradients")
     echo.close()
@@ -203,8 +221,15 @@ def transport_part(rounds: int, repeats: int, window: int) -> dict:
         m["loopback_MBps"] = statistics.median(m["loopback_bps"]) / MB
         m["process_loopback_MBps"] = statistics.median(m["process_loopback_bps"]) / MB
         m["pull_p50_ms"], m["pull_p99_ms"] = 1e3 * pct(m["pull_s"], 0.5), 1e3 * pct(m["pull_s"], 0.99)
-    return {"sizes": out, "window": window, "repeats": repeats, "rounds": rounds, "pushes_applied": pushes,
-            "same_work": not problems, "problems": problems}
+    return {
+        "sizes": out,
+        "window": window,
+        "repeats": repeats,
+        "rounds": rounds,
+        "pushes_applied": pushes,
+        "same_work": not problems,
+        "problems": problems,
+    }
 
 
 # --- part 2: compression ------------------------------------------------------------------------------
@@ -213,11 +238,20 @@ def compression_part() -> dict:
     grad = torch.randn(16 * MB // 4)
     with LocalCluster(1, num_workers=1) as cluster:
         for spec in COMPRESSIONS:
-            with PSClient(servers=cluster.addresses, worker_id=0, num_workers=1, compression=spec,
-                          secret=cluster.secret) as client:
+            with PSClient(
+                servers=cluster.addresses, worker_id=0, num_workers=1, compression=spec, secret=cluster.secret
+            ) as client:
                 name = f"w-{spec}"
-                client.init([{"name": name, "kind": "dense", "value": torch.zeros_like(grad),
-                              "optimizer": {"name": "sgd", "lr": 1.0}}])
+                client.init(
+                    [
+                        {
+                            "name": name,
+                            "kind": "dense",
+                            "value": torch.zeros_like(grad),
+                            "optimizer": {"name": "sgd", "lr": 1.0},
+                        }
+                    ]
+                )
                 before = client.bytes_sent
                 client.push({name: grad}).result()
                 sent = client.bytes_sent - before
@@ -305,8 +339,11 @@ def straggler_part(rounds: int) -> dict:
     summary = {}
     for variant, runs in results.items():
         times = [run["seconds"] for run in runs if run["seconds"] is not None]
-        summary[variant] = {"seconds": statistics.median(times) if len(times) == len(runs) else None,
-                            "runs": runs, "steps_worker0": statistics.median(run["steps"] for run in runs)}
+        summary[variant] = {
+            "seconds": statistics.median(times) if len(times) == len(runs) else None,
+            "runs": runs,
+            "steps_worker0": statistics.median(run["steps"] for run in runs),
+        }
     base = summary["ddp-allreduce"]["seconds"]
     for m in summary.values():
         m["ratio_to_allreduce"] = m["seconds"] / base if m["seconds"] and base else None
@@ -317,24 +354,37 @@ def straggler_part(rounds: int) -> dict:
 def report(transport: dict, compression: dict, straggler: dict) -> dict:
     if transport:
         w = transport["window"]
-        print(f"\nEach side moves the same messages ({transport['repeats']} per round and size, {transport['rounds']} "
-              f"interleaved rounds, one warm-up message first), each acknowledged by the receiver, "
-              f"with up to {w} in flight (and, second table column, one at a time):\n"
-              f"  PS push: client.push({{name: fp32 tensor}}) to 2 server processes; acked after the server applied "
-              f"it (SGD); tensors leave from their own memory (multipart, copy=False)\n"
-              f"  raw ZeroMQ, thread: DEALER send(bytes, copy=False) to a ROUTER in a thread of this process, 3-byte ack\n"
-              f"  raw ZeroMQ, process: the same to a ROUTER echo in another process (the PS's shape)\n"
-              f"  push/zmq: push throughput / the faster raw side, per round; median [95% range]")
-        print(f"\n{'tensor':<8} {'pushes/s':>9} {'push MB/s':>10} {'zmq MB/s (thread/process)':>26} "
-              f"{f'push/zmq w={w}':>20} {'push/zmq w=1':>20} {'pull p50 ms':>12} {'pull p99 ms':>12}")
+        print(
+            f"\nEach side moves the same messages ({transport['repeats']} per round and size, {transport['rounds']} "
+            f"interleaved rounds, one warm-up message first), each acknowledged by the receiver, "
+            f"with up to {w} in flight (and, second table column, one at a time):\n"
+            f"  PS push: client.push({{name: fp32 tensor}}) to 2 server processes; acked after the server applied "
+            f"it (SGD); tensors leave from their own memory (multipart, copy=False)\n"
+            f"  raw ZeroMQ, thread: DEALER send(bytes, copy=False) to a ROUTER in a thread of this process, 3-byte ack\n"
+            f"  raw ZeroMQ, process: the same to a ROUTER echo in another process (the PS's shape)\n"
+            f"  push/zmq: push throughput / the faster raw side, per round; median [95% range]"
+        )
+        print(
+            f"\n{'tensor':<8} {'pushes/s':>9} {'push MB/s':>10} {'zmq MB/s (thread/process)':>26} "
+            f"{f'push/zmq w={w}':>20} {'push/zmq w=1':>20} {'pull p50 ms':>12} {'pull p99 ms':>12}"
+        )
         for label, m in transport["sizes"].items():
             raw = f"{m['loopback_MBps']:.0f} / {m['process_loopback_MBps']:.0f}"
-            ratio = lambda sfx: (f"{m['push_to_loopback' + sfx]:.2f} [{m['push_to_loopback_ci95' + sfx][0]:.2f}-"  # noqa: E731
-                                 f"{m['push_to_loopback_ci95' + sfx][1]:.2f}]")
-            print(f"{label:<8} {m['push_per_s']:>9.1f} {m['push_MBps']:>10.0f} {raw:>26} {ratio(''):>20} "
-                  f"{ratio('_w1'):>20} {m['pull_p50_ms']:>12.2f} {m['pull_p99_ms']:>12.2f}")
-        print(f"same work: {'yes' if transport['same_work'] else 'NO'} (messages acknowledged on every side; "
-              f"server values == -pushes x gradient exactly, pushes applied {transport['pushes_applied']})")
+
+            def ratio(sfx):
+                return (
+                    f"{m['push_to_loopback' + sfx]:.2f} [{m['push_to_loopback_ci95' + sfx][0]:.2f}-"  # noqa: E731
+                    f"{m['push_to_loopback_ci95' + sfx][1]:.2f}]"
+                )
+
+            print(
+                f"{label:<8} {m['push_per_s']:>9.1f} {m['push_MBps']:>10.0f} {raw:>26} {ratio(''):>20} "
+                f"{ratio('_w1'):>20} {m['pull_p50_ms']:>12.2f} {m['pull_p99_ms']:>12.2f}"
+            )
+        print(
+            f"same work: {'yes' if transport['same_work'] else 'NO'} (messages acknowledged on every side; "
+            f"server values == -pushes x gradient exactly, pushes applied {transport['pushes_applied']})"
+        )
     print(f"\n{'compression':<12} {'bytes sent':>12} {'vs none':>8} {'rel. error':>11}")
     for spec, m in compression.items():
         print(f"{spec:<12} {m['bytes']:>12,} {m['ratio_to_none']:>8.3f} {m['relative_error']:>11.4f}")
@@ -345,16 +395,22 @@ def report(transport: dict, compression: dict, straggler: dict) -> dict:
         print(f"{variant:<14} {shown:>11} {ratio:>14} {m['steps_worker0']:>15.0f}")
     verdict = {}
     if transport:
-        verdict["dense_push_target_met"] = all(transport["sizes"][label]["push_to_loopback"] >= PUSH_TARGET
-                                               for label in DENSE_SIZES)
-        print(f"\ndense push >= {PUSH_TARGET:.0%} of raw ZeroMQ loopback ({transport['window']} in flight): "
-              f"{'met' if verdict['dense_push_target_met'] else 'NOT met'}")
+        verdict["dense_push_target_met"] = all(
+            transport["sizes"][label]["push_to_loopback"] >= PUSH_TARGET for label in DENSE_SIZES
+        )
+        print(
+            f"\ndense push >= {PUSH_TARGET:.0%} of raw ZeroMQ loopback ({transport['window']} in flight): "
+            f"{'met' if verdict['dense_push_target_met'] else 'NOT met'}"
+        )
     if straggler:
         sec = {v: straggler[v]["seconds"] or float("inf") for v in straggler}
-        verdict["straggler_target_met"] = all(sec[v] < min(sec["ps-sync"], sec["ddp-allreduce"])
-                                              for v in ("ps-async", "ps-ssp:2"))
-        print(f"async and SSP reach the target before sync and all-reduce: "
-              f"{'met' if verdict['straggler_target_met'] else 'NOT met'}")
+        verdict["straggler_target_met"] = all(
+            sec[v] < min(sec["ps-sync"], sec["ddp-allreduce"]) for v in ("ps-async", "ps-ssp:2")
+        )
+        print(
+            f"async and SSP reach the target before sync and all-reduce: "
+            f"{'met' if verdict['straggler_target_met'] else 'NOT met'}"
+        )
     return verdict
 
 
@@ -364,13 +420,18 @@ def main(argv: list[str] | None = None) -> int:
     # spread 0.39-0.65 for the 1 MB push, so 10 rounds of 200 (about 80 s for part 1).
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds of every measurement")
     parser.add_argument("--repeats", type=int, default=200, help="pushes and pulls per round and size")
-    parser.add_argument("--window", type=int, default=4,
-                        help="pushes (and raw ZeroMQ messages) in flight before waiting for the oldest ack")
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=4,
+        help="pushes (and raw ZeroMQ messages) in flight before waiting for the oldest ack",
+    )
     parser.add_argument("--straggler-rounds", type=int, default=2)
     parser.add_argument("--json", default=None, metavar="PATH")
     parser.add_argument("--quick", action="store_true", help="smoke test: 3 rounds of 40 messages, one straggler round")
-    parser.add_argument("--parts", default="transport,compression,straggler",
-                        help="comma-separated parts to run (default: all three)")
+    parser.add_argument(
+        "--parts", default="transport,compression,straggler", help="comma-separated parts to run (default: all three)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         # The transport part stays at 3 rounds (its figure is a median over rounds) of 40 messages a
@@ -392,18 +453,40 @@ def main(argv: list[str] | None = None) -> int:
     print(f"({time.perf_counter() - started:.0f}s, load average {os.getloadavg()[0]:.1f})")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"transport": transport, "compression": compression, "straggler": straggler, **verdict,
-                       "config": {**vars(args), "compute_s": COMPUTE_S, "lr": LR, "target_fraction": TARGET_FRACTION,
-                                  "dim": DIM}, "torch": torch.__version__,
-                       "load_average": os.getloadavg(),
-                       # push throughput / raw ZeroMQ loopback for the same 1 MB messages, both with
-                       # --window in flight (higher is better); the same for a push of 1024 random rows
-                       # of a 1M-row table (context, no target)
-                       "figures": ({"ps_push_1mb_vs_raw_zmq": transport["sizes"]["1 MB"]["push_to_loopback"],
-                                    "ps_sparse_push_vs_raw_zmq": transport["sizes"]["sparse"]["push_to_loopback"]}
-                                   if transport else {})}, fh, indent=1)
+            json.dump(
+                {
+                    "transport": transport,
+                    "compression": compression,
+                    "straggler": straggler,
+                    **verdict,
+                    "config": {
+                        **vars(args),
+                        "compute_s": COMPUTE_S,
+                        "lr": LR,
+                        "target_fraction": TARGET_FRACTION,
+                        "dim": DIM,
+                    },
+                    "torch": torch.__version__,
+                    "load_average": os.getloadavg(),
+                    # push throughput / raw ZeroMQ loopback for the same 1 MB messages, both with
+                    # --window in flight (higher is better); the same for a push of 1024 random rows
+                    # of a 1M-row table (context, no target)
+                    "figures": (
+                        {
+                            "ps_push_1mb_vs_raw_zmq": transport["sizes"]["1 MB"]["push_to_loopback"],
+                            "ps_sparse_push_vs_raw_zmq": transport["sizes"]["sparse"]["push_to_loopback"],
+                        }
+                        if transport
+                        else {}
+                    ),
+                },
+                fh,
+                indent=1,
+            )
     if transport and not transport["same_work"]:
-        print(f"INVALID: the PS and raw ZeroMQ sides did not do the same work: {transport['problems']}", file=sys.stderr)
+        print(
+            f"INVALID: the PS and raw ZeroMQ sides did not do the same work: {transport['problems']}", file=sys.stderr
+        )
         return 1
     return 0
 

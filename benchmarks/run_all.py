@@ -63,9 +63,17 @@ REGISTRY = [
 ALIASES = [("planner_vs_measured_peak", "plan_accuracy", "plan_memory_vs_measured_worst")]
 # Fixed names the issue assigns to one benchmark: another benchmark's figure of the same name (measured
 # in another setting) stays in that benchmark's detail and never stands in for it at the top level.
-OWNERS = {name: "compression" for name in (
-    "int8_payload_reduction", "topk1_payload_reduction", "int8_wire_bytes_reduction", "topk1_wire_bytes_reduction",
-    "int8_final_loss_vs_fp32", "topk1_final_loss_vs_fp32")}
+OWNERS = {
+    name: "compression"
+    for name in (
+        "int8_payload_reduction",
+        "topk1_payload_reduction",
+        "int8_wire_bytes_reduction",
+        "topk1_wire_bytes_reduction",
+        "int8_final_loss_vs_fp32",
+        "topk1_final_loss_vs_fp32",
+    )
+}
 
 
 # Absolute paths of this machine (checkout, temp files, interpreter) say nothing about the results
@@ -116,22 +124,43 @@ def machine_info() -> dict:
     # AVX512-BF16): the vector units torch uses, and what bf16 costs, tell runs on different hardware apart.
     from trainmesh.trainer.precision import bf16_matmul_speedup
 
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "bf16_matmul_vs_fp32": round(bf16_matmul_speedup("cpu"), 3), "memory_gib": mem_gib,
-            "system": platform.system(), "release": platform.release(), "python": platform.python_version(),
-            "gpu": "none (CPU, gloo)"}
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "bf16_matmul_vs_fp32": round(bf16_matmul_speedup("cpu"), 3),
+        "memory_gib": mem_gib,
+        "system": platform.system(),
+        "release": platform.release(),
+        "python": platform.python_version(),
+        "gpu": "none (CPU, gloo)",
+    }
 
 
 def versions() -> dict:
     out = {}
-    for module in ("torch", "numpy", "trainmesh", "zmq", "transformers", "accelerate", "lightning_fabric",
-                   "deepspeed", "matplotlib"):
+    for module in (
+        "torch",
+        "numpy",
+        "trainmesh",
+        "zmq",
+        "transformers",
+        "accelerate",
+        "lightning_fabric",
+        "deepspeed",
+        "matplotlib",
+    ):
         if importlib.util.find_spec(module) is None:
             out[module] = None
             continue
         code = f"import {module} as m; print(getattr(m, '__version__', '?'))"
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                              env=dict(os.environ, DS_ACCELERATOR="cpu"))
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, DS_ACCELERATOR="cpu"),
+        )
         out[module] = proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 and proc.stdout.strip() else None
     return out
 
@@ -154,7 +183,9 @@ def run_one(entry: dict, quick: bool, timeout: float) -> dict:
         return {"status": "skipped", "reason": reason, "figures": {}}
     with tempfile.TemporaryDirectory(prefix="trainmesh-bench-") as tmp:
         out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, os.path.join(HERE, entry["script"]), "--json", out] + (["--quick"] if quick else entry.get("full_args", []))
+        cmd = [sys.executable, os.path.join(HERE, entry["script"]), "--json", out] + (
+            ["--quick"] if quick else entry.get("full_args", [])
+        )
         env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
         load_before, started = os.getloadavg(), time.perf_counter()
         shown = " ".join([f"benchmarks/{entry['script']}", "--json", "PATH"] + cmd[4:])
@@ -163,8 +194,13 @@ def run_one(entry: dict, quick: bool, timeout: float) -> dict:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
             rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
         except subprocess.TimeoutExpired as error:
-            rc, stdout, stderr = None, (error.stdout or b"").decode(errors="replace") if isinstance(
-                error.stdout, bytes) else (error.stdout or ""), f"timed out after {timeout:.0f} s"
+            rc, stdout, stderr = (
+                None,
+                (error.stdout or b"").decode(errors="replace")
+                if isinstance(error.stdout, bytes)
+                else (error.stdout or ""),
+                f"timed out after {timeout:.0f} s",
+            )
         seconds = time.perf_counter() - started
         detail = None
         if os.path.exists(out):
@@ -174,9 +210,18 @@ def run_one(entry: dict, quick: bool, timeout: float) -> dict:
     status = "ok" if rc == 0 and detail is not None else "invalid" if invalid else "failed"
     figures = (detail or {}).get("figures") or {}
     print(f"[{entry['name']}] {status} in {seconds:.0f} s: {json.dumps(figures)}", flush=True)
-    return {"status": status, "exit_code": rc, "seconds": round(seconds, 1), "command": shown,
-            "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "figures": figures,
-            "detail": detail, "stdout_tail": stdout[-6000:], "stderr_tail": stderr[-3000:]}
+    return {
+        "status": status,
+        "exit_code": rc,
+        "seconds": round(seconds, 1),
+        "command": shown,
+        "load_avg_before": load_before,
+        "load_avg_after": os.getloadavg(),
+        "figures": figures,
+        "detail": detail,
+        "stdout_tail": stdout[-6000:],
+        "stderr_tail": stderr[-3000:],
+    }
 
 
 def merge_figures(benchmarks: dict) -> tuple[dict, dict]:
@@ -211,8 +256,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--only names unknown benchmarks {unknown}; known: {names}")
     timeout = args.timeout or (600.0 if args.quick else 3600.0)
     started = datetime.datetime.now(datetime.timezone.utc)
-    report = {**commit_info(), "date": started.strftime("%Y-%m-%dT%H:%M:%SZ"), "mode": "quick" if args.quick else "full",
-              "machine": machine_info(), "versions": versions(), "load_avg_start": os.getloadavg(), "benchmarks": {}}
+    report = {
+        **commit_info(),
+        "date": started.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "mode": "quick" if args.quick else "full",
+        "machine": machine_info(),
+        "versions": versions(),
+        "load_avg_start": os.getloadavg(),
+        "benchmarks": {},
+    }
     for entry in REGISTRY:
         if only and entry["name"] not in only:
             continue
@@ -224,8 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     report["skipped"] = {n: r["reason"] for n, r in report["benchmarks"].items() if r["status"] == "skipped"}
     with open(args.json, "w") as fh:
         json.dump(scrub(report), fh, indent=1, sort_keys=False)
-    print(f"\n{len(report['figures'])} figures; invalid {report['invalid']}; failed {report['failed']}; "
-          f"skipped {sorted(report['skipped'])}; wrote {args.json}")
+    print(
+        f"\n{len(report['figures'])} figures; invalid {report['invalid']}; failed {report['failed']}; "
+        f"skipped {sorted(report['skipped'])}; wrote {args.json}"
+    )
     return 1 if report["invalid"] or report["failed"] else 0
 
 

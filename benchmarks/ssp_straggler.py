@@ -91,11 +91,17 @@ def job(cfg: dict) -> None:
     optimizer.flush()
     seconds.append(time.perf_counter() - started)
     cache = strategy.dense_cache
-    result = {"rank": rank, "host": int(os.environ["SSP_BENCH_HOST"]), "mode": cfg["mode"], "seconds": seconds,
-              "losses": losses, "steps": cfg["steps"],
-              "blocking_pulls": cache.blocking_pulls if cache else cfg["steps"],
-              "max_lead": cache.max_lead if cache else 0,
-              "server_max_staleness": max(s["max_staleness_observed"] for s in strategy.stats()["servers"])}
+    result = {
+        "rank": rank,
+        "host": int(os.environ["SSP_BENCH_HOST"]),
+        "mode": cfg["mode"],
+        "seconds": seconds,
+        "losses": losses,
+        "steps": cfg["steps"],
+        "blocking_pulls": cache.blocking_pulls if cache else cfg["steps"],
+        "max_lead": cache.max_lead if cache else 0,
+        "server_max_staleness": max(s["max_staleness_observed"] for s in strategy.stats()["servers"]),
+    }
     strategy.close()  # a barrier: the fast worker waits here for the straggler's last steps
     with open(os.path.join(cfg["out"], f"{cfg['tag']}-rank{rank}.json"), "w") as fh:
         json.dump(result, fh)
@@ -105,9 +111,24 @@ def job(cfg: dict) -> None:
 # --- the driver ----------------------------------------------------------------------------------
 def _start_server(host) -> subprocess.Popen:
     address = f"tcp://{host.address}:{SERVER_PORT}"
-    proc = host.popen([sys.executable, "-m", "trainmesh", "ps-server", "--bind", address, "--num-workers", "2",
-                       "--dead-after-s", "30"], env={"TRAINMESH_PS_SECRET": SECRET, "OMP_NUM_THREADS": "1"},
-                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = host.popen(
+        [
+            sys.executable,
+            "-m",
+            "trainmesh",
+            "ps-server",
+            "--bind",
+            address,
+            "--num-workers",
+            "2",
+            "--dead-after-s",
+            "30",
+        ],
+        env={"TRAINMESH_PS_SECRET": SECRET, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     line = proc.stdout.readline()
     if line.strip() != f"READY {address}":
         proc.kill()
@@ -121,13 +142,40 @@ def one_run(cluster, mode: str, steps: int, tag: str, out: str) -> list[dict]:
     try:
         cfg = json.dumps({"mode": mode, "steps": steps, "tag": tag, "out": out})
         endpoint = f"{workers[0].address}:{RDZV_PORT}"
-        env = {"OMP_NUM_THREADS": "1", "TRAINMESH_TIMEOUT_S": "300", "TRAINMESH_PS_SECRET": SECRET,
-               "TRAINMESH_PS_SERVERS": f"tcp://{server_host.address}:{SERVER_PORT}"}
-        procs = [host.popen([sys.executable, "-m", "trainmesh", "run", "--nnodes", "2", "--nproc-per-node", "1",
-                             "--node-rank", str(i), "--rdzv-endpoint", endpoint, "--rdzv-id", tag, str(HERE),
-                             "--job", cfg], env={**env, "SSP_BENCH_HOST": str(host.index)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for i, host in enumerate(workers)]
+        env = {
+            "OMP_NUM_THREADS": "1",
+            "TRAINMESH_TIMEOUT_S": "300",
+            "TRAINMESH_PS_SECRET": SECRET,
+            "TRAINMESH_PS_SERVERS": f"tcp://{server_host.address}:{SERVER_PORT}",
+        }
+        procs = [
+            host.popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "trainmesh",
+                    "run",
+                    "--nnodes",
+                    "2",
+                    "--nproc-per-node",
+                    "1",
+                    "--node-rank",
+                    str(i),
+                    "--rdzv-endpoint",
+                    endpoint,
+                    "--rdzv-id",
+                    tag,
+                    str(HERE),
+                    "--job",
+                    cfg,
+                ],
+                env={**env, "SSP_BENCH_HOST": str(host.index)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for i, host in enumerate(workers)
+        ]
         outputs = []
         for proc in procs:
             try:
@@ -140,8 +188,9 @@ def one_run(cluster, mode: str, steps: int, tag: str, out: str) -> list[dict]:
     finally:
         server.terminate()
         server.communicate(timeout=30)
-    return sorted((json.loads((Path(out) / f"{tag}-rank{r}.json").read_text()) for r in range(2)),
-                  key=lambda r: r["host"])
+    return sorted(
+        (json.loads((Path(out) / f"{tag}-rank{r}.json").read_text()) for r in range(2)), key=lambda r: r["host"]
+    )
 
 
 def time_to_target(run: list[dict]) -> tuple[float | None, int | None]:
@@ -167,17 +216,22 @@ def ssp_host_part(rounds: int, steps: int, rate: str) -> dict:
         cluster.wait_reachable()
         cluster.hosts[2].shape(rate=rate)  # the straggler host
         for r in range(rounds):
-            for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+            for mode in MODES if r % 2 == 0 else MODES[::-1]:
                 run = one_run(cluster, mode, steps, f"r{r}-{mode.replace(':', '')}", out)
                 seconds, to_target = time_to_target(run)
                 straggler = run[1]
-                runs[mode].append({"seconds": seconds, "steps_to_target": to_target,
-                                   "s_per_step": straggler["seconds"][-1] / steps,
-                                   "straggler_blocking_pulls_per_step": straggler["blocking_pulls"] / steps,
-                                   "max_lead": max(w["max_lead"] for w in run),
-                                   "server_max_staleness": max(w["server_max_staleness"] for w in run),
-                                   "initial_loss": run[0]["losses"][0],
-                                   "final_loss": min(w["losses"][-1] for w in run)})
+                runs[mode].append(
+                    {
+                        "seconds": seconds,
+                        "steps_to_target": to_target,
+                        "s_per_step": straggler["seconds"][-1] / steps,
+                        "straggler_blocking_pulls_per_step": straggler["blocking_pulls"] / steps,
+                        "max_lead": max(w["max_lead"] for w in run),
+                        "server_max_staleness": max(w["server_max_staleness"] for w in run),
+                        "initial_loss": run[0]["losses"][0],
+                        "final_loss": min(w["losses"][-1] for w in run),
+                    }
+                )
         cluster.hosts[2].unshape()
     return summarize(runs, rounds, steps, rate)
 
@@ -189,24 +243,38 @@ def summarize(runs: dict, rounds: int, steps: int, rate: str) -> dict:
     # the bound held: no worker computed with values staler than K, by the client's and the server's count
     bound = int(MODES[1].split(":")[1])
     valid = valid and all(r["max_lead"] <= bound and r["server_max_staleness"] <= bound for r in ssp)
-    out = {"runs": runs, "rounds": rounds, "steps": steps, "rate": rate, "valid": valid,
-           "ratio": statistics.median(ratios) if ratios else float("inf"),
-           "ratio_ci95": list(_median_ci(ratios)) if ratios else None}
-    print(f"\nparameter server, straggler HOST (link {rate}), 1 server + 2 worker hosts, {steps} steps each, "
-          f"time to {TARGET_FRACTION} x initial loss ({rounds} interleaved rounds):")
-    header = (f"{'mode':<8}{'to target s':>13}{'steps':>7}{'s/step':>8}{'blocking pulls/step':>21}"
-              f"{'max lead':>10}{'final loss':>12}")
+    out = {
+        "runs": runs,
+        "rounds": rounds,
+        "steps": steps,
+        "rate": rate,
+        "valid": valid,
+        "ratio": statistics.median(ratios) if ratios else float("inf"),
+        "ratio_ci95": list(_median_ci(ratios)) if ratios else None,
+    }
+    print(
+        f"\nparameter server, straggler HOST (link {rate}), 1 server + 2 worker hosts, {steps} steps each, "
+        f"time to {TARGET_FRACTION} x initial loss ({rounds} interleaved rounds):"
+    )
+    header = (
+        f"{'mode':<8}{'to target s':>13}{'steps':>7}{'s/step':>8}{'blocking pulls/step':>21}"
+        f"{'max lead':>10}{'final loss':>12}"
+    )
     print(header + "\n" + "-" * len(header))
     for mode in MODES:
         rows = runs[mode]
         med = statistics.median([r["seconds"] or float("inf") for r in rows])
-        print(f"{mode:<8}{med:>13.2f}{statistics.median([r['steps_to_target'] or -1 for r in rows]):>7}"
-              f"{statistics.median([r['s_per_step'] for r in rows]):>8.3f}"
-              f"{statistics.median([r['straggler_blocking_pulls_per_step'] for r in rows]):>21.2f}"
-              f"{max(r['max_lead'] for r in rows):>10}{statistics.median([r['final_loss'] for r in rows]):>12.4f}")
+        print(
+            f"{mode:<8}{med:>13.2f}{statistics.median([r['steps_to_target'] or -1 for r in rows]):>7}"
+            f"{statistics.median([r['s_per_step'] for r in rows]):>8.3f}"
+            f"{statistics.median([r['straggler_blocking_pulls_per_step'] for r in rows]):>21.2f}"
+            f"{max(r['max_lead'] for r in rows):>10}{statistics.median([r['final_loss'] for r in rows]):>12.4f}"
+        )
     lo, hi = out["ratio_ci95"] or (float("nan"), float("nan"))
-    print(f"{MODES[1]} / sync time to target: {out['ratio']:.3f} (95% interval {lo:.3f}-{hi:.3f})"
-          + ("" if valid else "  INVALID (a run missed the target or broke the bound)"))
+    print(
+        f"{MODES[1]} / sync time to target: {out['ratio']:.3f} (95% interval {lo:.3f}-{hi:.3f})"
+        + ("" if valid else "  INVALID (a run missed the target or broke the bound)")
+    )
     return out
 
 
@@ -233,8 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     result = ssp_host_part(args.rounds or (1 if args.quick else 3), args.steps or (40 if args.quick else 60), args.rate)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"figures": {"ssp_time_to_loss_vs_sync_straggler_host": result["ratio"]}, "ssp": result},
-                      fh, indent=1)
+            json.dump(
+                {"figures": {"ssp_time_to_loss_vs_sync_straggler_host": result["ratio"]}, "ssp": result}, fh, indent=1
+            )
     if not result["valid"]:
         print("INVALID")
         return 1

@@ -42,10 +42,19 @@ def build(layers: int = 4):
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
-                                      num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=HEADS,
-                                      max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-                                      use_cache=False)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(config).float()
 
 
@@ -109,9 +118,9 @@ def collectives(layers: int) -> dict:
 # 2.4e-7). Different work does not hide in either check: a missing or doubled reduction, a wrong
 # scale, a mask or layout error moves first-step gradients by 1e-2 to 1, and a parameter left
 # untrained, a different learning rate or ranks drifting apart move the trained change by ~1.
-LOSS_RTOL = 1e-5          # first-step loss, relative
-GRAD_REL_L2 = 1e-4        # first-step gradient, per parameter: ||g_tm - g_hw|| / ||g_hw|| (noise ~5e-7)
-UPDATE_REL_L2 = 1e-2      # trained change, per parameter: ||d_tm - d_hw|| / ||d_hw|| (noise ~2.3e-4 after 44 AdamW steps)
+LOSS_RTOL = 1e-5  # first-step loss, relative
+GRAD_REL_L2 = 1e-4  # first-step gradient, per parameter: ||g_tm - g_hw|| / ||g_hw|| (noise ~5e-7)
+UPDATE_REL_L2 = 1e-2  # trained change, per parameter: ||d_tm - d_hw|| / ||d_hw|| (noise ~2.3e-4 after 44 AdamW steps)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -142,11 +151,15 @@ def same_work(first: dict, start: dict, end: dict) -> dict:
     grad_rel = {k: _rel_l2(tm["grads"][k], g) for k, g in hw["grads"].items()}
     update_rel = {k: _rel_l2(end["trainmesh"][k] - start[k], end["hand-written"][k] - start[k]) for k in start}
     abs_diff = max((end["trainmesh"][k] - end["hand-written"][k]).abs().max().item() for k in start)
-    return {"first_loss": {"trainmesh": tm["loss"], "hand-written": hw["loss"]},
-            "first_loss_rel_diff": abs(tm["loss"] - hw["loss"]) / abs(hw["loss"]),
-            "first_grad_rel_l2_max": max(grad_rel.values()), "first_grad_worst": max(grad_rel, key=grad_rel.get),
-            "update_rel_l2_max": max(update_rel.values()), "update_worst": max(update_rel, key=update_rel.get),
-            "param_max_abs_diff": abs_diff}
+    return {
+        "first_loss": {"trainmesh": tm["loss"], "hand-written": hw["loss"]},
+        "first_loss_rel_diff": abs(tm["loss"] - hw["loss"]) / abs(hw["loss"]),
+        "first_grad_rel_l2_max": max(grad_rel.values()),
+        "first_grad_worst": max(grad_rel, key=grad_rel.get),
+        "update_rel_l2_max": max(update_rel.values()),
+        "update_worst": max(update_rel, key=update_rel.get),
+        "param_max_abs_diff": abs_diff,
+    }
 
 
 _CHECKED = ("first_loss_rel_diff", "first_grad_rel_l2_max", "update_rel_l2_max", "param_max_abs_diff")
@@ -228,30 +241,44 @@ def main() -> int:
     collectives_per_block = sum(per_block.values())
     saving = activation_saving()
     check = result["same_work"]
-    valid = (check["first_loss_rel_diff"] <= LOSS_RTOL and check["first_grad_rel_l2_max"] <= GRAD_REL_L2
-             and check["update_rel_l2_max"] <= UPDATE_REL_L2)
-    print(f"Llama {HIDDEN}x{FFN}, 4 layers, seq {SEQ}, batch {args.batch}, {args.nproc} processes (1 x {args.nproc} mesh), "
-          f"fp32 AdamW, torch {torch.__version__}, {platform.machine()}, load {_load()}")
+    valid = (
+        check["first_loss_rel_diff"] <= LOSS_RTOL
+        and check["first_grad_rel_l2_max"] <= GRAD_REL_L2
+        and check["update_rel_l2_max"] <= UPDATE_REL_L2
+    )
+    print(
+        f"Llama {HIDDEN}x{FFN}, 4 layers, seq {SEQ}, batch {args.batch}, {args.nproc} processes (1 x {args.nproc} mesh), "
+        f"fp32 AdamW, torch {torch.__version__}, {platform.machine()}, load {_load()}"
+    )
     print(f"{'side':<14}{'median s/step':>16}")
     for name, values in result["times"].items():
         print(f"{name:<14}{statistics.median(values):>16.4f}")
     print(f"tp_step_vs_hand_written      {ratio:.3f}  (95% of rounds in [{low:.3f}, {high:.3f}], goal <= 1.03)")
     print(f"tp_collectives_per_block     {collectives_per_block:g}  {dict(sorted(per_block.items()))} (goal <= 4)")
-    print(f"same work, first step        loss rel diff {check['first_loss_rel_diff']:.1e} (<= {LOSS_RTOL:g}), "
-          f"gradient rel L2 max {check['first_grad_rel_l2_max']:.1e} (<= {GRAD_REL_L2:g}; {check['first_grad_worst']})")
-    print(f"same work, after {check['steps_per_side']} steps  trained change rel L2 max {check['update_rel_l2_max']:.1e} "
-          f"(<= {UPDATE_REL_L2:g}; {check['update_worst']}); max |trainmesh - hand-written| "
-          f"{check['param_max_abs_diff']:.2e} (reported)")
+    print(
+        f"same work, first step        loss rel diff {check['first_loss_rel_diff']:.1e} (<= {LOSS_RTOL:g}), "
+        f"gradient rel L2 max {check['first_grad_rel_l2_max']:.1e} (<= {GRAD_REL_L2:g}; {check['first_grad_worst']})"
+    )
+    print(
+        f"same work, after {check['steps_per_side']} steps  trained change rel L2 max {check['update_rel_l2_max']:.1e} "
+        f"(<= {UPDATE_REL_L2:g}; {check['update_worst']}); max |trainmesh - hand-written| "
+        f"{check['param_max_abs_diff']:.2e} (reported)"
+    )
     print("saved activations (1 process, batch 4): " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in saving.items()))
-    figures = {"tp_step_vs_hand_written": ratio, "tp_collectives_per_block": collectives_per_block,
-               "tp_params_vs_hand_written_max_abs_diff": check["param_max_abs_diff"],
-               "ac_full_saved_activations_vs_none": saving["full"] / saving["none"]}
+    figures = {
+        "tp_step_vs_hand_written": ratio,
+        "tp_collectives_per_block": collectives_per_block,
+        "tp_params_vs_hand_written_max_abs_diff": check["param_max_abs_diff"],
+        "ac_full_saved_activations_vs_none": saving["full"] / saving["none"],
+    }
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"figures": figures, "detail": {**result, "ratios": ratios, "saved_bytes": saving}}, fh, indent=2)
     if not valid:
-        print("INVALID: the two sides' first-step loss or gradients, or their trained parameters, differ beyond "
-              "fp32 rounding; the timings compare different work")
+        print(
+            "INVALID: the two sides' first-step loss or gradients, or their trained parameters, differ beyond "
+            "fp32 rounding; the timings compare different work"
+        )
         return 1
     return 0
 

@@ -64,13 +64,24 @@ def build(model_name: str):
     torch.manual_seed(0)
     if model_name == "gpt":
         s = DemoSettings.full()
-        model = CharGPT(GPTConfig(vocab_size=GPT_VOCAB, block_size=s.block_size, n_layer=s.n_layer,
-                                  n_head=s.n_head, d_model=s.d_model))
+        model = CharGPT(
+            GPTConfig(
+                vocab_size=GPT_VOCAB, block_size=s.block_size, n_layer=s.n_layer, n_head=s.n_head, d_model=s.d_model
+            )
+        )
         return model, lm_loss, GPT_VOCAB
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        use_cache=False,
+    )
     config._attn_implementation = "sdpa"
     return LlamaForCausalLM(config), lambda out, y: lm_loss(out.logits, y), 256
 
@@ -98,16 +109,30 @@ def batches(vocab: int, n: int, rows: int, seed: int, device: str = "cpu") -> li
     return out
 
 
-def make_trainer(model_name: str, stage: int, mode, precision: str, optimizer=torch.optim.AdamW, lr=1e-3,
-                 compile_mode: str | None = None):
+def make_trainer(
+    model_name: str,
+    stage: int,
+    mode,
+    precision: str,
+    optimizer=torch.optim.AdamW,
+    lr=1e-3,
+    compile_mode: str | None = None,
+):
     import trainmesh as tm
 
     model, loss_fn, vocab = build(model_name)
     # The demo's optimizer kernels (fused AdamW; FSDP2's DTensor shards get foreach) on both sides.
-    trainer = tm.Trainer(model, optimizer(model.parameters(), lr=lr), loss_fn,
-                         distribution=tm.DataParallel(zero_stage=stage), precision=precision, compile=mode,
-                         optimizer_implementation="fused", progress=False,
-                         compile_mode=compile_mode if mode else None)
+    trainer = tm.Trainer(
+        model,
+        optimizer(model.parameters(), lr=lr),
+        loss_fn,
+        distribution=tm.DataParallel(zero_stage=stage),
+        precision=precision,
+        compile=mode,
+        optimizer_implementation="fused",
+        progress=False,
+        compile_mode=compile_mode if mode else None,
+    )
     return trainer, vocab
 
 
@@ -133,9 +158,10 @@ def worker(cfg: dict) -> dict:
         model_name, stage = pair.split("/")
         micro, accum = cfg["shape"][model_name]
         stage = int(stage.removeprefix("zero"))
-        sides = {"eager": make_trainer(model_name, stage, False, cfg["precision"]),
-                 "compiled": make_trainer(model_name, stage, "regional", cfg["precision"],
-                                          compile_mode=cfg["compile_mode"])}
+        sides = {
+            "eager": make_trainer(model_name, stage, False, cfg["precision"]),
+            "compiled": make_trainer(model_name, stage, "regional", cfg["precision"], compile_mode=cfg["compile_mode"]),
+        }
         vocab = sides["eager"][1]
         data = batches(vocab, accum * (cfg["rounds"] * cfg["steps"] + 1), micro, seed=1000 + rank, device=cfg["device"])
         times = {side: [] for side in sides}
@@ -154,16 +180,21 @@ def worker(cfg: dict) -> dict:
                     index = 1 + r * cfg["steps"] + s
                     dist.barrier()
                     started = time.perf_counter()
-                    losses[side].append(step(trainer, data[index * accum:(index + 1) * accum]))
+                    losses[side].append(step(trainer, data[index * accum : (index + 1) * accum]))
                     times[side].append(time.perf_counter() - started)
-        out["pairs"][pair] = {"times": times, "losses": losses, "first_step_s": first,
-                              "compiled": compiled_mode(sides["compiled"][0].unwrapped_model)}
+        out["pairs"][pair] = {
+            "times": times,
+            "losses": losses,
+            "first_step_s": first,
+            "compiled": compiled_mode(sides["compiled"][0].unwrapped_model),
+        }
         if pair == "gpt/zero0" and rank == 0:
             from trainmesh.trainer.throughput import count_flops_per_sample, meta_copy
 
             model, loss_fn, _ = build("gpt")
-            out["gpt_flops_per_sample"] = count_flops_per_sample(meta_copy(model), data[0][0], data[0][1], loss_fn,
-                                                                 rows=micro)
+            out["gpt_flops_per_sample"] = count_flops_per_sample(
+                meta_copy(model), data[0][0], data[0][1], loss_fn, rows=micro
+            )
         del sides
     for pair in cfg["parity"]:  # fp32: the compiled path computes what eager computes
         model_name, stage = pair.split("/")
@@ -173,14 +204,16 @@ def worker(cfg: dict) -> dict:
         for side, mode in (("eager", False), ("compiled", "regional")):
             # SGD: the parameters then differ by what the gradients differ by; Adam's normalisation would
             # blow a 1e-9 difference in a near-zero gradient up to a full lr-sized step.
-            trainer, vocab = make_trainer(model_name, stage, mode, "fp32", torch.optim.SGD, 0.1,
-                                          compile_mode=cfg["compile_mode"])
+            trainer, vocab = make_trainer(
+                model_name, stage, mode, "fp32", torch.optim.SGD, 0.1, compile_mode=cfg["compile_mode"]
+            )
             for batch in batches(vocab, 4, micro, seed=2000 + rank, device=cfg["device"]):
                 step(trainer, [batch])
             params[side] = trainer.state_dict()["model"]
         if rank == 0:
-            out["parity"][pair] = max((params["compiled"][k] - params["eager"][k]).abs().max().item()
-                                      for k in params["eager"])
+            out["parity"][pair] = max(
+                (params["compiled"][k] - params["eager"][k]).abs().max().item() for k in params["eager"]
+            )
     return out
 
 
@@ -194,15 +227,22 @@ def summarize(results: list[dict], cfg: dict) -> dict:
         med = {side: statistics.median(v) for side, v in steps.items()}
         ratios = [c / e for c, e in zip(steps["compiled"], steps["eager"])]
         final = {side: [p["losses"][side][-1] for p in per] for side in ("eager", "compiled")}
-        same = (len(steps["eager"]) == len(steps["compiled"]) and per[0]["compiled"] == "regional"
-                and max(abs(a - b) for a, b in zip(final["eager"], final["compiled"])) <= LOSS_TOLERANCE)
+        same = (
+            len(steps["eager"]) == len(steps["compiled"])
+            and per[0]["compiled"] == "regional"
+            and max(abs(a - b) for a, b in zip(final["eager"], final["compiled"])) <= LOSS_TOLERANCE
+        )
         valid &= same
         report["pairs"][pair] = {
-            "eager_ms": 1e3 * med["eager"], "compiled_ms": 1e3 * med["compiled"],
-            "ratio": med["compiled"] / med["eager"], "ratio_ci95_of_step_ratios": median_ci95(ratios),
+            "eager_ms": 1e3 * med["eager"],
+            "compiled_ms": 1e3 * med["compiled"],
+            "ratio": med["compiled"] / med["eager"],
+            "ratio_ci95_of_step_ratios": median_ci95(ratios),
             "eager_ms_ci95": tuple(1e3 * v for v in median_ci95(steps["eager"])),
             "first_step_s": {side: max(p["first_step_s"][side] for p in per) for side in ("eager", "compiled")},
-            "final_losses": final, "same_work": same, "steps": len(steps["eager"]),
+            "final_losses": final,
+            "same_work": same,
+            "steps": len(steps["eager"]),
         }
     figures = {}
     if "gpt/zero0" in report["pairs"]:
@@ -223,10 +263,18 @@ def summarize(results: list[dict], cfg: dict) -> dict:
         figures["compiled_vs_eager_step_llama_zero3"] = report["pairs"]["llama/zero3"]["ratio"]
     if results[0]["parity"]:
         figures["compiled_parity_max_abs_diff"] = max(results[0]["parity"].values())
-    report.update(figures=figures, parity=results[0]["parity"], precision=cfg["precision"], device=cfg["device"],
-                  processes=cfg["world"],
-                  peak_dtype=cfg["peak_dtype"], peak_flops=peak, compile_mode=cfg["compile_mode"],
-                  peaks_measured=cfg["peaks"], valid=valid)
+    report.update(
+        figures=figures,
+        parity=results[0]["parity"],
+        precision=cfg["precision"],
+        device=cfg["device"],
+        processes=cfg["world"],
+        peak_dtype=cfg["peak_dtype"],
+        peak_flops=peak,
+        compile_mode=cfg["compile_mode"],
+        peaks_measured=cfg["peaks"],
+        valid=valid,
+    )
     return report
 
 
@@ -234,16 +282,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, help="alternating rounds per pair (default 6; --quick 4)")
     parser.add_argument("--steps", type=int, help="timed steps per side per round (default 5; --quick 3)")
-    parser.add_argument("--quick", action="store_true",
-                        help="only the figures' pairs (GPT under DataParallel, Llama under ZeRO-3), few steps")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="only the figures' pairs (GPT under DataParallel, Llama under ZeRO-3), few steps",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the report (with a top-level 'figures') here")
-    parser.add_argument("--precision", choices=("auto", "fp32", "bf16-mixed"), default="auto",
-                        help="both sides' precision (default auto: what the demo picks on this machine)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu: gloo processes of one thread; cuda: one process per GPU, NCCL (the same per-process "
-                             "steps; the figures then describe that GPU, not this benchmark's CPU goals)")
-    parser.add_argument("--compile-mode", help="torch.compile's mode for the compiled side (default: torch's; "
-                                               "'reduce-overhead' replays CUDA graphs)")
+    parser.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16-mixed"),
+        default="auto",
+        help="both sides' precision (default auto: what the demo picks on this machine)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo processes of one thread; cuda: one process per GPU, NCCL (the same per-process "
+        "steps; the figures then describe that GPU, not this benchmark's CPU goals)",
+    )
+    parser.add_argument(
+        "--compile-mode",
+        help="torch.compile's mode for the compiled side (default: torch's; 'reduce-overhead' replays CUDA graphs)",
+    )
     parser.add_argument("--processes", type=int, help=f"processes (default {WORLD} on cpu, one per GPU on cuda)")
     args = parser.parse_args(argv)
     world = args.processes or (torch.cuda.device_count() if args.device == "cuda" else WORLD)
@@ -251,9 +312,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--processes must be >= 1 (with --device cuda, a GPU must be visible); got {world}")
     pairs = ["gpt/zero0", "llama/zero3"] if args.quick else ["gpt/zero0", "gpt/zero3", "llama/zero0", "llama/zero3"]
     parity = ["gpt/zero0", "llama/zero3"]
-    cfg = {"pairs": pairs, "parity": parity, "rounds": args.rounds or (4 if args.quick else 6),
-           "steps": args.steps or (3 if args.quick else 5), "shape": shapes(), "world": world, "device": args.device,
-           "compile_mode": args.compile_mode}
+    cfg = {
+        "pairs": pairs,
+        "parity": parity,
+        "rounds": args.rounds or (4 if args.quick else 6),
+        "steps": args.steps or (3 if args.quick else 5),
+        "shape": shapes(),
+        "world": world,
+        "device": args.device,
+        "compile_mode": args.compile_mode,
+    }
     from trainmesh.trainer.precision import fastest_precision
     from trainmesh.trainer.throughput import measure_peak_flops
 
@@ -262,33 +330,47 @@ def main(argv: list[str] | None = None) -> int:
     # the node's ceilings (a CPU's cores; on cuda one GPU's, times the GPUs used), before the workers
     # start; the MFU divides by the higher (see the module doc)
     devices = world if args.device == "cuda" else 1
-    cfg["peaks"] = {dtype_short_name(d): devices * measure_peak_flops(d, device_type=args.device, seconds=3.0,
-                                                                      save=False)
-                    for d in sorted({torch.bfloat16, compute_dtype(precision)}, key=str)}
+    cfg["peaks"] = {
+        dtype_short_name(d): devices * measure_peak_flops(d, device_type=args.device, seconds=3.0, save=False)
+        for d in sorted({torch.bfloat16, compute_dtype(precision)}, key=str)
+    }
     cfg["peak_dtype"] = max(cfg["peaks"], key=cfg["peaks"].get)
-    results = run_distributed(worker, world_size=world, args=(cfg,), timeout=3000, collective_timeout=900,
-                              device=args.device)
+    results = run_distributed(
+        worker, world_size=world, args=(cfg,), timeout=3000, collective_timeout=900, device=args.device
+    )
     report = summarize(results, cfg)
     name = cfg["peak_dtype"]
-    where = f"{world} processes, 1 thread each" if args.device == "cpu" else \
-        f"{world} process(es), one per GPU ({torch.cuda.get_device_name()})"
-    print(f"{where}; precision {precision} ({why}); matmul peaks of the processes' devices: "
-          + ", ".join(f"{d} {v / 1e9:.0f} GFLOP/s" for d, v in cfg["peaks"].items())
-          + f"; the MFU divides by the higher ({name})")
+    where = (
+        f"{world} processes, 1 thread each"
+        if args.device == "cpu"
+        else f"{world} process(es), one per GPU ({torch.cuda.get_device_name()})"
+    )
+    print(
+        f"{where}; precision {precision} ({why}); matmul peaks of the processes' devices: "
+        + ", ".join(f"{d} {v / 1e9:.0f} GFLOP/s" for d, v in cfg["peaks"].items())
+        + f"; the MFU divides by the higher ({name})"
+    )
     if cfg["compile_mode"]:
         print(f"compiled side: torch.compile mode {cfg['compile_mode']!r}")
-    print(f"both sides: {precision}, fused AdamW (foreach on ZeRO-3 shards), the same batches; rows x micro-batches "
-          "per process and step: " + ", ".join(f"{m} {r} x {k}" for m, (r, k) in cfg["shape"].items()))
-    header = f"{'pair':<14}{'eager ms':>10}{'compiled ms':>13}{'ratio':>8}{'95% CI':>16}{'compile s':>11}{'same work':>11}"
+    print(
+        f"both sides: {precision}, fused AdamW (foreach on ZeRO-3 shards), the same batches; rows x micro-batches "
+        "per process and step: " + ", ".join(f"{m} {r} x {k}" for m, (r, k) in cfg["shape"].items())
+    )
+    header = (
+        f"{'pair':<14}{'eager ms':>10}{'compiled ms':>13}{'ratio':>8}{'95% CI':>16}{'compile s':>11}{'same work':>11}"
+    )
     print(header + "\n" + "-" * len(header))
     for pair, p in report["pairs"].items():
         low, high = p["ratio_ci95_of_step_ratios"]
-        print(f"{pair:<14}{p['eager_ms']:>10.1f}{p['compiled_ms']:>13.1f}{p['ratio']:>8.3f}"
-              f"{f'{low:.3f}-{high:.3f}':>16}{p['first_step_s']['compiled']:>11.1f}{str(p['same_work']):>11}")
-    intervals = {"compiled_vs_eager_step_gpt": report["pairs"].get("gpt/zero0", {}).get("ratio_ci95_of_step_ratios"),
-                 "compiled_vs_eager_step_llama_zero3":
-                     report["pairs"].get("llama/zero3", {}).get("ratio_ci95_of_step_ratios"),
-                 **{n: report.get("demo_mfu_ci95") for n in report["figures"] if n.startswith("demo_mfu_vs_")}}
+        print(
+            f"{pair:<14}{p['eager_ms']:>10.1f}{p['compiled_ms']:>13.1f}{p['ratio']:>8.3f}"
+            f"{f'{low:.3f}-{high:.3f}':>16}{p['first_step_s']['compiled']:>11.1f}{str(p['same_work']):>11}"
+        )
+    intervals = {
+        "compiled_vs_eager_step_gpt": report["pairs"].get("gpt/zero0", {}).get("ratio_ci95_of_step_ratios"),
+        "compiled_vs_eager_step_llama_zero3": report["pairs"].get("llama/zero3", {}).get("ratio_ci95_of_step_ratios"),
+        **{n: report.get("demo_mfu_ci95") for n in report["figures"] if n.startswith("demo_mfu_vs_")},
+    }
     for name, value in report["figures"].items():
         ci = intervals.get(name)
         print(f"{name} = {value:.4g}" + (f"  (95% CI {ci[0]:.3g}-{ci[1]:.3g})" if ci else ""))

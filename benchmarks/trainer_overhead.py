@@ -101,7 +101,7 @@ def round_order(variants: tuple[str, ...], r: int) -> list[str]:
     """Rotate by one each round and reverse every other cycle: each variant takes every position,
     and follows every other variant, equally often (for two variants: ab, ba, ba, ab, ...)."""
     n = len(variants)
-    order = list(variants[r % n:] + variants[: r % n])
+    order = list(variants[r % n :] + variants[: r % n])
     return order[::-1] if (r // n) % 2 else order
 
 
@@ -209,11 +209,20 @@ def worker(cfg: dict, part: str) -> dict:
             if name.startswith("trainmesh"):
                 # the Trainer as users get it; the unchecked diagnostic makes no per-step collective (its
                 # loss is reduced at the epoch's last step, one step in all its rounds)
-                options = (dict(nonfinite_loss=None, log_every_n_steps=10**9) if name == "trainmesh-unchecked"
-                           else dict(log_every_n_steps=1))
+                options = (
+                    dict(nonfinite_loss=None, log_every_n_steps=10**9)
+                    if name == "trainmesh-unchecked"
+                    else dict(log_every_n_steps=1)
+                )
                 clock = _PhaseClock(warmup, steps, cfg["rounds"])
-                trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=cfg["lr"]), mse, progress=False,
-                                     callbacks=[clock], **options)
+                trainer = tm.Trainer(
+                    model,
+                    torch.optim.SGD(model.parameters(), lr=cfg["lr"]),
+                    mse,
+                    progress=False,
+                    callbacks=[clock],
+                    **options,
+                )
                 runners[name] = _TrainerRunner(trainer, clock, (x, y), batch)
             elif name.startswith("hand-written"):  # one process: no wrapper at all (or DDP, the diagnostic)
                 if name == "hand-written-ddp":
@@ -230,7 +239,9 @@ def worker(cfg: dict, part: str) -> dict:
                 from accelerate import Accelerator
                 from accelerate.utils import DistributedDataParallelKwargs
 
-                accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(**DDP_KWARGS)])  # MULTI_CPU: adopts the gloo group from RANK/WORLD_SIZE
+                accelerator = Accelerator(
+                    cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(**DDP_KWARGS)]
+                )  # MULTI_CPU: adopts the gloo group from RANK/WORLD_SIZE
                 assert accelerator.num_processes == world, accelerator.state
                 acc_model, acc_opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=cfg["lr"]))
 
@@ -244,7 +255,9 @@ def worker(cfg: dict, part: str) -> dict:
                 from lightning_fabric import Fabric
                 from lightning_fabric.strategies import DDPStrategy
 
-                fabric = Fabric(accelerator="cpu", strategy=DDPStrategy(**DDP_KWARGS), devices=world, precision="32-true")
+                fabric = Fabric(
+                    accelerator="cpu", strategy=DDPStrategy(**DDP_KWARGS), devices=world, precision="32-true"
+                )
                 fabric.launch()  # processes exist (LOCAL_RANK set): starts none, adopts the group
                 assert fabric.world_size == world and fabric.global_rank == rank
                 fab_model, fab_opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=cfg["lr"]))
@@ -292,12 +305,23 @@ def worker(cfg: dict, part: str) -> dict:
     reference = variants[0]
     with torch.no_grad():
         init = list(build_model(cfg["seed"]).parameters())
-        diffs = {name: max((a - b).abs().max().item() for a, b in zip(raw[reference].parameters(), raw[name].parameters()))
-                 for name in variants}
+        diffs = {
+            name: max((a - b).abs().max().item() for a, b in zip(raw[reference].parameters(), raw[name].parameters()))
+            for name in variants
+        }
         moved = max((a - b).abs().max().item() for a, b in zip(raw[reference].parameters(), init))
         finite = all(bool(torch.isfinite(p).all()) for m in raw.values() for p in m.parameters())
-    return {"times": times, "walls": walls, "orders": orders, "max_abs_diff": diffs, "max_change_from_init": moved,
-            "finite": finite, "trainer_output": captured.getvalue(), "warnings": warning_texts, "torch_threads": threads}
+    return {
+        "times": times,
+        "walls": walls,
+        "orders": orders,
+        "max_abs_diff": diffs,
+        "max_change_from_init": moved,
+        "finite": finite,
+        "trainer_output": captured.getvalue(),
+        "warnings": warning_texts,
+        "torch_threads": threads,
+    }
 
 
 def _quartiles(values: list[float]) -> tuple[float, float]:
@@ -319,14 +343,22 @@ def summarize(results: list[dict], cfg: dict, part: str) -> dict:
         # because unsynchronised processes split scheduling noise over different steps.
         round_ms = [1e3 * max(res["walls"][name][r] for res in results) / steps for r in range(rounds_n)]
         # Per step (as ddp_overhead.py): each step as slow as its slowest process; for the spread.
-        per_step = [[1e3 * max(step) for step in zip(*(res["times"][name][r] for res in results))] for r in range(rounds_n)]
+        per_step = [
+            [1e3 * max(step) for step in zip(*(res["times"][name][r] for res in results))] for r in range(rounds_n)
+        ]
         pooled = [t for rnd in per_step for t in rnd]
         r1, r3 = _quartiles(round_ms)
         s1, s3 = _quartiles(pooled)
         summary[name] = {
-            "median_ms": statistics.median(round_ms), "round_p25_ms": r1, "round_p75_ms": r3, "round_ms": round_ms,
-            "step_median_ms": statistics.median(pooled), "step_p25_ms": s1, "step_p75_ms": s3,
-            "per_step_ms": per_step, "steps": len(pooled),
+            "median_ms": statistics.median(round_ms),
+            "round_p25_ms": r1,
+            "round_p75_ms": r3,
+            "round_ms": round_ms,
+            "step_median_ms": statistics.median(pooled),
+            "step_p25_ms": s1,
+            "step_p75_ms": s3,
+            "per_step_ms": per_step,
+            "steps": len(pooled),
         }
     diffs = {name: max(res["max_abs_diff"][name] for res in results) for name in variants}
     diff = max(diffs.values())
@@ -337,20 +369,24 @@ def summarize(results: list[dict], cfg: dict, part: str) -> dict:
         # Both sides ran in the same round, minutes apart at most: their ratio cancels slow drift.
         round_ratios = [p / q for p, q in zip(a["round_ms"], b["round_ms"])]
         ratio = a["median_ms"] / b["median_ms"]
-        comparisons.append({
-            "numerator": num, "denominator": den, "role": role,
-            "ratio": ratio,
-            "round_ratios": round_ratios,
-            "ratio_round_median": statistics.median(round_ratios),
-            # How far the noise alone moves the per-round figure: a 95% bootstrap interval over rounds.
-            "ratio_round_median_ci95": list(median_ci95(round_ratios)),
-            "ratio_step_median": a["step_median_ms"] / b["step_median_ms"],
-            # Load from other programs only ever adds time, so the fast quartile is the least disturbed.
-            "ratio_step_p25": a["step_p25_ms"] / b["step_p25_ms"],
-            "target": target,
-            # A ratio of unequal work proves nothing; diagnostics have no target.
-            "met": None if target is None else ratio <= target and params_match,
-        })
+        comparisons.append(
+            {
+                "numerator": num,
+                "denominator": den,
+                "role": role,
+                "ratio": ratio,
+                "round_ratios": round_ratios,
+                "ratio_round_median": statistics.median(round_ratios),
+                # How far the noise alone moves the per-round figure: a 95% bootstrap interval over rounds.
+                "ratio_round_median_ci95": list(median_ci95(round_ratios)),
+                "ratio_step_median": a["step_median_ms"] / b["step_median_ms"],
+                # Load from other programs only ever adds time, so the fast quartile is the least disturbed.
+                "ratio_step_p25": a["step_p25_ms"] / b["step_p25_ms"],
+                "target": target,
+                # A ratio of unequal work proves nothing; diagnostics have no target.
+                "met": None if target is None else ratio <= target and params_match,
+            }
+        )
     return {
         "part": part,
         "world_size": len(results),
@@ -371,35 +407,47 @@ def summarize(results: list[dict], cfg: dict, part: str) -> dict:
 
 def print_part(report: dict, title: str, quick: bool) -> None:
     print(title)
-    header = (f"{'variant':<18}{'ms/step':>9}{'rounds IQR':>15}{'rounds min-max':>17}"
-              f"{'step median':>13}{'step IQR':>15}{'steps':>7}")
+    header = (
+        f"{'variant':<18}{'ms/step':>9}{'rounds IQR':>15}{'rounds min-max':>17}"
+        f"{'step median':>13}{'step IQR':>15}{'steps':>7}"
+    )
     print(header)
     print("-" * len(header))
     for name, s in report["variants"].items():
         rounds_iqr = f"{s['round_p25_ms']:.2f}-{s['round_p75_ms']:.2f}"
         rounds_range = f"{min(s['round_ms']):.2f}-{max(s['round_ms']):.2f}"
         step_iqr = f"{s['step_p25_ms']:.2f}-{s['step_p75_ms']:.2f}"
-        print(f"{name:<18}{s['median_ms']:>9.2f}{rounds_iqr:>15}{rounds_range:>17}"
-              f"{s['step_median_ms']:>13.2f}{step_iqr:>15}{s['steps']:>7}")
+        print(
+            f"{name:<18}{s['median_ms']:>9.2f}{rounds_iqr:>15}{rounds_range:>17}"
+            f"{s['step_median_ms']:>13.2f}{step_iqr:>15}{s['steps']:>7}"
+        )
     for c in report["comparisons"]:
         if c["target"] is None:
             verdict = "diagnostic, no target"
         else:
             verdict = "MET" if c["met"] else "NOT MET" if report["params_match"] else "INVALID (parameters differ)"
-            verdict = f"target <= {c['target']:.2f}: {verdict}" + (" (--quick: too few steps to judge)" if quick else "")
+            verdict = f"target <= {c['target']:.2f}: {verdict}" + (
+                " (--quick: too few steps to judge)" if quick else ""
+            )
             verdict += f" [{c['role']}]"
         low, high = c["ratio_round_median_ci95"]
-        print(f"{c['numerator']} / {c['denominator']} = {c['ratio']:.4f}, {verdict}"
-              f"\n    median of per-round ratios {c['ratio_round_median']:.4f} (95% CI {low:.3f}-{high:.3f}); "
-              f"per-step medians {c['ratio_step_median']:.4f}, per-step p25s {c['ratio_step_p25']:.4f}")
+        print(
+            f"{c['numerator']} / {c['denominator']} = {c['ratio']:.4f}, {verdict}"
+            f"\n    median of per-round ratios {c['ratio_round_median']:.4f} (95% CI {low:.3f}-{high:.3f}); "
+            f"per-step medians {c['ratio_step_median']:.4f}, per-step p25s {c['ratio_step_p25']:.4f}"
+        )
     if report["params_match"]:
-        print(f"parameters agree after equal steps: max |diff| vs {report['param_reference']} = "
-              f"{report['max_abs_param_diff']:.3g} (tolerance {report['param_tolerance']:g}; "
-              f"max change from init {report['max_param_change_from_init']:.3g})")
+        print(
+            f"parameters agree after equal steps: max |diff| vs {report['param_reference']} = "
+            f"{report['max_abs_param_diff']:.3g} (tolerance {report['param_tolerance']:g}; "
+            f"max change from init {report['max_param_change_from_init']:.3g})"
+        )
     else:
-        print("!" * 78 + f"\n!!! PARAMETERS DIFFER (or are not finite): max |diff| by variant = "
-              f"{report['max_abs_param_diff_by_variant']} > {report['param_tolerance']:g}."
-              "\n!!! The variants did not do the same work; the timing comparison is NOT valid.\n" + "!" * 78)
+        print(
+            "!" * 78 + f"\n!!! PARAMETERS DIFFER (or are not finite): max |diff| by variant = "
+            f"{report['max_abs_param_diff_by_variant']} > {report['param_tolerance']:g}."
+            "\n!!! The variants did not do the same work; the timing comparison is NOT valid.\n" + "!" * 78
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -407,7 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="interleaved rounds per part (default 50; --quick 24)")
     parser.add_argument("--steps", type=int, help="timed steps per variant per round (default 6; --quick 4)")
     parser.add_argument("--warmup", type=int, help="untimed steps before each timed block (default 1; --quick 1)")
-    parser.add_argument("--batch", type=int, default=64, help="global batch size (split over the 2 processes in part b)")
+    parser.add_argument(
+        "--batch", type=int, default=64, help="global batch size (split over the 2 processes in part b)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parts", default="single,multi", help="comma list of parts to run: single, multi")
     parser.add_argument("--json", metavar="PATH", help="write the full results as JSON here")
@@ -420,8 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     # Many short rounds rather than a few long ones: load from elsewhere on the machine then
     # lands on all variants alike, and the per-round ratios average it out.
     full = {"rounds": 50, "steps": 6, "warmup": 1}
-    cfg = {key: getattr(args, key) if getattr(args, key) is not None else (quick if args.quick else full)[key]
-           for key in ("rounds", "steps", "warmup")}
+    cfg = {
+        key: getattr(args, key) if getattr(args, key) is not None else (quick if args.quick else full)[key]
+        for key in ("rounds", "steps", "warmup")
+    }
     # lr 0.5 makes every SGD step move some weight by > 6e-4, far above PARAM_TOLERANCE, so a
     # skipped step or a different batch on one side cannot hide below it (and stays stable).
     cfg.update(batch=args.batch, seed=args.seed, lr=0.5, quick=args.quick)
@@ -444,11 +496,15 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in build_model(0).parameters())
     report = {"config": cfg, "num_params": n_params, "versions": versions, "parts": {}, "ddp_kwargs": DDP_KWARGS}
     load_before = os.getloadavg()[0]  # context for the reader: a busy machine widens the spread
-    print(f"MLP {n_params / 1e6:.2f}M params ({IN_DIM}->{HIDDEN}->{HIDDEN}->{OUT_DIM}), gloo, CPU, fp32, SGD, "
-          f"1 thread/process, global batch {cfg['batch']}, {cfg['rounds']} rounds x ({cfg['warmup']} warmup + "
-          f"{cfg['steps']} timed) steps per variant; " + ", ".join(f"{k} {v}" for k, v in versions.items()))
-    titles = {"single": "(a) one process: Trainer vs a hand-written loop",
-              "multi": "(b) two processes: Trainer (log_every_n_steps 1 = default) vs Accelerate and Fabric (DDP)"}
+    print(
+        f"MLP {n_params / 1e6:.2f}M params ({IN_DIM}->{HIDDEN}->{HIDDEN}->{OUT_DIM}), gloo, CPU, fp32, SGD, "
+        f"1 thread/process, global batch {cfg['batch']}, {cfg['rounds']} rounds x ({cfg['warmup']} warmup + "
+        f"{cfg['steps']} timed) steps per variant; " + ", ".join(f"{k} {v}" for k, v in versions.items())
+    )
+    titles = {
+        "single": "(a) one process: Trainer vs a hand-written loop",
+        "multi": "(b) two processes: Trainer (log_every_n_steps 1 = default) vs Accelerate and Fabric (DDP)",
+    }
     print(f"every DDP side (hand-written-ddp, Trainer, Accelerate, Fabric): torch DDP with {DDP_KWARGS}")
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}  # read by Accelerate/Fabric; the group already exists
     for part in parts:
@@ -456,18 +512,28 @@ def main(argv: list[str] | None = None) -> int:
         n_variants = len(SINGLE if part == "single" else MULTI)
         # Generous wall limit (about 1 s per step and variant) so only a real hang trips it.
         total_steps = n_variants * cfg["rounds"] * (cfg["warmup"] + cfg["steps"])
-        results = run_distributed(worker, world_size=world, args=(cfg, part), timeout=180.0 + total_steps,
-                                  collective_timeout=120.0, env=env)
+        results = run_distributed(
+            worker, world_size=world, args=(cfg, part), timeout=180.0 + total_steps, collective_timeout=120.0, env=env
+        )
         report["parts"][part] = summarize(results, cfg, part)
         print()
         print_part(report["parts"][part], titles[part], cfg["quick"])
     report["load_avg_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
-    print(f"\nload avg {load_before:.2f} -> {report['load_avg_1min']['after']:.2f} (2 cores: above ~2 other "
-          "programs share them; trust the interleaved ratios, not the absolute times)")
-    names = {("single", "hand-written"): "trainer_vs_hand_written_1proc",
-             ("multi", "accelerate"): "trainer_vs_accelerate_2proc", ("multi", "fabric"): "trainer_vs_fabric_2proc"}
-    report["figures"] = {names[(part, c["denominator"])]: c["ratio"] for part, p in report["parts"].items()
-                         for c in p["comparisons"] if c["numerator"] == "trainmesh" and (part, c["denominator"]) in names}
+    print(
+        f"\nload avg {load_before:.2f} -> {report['load_avg_1min']['after']:.2f} (2 cores: above ~2 other "
+        "programs share them; trust the interleaved ratios, not the absolute times)"
+    )
+    names = {
+        ("single", "hand-written"): "trainer_vs_hand_written_1proc",
+        ("multi", "accelerate"): "trainer_vs_accelerate_2proc",
+        ("multi", "fabric"): "trainer_vs_fabric_2proc",
+    }
+    report["figures"] = {
+        names[(part, c["denominator"])]: c["ratio"]
+        for part, p in report["parts"].items()
+        for c in p["comparisons"]
+        if c["numerator"] == "trainmesh" and (part, c["denominator"]) in names
+    }
     valid = all(p["params_match"] for p in report["parts"].values())
     if not valid:
         print("INVALID: the variants ended with different parameters; the timings compare different work")

@@ -60,11 +60,20 @@ LOSS_RTOL = 1e-3
 def llama_config(size: dict):
     import transformers
 
-    return transformers.LlamaConfig(vocab_size=size["vocab"], hidden_size=size["hidden"],
-                                    intermediate_size=size["ffn"], num_hidden_layers=size["layers"],
-                                    num_attention_heads=size["heads"], num_key_value_heads=size["heads"],
-                                    max_position_embeddings=size["seq"], bos_token_id=0, eos_token_id=0,
-                                    pad_token_id=0, tie_word_embeddings=False, use_cache=False)
+    return transformers.LlamaConfig(
+        vocab_size=size["vocab"],
+        hidden_size=size["hidden"],
+        intermediate_size=size["ffn"],
+        num_hidden_layers=size["layers"],
+        num_attention_heads=size["heads"],
+        num_key_value_heads=size["heads"],
+        max_position_embeddings=size["seq"],
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
 
 
 def write_model(directory: str, size: dict) -> None:
@@ -101,8 +110,7 @@ def trainmesh_side(kind: str, directory: str, size: dict):
         model = transformers.LlamaForCausalLM(llama_config(size))
     if kind == "tp":
         mesh = tm.DeviceMesh((1, tm.world_size()), ["data", "model"], devices=tm.list_devices())
-        distribution = tm.ModelParallel(layout_map=tm.LayoutMap.auto(model, mesh, verbose=False),
-                                        batch_dim_name="data")
+        distribution = tm.ModelParallel(layout_map=tm.LayoutMap.auto(model, mesh, verbose=False), batch_dim_name="data")
     else:
         distribution = tm.DataParallel(zero_stage=3)
     model = distribution.distribute_model(model, weights=directory)
@@ -145,8 +153,9 @@ def pipeline_attempt(directory: str) -> str | None:
     from transformers.distributed import DistributedConfig
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(directory, distributed_config=DistributedConfig(pp_size=2),
-                                                     dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, distributed_config=DistributedConfig(pp_size=2), dtype=torch.float32
+        )
         x = torch.zeros(2, 8, dtype=torch.long)
         logits = model(input_ids=x).logits
         with warnings.catch_warnings():  # torch warns that its broadcast has no autograd kernel: the finding below
@@ -187,10 +196,13 @@ def _job(directory: str, size: dict, pipe: bool) -> dict:
                 seconds = _slowest(time.perf_counter() - start)
                 if r:
                     times[key].append(seconds / len(data))
-    out = {"times": {f"{s} {k}": v for (s, k), v in times.items()},
-           "losses": {f"{s} {k}": v for (s, k), v in losses.items()},
-           "optimizer": {f"{s} {k}": {name: sides[(s, k)][1].defaults.get(name) for name in ("foreach", "fused")}
-                         for (s, k) in sides}}
+    out = {
+        "times": {f"{s} {k}": v for (s, k), v in times.items()},
+        "losses": {f"{s} {k}": v for (s, k), v in losses.items()},
+        "optimizer": {
+            f"{s} {k}": {name: sides[(s, k)][1].defaults.get(name) for name in ("foreach", "fused")} for (s, k) in sides
+        },
+    }
     if pipe:
         out["pipe_error"] = pipeline_attempt(directory)
     return out
@@ -205,20 +217,28 @@ def same_work(per_rank: list[dict]) -> dict:
             a, b = result["losses"][f"trainmesh {kind}"], result["losses"][f"transformers {kind}"]
             rel = [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)]
             first, worst = max(first, rel[0]), max(worst, max(rel))
-        out[kind] = {"first_loss_rel_diff": first, "loss_rel_diff_max": worst,
-                     "valid": first <= LOSS_FIRST_RTOL and worst <= LOSS_RTOL}
+        out[kind] = {
+            "first_loss_rel_diff": first,
+            "loss_rel_diff_max": worst,
+            "valid": first <= LOSS_FIRST_RTOL and worst <= LOSS_RTOL,
+        }
     return out
 
 
 def run(size: dict, directory: str) -> dict:
     figures, detail, not_measured, valid = {}, {}, {}, True
     for n in size["nproc"]:
-        per_rank = run_distributed(_job, world_size=n, args=(directory, size, n == 2), timeout=1800,
-                                   collective_timeout=600)
+        per_rank = run_distributed(
+            _job, world_size=n, args=(directory, size, n == 2), timeout=1800, collective_timeout=600
+        )
         times = per_rank[0]["times"]
         check = same_work(per_rank)
-        detail[f"{n}proc"] = {"times": times, "losses_rank0": per_rank[0]["losses"], "same_work": check,
-                              "optimizer": per_rank[0]["optimizer"]}
+        detail[f"{n}proc"] = {
+            "times": times,
+            "losses_rank0": per_rank[0]["losses"],
+            "same_work": check,
+            "optimizer": per_rank[0]["optimizer"],
+        }
         for kind in KINDS:
             ratios = [a / b for a, b in zip(times[f"trainmesh {kind}"], times[f"transformers {kind}"])]
             name = f"{kind}_step_vs_{PEER[kind]}_{n}proc"
@@ -234,33 +254,41 @@ def run(size: dict, directory: str) -> dict:
                     f"transformers {transformers.__version__}'s DistributedConfig(pp_size=2) does not train on "
                     f"CPU: one forward + backward of a 2-stage split raised on {error} (its pipeline forward "
                     "sends the hidden states without autograd and broadcasts the logits from the last stage: "
-                    "an inference split, no backward across stages)")
+                    "an inference split, no backward across stages)"
+                )
             else:
                 not_measured["pipe_step_vs_transformers_pp"] = (
                     "transformers' pp_size=2 trained one step on CPU in this version, but this benchmark does "
-                    "not time it yet")
+                    "not time it yet"
+                )
     return {"figures": figures, "not_measured": not_measured, "valid": valid, "detail": detail}
 
 
 def print_table(size: dict, report: dict) -> None:
     import transformers
 
-    print(f"Llama {size['hidden']}x{size['ffn']}, {size['layers']} layers, vocab {size['vocab']}, seq {size['seq']}, "
-          f"global batch {size['batch']}, fp32 AdamW(lr={LR}); {size['rounds']} rounds x {size['steps']} steps; "
-          f"torch {torch.__version__}, transformers {transformers.__version__}, load {os.getloadavg()[0]:.2f}")
-    print(f"{'figure':<38}{'ratio':>8}{'95% of rounds':>18}{'trainmesh s':>13}{'peer s':>10}  same work "
-          f"(loss rel diff: first step, worst)")
+    print(
+        f"Llama {size['hidden']}x{size['ffn']}, {size['layers']} layers, vocab {size['vocab']}, seq {size['seq']}, "
+        f"global batch {size['batch']}, fp32 AdamW(lr={LR}); {size['rounds']} rounds x {size['steps']} steps; "
+        f"torch {torch.__version__}, transformers {transformers.__version__}, load {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"{'figure':<38}{'ratio':>8}{'95% of rounds':>18}{'trainmesh s':>13}{'peer s':>10}  same work "
+        f"(loss rel diff: first step, worst)"
+    )
     for n in size["nproc"]:
         d = report["detail"][f"{n}proc"]
         for kind in KINDS:
             name = f"{kind}_step_vs_{PEER[kind]}_{n}proc"
             low, high = d[name]["ci95"]
             check = d["same_work"][kind]
-            print(f"{name:<38}{report['figures'][name]:>8.3f}{f'{low:.3f}-{high:.3f}':>18}"
-                  f"{statistics.median(d['times'][f'trainmesh {kind}']):>13.4f}"
-                  f"{statistics.median(d['times'][f'transformers {kind}']):>10.4f}  "
-                  f"{'yes' if check['valid'] else 'NO'} ({check['first_loss_rel_diff']:.1e}, "
-                  f"{check['loss_rel_diff_max']:.1e})")
+            print(
+                f"{name:<38}{report['figures'][name]:>8.3f}{f'{low:.3f}-{high:.3f}':>18}"
+                f"{statistics.median(d['times'][f'trainmesh {kind}']):>13.4f}"
+                f"{statistics.median(d['times'][f'transformers {kind}']):>10.4f}  "
+                f"{'yes' if check['valid'] else 'NO'} ({check['first_loss_rel_diff']:.1e}, "
+                f"{check['loss_rel_diff_max']:.1e})"
+            )
     for name, reason in report["not_measured"].items():
         print(f"{name}: not measured: {reason}")
 
@@ -268,8 +296,11 @@ def print_table(size: dict, report: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 rounds x 2 steps at 2 and 4 processes")
-    parser.add_argument("--smoke", action="store_true",
-                        help="a tiny model, 1 round x 1 step, 2 processes: the code path only (the test suite's)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny model, 1 round x 1 step, 2 processes: the code path only (the test suite's)",
+    )
     parser.add_argument("--nproc", help="comma list of process counts (default 2,4; --smoke 2)")
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--steps", type=int)
@@ -280,8 +311,9 @@ def main(argv: list[str] | None = None) -> int:
         size["nproc"] = tuple(int(n) for n in args.nproc.split(","))
     size.update({k: getattr(args, k) for k in ("rounds", "steps") if getattr(args, k)})
     if any(size["batch"] % n for n in size["nproc"]) or min(size["nproc"]) < 2:
-        parser.error(f"--nproc: each count must be >= 2 and divide the global batch {size['batch']}. "
-                     f"Received: {args.nproc}")
+        parser.error(
+            f"--nproc: each count must be >= 2 and divide the global batch {size['batch']}. Received: {args.nproc}"
+        )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="trainmesh-peer-") as directory:
         write_model(directory, size)

@@ -118,9 +118,8 @@ class GPT(nn.Module):
 # both sides share, like the thread count. Recorded per variant as ``host_malloc``.
 HOST_MALLOC = "the same glibc malloc settings on both sides (trainmesh/runtime/host_allocator.py)"
 DS_CHANGES = {
-    "reduce_bucket_size / allgather_bucket_size / stage3_prefetch_bucket_size":
-        "set to trainmesh's largest FSDP unit of blocks at the stage (stages 1-2: blocks grouped up to 25 MB): the 5e8-element defaults would allocate a 1 GB bf16 (2 GB fp32) "
-        "bucket per rank, 10x this model, and charge DeepSpeed's peak for an oversized buffer",
+    "reduce_bucket_size / allgather_bucket_size / stage3_prefetch_bucket_size": "set to trainmesh's largest FSDP unit of blocks at the stage (stages 1-2: blocks grouped up to 25 MB): the 5e8-element defaults would allocate a 1 GB bf16 (2 GB fp32) "
+    "bucket per rank, 10x this model, and charge DeepSpeed's peak for an oversized buffer",
     "zero_allow_untested_optimizer": "the same torch.optim.Adam object trainmesh gets (not DeepSpeed's FusedAdam)",
 }
 # Per precision: DeepSpeed's precision block, trainmesh's gradient-reduction dtype at stages 1-3 and
@@ -132,10 +131,9 @@ PRECISIONS = {
         "ds_block": {"bf16": {"enabled": True}},
         "tm_reduce_dtype": "bf16",
         "tm_settings": {
-            "reduce_dtype='bf16' (stages 1-3)":
-                "DeepSpeed reduces gradients in communication_data_type, which defaults to bf16 under its bf16 "
-                "config (engine.communication_data_type); trainmesh's default under bf16-mixed is fp32 (twice the "
-                "bytes). Both sides reduce in bf16 here",
+            "reduce_dtype='bf16' (stages 1-3)": "DeepSpeed reduces gradients in communication_data_type, which defaults to bf16 under its bf16 "
+            "config (engine.communication_data_type); trainmesh's default under bf16-mixed is fp32 (twice the "
+            "bytes). Both sides reduce in bf16 here",
         },
         "zero_formula": "paper_2_2_12",
         # trainmesh autocasts over fp32 weights, DeepSpeed runs bf16 weights: bf16 rounding differs
@@ -171,10 +169,14 @@ def deepspeed_config(cfg: dict, stage: int, bucket: int) -> dict:
     if stage == 3:
         zero.update(stage3_prefetch_bucket_size=bucket)
     return {
-        "train_micro_batch_size_per_gpu": cfg["batch"] // cfg["nproc"], "gradient_accumulation_steps": 1,
-        "train_batch_size": cfg["batch"], **PRECISIONS[cfg["precision"]]["ds_block"],
-        "zero_optimization": zero, "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9, "wall_clock_breakdown": False,
+        "train_micro_batch_size_per_gpu": cfg["batch"] // cfg["nproc"],
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": cfg["batch"],
+        **PRECISIONS[cfg["precision"]]["ds_block"],
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
     }
 
 
@@ -190,8 +192,10 @@ def ds_bucket_elements(model: nn.Module, stage: int) -> int:
 
     units = list(model.blocks)
     groups = group_for_blocking_collectives(units) if stage in (1, 2) else units
-    numel = lambda unit: sum(p.numel() for m in (unit if isinstance(unit, list) else [unit])  # noqa: E731
-                             for p in m.parameters())
+
+    def numel(unit):
+        return sum(p.numel() for m in (unit if isinstance(unit, list) else [unit]) for p in m.parameters())
+
     return int(max(max(numel(g) for g in groups), max(p.numel() for p in model.parameters())))
 
 
@@ -387,8 +391,16 @@ def worker(cfg: dict, variant: str, out_path: str) -> None:
         # autocast's fp32 gradients. Under fp32 both sides reduce in fp32, their defaults.
         reduce_dtype = PRECISIONS[cfg["precision"]]["tm_reduce_dtype"]
         distribution = tm.DataParallel(reduce_dtype=reduce_dtype) if stage and reduce_dtype else None
-        trainer = tm.Trainer(model, make_optimizer(model), loss_fn, zero_stage=stage, distribution=distribution,
-                             precision=cfg["precision"], progress=False, callbacks=[Clock()])
+        trainer = tm.Trainer(
+            model,
+            make_optimizer(model),
+            loss_fn,
+            zero_stage=stage,
+            distribution=distribution,
+            precision=cfg["precision"],
+            progress=False,
+            callbacks=[Clock()],
+        )
         optimizer, wrapped = trainer.optimizer, trainer.model
 
         def on_step(opt, *a):
@@ -456,14 +468,24 @@ def worker(cfg: dict, variant: str, out_path: str) -> None:
 
     state = info["state_at_step"][-1] if info["state_at_step"] else {}
     result = {
-        "rank": rank, "world": world, "variant": variant, "num_params": num_params,
-        "peak_live_bytes": info.get("peak_live"), "live_after_setup_bytes": info.get("live_after_setup"),
+        "rank": rank,
+        "world": world,
+        "variant": variant,
+        "num_params": num_params,
+        "peak_live_bytes": info.get("peak_live"),
+        "live_after_setup_bytes": info.get("live_after_setup"),
         "live_end_of_memory_steps_bytes": info.get("live_end"),
-        "rss_after_setup_kb": info.get("rss_after_setup_kb"), "vm_hwm_kb": info.get("vm_hwm_kb"),
+        "rss_after_setup_kb": info.get("rss_after_setup_kb"),
+        "vm_hwm_kb": info.get("vm_hwm_kb"),
         "hwm_reset": info.get("hwm_reset"),
-        "model_state": state, "model_state_bytes": sum(v for k, v in state.items() if k != "other"),
-        "step_times_s": step_times, "step_cpu_s": cpu_times, "losses": losses,
-        "wrapped": info.get("wrapped"), "optimizer": info.get("optimizer"), "ds_config": info.get("ds_config"),
+        "model_state": state,
+        "model_state_bytes": sum(v for k, v in state.items() if k != "other"),
+        "step_times_s": step_times,
+        "step_cpu_s": cpu_times,
+        "losses": losses,
+        "wrapped": info.get("wrapped"),
+        "optimizer": info.get("optimizer"),
+        "ds_config": info.get("ds_config"),
         "host_malloc": host_malloc_setting(),
         "deepspeed_version": info.get("deepspeed_version"),
         "ds_overlap_comm_effective": info.get("ds_overlap_comm_effective"),
@@ -495,13 +517,21 @@ def matching_formula(system: str, stage: int, precision: str = "bf16-mixed") -> 
     bf16-mixed and fp32 (fp32 parameters are its master copy; bf16 exists only under autocast)."""
     if system == "deepspeed":
         if precision == "fp32":
-            return "fp32_4_4_8", ("fp32 params + fp32 grads + m/v" + (
-                "; stages 1-2 also keep an fp32 master partition (a clone, 4P/N) beside the fp32 params, and "
-                "stage 1 holds only the gradient partition, as stage 2 does" if stage in (1, 2) else ""))
+            return "fp32_4_4_8", (
+                "fp32 params + fp32 grads + m/v"
+                + (
+                    "; stages 1-2 also keep an fp32 master partition (a clone, 4P/N) beside the fp32 params, and "
+                    "stage 1 holds only the gradient partition, as stage 2 does"
+                    if stage in (1, 2)
+                    else ""
+                )
+            )
         return "paper_2_2_12", "bf16 params + bf16 grads + fp32 master/m/v (the paper's mixed precision)"
     if stage in (1, 2):
-        return "fp32_all_sharded", ("fp32 params + grads + m/v, all sharded: FSDP2 keeps parameters sharded "
-                                    "between steps at stages 1-2 too (gathered only from forward to backward)")
+        return "fp32_all_sharded", (
+            "fp32 params + grads + m/v, all sharded: FSDP2 keeps parameters sharded "
+            "between steps at stages 1-2 too (gathered only from forward to backward)"
+        )
     return "fp32_4_4_8", "fp32 params (the master copy) + fp32 grads + m/v (bf16 only under autocast)"
 
 
@@ -522,33 +552,41 @@ def summarize(runs: dict[str, list[list[dict]]], cfg: dict) -> dict:
         timed, round_medians = [], []
         for ranks_r in rounds:
             per_step = [max(s) for s in zip(*(r["step_times_s"] for r in ranks_r))]
-            timed.extend(per_step[cfg["mem_steps"] + cfg["warmup"]:])
-            if per_step[cfg["mem_steps"] + cfg["warmup"]:]:
-                round_medians.append(statistics.median(per_step[cfg["mem_steps"] + cfg["warmup"]:]))
+            timed.extend(per_step[cfg["mem_steps"] + cfg["warmup"] :])
+            if per_step[cfg["mem_steps"] + cfg["warmup"] :]:
+                round_medians.append(statistics.median(per_step[cfg["mem_steps"] + cfg["warmup"] :]))
         hwm_delta = [(r["vm_hwm_kb"] - r["rss_after_setup_kb"]) * 1024 for ranks_r in rounds for r in ranks_r]
         # CPU seconds per timed step, summed over the ranks (the work done, whatever the machine's load)
         skip = cfg["mem_steps"] + cfg["warmup"]
         cpu = [sum(s) for ranks_r in rounds for s in list(zip(*(r.get("step_cpu_s", []) for r in ranks_r)))[skip:]]
         variants[variant] = {
-            "system": system, "stage": stage, "num_params": num_params,
+            "system": system,
+            "stage": stage,
+            "num_params": num_params,
             "peak_live_bytes_max_rank": max(r["peak_live_bytes"] for rr in rounds for r in rr),
             "peak_live_bytes_per_rank": [[r["peak_live_bytes"] for r in rr] for rr in rounds],
             "live_after_setup_bytes_max_rank": max(r["live_after_setup_bytes"] for rr in rounds for r in rr),
             "rss_hwm_delta_bytes_max_rank": max(hwm_delta),
             "rss_hwm_delta_bytes_per_rank": hwm_delta,
-            "model_state_bytes_max_rank": max(ms_bytes), "model_state_bytes_per_rank": ms_bytes,
+            "model_state_bytes_max_rank": max(ms_bytes),
+            "model_state_bytes_per_rank": ms_bytes,
             "model_state_parts_rank0": ranks[0]["model_state"],
-            "formulas_bytes": forms, "matching_formula": key, "matching_formula_why": why,
+            "formulas_bytes": forms,
+            "matching_formula": key,
+            "matching_formula_why": why,
             "model_state_vs_matching": max(ms_bytes) / forms[key],
             "model_state_vs_paper": max(ms_bytes) / forms["paper_2_2_12"],
             # the ZeRO formula for the run's precision (the paper's 2+2+12 under bf16-mixed, 4+4+8 under fp32)
-            "zero_formula": zero_key, "model_state_vs_zero_formula": max(ms_bytes) / forms[zero_key],
+            "zero_formula": zero_key,
+            "model_state_vs_zero_formula": max(ms_bytes) / forms[zero_key],
             "step_time_median_s": statistics.median(timed) if timed else math.nan,
-            "step_times_s": timed, "step_time_round_medians_s": round_medians,
+            "step_times_s": timed,
+            "step_time_round_medians_s": round_medians,
             "step_cpu_s_all_ranks_median": statistics.median(cpu) if cpu else math.nan,
             "first_loss": ranks[0]["losses"][0] if ranks[0]["losses"] else math.nan,
             "last_loss": ranks[0]["losses"][-1] if ranks[0]["losses"] else math.nan,
-            "wrapped": ranks[0]["wrapped"], "optimizer": ranks[0]["optimizer"],
+            "wrapped": ranks[0]["wrapped"],
+            "optimizer": ranks[0]["optimizer"],
         }
     comparisons = []
     for stage in (1, 2, 3):
@@ -564,17 +602,35 @@ def summarize(runs: dict[str, list[list[dict]]], cfg: dict) -> dict:
             # other's loaded one (a full run read 0.599 pooled against per-round 0.919 / 0.912 / 0.599).
             step = statistics.median(per_round) if len(per_round) >= 2 else pooled
             same = abs(a["first_loss"] - b["first_loss"]) <= loss_tolerance * abs(b["first_loss"])
-            comparisons.append({"stage": stage, "peak_ratio": peak, "peak_met": peak <= 1.0, "same_work": same,
-                                "first_loss_rel_diff": abs(a["first_loss"] - b["first_loss"]) / abs(b["first_loss"]),
-                                "first_loss_tolerance": loss_tolerance,
-                                "first_loss_trainmesh": a["first_loss"], "first_loss_deepspeed": b["first_loss"],
-                                "rss_delta_ratio": a["rss_hwm_delta_bytes_max_rank"] / b["rss_hwm_delta_bytes_max_rank"],
-                                "step_ratio": step, "step_ratio_pooled_medians": pooled, "step_met": step <= 1.0,
-                                "cpu_ratio": a["step_cpu_s_all_ranks_median"] / b["step_cpu_s_all_ranks_median"], "step_ratio_per_round": per_round,
-                                "step_ratio_round_ci95": ci95(per_round) if len(per_round) > 1 else None})
-    state_checks = [{"variant": v, "ratio": s["model_state_vs_matching"], "formula": s["matching_formula"],
-                     "met": abs(s["model_state_vs_matching"] - 1) <= MODEL_STATE_TOLERANCE}
-                    for v, s in variants.items() if s["system"] == "trainmesh"]
+            comparisons.append(
+                {
+                    "stage": stage,
+                    "peak_ratio": peak,
+                    "peak_met": peak <= 1.0,
+                    "same_work": same,
+                    "first_loss_rel_diff": abs(a["first_loss"] - b["first_loss"]) / abs(b["first_loss"]),
+                    "first_loss_tolerance": loss_tolerance,
+                    "first_loss_trainmesh": a["first_loss"],
+                    "first_loss_deepspeed": b["first_loss"],
+                    "rss_delta_ratio": a["rss_hwm_delta_bytes_max_rank"] / b["rss_hwm_delta_bytes_max_rank"],
+                    "step_ratio": step,
+                    "step_ratio_pooled_medians": pooled,
+                    "step_met": step <= 1.0,
+                    "cpu_ratio": a["step_cpu_s_all_ranks_median"] / b["step_cpu_s_all_ranks_median"],
+                    "step_ratio_per_round": per_round,
+                    "step_ratio_round_ci95": ci95(per_round) if len(per_round) > 1 else None,
+                }
+            )
+    state_checks = [
+        {
+            "variant": v,
+            "ratio": s["model_state_vs_matching"],
+            "formula": s["matching_formula"],
+            "met": abs(s["model_state_vs_matching"] - 1) <= MODEL_STATE_TOLERANCE,
+        }
+        for v, s in variants.items()
+        if s["system"] == "trainmesh"
+    ]
     figures = {}
     for c in comparisons:
         figures[f"zero{c['stage']}_peak_vs_deepspeed"] = c["peak_ratio"]
@@ -583,12 +639,20 @@ def summarize(runs: dict[str, list[list[dict]]], cfg: dict) -> dict:
         stage = variants[c["variant"]]["stage"]
         if stage in (1, 2, 3):
             figures[f"zero{stage}_model_state_vs_formula"] = c["ratio"]
-    return {"variants": variants, "comparisons": comparisons, "model_state_checks": state_checks, "figures": figures,
-            "precision": cfg["precision"], "precision_why": cfg["precision_why"],
-            "deepspeed_changes": DS_CHANGES, "trainmesh_settings": settings["tm_settings"],
-            "valid": all(c["same_work"] for c in comparisons),
-            "targets": {"model_state_within": MODEL_STATE_TOLERANCE, "peak_ratio_max": 1.0, "step_ratio_max": 1.0},
-            "config": cfg, "torch_version": torch.__version__}
+    return {
+        "variants": variants,
+        "comparisons": comparisons,
+        "model_state_checks": state_checks,
+        "figures": figures,
+        "precision": cfg["precision"],
+        "precision_why": cfg["precision_why"],
+        "deepspeed_changes": DS_CHANGES,
+        "trainmesh_settings": settings["tm_settings"],
+        "valid": all(c["same_work"] for c in comparisons),
+        "targets": {"model_state_within": MODEL_STATE_TOLERANCE, "peak_ratio_max": 1.0, "step_ratio_max": 1.0},
+        "config": cfg,
+        "torch_version": torch.__version__,
+    }
 
 
 def print_report(report: dict) -> None:
@@ -597,18 +661,24 @@ def print_report(report: dict) -> None:
     tag_of = {"fp32_4_4_8": "F", "fp32_all_sharded": "S", "paper_2_2_12": "Z"}
     any_v = next(iter(vs.values()))
     m = cfg["model"]
-    print(f"GPT {any_v['num_params'] / 1e6:.2f}M params ({m['n_layer']} blocks, d {m['d_model']}, vocab {m['vocab']}, "
-          f"seq {m['seq']}), {cfg['nproc']} processes (gloo, CPU), {PRECISIONS[cfg['precision']]['what']}, global batch "
-          f"{cfg['batch']}, {cfg['rounds']} round(s) x ({cfg['mem_steps']} memory + {cfg['warmup']} warmup + "
-          f"{cfg['steps']} timed steps), load avg {report['load_avg_1min']['before']:.2f} -> "
-          f"{report['load_avg_1min']['after']:.2f}")
+    print(
+        f"GPT {any_v['num_params'] / 1e6:.2f}M params ({m['n_layer']} blocks, d {m['d_model']}, vocab {m['vocab']}, "
+        f"seq {m['seq']}), {cfg['nproc']} processes (gloo, CPU), {PRECISIONS[cfg['precision']]['what']}, global batch "
+        f"{cfg['batch']}, {cfg['rounds']} round(s) x ({cfg['mem_steps']} memory + {cfg['warmup']} warmup + "
+        f"{cfg['steps']} timed steps), load avg {report['load_avg_1min']['before']:.2f} -> "
+        f"{report['load_avg_1min']['after']:.2f}"
+    )
     print(f"precision {cfg['precision']} on both sides ({cfg['precision_why']})")
     zero_key = PRECISIONS[cfg["precision"]]["zero_formula"]
-    print("MB per rank (max over ranks). model state = params + grads + optimizer state held; formula = the ZeRO "
-          "formula for what that system stores (F: fp32 4P+4P+8P, S: fp32 all sharded, Z: paper 2P+2P+12P); "
-          f"zero = the ZeRO formula for {cfg['precision']} ({tag_of[zero_key]})")
-    header = (f"{'variant':<13}{'params':>8}{'grads':>8}{'optim':>8}{'state':>8}{'formula':>10}{'ratio':>7}"
-              f"{'zero':>8}{'peak live':>11}{'RSS delta':>11}{'step s':>8}{'loss 1st':>10}")
+    print(
+        "MB per rank (max over ranks). model state = params + grads + optimizer state held; formula = the ZeRO "
+        "formula for what that system stores (F: fp32 4P+4P+8P, S: fp32 all sharded, Z: paper 2P+2P+12P); "
+        f"zero = the ZeRO formula for {cfg['precision']} ({tag_of[zero_key]})"
+    )
+    header = (
+        f"{'variant':<13}{'params':>8}{'grads':>8}{'optim':>8}{'state':>8}{'formula':>10}{'ratio':>7}"
+        f"{'zero':>8}{'peak live':>11}{'RSS delta':>11}{'step s':>8}{'loss 1st':>10}"
+    )
     print(header)
     print("-" * len(header))
     tag = tag_of
@@ -616,42 +686,60 @@ def print_report(report: dict) -> None:
         s = vs[name]
         parts = s["model_state_parts_rank0"]
         f = s["formulas_bytes"][s["matching_formula"]]
-        print(f"{name:<13}{parts.get('params', 0) / mb:>8.1f}{parts.get('grads', 0) / mb:>8.1f}"
-              f"{parts.get('optimizer', 0) / mb:>8.1f}{s['model_state_bytes_max_rank'] / mb:>8.1f}"
-              f"{f / mb:>8.1f} {tag[s['matching_formula']]}{s['model_state_vs_matching']:>7.3f}"
-              f"{s['formulas_bytes'][zero_key] / mb:>8.1f}{s['peak_live_bytes_max_rank'] / mb:>11.1f}"
-              f"{s['rss_hwm_delta_bytes_max_rank'] / mb:>11.1f}{s['step_time_median_s']:>8.3f}{s['first_loss']:>10.4f}")
+        print(
+            f"{name:<13}{parts.get('params', 0) / mb:>8.1f}{parts.get('grads', 0) / mb:>8.1f}"
+            f"{parts.get('optimizer', 0) / mb:>8.1f}{s['model_state_bytes_max_rank'] / mb:>8.1f}"
+            f"{f / mb:>8.1f} {tag[s['matching_formula']]}{s['model_state_vs_matching']:>7.3f}"
+            f"{s['formulas_bytes'][zero_key] / mb:>8.1f}{s['peak_live_bytes_max_rank'] / mb:>11.1f}"
+            f"{s['rss_hwm_delta_bytes_max_rank'] / mb:>11.1f}{s['step_time_median_s']:>8.3f}{s['first_loss']:>10.4f}"
+        )
     quick = " (--quick: smoke test, too few steps to judge)" if cfg["quick"] else ""
     for c in report["model_state_checks"]:
-        print(f"model state {c['variant']}: {c['ratio']:.3f} x formula {c['formula']}, target within "
-              f"{MODEL_STATE_TOLERANCE:.0%}: {'met' if c['met'] else 'NOT MET'}")
+        print(
+            f"model state {c['variant']}: {c['ratio']:.3f} x formula {c['formula']}, target within "
+            f"{MODEL_STATE_TOLERANCE:.0%}: {'met' if c['met'] else 'NOT MET'}"
+        )
     if report["comparisons"]:
-        print("trainmesh runs with its defaults" + (" except (change: reason):" if report["trainmesh_settings"] else ""))
+        print(
+            "trainmesh runs with its defaults" + (" except (change: reason):" if report["trainmesh_settings"] else "")
+        )
         for key, why in report["trainmesh_settings"].items():
             print(f"  {key}: {why}")
         print("DeepSpeed runs with its defaults except (change: reason):")
         for key, why in report["deepspeed_changes"].items():
             print(f"  {key}: {why}")
-        eff = {n: v[0][0].get("ds_overlap_comm_effective") for n, v in report["raw_per_rank"].items()
-               if n.startswith("deepspeed")}
+        eff = {
+            n: v[0][0].get("ds_overlap_comm_effective")
+            for n, v in report["raw_per_rank"].items()
+            if n.startswith("deepspeed")
+        }
         print(f"  overlap_comm (DeepSpeed's default, effective): {eff}")
-        comm = {n: v[0][0].get("ds_communication_data_type") for n, v in report["raw_per_rank"].items()
-                if n.startswith("deepspeed")}
+        comm = {
+            n: v[0][0].get("ds_communication_data_type")
+            for n, v in report["raw_per_rank"].items()
+            if n.startswith("deepspeed")
+        }
         print(f"  communication_data_type (DeepSpeed's default for the precision, effective): {comm}")
         malloc = sorted({r.get("host_malloc") for v in report["raw_per_rank"].values() for r in v[0]} - {None})
         print(f"both sides: {HOST_MALLOC}; effective: {malloc}")
     for c in report["comparisons"]:
         if not c["same_work"]:
-            print(f"INVALID stage {c['stage']}: first losses differ ({c['first_loss_trainmesh']:.6f} vs "
-                  f"{c['first_loss_deepspeed']:.6f}, relative {c['first_loss_rel_diff']:.1e}, tolerance "
-                  f"{c['first_loss_tolerance']:g}): the sides did different work")
-        print(f"stage {c['stage']}: first-step losses {c['first_loss_trainmesh']:.6f} vs {c['first_loss_deepspeed']:.6f} "
-              f"(relative {c['first_loss_rel_diff']:.1e}, must be <= {c['first_loss_tolerance']:g})")
-        print(f"stage {c['stage']}: peak live trainmesh/deepspeed = {c['peak_ratio']:.3f} (<= 1: "
-              f"{'met' if c['peak_met'] else 'NOT MET'}; RSS delta ratio {c['rss_delta_ratio']:.3f}), step time "
-              f"= {c['step_ratio']:.3f} (median of per-round ratios; of pooled medians "
-              f"{c['step_ratio_pooled_medians']:.3f}){_interval(c.get('step_ratio_round_ci95'))} (<= 1: "
-              f"{'met' if c['step_met'] else 'NOT MET'}; CPU seconds per step, all ranks: {c['cpu_ratio']:.3f}){quick}")
+            print(
+                f"INVALID stage {c['stage']}: first losses differ ({c['first_loss_trainmesh']:.6f} vs "
+                f"{c['first_loss_deepspeed']:.6f}, relative {c['first_loss_rel_diff']:.1e}, tolerance "
+                f"{c['first_loss_tolerance']:g}): the sides did different work"
+            )
+        print(
+            f"stage {c['stage']}: first-step losses {c['first_loss_trainmesh']:.6f} vs {c['first_loss_deepspeed']:.6f} "
+            f"(relative {c['first_loss_rel_diff']:.1e}, must be <= {c['first_loss_tolerance']:g})"
+        )
+        print(
+            f"stage {c['stage']}: peak live trainmesh/deepspeed = {c['peak_ratio']:.3f} (<= 1: "
+            f"{'met' if c['peak_met'] else 'NOT MET'}; RSS delta ratio {c['rss_delta_ratio']:.3f}), step time "
+            f"= {c['step_ratio']:.3f} (median of per-round ratios; of pooled medians "
+            f"{c['step_ratio_pooled_medians']:.3f}){_interval(c.get('step_ratio_round_ci95'))} (<= 1: "
+            f"{'met' if c['step_met'] else 'NOT MET'}; CPU seconds per step, all ranks: {c['cpu_ratio']:.3f}){quick}"
+        )
 
 
 def _interval(bounds) -> str:
@@ -668,8 +756,21 @@ def run_variant(variant: str, cfg: dict, tmp: str, timeout: float) -> list[dict]
     with open(cfg_path, "w") as fh:
         json.dump(cfg, fh)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TRAINMESH_TIMEOUT_S="600")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cfg["nproc"]),
-           os.path.abspath(__file__), "--worker", variant, "--cfg", cfg_path, "--out", out]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(cfg["nproc"]),
+        os.path.abspath(__file__),
+        "--worker",
+        variant,
+        "--cfg",
+        cfg_path,
+        "--out",
+        out,
+    ]
     started = time.time()
     for attempt in (1, 2):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -678,8 +779,11 @@ def run_variant(variant: str, cfg: dict, tmp: str, timeout: float) -> list[dict]
         tail = (proc.stdout[-2000:] + proc.stderr[-4000:]).strip().splitlines()
         # Seen on the loaded shared machine: a rank aborting ("terminate called without an active
         # exception") in a run that otherwise completes. One fresh retry, said loudly and recorded.
-        print(f"  {variant}: attempt {attempt} failed (exit {proc.returncode}): "
-              f"{next((l for l in tail if 'terminate' in l or 'Error' in l), tail[-1] if tail else '')}", flush=True)
+        print(
+            f"  {variant}: attempt {attempt} failed (exit {proc.returncode}): "
+            f"{next((l for l in tail if 'terminate' in l or 'Error' in l), tail[-1] if tail else '')}",
+            flush=True,
+        )
         RETRIES.append({"variant": variant, "attempt": attempt, "exit": proc.returncode})
         if attempt == 2:
             sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
@@ -700,8 +804,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", default="trainmesh,deepspeed")
     parser.add_argument("--stages", default="0,1,2,3")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto",
-                        help="both sides' precision; auto (default): bf16-mixed where bf16 matmuls pay here, else fp32")
+    parser.add_argument(
+        "--precision",
+        choices=("auto", *PRECISIONS),
+        default="auto",
+        help="both sides' precision; auto (default): bf16-mixed where bf16 matmuls pay here, else fp32",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the full results as JSON here")
     parser.add_argument("--quick", action="store_true", help="a small model, about a minute")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -713,9 +821,17 @@ def main(argv: list[str] | None = None) -> int:
             worker(json.load(fh), args.worker, args.out)
         return 0
 
-    cfg = {"nproc": args.nproc, "rounds": args.rounds, "steps": args.steps or (5 if args.quick else 3),
-           "mem_steps": args.mem_steps, "warmup": args.warmup, "batch": args.batch or 2 * args.nproc,
-           "seed": args.seed, "quick": args.quick, "model": QUICK_MODEL if args.quick else FULL_MODEL}
+    cfg = {
+        "nproc": args.nproc,
+        "rounds": args.rounds,
+        "steps": args.steps or (5 if args.quick else 3),
+        "mem_steps": args.mem_steps,
+        "warmup": args.warmup,
+        "batch": args.batch or 2 * args.nproc,
+        "seed": args.seed,
+        "quick": args.quick,
+        "model": QUICK_MODEL if args.quick else FULL_MODEL,
+    }
     cfg["precision"], cfg["precision_why"] = choose_precision(args.precision)
     print(f"precision: {cfg['precision']} ({cfg['precision_why']})", flush=True)
     if cfg["batch"] % cfg["nproc"] or min(cfg["steps"], cfg["mem_steps"], cfg["rounds"]) < 1:
@@ -726,8 +842,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import deepspeed  # noqa: F401
         except ImportError as error:
-            print(f"deepspeed is not importable ({error}); install it (see benchmarks/README.md) or pass "
-                  "--systems trainmesh", file=sys.stderr)
+            print(
+                f"deepspeed is not importable ({error}); install it (see benchmarks/README.md) or pass "
+                "--systems trainmesh",
+                file=sys.stderr,
+            )
             return 2
     # Stage by stage, the two systems back to back, the order alternating: drift hits both alike.
     schedule = []

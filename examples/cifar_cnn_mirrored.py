@@ -39,17 +39,29 @@ from trainmesh.strategy import MirroredStrategy, ReduceOp, compute_average_loss
 def make_cnn(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),   # 32x16x16
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # 64x8x8
-        nn.Flatten(), nn.Linear(64 * 8 * 8, 128), nn.ReLU(), nn.Linear(128, 10),
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),  # 32x16x16
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),  # 64x8x8
+        nn.Flatten(),
+        nn.Linear(64 * 8 * 8, 128),
+        nn.ReLU(),
+        nn.Linear(128, 10),
     )
 
 
 def make_batches(steps: int, global_batch_size: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``steps`` global batches of random images and labels, identical on every process."""
     generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(global_batch_size, 3, 32, 32, generator=generator),
-             torch.randint(0, 10, (global_batch_size,), generator=generator)) for _ in range(steps)]
+    return [
+        (
+            torch.randn(global_batch_size, 3, 32, 32, generator=generator),
+            torch.randint(0, 10, (global_batch_size,), generator=generator),
+        )
+        for _ in range(steps)
+    ]
 
 
 def timed_steps(step: Callable[[tuple], float], batches) -> tuple[list[float], list[float]]:
@@ -108,10 +120,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--per-replica-batch", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
-    parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
-                        help="time one process first (default: on)")
-    parser.add_argument("--baseline-threads", type=int, default=None,
-                        help="threads of the one-process baseline (default: as many as one replica)")
+    parser.add_argument(
+        "--compare", action=argparse.BooleanOptionalAction, default=True, help="time one process first (default: on)"
+    )
+    parser.add_argument(
+        "--baseline-threads",
+        type=int,
+        default=None,
+        help="threads of the one-process baseline (default: as many as one replica)",
+    )
     args = parser.parse_args()
     if args.steps <= args.warmup:
         parser.error(f"--steps must exceed --warmup. Received: --steps {args.steps}, --warmup {args.warmup}")
@@ -136,7 +153,7 @@ def main() -> None:
     say(f"loss: first step {losses[0]:.4f}, last step {losses[-1]:.4f}")
     medians = []
     for label, step_times in rows:
-        median = statistics.median(step_times[args.warmup:])
+        median = statistics.median(step_times[args.warmup :])
         medians.append(median)
         say(f"{label:<32} {median * 1e3:8.1f} ms/step  {global_batch_size / median:9.1f} samples/s")
     if len(medians) == 2:

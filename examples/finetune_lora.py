@@ -48,8 +48,9 @@ def build_lora_model(base: str, args: argparse.Namespace) -> torch.nn.Module:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=DTYPES[args.base_dtype])
         targets = args.targets if args.targets == "all-linear" else args.targets.split(",")
-        lora = peft.LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=args.dropout, target_modules=targets,
-                               task_type="CAUSAL_LM")
+        lora = peft.LoraConfig(
+            r=args.rank, lora_alpha=args.alpha, lora_dropout=args.dropout, target_modules=targets, task_type="CAUSAL_LM"
+        )
         return peft.get_peft_model(model, lora)  # adapters stay fp32 over a bf16 base (peft's autocast_adapter_dtype)
 
 
@@ -57,16 +58,20 @@ def token_windows(path: str, base: str, block: int, vocab_size: int) -> torch.ut
     if os.path.isdir(path):
         dataset = tm.data.TokenShardDataset(path, block_size=block, shuffle=False)
         if dataset.index["vocab_size"] > vocab_size:
-            raise SystemExit(f"--data {path}: its tokens go up to {dataset.index['vocab_size']}; the base's "
-                             f"vocabulary has {vocab_size} entries")
+            raise SystemExit(
+                f"--data {path}: its tokens go up to {dataset.index['vocab_size']}; the base's "
+                f"vocabulary has {vocab_size} entries"
+            )
         return dataset
     import transformers
 
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(base)
     except (OSError, ValueError) as exc:
-        raise SystemExit(f"--data {path} is a text file, and --base {base} has no tokenizer to read it ({exc}). "
-                         f"Pass a token-shard directory (tm.data.write_token_shards) instead.") from None
+        raise SystemExit(
+            f"--data {path} is a text file, and --base {base} has no tokenizer to read it ({exc}). "
+            f"Pass a token-shard directory (tm.data.write_token_shards) instead."
+        ) from None
     with open(path, encoding="utf-8") as f:
         ids = torch.tensor(tokenizer(f.read())["input_ids"], dtype=torch.long)
     return CharWindows(ids, block)
@@ -83,8 +88,12 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=32, help="LoRA alpha (scaling alpha / r)")
     parser.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout")
     parser.add_argument("--targets", default="all-linear", help="comma-separated module names, or all-linear")
-    parser.add_argument("--base-dtype", choices=tuple(DTYPES), default="fp32",
-                        help="the frozen base's dtype (bf16: adapters train in fp32 with bf16-mixed compute)")
+    parser.add_argument(
+        "--base-dtype",
+        choices=tuple(DTYPES),
+        default="fp32",
+        help="the frozen base's dtype (bf16: adapters train in fp32 with bf16-mixed compute)",
+    )
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps per epoch (at most the data)")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
@@ -101,10 +110,16 @@ def main() -> None:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     checkpoints = args.checkpoints or os.path.normpath(args.out) + "-checkpoints"
-    trainer = tm.Trainer(model, lambda params: torch.optim.AdamW(params, lr=args.lr), lm_loss,
-                         distribution=build_distribution(args.layout, model), weights=args.base, max_grad_norm=1.0,
-                         precision="bf16-mixed" if args.base_dtype == "bf16" else "fp32",
-                         callbacks=[tm.ShardedCheckpoint(checkpoints)])
+    trainer = tm.Trainer(
+        model,
+        lambda params: torch.optim.AdamW(params, lr=args.lr),
+        lm_loss,
+        distribution=build_distribution(args.layout, model),
+        weights=args.base,
+        max_grad_norm=1.0,
+        precision="bf16-mixed" if args.base_dtype == "bf16" else "fp32",
+        callbacks=[tm.ShardedCheckpoint(checkpoints)],
+    )
     start = time.perf_counter()
     history = trainer.fit(subset, epochs=args.epochs, batch_size=args.batch_size, resume=args.resume)
     seconds = time.perf_counter() - start
@@ -113,9 +128,11 @@ def main() -> None:
         tm.save_pretrained(trainer.model, args.merge, merge_adapters=True)
     if tm.is_main_process():
         loss = history.steps[-1]["loss"] if history.steps else float("nan")
-        print(f"LoRA r={args.rank} on {args.layout} x {tm.world_size()} processes: {trainable:,} of {total:,} "
-              f"parameters trained, {len(history.steps)} steps in {seconds:.1f} s, final loss {loss:.6f}; "
-              f"adapters in {args.out}" + (f", merged model in {args.merge}" if args.merge else ""))
+        print(
+            f"LoRA r={args.rank} on {args.layout} x {tm.world_size()} processes: {trainable:,} of {total:,} "
+            f"parameters trained, {len(history.steps)} steps in {seconds:.1f} s, final loss {loss:.6f}; "
+            f"adapters in {args.out}" + (f", merged model in {args.merge}" if args.merge else "")
+        )
     tm.shutdown()
 
 

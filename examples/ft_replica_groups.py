@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds of pretend compute per step")
-    parser.add_argument("--slow-file", default=None,
-                        help="while this file exists, each step takes 1 s (tests pace a group with it)")
+    parser.add_argument(
+        "--slow-file", default=None, help="while this file exists, each step takes 1 s (tests pace a group with it)"
+    )
     parser.add_argument("--log", default=None)
     parser.add_argument("--save", default=None)
     args = parser.parse_args(argv)
@@ -53,9 +54,19 @@ def main(argv: list[str] | None = None) -> int:
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
-    sync = ReplicaGroupSync(model, optimizer, ReplicaGroups(
-        replica_group=args.replica_group, lighthouse=args.lighthouse, min_replicas=args.min_replicas,
-        advertise_host="127.0.0.1", timeout_s=10, quorum_timeout_s=30), scheduler=scheduler)
+    sync = ReplicaGroupSync(
+        model,
+        optimizer,
+        ReplicaGroups(
+            replica_group=args.replica_group,
+            lighthouse=args.lighthouse,
+            min_replicas=args.min_replicas,
+            advertise_host="127.0.0.1",
+            timeout_s=10,
+            quorum_timeout_s=30,
+        ),
+        scheduler=scheduler,
+    )
     log = open(args.log, "a") if args.log else None
     try:
         while sync.current_step < args.steps:
@@ -66,9 +77,15 @@ def main(argv: list[str] | None = None) -> int:
             (loss * (x.shape[0] * info.num_replicas / BATCH)).backward()
             time.sleep(1.0 if args.slow_file and os.path.exists(args.slow_file) else args.step_sleep)
             committed = sync.finish_step()
-            record = {"step": info.step, "committed": committed, "replicas": info.num_replicas,
-                      "healed": info.healed, "loss": loss.item(), "time": time.time(),
-                      "param_sum": sum(p.double().sum().item() for p in model.parameters())}
+            record = {
+                "step": info.step,
+                "committed": committed,
+                "replicas": info.num_replicas,
+                "healed": info.healed,
+                "loss": loss.item(),
+                "time": time.time(),
+                "param_sum": sum(p.double().sum().item() for p in model.parameters()),
+            }
             if log:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
@@ -76,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[group {args.replica_group}] {record}", flush=True)
         if args.save:
             torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.save)
-        print(f"[group {args.replica_group}] done: step {sync.current_step}, batches committed "
-              f"{sync.batches_committed}, uncommitted steps {sync.uncommitted_steps}", flush=True)
+        print(
+            f"[group {args.replica_group}] done: step {sync.current_step}, batches committed "
+            f"{sync.batches_committed}, uncommitted steps {sync.uncommitted_steps}",
+            flush=True,
+        )
     finally:
         sync.shutdown()
         if log:

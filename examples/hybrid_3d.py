@@ -37,8 +37,10 @@ def mesh_shape(world: int) -> tuple[int, int, int]:
 
 
 def local_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
-            for name, p in model.named_parameters()}
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+        for name, p in model.named_parameters()
+    }
 
 
 def single_process_reference(vocab_size: int, block: int, data, batch_size: int, steps: int, lr: float):
@@ -73,11 +75,17 @@ def main() -> None:
     model = build_model(len(vocab), args.block)
     layout_map = tm.LayoutMap.auto(model, mesh, model_axis="model", verbose=False)
     pipeline = tm.Pipeline(axis="pipe", schedule=args.schedule, microbatches=args.microbatches)
-    distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", pipeline=pipeline,
-                                    zero_stage=args.zero)
+    distribution = tm.ModelParallel(
+        layout_map=layout_map, batch_dim_name="data", pipeline=pipeline, zero_stage=args.zero
+    )
     lr = 0.1
-    trainer = tm.Trainer(model, lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9), lm_loss,
-                         distribution=distribution, progress=tm.is_main_process())
+    trainer = tm.Trainer(
+        model,
+        lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9),
+        lm_loss,
+        distribution=distribution,
+        progress=tm.is_main_process(),
+    )
     history = trainer.fit(subset, epochs=1, batch_size=args.batch_size, shuffle=False)
 
     held = local_parameters(trainer.model)  # this process's stages, full tensors, global names
@@ -88,11 +96,15 @@ def main() -> None:
         gathered = [held]
     if tm.is_main_process():
         reference = single_process_reference(len(vocab), args.block, data, args.batch_size, args.steps, lr)
-        worst = max((reference[name].detach() - value).abs().max().item()
-                    for part in gathered for name, value in part.items())
-        print(f"mesh pipe x data x model = {' x '.join(map(str, shape))}, schedule {args.schedule}, "
-              f"ZeRO {args.zero}: final loss {history.history['loss'][-1]:.4f}; "
-              f"max |parameter - single process| = {worst:.3g}", flush=True)
+        worst = max(
+            (reference[name].detach() - value).abs().max().item() for part in gathered for name, value in part.items()
+        )
+        print(
+            f"mesh pipe x data x model = {' x '.join(map(str, shape))}, schedule {args.schedule}, "
+            f"ZeRO {args.zero}: final loss {history.history['loss'][-1]:.4f}; "
+            f"max |parameter - single process| = {worst:.3g}",
+            flush=True,
+        )
         if not math.isfinite(worst) or worst > 1e-4:
             raise SystemExit(f"the 3-D run differs from one process by {worst:.3g}")
     tm.shutdown()

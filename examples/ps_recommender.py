@@ -103,8 +103,9 @@ def main() -> None:
 
     # Large row ranges: a batch touches rows all over the 1M-row table, and each range touched
     # costs the servers a fixed overhead per push.
-    strategy = tm.ParameterServerStrategy(num_servers=args.servers, mode=args.mode,
-                                          client_options={"rows_per_shard": 65536})
+    strategy = tm.ParameterServerStrategy(
+        num_servers=args.servers, mode=args.mode, client_options={"rows_per_shard": 65536}
+    )
     rank, world = strategy.worker_id, strategy.num_workers
     users, items, labels, probability = make_click_log(args.users, args.items, args.clicks, args.active_items)
     split = int(0.8 * args.clicks)
@@ -115,33 +116,44 @@ def main() -> None:
     mine = torch.arange(rank, split, world)  # this worker's share of the training log
     steps_per_epoch = len(mine) // args.batch
     if rank == 0:
-        print(f"[ps_recommender] {world} workers, mode {args.mode}, tables {args.users:,} + {args.items:,} rows x 16, "
-              f"{split:,} training clicks, {steps_per_epoch} steps/epoch/worker", flush=True)
+        print(
+            f"[ps_recommender] {world} workers, mode {args.mode}, tables {args.users:,} + {args.items:,} rows x 16, "
+            f"{split:,} training clicks, {steps_per_epoch} steps/epoch/worker",
+            flush=True,
+        )
     started = time.perf_counter()
     for epoch in range(args.epochs):
         order = mine[torch.randperm(len(mine), generator=torch.Generator().manual_seed(epoch * 1000 + rank))]
         running = 0.0
         for step in range(steps_per_epoch):
-            batch = order[step * args.batch:(step + 1) * args.batch]
+            batch = order[step * args.batch : (step + 1) * args.batch]
             loss = loss_fn(model(users[batch], items[batch]), labels[batch])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             running += float(loss.detach())
         if rank == 0:
-            print(f"[ps_recommender] epoch {epoch + 1}: train loss {running / max(steps_per_epoch, 1):.4f} "
-                  f"({time.perf_counter() - started:.0f}s)", flush=True)
+            print(
+                f"[ps_recommender] epoch {epoch + 1}: train loss {running / max(steps_per_epoch, 1):.4f} "
+                f"({time.perf_counter() - started:.0f}s)",
+                flush=True,
+            )
     train_seconds = time.perf_counter() - started
     dist.barrier()  # every worker's pushes are in before the evaluation
     if rank == 0:
         model.eval()
         with torch.no_grad():
-            scores = torch.cat([model(users[i:i + 8192], items[i:i + 8192]) for i in range(split, args.clicks, 8192)])
+            scores = torch.cat(
+                [model(users[i : i + 8192], items[i : i + 8192]) for i in range(split, args.clicks, 8192)]
+            )
         held_out = labels[split:]
-        print(f"[ps_recommender] held-out AUC {auc(scores, held_out):.4f} "
-              f"(generator's own probabilities: {auc(probability[split:], held_out):.4f}); "
-              f"training {train_seconds:.1f}s, {world * steps_per_epoch * args.batch * args.epochs / train_seconds:,.0f} "
-              f"clicks/s", flush=True)
+        print(
+            f"[ps_recommender] held-out AUC {auc(scores, held_out):.4f} "
+            f"(generator's own probabilities: {auc(probability[split:], held_out):.4f}); "
+            f"training {train_seconds:.1f}s, {world * steps_per_epoch * args.batch * args.epochs / train_seconds:,.0f} "
+            f"clicks/s",
+            flush=True,
+        )
     strategy.close()
 
 

@@ -46,8 +46,9 @@ def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.RMSprop(model.parameters(), lr=1e-3, alpha=0.9, eps=1e-7)
 
 
-def fit_and_evaluate(distribution: tm.Distribution, *, epochs: int = EPOCHS, dropout: float = 0.4,
-                     seed: int = 0, verbose: bool = True) -> dict:
+def fit_and_evaluate(
+    distribution: tm.Distribution, *, epochs: int = EPOCHS, dropout: float = 0.4, seed: int = 0, verbose: bool = True
+) -> dict:
     """Train as the guide does, under ``distribution``; return per-step losses and the evaluation."""
     torch.manual_seed(seed)
     model = SeedModel(dropout)
@@ -71,7 +72,9 @@ def fit_and_evaluate(distribution: tm.Distribution, *, epochs: int = EPOCHS, dro
         step_losses.extend(losses)
         epoch_losses.append(sum(losses) / len(losses))
         if verbose and tm.is_main_process():
-            print(f"Epoch {epoch + 1}/{epochs}  {len(losses)}/{len(train_batches)} steps - loss: {epoch_losses[-1]:.4f}")
+            print(
+                f"Epoch {epoch + 1}/{epochs}  {len(losses)}/{len(train_batches)} steps - loss: {epoch_losses[-1]:.4f}"
+            )
     model.eval()
     with torch.no_grad():
         eval_losses = [distribution.global_mean(loss_fn(model(x), y)) for x, y in eval_batches]

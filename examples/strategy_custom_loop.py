@@ -29,7 +29,7 @@ from trainmesh.strategy import MirroredStrategy, ReduceOp, compute_average_loss
 
 NUM_FEATURES = 32
 NUM_CLASSES = 10
-NUM_SAMPLES = 1024          # divisible by 64 x {1, 2, 4} replicas: every global batch is full
+NUM_SAMPLES = 1024  # divisible by 64 x {1, 2, 4} replicas: every global batch is full
 PER_REPLICA_BATCH_SIZE = 64  # the guide's "batch_size = 64 * strategy.num_replicas_in_sync"
 LEARNING_RATE = 1e-3
 
@@ -60,9 +60,16 @@ def make_loader(dataset: TensorDataset, global_batch_size: int, *, shuffle: bool
     return DataLoader(dataset, batch_size=global_batch_size, shuffle=shuffle, generator=generator)
 
 
-def train(strategy: MirroredStrategy | None = None, *, epochs: int = 3, global_batch_size: int | None = None,
-          num_samples: int = NUM_SAMPLES, shuffle: bool = True, seed: int = 0,
-          log: Callable[[str], None] | None = None) -> dict:
+def train(
+    strategy: MirroredStrategy | None = None,
+    *,
+    epochs: int = 3,
+    global_batch_size: int | None = None,
+    num_samples: int = NUM_SAMPLES,
+    shuffle: bool = True,
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+) -> dict:
     """Train with the guide's custom loop; returns ``{"weights", "losses", "global_batch_size"}``.
 
     ``weights`` is the final ``state_dict`` (identical on every replica); ``losses`` the mean

@@ -57,23 +57,49 @@ def build_model(family: str, vocab_size: int, block: int) -> torch.nn.Module:
 
     torch.manual_seed(0)  # every layout starts from the same weights
     if family in ("qwen3_moe", "mixtral"):  # mixtures of 8 experts, top-2 (expert parallelism: --layout ep*)
-        common = dict(vocab_size=vocab_size, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=4, max_position_embeddings=block, num_experts_per_tok=2,
-                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        common = dict(
+            vocab_size=vocab_size,
+            hidden_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=block,
+            num_experts_per_tok=2,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
         if family == "mixtral":
-            return transformers.MixtralForCausalLM(transformers.MixtralConfig(intermediate_size=128,
-                                                                              num_local_experts=8, **common))
-        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-            intermediate_size=256, moe_intermediate_size=128, num_experts=8, decoder_sparse_step=1,
-            mlp_only_layers=[], **common))
+            return transformers.MixtralForCausalLM(
+                transformers.MixtralConfig(intermediate_size=128, num_local_experts=8, **common)
+            )
+        return transformers.Qwen3MoeForCausalLM(
+            transformers.Qwen3MoeConfig(
+                intermediate_size=256,
+                moe_intermediate_size=128,
+                num_experts=8,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                **common,
+            )
+        )
     if family == "llama":
-        config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256,
-                                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                                          max_position_embeddings=block, bos_token_id=0, eos_token_id=0,
-                                          pad_token_id=0)
+        config = transformers.LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=block,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
         return transformers.LlamaForCausalLM(config)
-    config = transformers.GPT2Config(vocab_size=vocab_size, n_embd=128, n_layer=4, n_head=4, n_positions=block,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        vocab_size=vocab_size, n_embd=128, n_layer=4, n_head=4, n_positions=block, bos_token_id=0, eos_token_id=0
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -83,20 +109,23 @@ def build_from_pretrained(directory: str, vocab_size: int) -> torch.nn.Module:
 
     config = transformers.AutoConfig.from_pretrained(directory)
     if config.vocab_size < vocab_size:
-        raise SystemExit(f"--init-from {directory}: its vocabulary has {config.vocab_size} entries; this text "
-                         f"needs {vocab_size}")
+        raise SystemExit(
+            f"--init-from {directory}: its vocabulary has {config.vocab_size} entries; this text needs {vocab_size}"
+        )
     with torch.device("meta"):
         return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def build_distribution(layout: str, model: torch.nn.Module, schedule: str = "1f1b",
-                       microbatches: int = 4, context_parallel: str = "auto") -> tm.Distribution:
+def build_distribution(
+    layout: str, model: torch.nn.Module, schedule: str = "1f1b", microbatches: int = 4, context_parallel: str = "auto"
+) -> tm.Distribution:
     world = tm.world_size()
     if layout.startswith("cp"):  # a sequence axis of 2 (of 1 on one process), data over the rest
         seq = 2 if world % 2 == 0 else 1
         mesh = tm.DeviceMesh((world // seq, seq), ["data", "seq"], devices=tm.list_devices())
-        return tm.DataParallel(mesh, sequence_dim_name="seq", context_parallel=context_parallel,
-                               zero_stage=3 if layout == "cp+fsdp" else 0)
+        return tm.DataParallel(
+            mesh, sequence_dim_name="seq", context_parallel=context_parallel, zero_stage=3 if layout == "cp+fsdp" else 0
+        )
     if layout in ("pp", "3d"):
         return build_pipeline(layout, model, world, tm.Pipeline(schedule=schedule, microbatches=microbatches))
     if layout == "dp":
@@ -107,12 +136,18 @@ def build_distribution(layout: str, model: torch.nn.Module, schedule: str = "1f1
         data = world // 2 if layout == "ep+tp" and world % 2 == 0 and world > 1 else world
         mesh = tm.DeviceMesh((data, world // data), ["data", "model"], devices=tm.list_devices())
         layout_map = tm.LayoutMap.auto(model, mesh, expert_axis="data", model_axis="model")
-        return tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", zero_stage=3 if layout == "ep+fsdp" else 0)
+        return tm.ModelParallel(
+            layout_map=layout_map, batch_dim_name="data", zero_stage=3 if layout == "ep+fsdp" else 0
+        )
     data = 2 if layout == "tp+fsdp" and world % 2 == 0 and world > 1 else 1
     mesh = tm.DeviceMesh((data, world // data), ["data", "model"], devices=tm.list_devices())
     layout_map = tm.LayoutMap.auto(model, mesh)
-    return tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", zero_stage=3 if layout == "tp+fsdp" else 0,
-                            sequence_parallel=layout == "sp")
+    return tm.ModelParallel(
+        layout_map=layout_map,
+        batch_dim_name="data",
+        zero_stage=3 if layout == "tp+fsdp" else 0,
+        sequence_parallel=layout == "sp",
+    )
 
 
 def build_pipeline(layout: str, model: torch.nn.Module, world: int, pipeline: tm.Pipeline) -> tm.Distribution:
@@ -120,8 +155,10 @@ def build_pipeline(layout: str, model: torch.nn.Module, world: int, pipeline: tm
         mesh = tm.DeviceMesh((world, 1), ["pipe", "data"], devices=tm.list_devices())
         return tm.DataParallel(device_mesh=mesh, pipeline=pipeline)
     if world % 4:
-        raise ValueError(f"--layout 3d is pipe 2 x data N/4 x model 2 and needs a multiple of 4 processes. "
-                         f"Received: {world} processes")
+        raise ValueError(
+            f"--layout 3d is pipe 2 x data N/4 x model 2 and needs a multiple of 4 processes. "
+            f"Received: {world} processes"
+        )
     mesh = tm.DeviceMesh((2, world // 4, 2), ["pipe", "data", "model"], devices=tm.list_devices())
     layout_map = tm.LayoutMap.auto(model, mesh, model_axis="model")
     return tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", pipeline=pipeline)
@@ -138,16 +175,23 @@ def main() -> None:
     parser.add_argument("--layout", choices=LAYOUTS, default="dp")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (pp, 3d)")
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches per step (pp, 3d)")
-    parser.add_argument("--context-parallel", choices=("ring", "ulysses", "auto"), default="auto",
-                        help="attention over the split sequence (cp, cp+fsdp)")
+    parser.add_argument(
+        "--context-parallel",
+        choices=("ring", "ulysses", "auto"),
+        default="auto",
+        help="attention over the split sequence (cp, cp+fsdp)",
+    )
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per epoch")
     parser.add_argument("--epochs", type=int, default=1, help="epochs in all (a resumed run continues to it)")
     parser.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
     parser.add_argument("--block", type=int, default=64, help="sequence length (characters)")
     parser.add_argument("--out", default="transformers-lm", help="checkpoint directory")
     parser.add_argument("--resume", action="store_true", help="resume from --out (any layout saved it)")
-    parser.add_argument("--init-from", metavar="DIR", help="start from a local Hugging Face checkpoint (meta build, "
-                        "each process reading its own shards)")
+    parser.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="start from a local Hugging Face checkpoint (meta build, each process reading its own shards)",
+    )
     parser.add_argument("--save-pretrained", metavar="OUT", help="save the trained model in the Hugging Face layout")
     args = parser.parse_args()
     tm.initialize()
@@ -163,9 +207,15 @@ def main() -> None:
     else:
         model = build_model(args.model, len(vocab), args.block)
     distribution = build_distribution(args.layout, model, args.schedule, args.microbatches, args.context_parallel)
-    trainer = tm.Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), lm_loss, distribution=distribution,
-                         max_grad_norm=1.0, callbacks=[tm.ShardedCheckpoint(args.out, async_save=False)],
-                         weights=args.init_from)
+    trainer = tm.Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=3e-3),
+        lm_loss,
+        distribution=distribution,
+        max_grad_norm=1.0,
+        callbacks=[tm.ShardedCheckpoint(args.out, async_save=False)],
+        weights=args.init_from,
+    )
     start = time.perf_counter()
     history = trainer.fit(subset, epochs=args.epochs, batch_size=args.batch_size, resume=args.resume)
     seconds = time.perf_counter() - start
@@ -173,8 +223,10 @@ def main() -> None:
         steps = len(history.steps)
         tokens = steps * args.batch_size * args.block
         loss = history.steps[-1]["loss"] if steps else float("nan")
-        print(f"{args.model} {args.layout} on {tm.world_size()} processes: {steps} steps, final loss {loss:.6f}, "
-              f"{tokens / max(seconds, 1e-9):,.0f} tokens/s; checkpoint in {args.out}")
+        print(
+            f"{args.model} {args.layout} on {tm.world_size()} processes: {steps} steps, final loss {loss:.6f}, "
+            f"{tokens / max(seconds, 1e-9):,.0f} tokens/s; checkpoint in {args.out}"
+        )
     if args.save_pretrained:
         tm.save_pretrained(trainer.model, args.save_pretrained)  # collective: every process takes part
         if tm.is_main_process():

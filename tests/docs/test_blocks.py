@@ -47,12 +47,16 @@ def _harness():
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: os.path.relpath(p, ROOT))
 def test_every_block_is_in_a_language_the_harness_handles(path):
     for line, language, body in blocks(path):
-        assert language in LANGUAGES, (f"{os.path.relpath(path, ROOT)}, line {line}: a block in {language!r}; "
-                                       f"use one of {sorted(LANGUAGES)} (python and bash blocks run)")
+        assert language in LANGUAGES, (
+            f"{os.path.relpath(path, ROOT)}, line {line}: a block in {language!r}; "
+            f"use one of {sorted(LANGUAGES)} (python and bash blocks run)"
+        )
         if language != "bash":
             commands = [b for b in body if b.lstrip().startswith("trainmesh ")]
-            assert not commands, (f"{os.path.relpath(path, ROOT)}, line {line}: a trainmesh command in a "
-                                  f"{language} block is never run; put it in a bash block: {commands[0].strip()}")
+            assert not commands, (
+                f"{os.path.relpath(path, ROOT)}, line {line}: a trainmesh command in a "
+                f"{language} block is never run; put it in a bash block: {commands[0].strip()}"
+            )
 
 
 @pytest.mark.timeout(30)

@@ -14,11 +14,19 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 def _show_settings() -> None:
     print("python", sys.version.split()[0], "torch", torch.__version__, flush=True)
-    print("env:", {k: v for k, v in os.environ.items() if any(s in k for s in ("TORCH", "DYNAMO", "INDUCTOR", "TRITON"))})
-    print("dynamo supported:", torch._dynamo.is_dynamo_supported(), "config.disable:",
-          getattr(torch._dynamo.config, "disable", None), flush=True)
+    print(
+        "env:", {k: v for k, v in os.environ.items() if any(s in k for s in ("TORCH", "DYNAMO", "INDUCTOR", "TRITON"))}
+    )
+    print(
+        "dynamo supported:",
+        torch._dynamo.is_dynamo_supported(),
+        "config.disable:",
+        getattr(torch._dynamo.config, "disable", None),
+        flush=True,
+    )
     try:
         import triton
+
         print("triton", triton.__version__, flush=True)
     except ImportError as missing:
         print("triton missing:", missing, flush=True)

@@ -29,8 +29,11 @@ import torch
 
 from trainmesh.testing import run_distributed
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(600),
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.dist,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 N, BATCH, EPOCHS = 64, 16, 2  # 8 steps
 VOCAB, SEQ = 64, 16
@@ -44,8 +47,11 @@ class Net(torch.nn.Module):
         torch.manual_seed(0)
         self.inp = torch.nn.Linear(8, 32)
         self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, width), torch.nn.GELU(),
-                                torch.nn.Linear(width, 32)) for _ in range(2))
+            torch.nn.Sequential(
+                torch.nn.LayerNorm(32), torch.nn.Linear(32, width), torch.nn.GELU(), torch.nn.Linear(width, 32)
+            )
+            for _ in range(2)
+        )
         self.head = torch.nn.Linear(32, 4)
 
     def forward(self, x):
@@ -64,9 +70,19 @@ def llama():
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                                      bos_token_id=0, eos_token_id=1, pad_token_id=2, use_cache=False)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(config).float()
 
 
@@ -80,8 +96,21 @@ def lm_loss(outputs, targets):
     return torch.nn.functional.cross_entropy(outputs.logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def train(*, zero=0, precision="fp32", compile=False, offload=False, ac=None, model="net", epochs=EPOCHS,
-          callbacks=(), resume=False, peak_flops=None, optimizer="adam", compile_mode=None):
+def train(
+    *,
+    zero=0,
+    precision="fp32",
+    compile=False,
+    offload=False,
+    ac=None,
+    model="net",
+    epochs=EPOCHS,
+    callbacks=(),
+    resume=False,
+    peak_flops=None,
+    optimizer="adam",
+    compile_mode=None,
+):
     """Train the seeded model; return losses, parameters (on the CPU), graphs compiled per step."""
     import torch._dynamo
 
@@ -109,17 +138,33 @@ def train(*, zero=0, precision="fp32", compile=False, offload=False, ac=None, mo
     # by, where Adam's normalisation turns a rounding difference in a near-zero gradient into up to
     # an lr-sized step (an H200 read 6.9e-6 on one run and 1.7e-5 on the next with Adam).
     opt = (torch.optim.SGD if optimizer == "sgd" else torch.optim.Adam)(net.parameters(), lr=1e-2)
-    trainer = tm.Trainer(net, opt, loss, distribution=distribution,
-                         zero_stage=zero, precision=precision, compile=compile, compile_mode=compile_mode,
-                         cpu_offload=offload,
-                         activation_checkpointing=ac, max_grad_norm=1.0, peak_flops=peak_flops,
-                         callbacks=[CountGraphs(), *callbacks], progress=False)
+    trainer = tm.Trainer(
+        net,
+        opt,
+        loss,
+        distribution=distribution,
+        zero_stage=zero,
+        precision=precision,
+        compile=compile,
+        compile_mode=compile_mode,
+        cpu_offload=offload,
+        activation_checkpointing=ac,
+        max_grad_norm=1.0,
+        peak_flops=peak_flops,
+        callbacks=[CountGraphs(), *callbacks],
+        progress=False,
+    )
     history = trainer.fit(data, epochs=epochs, batch_size=BATCH, shuffle=False, resume=resume)
     params = {k: v.detach().float().cpu().clone() for k, v in trainer.state_dict()["model"].items()}
-    return {"losses": [s["loss"] for s in history.steps], "params": params, "graphs": graphs,
-            "device": str(next(trainer.unwrapped_model.parameters()).device),
-            "compiled": compiled_mode(trainer.unwrapped_model),
-            "steps": [dict(s) for s in history.steps], "scaler": trainer.state_dict()["scaler"]}
+    return {
+        "losses": [s["loss"] for s in history.steps],
+        "params": params,
+        "graphs": graphs,
+        "device": str(next(trainer.unwrapped_model.parameters()).device),
+        "compiled": compiled_mode(trainer.unwrapped_model),
+        "steps": [dict(s) for s in history.steps],
+        "scaler": trainer.state_dict()["scaler"],
+    }
 
 
 def _cases(cases: dict) -> dict:
@@ -141,16 +186,24 @@ def max_diff(a: dict, b: dict) -> float:
 
 @pytest.fixture(scope="module")
 def gpu():
-    return on_gpu({
-        "dp": {}, "zero1": {"zero": 1}, "zero2": {"zero": 2}, "zero3": {"zero": 3},
-        "zero3_offload": {"zero": 3, "offload": True},
-        "bf16": {"precision": "bf16-mixed"}, "fp16": {"precision": "fp16-mixed"},
-        "sgd": {"optimizer": "sgd"}, "compiled": {"compile": "regional", "optimizer": "sgd"},
-        "cudagraphs": {"compile": "regional", "optimizer": "sgd", "compile_mode": "reduce-overhead"},
-        "llama": {"model": "llama"}, "llama_ac_full": {"model": "llama", "ac": "full"},
-        "llama_ac_selective": {"model": "llama", "ac": "selective"},
-        "mfu": {"peak_flops": 1e12},
-    })
+    return on_gpu(
+        {
+            "dp": {},
+            "zero1": {"zero": 1},
+            "zero2": {"zero": 2},
+            "zero3": {"zero": 3},
+            "zero3_offload": {"zero": 3, "offload": True},
+            "bf16": {"precision": "bf16-mixed"},
+            "fp16": {"precision": "fp16-mixed"},
+            "sgd": {"optimizer": "sgd"},
+            "compiled": {"compile": "regional", "optimizer": "sgd"},
+            "cudagraphs": {"compile": "regional", "optimizer": "sgd", "compile_mode": "reduce-overhead"},
+            "llama": {"model": "llama"},
+            "llama_ac_full": {"model": "llama", "ac": "full"},
+            "llama_ac_selective": {"model": "llama", "ac": "selective"},
+            "mfu": {"peak_flops": 1e12},
+        }
+    )
 
 
 def test_gpu_fp32_trains_like_the_cpu(gpu):
@@ -236,7 +289,7 @@ def test_sharded_checkpoint_from_gpu_resumes_on_cpu(gpu, tmp_path):
     resumed = run_distributed(_resume_on_cpu, world_size=1, args=(directory,), device="cpu", timeout=300)[0]
     assert resumed["device"] == "cpu"
     assert len(resumed["graphs"]) == len(first["graphs"])  # it ran the second epoch only
-    assert first["losses"] == pytest.approx(gpu["zero3"]["losses"][:len(first["losses"])], abs=1e-5)
+    assert first["losses"] == pytest.approx(gpu["zero3"]["losses"][: len(first["losses"])], abs=1e-5)
     diff = max_diff(resumed["params"], gpu["zero3"]["params"])
     print(f"ZeRO-3 on the GPU for one epoch, resumed on the CPU: max |resumed - uninterrupted| = {diff:.3g}")
     assert diff <= 1e-4
@@ -256,9 +309,21 @@ def test_peak_probe_on_cuda():
 
 @pytest.mark.skipif(torch.cuda.device_count() > 1, reason="needs more processes than GPUs")
 def test_more_processes_than_gpus_is_refused_before_connecting():
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # nothing listens there: connecting would hang
-    proc = subprocess.run([sys.executable, "-c", "import trainmesh as tm; tm.initialize()"], env=env,
-                          capture_output=True, text=True, timeout=60)
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }  # nothing listens there: connecting would hang
+    proc = subprocess.run(
+        [sys.executable, "-c", "import trainmesh as tm; tm.initialize()"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0
     assert "NCCL needs a GPU per process" in proc.stderr, proc.stderr[-2000:]

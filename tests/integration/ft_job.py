@@ -50,8 +50,9 @@ def main() -> None:
     callbacks = [checkpoint, SampleLog(log_path, attempt, after_step=kill_rank1)]
     if args.kill_before_checkpoint:
         callbacks.reverse()
-    trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), torch.nn.MSELoss(),
-                         callbacks=callbacks, progress=False)
+    trainer = tm.Trainer(
+        model, torch.optim.Adam(model.parameters(), lr=1e-2), torch.nn.MSELoss(), callbacks=callbacks, progress=False
+    )
     trainer.fit(data, epochs=args.epochs, batch_size=GLOBAL_BATCH, resume=True)
     final = trainer.state_dict()["model"]
     if tm.is_main_process():

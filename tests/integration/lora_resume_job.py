@@ -35,8 +35,15 @@ BATCH, EPOCHS, EVERY = 4, 2, 2
 
 
 def train(zero_stage, checkpoint, callbacks=(), resume=False):
-    trainer = tm.Trainer(lora_model("llama"), make_optimizer, lm_loss, zero_stage=zero_stage, seed=0,
-                         callbacks=[checkpoint, *callbacks], progress=False)
+    trainer = tm.Trainer(
+        lora_model("llama"),
+        make_optimizer,
+        lm_loss,
+        zero_stage=zero_stage,
+        seed=0,
+        callbacks=[checkpoint, *callbacks],
+        progress=False,
+    )
     trainer.fit(data(), epochs=EPOCHS, batch_size=BATCH, resume=resume)
     return trainer
 
@@ -60,10 +67,12 @@ def run_layout(out, name, stage, restart, kill_at):
             os.kill(os.getpid(), signal.SIGKILL)
 
     log = SampleLog(os.path.join(root, f"samples.rank{rank}.log"), f"{name}-{restart}", after_step=kill)
-    resumed = full_state(train(stage, tm.ShardedCheckpoint(os.path.join(root, "ckpt"), every_n_steps=EVERY),
-                               [log], resume=True))
-    reference = full_state(train(stage, tm.ShardedCheckpoint(os.path.join(root, "ref_ckpt"), every_n_steps=EVERY,
-                                                             save_frozen=True)))
+    resumed = full_state(
+        train(stage, tm.ShardedCheckpoint(os.path.join(root, "ckpt"), every_n_steps=EVERY), [log], resume=True)
+    )
+    reference = full_state(
+        train(stage, tm.ShardedCheckpoint(os.path.join(root, "ref_ckpt"), every_n_steps=EVERY, save_frozen=True))
+    )
     if rank == 0:
         torch.save(resumed, os.path.join(root, "final.pt"))
         mismatched = [k for k in reference if k not in resumed or not torch.equal(resumed[k], reference[k])]
@@ -82,11 +91,19 @@ def other_layouts_and_mismatch(out):
         model, distribution = lora_model("llama"), None
         if name == "tp":
             mesh = tm.DeviceMesh((1, 2), ["data", "model"], devices=tm.list_devices())
-            distribution = tm.ModelParallel(layout_map=tm.LayoutMap.auto(model, mesh, verbose=False),
-                                            batch_dim_name="data")
+            distribution = tm.ModelParallel(
+                layout_map=tm.LayoutMap.auto(model, mesh, verbose=False), batch_dim_name="data"
+            )
         checkpoint = tm.ShardedCheckpoint(os.path.join(out, "dp", "ckpt"))
-        trainer = tm.Trainer(model, make_optimizer, lm_loss, distribution=distribution,
-                             zero_stage={"zero3": 3, "zero1": 1}.get(name, 0), callbacks=[checkpoint], progress=False)
+        trainer = tm.Trainer(
+            model,
+            make_optimizer,
+            lm_loss,
+            distribution=distribution,
+            zero_stage={"zero3": 3, "zero1": 1}.get(name, 0),
+            callbacks=[checkpoint],
+            progress=False,
+        )
         loaded[name] = (checkpoint.resume(), trainer.global_step)
         state = full_state(trainer)
         if rank == 0:

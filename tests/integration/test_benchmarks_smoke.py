@@ -39,60 +39,112 @@ class Smoke:
 
 
 SMOKES = {
-    "ddp_overhead": Smoke(["--rounds", "2", "--steps", "1", "--warmup", "0", "--batch", "8"],
-                          ["dataparallel_vs_ddp"], needs=()),
-    "trainer_overhead": Smoke(["--rounds", "2", "--steps", "1", "--warmup", "0", "--batch", "8"],
-                              ["trainer_vs_hand_written_1proc"], needs=(),
-                              peers={("accelerate", "lightning_fabric"): (
-                                  [], ["trainer_vs_accelerate_2proc", "trainer_vs_fabric_2proc"],
-                                  ["--parts", "single"])}),
-    "zero_memory": Smoke(["--quick", "--nproc", "2", "--stages", "0,3", "--steps", "1", "--mem-steps", "1",
-                          "--warmup", "0"], ["zero3_model_state_vs_formula"],
-                         peers={("deepspeed",): (["--systems", "trainmesh,deepspeed"],
-                                                 ["zero3_peak_vs_deepspeed", "zero3_step_vs_deepspeed"],
-                                                 ["--systems", "trainmesh"])}),
+    "ddp_overhead": Smoke(
+        ["--rounds", "2", "--steps", "1", "--warmup", "0", "--batch", "8"], ["dataparallel_vs_ddp"], needs=()
+    ),
+    "trainer_overhead": Smoke(
+        ["--rounds", "2", "--steps", "1", "--warmup", "0", "--batch", "8"],
+        ["trainer_vs_hand_written_1proc"],
+        needs=(),
+        peers={
+            ("accelerate", "lightning_fabric"): (
+                [],
+                ["trainer_vs_accelerate_2proc", "trainer_vs_fabric_2proc"],
+                ["--parts", "single"],
+            )
+        },
+    ),
+    "zero_memory": Smoke(
+        ["--quick", "--nproc", "2", "--stages", "0,3", "--steps", "1", "--mem-steps", "1", "--warmup", "0"],
+        ["zero3_model_state_vs_formula"],
+        peers={
+            ("deepspeed",): (
+                ["--systems", "trainmesh,deepspeed"],
+                ["zero3_peak_vs_deepspeed", "zero3_step_vs_deepspeed"],
+                ["--systems", "trainmesh"],
+            )
+        },
+    ),
     "checkpoint": Smoke(["--rounds", "1", "--layers", "2", "--width", "256"], ["async_ckpt_block_vs_sync"], needs=()),
-    "dataloader": Smoke(["--rounds", "1", "--steps", "2", "--batch", "16", "--step-ms", "5"], ["data_wait_fraction"],
-                        needs=()),
+    "dataloader": Smoke(
+        ["--rounds", "1", "--steps", "2", "--batch", "16", "--step-ms", "5"], ["data_wait_fraction"], needs=()
+    ),
     # the transport part (the figures'); its compression and straggler parts cost ~50 s of CPU more
-    "ps": Smoke(["--rounds", "1", "--repeats", "4", "--parts", "transport"],
-                ["ps_push_1mb_vs_raw_zmq", "ps_sparse_push_vs_raw_zmq"], needs=("zmq",)),
-    "compression": Smoke(["--rounds", "1", "--steps", "1", "--warmup", "0", "--nproc", "2", "--batch", "8"],
-                         ["int8_payload_reduction", "topk1_payload_reduction", "int8_final_loss_vs_fp32",
-                          "topk1_final_loss_vs_fp32"], needs=()),
-    "tensor_parallel": Smoke(["--rounds", "1", "--steps", "1", "--nproc", "2"],
-                             ["tp_step_vs_hand_written", "tp_collectives_per_block",
-                              "ac_full_saved_activations_vs_none"]),
-    "pipeline": Smoke(["--smoke"], ["pp2_parity_max_abs_diff", "gpipe_bubble_vs_theory", "interleaved_bubble_vs_1f1b",
-                                    "1f1b_peak_activations_vs_gpipe"], needs=()),
-    "plan_accuracy": Smoke(["--smoke"], ["plan_memory_vs_measured_worst", "plan_comm_bytes_vs_counted_worst",
-                                         "plan_step_time_vs_measured_worst"]),
-    "moe": Smoke(["--quick", "--rounds", "1", "--steps", "1", "--warmup", "0"],
-                 ["moe_ep_step_vs_transformers_ep", "moe_ep_expert_state_vs_replicated",
-                  "moe_dispatch_bytes_vs_formula",
-                  "moe_ep_parity_max_abs_diff"]),
-    "transformers_peer": Smoke(["--smoke"], ["tp_step_vs_transformers_tp_2proc",
-                                             "zero3_step_vs_transformers_fsdp_2proc"]),
+    "ps": Smoke(
+        ["--rounds", "1", "--repeats", "4", "--parts", "transport"],
+        ["ps_push_1mb_vs_raw_zmq", "ps_sparse_push_vs_raw_zmq"],
+        needs=("zmq",),
+    ),
+    "compression": Smoke(
+        ["--rounds", "1", "--steps", "1", "--warmup", "0", "--nproc", "2", "--batch", "8"],
+        ["int8_payload_reduction", "topk1_payload_reduction", "int8_final_loss_vs_fp32", "topk1_final_loss_vs_fp32"],
+        needs=(),
+    ),
+    "tensor_parallel": Smoke(
+        ["--rounds", "1", "--steps", "1", "--nproc", "2"],
+        ["tp_step_vs_hand_written", "tp_collectives_per_block", "ac_full_saved_activations_vs_none"],
+    ),
+    "pipeline": Smoke(
+        ["--smoke"],
+        [
+            "pp2_parity_max_abs_diff",
+            "gpipe_bubble_vs_theory",
+            "interleaved_bubble_vs_1f1b",
+            "1f1b_peak_activations_vs_gpipe",
+        ],
+        needs=(),
+    ),
+    "plan_accuracy": Smoke(
+        ["--smoke"],
+        ["plan_memory_vs_measured_worst", "plan_comm_bytes_vs_counted_worst", "plan_step_time_vs_measured_worst"],
+    ),
+    "moe": Smoke(
+        ["--quick", "--rounds", "1", "--steps", "1", "--warmup", "0"],
+        [
+            "moe_ep_step_vs_transformers_ep",
+            "moe_ep_expert_state_vs_replicated",
+            "moe_dispatch_bytes_vs_formula",
+            "moe_ep_parity_max_abs_diff",
+        ],
+    ),
+    "transformers_peer": Smoke(
+        ["--smoke"], ["tp_step_vs_transformers_tp_2proc", "zero3_step_vs_transformers_fsdp_2proc"]
+    ),
 }
 # Smoke runs past this test's share of the suite's time (each ~170 s of CPU on a 2-core machine, or root's
 # network-namespace clusters): run with TRAINMESH_SLOW_BENCH_SMOKE=1 (run_all.py --quick runs them too).
 SLOW = {
     # 16 process launches (3 loads and the meta-init check at 4 processes)
-    "big_model": Smoke(["--smoke"], ["meta_load_peak_rss_vs_full_fp32", "hf_load_time_vs_transformers_distributed",
-                                     "save_pretrained_time_vs_single_write", "meta_init_layout_max_abs_diff"],
-                       needs=("transformers", "safetensors", "accelerate"), timeout=900),
+    "big_model": Smoke(
+        ["--smoke"],
+        [
+            "meta_load_peak_rss_vs_full_fp32",
+            "hf_load_time_vs_transformers_distributed",
+            "save_pretrained_time_vs_single_write",
+            "meta_init_layout_max_abs_diff",
+        ],
+        needs=("transformers", "safetensors", "accelerate"),
+        timeout=900,
+    ),
     # torch.compile of two models in 4 processes
-    "throughput": Smoke(["--quick", "--rounds", "1", "--steps", "1"],
-                        ["compiled_vs_eager_step_gpt", "compiled_vs_eager_step_llama_zero3",
-                         "compiled_parity_max_abs_diff"], timeout=900),
-    "communication": Smoke(["--quick", "--rounds", "1", "--steps", "1", "--skip-ssp"],
-                           ["hier_inter_host_bytes_vs_flat"],
-                           needs=(), timeout=900),
+    "throughput": Smoke(
+        ["--quick", "--rounds", "1", "--steps", "1"],
+        ["compiled_vs_eager_step_gpt", "compiled_vs_eager_step_llama_zero3", "compiled_parity_max_abs_diff"],
+        timeout=900,
+    ),
+    "communication": Smoke(
+        ["--quick", "--rounds", "1", "--steps", "1", "--skip-ssp"],
+        ["hier_inter_host_bytes_vs_flat"],
+        needs=(),
+        timeout=900,
+    ),
     # issue 43's context parallelism (its cost at --quick not measured here yet)
-    "long_context": Smoke(["--quick", "--rounds", "1"], ["cp_parity_max_abs_diff", "ring_vs_ulysses_step"],
-                          timeout=900),
-    "multihost": Smoke(["--quick", "--rounds", "1", "--steps", "4"], ["dp_2hosts_parity_max_abs_diff"], needs=(),
-                       timeout=900),
+    "long_context": Smoke(
+        ["--quick", "--rounds", "1"], ["cp_parity_max_abs_diff", "ring_vs_ulysses_step"], timeout=900
+    ),
+    "multihost": Smoke(
+        ["--quick", "--rounds", "1", "--steps", "4"], ["dp_2hosts_parity_max_abs_diff"], needs=(), timeout=900
+    ),
 }
 ROOT_ONLY = {"communication", "multihost"}
 # Benchmarks whose smallest run is in another test, and where.
@@ -141,9 +193,14 @@ def test_benchmark_smoke(name, tmp_path):
             args += without
             left_out.append(f"{', '.join(modules)} not importable (the bench extra): their side is left out")
     out = tmp_path / f"{name}.json"
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, f"{name}.py"), *args, "--json", str(out)],
-                          capture_output=True, text=True, timeout=smoke.timeout, cwd=ROOT,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1"))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(BENCH, f"{name}.py"), *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=smoke.timeout,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1"),
+    )
     assert proc.returncode == 0, f"{name} {' '.join(args)}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     report = json.loads(out.read_text())
     assert isinstance(report.get("figures"), dict), sorted(report)

@@ -21,14 +21,20 @@ INTERVAL = 2  # chaos.py's checkpoint interval
 
 def test_quick_chaos_run_loses_nothing(tmp_path):
     out = tmp_path / "chaos.json"
-    proc = subprocess.run([sys.executable, CHAOS, "--quick", "--seed", "0", "--json", str(out)],
-                          capture_output=True, text=True, timeout=560, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, CHAOS, "--quick", "--seed", "0", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=560,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     runs, figures = report["runs"], report["figures"]
     kinds = {run["kind"] for run in runs if "skipped" not in run}
     expected = {"sigkill", "sigstop", "corrupt", "kill_during_save"} | (
-        {"disk_full"} if os.geteuid() == 0 else set())  # a tmpfs needs root; else skipped, with the reason
+        {"disk_full"} if os.geteuid() == 0 else set()
+    )  # a tmpfs needs root; else skipped, with the reason
     assert kinds >= expected, proc.stdout
     for run in runs:
         if "skipped" in run:

@@ -22,8 +22,17 @@ from trainmesh.launcher.run import torchrun_argv
 
 # Variables any launcher or scheduler might have left in the test's environment; each would
 # change what `trainmesh env` detects or what `trainmesh run` hands its workers.
-_JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-             "MASTER_PORT", "TF_CONFIG", "OMP_NUM_THREADS")
+_JOB_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TF_CONFIG",
+    "OMP_NUM_THREADS",
+)
 _JOB_PREFIXES = ("TRAINMESH_", "SLURM_", "TORCHELASTIC_")
 
 
@@ -37,10 +46,12 @@ def trainmesh_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "trainmesh", *args]
 
 
-def run_trainmesh(*args: str, cwd: Path, env: dict[str, str] | None = None,
-                  timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(trainmesh_cmd(*args), cwd=cwd, env=env or clean_env(),
-                          capture_output=True, text=True, timeout=timeout)
+def run_trainmesh(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        trainmesh_cmd(*args), cwd=cwd, env=env or clean_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def write_script(path: Path, body: str) -> Path:
@@ -153,10 +164,13 @@ def test_run_module_keeps_user_omp_setting(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_run_returns_failed_worker_status(tmp_path: Path) -> None:
-    script = write_script(tmp_path / "fail.py", """
+    script = write_script(
+        tmp_path / "fail.py",
+        """
         import os, sys
         sys.exit(3 if os.environ["RANK"] == "1" else 0)
-    """)
+    """,
+    )
     proc = run_trainmesh("run", "-n", "2", script.name, cwd=tmp_path)
     assert proc.returncode == 3
     assert "FAILED" in proc.stderr
@@ -170,8 +184,9 @@ def test_run_restarts_after_failure(tmp_path: Path) -> None:
             sys.exit(1)
     """)
     script = write_script(tmp_path / "flaky.py", crash_first_attempt + textwrap.dedent(_REPORT_SCRIPT))
-    proc = run_trainmesh("run", "-n", "2", "--max-restarts", "1", "--monitor-interval", "0.1",
-                         script.name, cwd=tmp_path)
+    proc = run_trainmesh(
+        "run", "-n", "2", "--max-restarts", "1", "--monitor-interval", "0.1", script.name, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     reports = read_reports(tmp_path)
     assert sorted(reports) == [0, 1]
@@ -199,8 +214,16 @@ def test_run_initialize_all_reduce_two_jobs_at_once(tmp_path: Path) -> None:
     for name in ("job_a", "job_b"):
         (tmp_path / name).mkdir()
         script = write_script(tmp_path / name / "allreduce.py", body)
-        jobs.append(subprocess.Popen(trainmesh_cmd("run", "-n", "2", str(script)), cwd=tmp_path, env=clean_env(),
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        jobs.append(
+            subprocess.Popen(
+                trainmesh_cmd("run", "-n", "2", str(script)),
+                cwd=tmp_path,
+                env=clean_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     for job in jobs:
         _, stderr = job.communicate(timeout=80)
         assert job.returncode == 0, stderr
@@ -217,8 +240,10 @@ def test_run_initialize_all_reduce_two_jobs_at_once(tmp_path: Path) -> None:
         (["-n", "0", "SCRIPT"], "must be >= 1"),
         (["-n", "2"], "the following arguments are required: SCRIPT"),
         (["-n", "2", "missing.py"], "script not found: 'missing.py'"),
-        (["-n", "2", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1", "SCRIPT"],
-         "--node-rank must be < --nnodes"),
+        (
+            ["-n", "2", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1", "SCRIPT"],
+            "--node-rank must be < --nnodes",
+        ),
         (["-n", "2", "--nnodes", "2", "SCRIPT"], "--rdzv-endpoint HOST:PORT is required"),
     ],
     ids=["zero-procs", "no-script", "script-not-found", "node-rank-too-big", "no-endpoint"],
@@ -245,8 +270,24 @@ def test_torchrun_argv_rendezvous() -> None:
     parser = cli.build_parser()
     single = torchrun_argv(parser.parse_args(["run", "-n", "2", "s.py", "-a"]))
     assert "--standalone" in single and single[-2:] == ["s.py", "-a"]
-    multi = torchrun_argv(parser.parse_args(
-        ["run", "-n", "2", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:29400", "--rdzv-id", "j", "s.py"]))
+    multi = torchrun_argv(
+        parser.parse_args(
+            [
+                "run",
+                "-n",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--rdzv-endpoint",
+                "h:29400",
+                "--rdzv-id",
+                "j",
+                "s.py",
+            ]
+        )
+    )
     assert "--standalone" not in multi
     assert multi[multi.index("--rdzv-backend") + 1] == "c10d"
     assert multi[multi.index("--rdzv-endpoint") + 1] == "h:29400"

@@ -24,8 +24,17 @@ from trainmesh.demo import CharGPT, CharVocab, GPTConfig, build_corpus, generate
 pytestmark = pytest.mark.timeout(180)
 
 # Job variables an outer launcher may have left behind would change what the workers detect.
-_JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-             "MASTER_PORT", "TF_CONFIG", "OMP_NUM_THREADS")
+_JOB_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TF_CONFIG",
+    "OMP_NUM_THREADS",
+)
 _JOB_PREFIXES = ("TRAINMESH_", "SLURM_", "TORCHELASTIC_")
 
 
@@ -44,8 +53,14 @@ def clean_env() -> dict[str, str]:
 def quick_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     cwd = tmp_path_factory.mktemp("demo")
     env = {**clean_env(), "TRAINMESH_CACHE_DIR": str(cwd / "cache")}  # no cached peak: the demo probes it
-    proc = subprocess.run([sys.executable, "-m", "trainmesh", "demo", "--quick", "-n", "2", "--out", "out"],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=150)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainmesh", "demo", "--quick", "-n", "2", "--out", "out"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     return proc, cwd / "out"
 
 
@@ -77,8 +92,15 @@ def test_quick_demo_succeeds_and_reports(quick_run) -> None:
 def test_quick_demo_writes_its_outputs(quick_run) -> None:
     proc, out = quick_run
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("checkpoints/last.pt", "checkpoints/best.pt", "logs/steps.jsonl", "logs/epochs.jsonl",
-                 "loss_curve.png", "demo.json", "sample.txt"):
+    for name in (
+        "checkpoints/last.pt",
+        "checkpoints/best.pt",
+        "logs/steps.jsonl",
+        "logs/epochs.jsonl",
+        "loss_curve.png",
+        "demo.json",
+        "sample.txt",
+    ):
         assert (out / name).is_file(), name
     png = (out / "loss_curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and b"Matplotlib version" in png[:200]  # drawn by matplotlib
@@ -110,7 +132,14 @@ def test_checkpoint_reloads_and_samples_the_same_text(quick_run) -> None:
     state = torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)
     model.load_state_dict(state["model"])
     settings = meta["settings"]
-    text = generate(model, CharVocab(meta["vocab_chars"]), settings["prompt"], settings["sample_chars"],
-                    temperature=settings["temperature"], top_k=settings["top_k"], seed=settings["seed"])
+    text = generate(
+        model,
+        CharVocab(meta["vocab_chars"]),
+        settings["prompt"],
+        settings["sample_chars"],
+        temperature=settings["temperature"],
+        top_k=settings["top_k"],
+        seed=settings["seed"],
+    )
     # sample.txt is the sample plus one newline.
     assert text + "\n" == (out / "sample.txt").read_text(encoding="utf-8")

@@ -21,8 +21,24 @@ N, STEPS_PER_EPOCH, EPOCHS = 96, 6, 2
 
 def launch(out, nproc: int, *extra: str, max_restarts: int = 0, tag: str = "run") -> subprocess.CompletedProcess:
     os.makedirs(out, exist_ok=True)
-    cmd = [sys.executable, "-m", "trainmesh", "run", "-n", str(nproc), "--max-restarts", str(max_restarts),
-           "--monitor-interval", "0.2", JOB, "--out", str(out), "--tag", tag, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainmesh",
+        "run",
+        "-n",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        "--monitor-interval",
+        "0.2",
+        JOB,
+        "--out",
+        str(out),
+        "--tag",
+        tag,
+        *extra,
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC"))}
     env["TRAINMESH_TIMEOUT_S"] = "30"
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -127,10 +143,14 @@ def test_resume_on_a_different_number_of_processes(tmp_path, uninterrupted, chec
         torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("checkpoint,kill_at,order", [
-    ("sharded", 6, "checkpoint-first"),  # right after the last step of epoch 1
-    ("sharded", 7, "kill-first"),  # after the first step of epoch 2, before that step's commit check
-], ids=["sharded-after-epoch-last-step", "sharded-after-next-epoch-first-step"])
+@pytest.mark.parametrize(
+    "checkpoint,kill_at,order",
+    [
+        ("sharded", 6, "checkpoint-first"),  # right after the last step of epoch 1
+        ("sharded", 7, "kill-first"),  # after the first step of epoch 2, before that step's commit check
+    ],
+    ids=["sharded-after-epoch-last-step", "sharded-after-next-epoch-first-step"],
+)
 def test_a_kill_at_an_epoch_boundary_does_not_retrain_the_epoch(tmp_path, uninterrupted, checkpoint, kill_at, order):
     """Issue 48: a checkpoint of an epoch's last step used to be saved twice (at batch end with the
     epoch not yet counted, then at epoch end), and resuming from the first retrained the whole

@@ -18,15 +18,25 @@ pytest.importorskip("peft")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "finetune.py")
-FIGURES = ("lora_grad_bytes_vs_full", "lora_peak_vs_full_ft", "lora_step_vs_full_ft", "lora_step_vs_peft_ddp",
-           "lora_parity_max_abs_diff")
+FIGURES = (
+    "lora_grad_bytes_vs_full",
+    "lora_peak_vs_full_ft",
+    "lora_step_vs_full_ft",
+    "lora_step_vs_peft_ddp",
+    "lora_parity_max_abs_diff",
+)
 
 
 def test_quick_finetune_run(tmp_path):
     out = tmp_path / "finetune.json"
-    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--sides", "tm-full,tm-lora,peft-ddp",
-                           "--json", str(out)], capture_output=True, text=True, timeout=400, cwd=ROOT,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--quick", "--sides", "tm-full,tm-lora,peft-ddp", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     figures = report["figures"]

@@ -35,9 +35,18 @@ def inputs(tmp_path_factory):
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    config = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     base = root / "base"
     transformers.LlamaForCausalLM(config).save_pretrained(base)
     fast.save_pretrained(base)
@@ -52,8 +61,23 @@ def run(root, nproc: int, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC"))}
     env["OMP_NUM_THREADS"] = "1"
     launcher = [sys.executable, "-m", "trainmesh", "run", "-n", str(nproc)] if nproc > 1 else [sys.executable]
-    cmd = [*launcher, EXAMPLE, "--base", str(root / "base"), "--steps", "3", "--batch-size", "4", "--block", "16",
-           "--rank", "4", "--targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", *args]
+    cmd = [
+        *launcher,
+        EXAMPLE,
+        "--base",
+        str(root / "base"),
+        "--steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--block",
+        "16",
+        "--rank",
+        "4",
+        "--targets",
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        *args,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, cwd=root)
 
 
@@ -62,8 +86,9 @@ def final_loss(done: subprocess.CompletedProcess) -> float:
 
 
 def adapters(root, directory: str) -> dict:
-    model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(root / "base"),
-                                           root / directory)
+    model = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(root / "base"), root / directory
+    )
     return model, {k: v for k, v in model.state_dict().items() if "lora_" in k}
 
 

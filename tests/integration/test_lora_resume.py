@@ -56,8 +56,23 @@ def newest(directory: str) -> str:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_resume")
-    cmd = [sys.executable, "-m", "trainmesh", "run", "-n", "2", "--max-restarts", "2", "--monitor-interval", "0.2",
-           JOB, "--out", str(out), "--kill-at", str(KILL_AT)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainmesh",
+        "run",
+        "-n",
+        "2",
+        "--max-restarts",
+        "2",
+        "--monitor-interval",
+        "0.2",
+        JOB,
+        "--out",
+        str(out),
+        "--kill-at",
+        str(KILL_AT),
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC"))}
     env.update(TRAINMESH_TIMEOUT_S="30", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
@@ -94,13 +109,13 @@ def test_lora_run_killed_mid_training_resumes_bit_identically(job, layout, attem
     frozen, trainable = frozen_and_trainable()
     checkpoint, full = newest(os.path.join(root, "ckpt")), newest(os.path.join(root, "ref_ckpt"))
     keys = dcp_keys(checkpoint)
-    model_keys = {k[len("model."):] for k in keys if k.startswith("model.")}
+    model_keys = {k[len("model.") :] for k in keys if k.startswith("model.")}
     assert model_keys == trainable  # the adapters, and not one frozen tensor
     assert not {k for k in keys for name in frozen if name in k}
     marker = integrity.read_marker(checkpoint)["model_tensors"]
     assert marker["frozen_saved"] is False
     assert set(marker["saved"]) == trainable and set(marker["frozen_left_out"]) == frozen
-    assert {k[len("model."):] for k in dcp_keys(full) if k.startswith("model.")} == frozen | trainable
+    assert {k[len("model.") :] for k in dcp_keys(full) if k.startswith("model.")} == frozen | trainable
     # This model is tiny (hidden 32, r 4) and each DCP item has a fixed overhead: see
     # test_trainable_only_checkpoint_is_a_small_fraction for a proportion closer to real ones.
     assert dcp_bytes(checkpoint) < 0.8 * dcp_bytes(full)
@@ -116,8 +131,11 @@ def test_trainable_only_checkpoint_loads_into_other_layouts_and_refuses_a_differ
             assert torch.equal(loaded[name], value), (layout, name)  # adapters loaded, base rebuilt: the same
 
     # Two ZeRO-3 processes' shards into one process, without a Trainer.
-    final = {k[len("model/"):]: v for k, v in torch.load(os.path.join(job, "zero3", "final.pt")).items()
-             if k.startswith("model/")}
+    final = {
+        k[len("model/") :]: v
+        for k, v in torch.load(os.path.join(job, "zero3", "final.pt")).items()
+        if k.startswith("model/")
+    }
     model = lora_model("llama")
     optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
     with torch.random.fork_rng():  # the load restores the saved RNG state: keep pytest's own
@@ -144,10 +162,21 @@ def test_trainable_only_checkpoint_is_a_small_fraction(tmp_path):
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=16)
-    model = peft.get_peft_model(transformers.LlamaForCausalLM(config), peft.LoraConfig(
-        r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=16,
+    )
+    model = peft.get_peft_model(
+        transformers.LlamaForCausalLM(config),
+        peft.LoraConfig(
+            r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        ),
+    )
     optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
     tokens = torch.randint(0, 256, (2, 16))
     model(tokens, labels=tokens).loss.backward()
@@ -202,5 +231,6 @@ def test_the_frozen_base_is_fingerprinted_once_per_saver(tmp_path, monkeypatch):
             manager.save(step, {"model": model, "optimizer": optimizer})
     assert len(calls) == 1
     markers = [integrity.read_marker(os.path.join(tmp_path / "ckpt", f"step_{s:08d}")) for s in (1, 2, 3)]
-    assert all(m["model_tensors"]["frozen_fingerprint"] == markers[0]["model_tensors"]["frozen_fingerprint"]
-               for m in markers)
+    assert all(
+        m["model_tensors"]["frozen_fingerprint"] == markers[0]["model_tensors"]["frozen_fingerprint"] for m in markers
+    )

@@ -12,19 +12,34 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def run_plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainmesh", "plan", *args], capture_output=True, text=True,
-                          timeout=100)
+    return subprocess.run(
+        [sys.executable, "-m", "trainmesh", "plan", *args], capture_output=True, text=True, timeout=100
+    )
 
 
 def test_json_from_a_module_factory_parses():
-    proc = run_plan("trainmesh.launcher.plan:_example_factory", "--world-size", "4", "--micro-batch", "2",
-                    "--seq-len", "128", "--precision", "bf16-mixed", "--checkpointing", "every:2",
-                    "--budget", "1GiB", "--json")
+    proc = run_plan(
+        "trainmesh.launcher.plan:_example_factory",
+        "--world-size",
+        "4",
+        "--micro-batch",
+        "2",
+        "--seq-len",
+        "128",
+        "--precision",
+        "bf16-mixed",
+        "--checkpointing",
+        "every:2",
+        "--budget",
+        "1GiB",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["world_size"] == 4 and report["budget"] == 2**30
     assert [(r["zero_stage"], r["activation_checkpointing"]) for r in report["rows"]] == [
-        (s, c) for s in range(4) for c in (None, "every:2")]
+        (s, c) for s in range(4) for c in (None, "every:2")
+    ]
     assert all(r["fits"] is True for r in report["rows"])
     totals = [r["total"] for r in report["rows"] if r["activation_checkpointing"] is None]
     assert totals[3] < totals[0]
@@ -48,8 +63,24 @@ def test_usage_errors():
 
 def test_mesh_plan_writes_json_and_exits_3_when_it_does_not_fit(tmp_path):
     out = tmp_path / "plan.json"
-    proc = run_plan("--world-size", "8", "--mesh", "data=4,model=2", "--model", "tiny-llama", "--zero", "3",
-                    "--seq", "64", "--precision", "fp32", "--device-memory", "4MiB", "--json", str(out))
+    proc = run_plan(
+        "--world-size",
+        "8",
+        "--mesh",
+        "data=4,model=2",
+        "--model",
+        "tiny-llama",
+        "--zero",
+        "3",
+        "--seq",
+        "64",
+        "--precision",
+        "fp32",
+        "--device-memory",
+        "4MiB",
+        "--json",
+        str(out),
+    )
     assert proc.returncode == 3, proc.stderr
     assert "PLAN" in proc.stdout and "does NOT fit (over by" in proc.stdout and "knob that helps most" in proc.stdout
     plan = json.loads(out.read_text())

@@ -14,13 +14,15 @@ from trainmesh.trainer.log_writer import LogWriter
 
 pytestmark = pytest.mark.timeout(60)
 
-needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
-                                      reason="matplotlib is not installed (pip install 'trainmesh[plot]')")
+needs_matplotlib = pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed (pip install 'trainmesh[plot]')"
+)
 
 
 def run_plot(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainmesh", "plot", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=50)
+    return subprocess.run(
+        [sys.executable, "-m", "trainmesh", "plot", *args], cwd=cwd, capture_output=True, text=True, timeout=50
+    )
 
 
 def read_matplotlib_png(path: Path):
@@ -35,7 +37,7 @@ def read_matplotlib_png(path: Path):
 
 def color_pixels(image, hex_color: str, tol: float = 0.02) -> int:
     """How many pixels are ``hex_color`` (within ``tol`` per channel)."""
-    rgb = [int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    rgb = [int(hex_color[i : i + 2], 16) / 255 for i in (1, 3, 5)]
     return int((abs(image[..., :3] - rgb) <= tol).all(axis=-1).sum())
 
 
@@ -46,8 +48,17 @@ def write_logs(log_dir: Path, *, epochs: int = 3, steps_per_epoch: int = 20, val
             for step in range(1, steps_per_epoch + 1):
                 global_step += 1
                 loss = math.nan if global_step == 7 else 2.0 * math.exp(-global_step / 20) + 0.1
-                writer.log_step({"epoch": epoch, "step": step, "global_step": global_step, "loss": loss,
-                                 "lr": 1e-3, "samples_per_s": 300.0 + step, "skipped": 0})
+                writer.log_step(
+                    {
+                        "epoch": epoch,
+                        "step": step,
+                        "global_step": global_step,
+                        "loss": loss,
+                        "lr": 1e-3,
+                        "samples_per_s": 300.0 + step,
+                        "skipped": 0,
+                    }
+                )
             record = {"epoch": epoch, "loss": 2.0 * math.exp(-global_step / 20) + 0.15}
             if val:
                 record["val_loss"] = record["loss"] + 0.05
@@ -103,10 +114,13 @@ def test_missing_dir_is_an_error(tmp_path: Path) -> None:
 def test_missing_matplotlib_says_how_to_install(tmp_path: Path) -> None:
     write_logs(tmp_path, epochs=1, steps_per_epoch=3, val=False)
     # A None entry in sys.modules makes `import matplotlib` fail as if it were not installed.
-    code = ("import sys; sys.modules['matplotlib'] = None; "
-            "from trainmesh.launcher.cli import main; sys.exit(main(sys.argv[1:]))")
-    result = subprocess.run([sys.executable, "-c", code, "plot", str(tmp_path)], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=50)
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; "
+        "from trainmesh.launcher.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, "plot", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=50
+    )
     assert result.returncode == 1
     assert "pip install 'trainmesh[plot]'" in result.stderr
 

@@ -20,8 +20,16 @@ from trainmesh.launcher import cli
 
 pytestmark = [pytest.mark.timeout(180)]
 
-_JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-             "MASTER_PORT", "TF_CONFIG")
+_JOB_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TF_CONFIG",
+)
 _JOB_PREFIXES = ("TRAINMESH_", "SLURM_", "TORCHELASTIC_")
 
 
@@ -69,9 +77,14 @@ def _port_is_free(address: str) -> bool:
 def test_run_with_servers_trains_two_workers_and_stops_the_servers(tmp_path: Path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(_SCRIPT))
-    done = subprocess.run([sys.executable, "-m", "trainmesh", "run", "--servers", "2", "-n", "2", str(script),
-                           str(tmp_path)], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
-                          timeout=150)
+    done = subprocess.run(
+        [sys.executable, "-m", "trainmesh", "run", "--servers", "2", "-n", "2", str(script), str(tmp_path)],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     addresses = reports[0]["servers"].split(",")
@@ -84,14 +97,42 @@ def test_run_with_servers_trains_two_workers_and_stops_the_servers(tmp_path: Pat
 
 def test_recommender_example_learns_on_two_workers(tmp_path: Path):
     example = Path(__file__).resolve().parents[2] / "examples" / "ps_recommender.py"
-    done = subprocess.run([sys.executable, "-m", "trainmesh", "run", "--servers", "2", "-n", "2", str(example),
-                           "--users", "1000", "--items", "50000", "--active-items", "1000", "--clicks", "100000",
-                           "--batch", "256", "--lr", "0.1"], cwd=tmp_path, env=clean_env(), capture_output=True,
-                          text=True, timeout=150)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainmesh",
+            "run",
+            "--servers",
+            "2",
+            "-n",
+            "2",
+            str(example),
+            "--users",
+            "1000",
+            "--items",
+            "50000",
+            "--active-items",
+            "1000",
+            "--clicks",
+            "100000",
+            "--batch",
+            "256",
+            "--lr",
+            "0.1",
+        ],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     line = next(line for line in done.stdout.splitlines() if "held-out AUC" in line)
-    learned, ceiling = (float(part.split()[-1].rstrip(")").rstrip(";")) for part in
-                        (line.split(" (")[0], line.split("probabilities: ")[1].split(")")[0]))
+    learned, ceiling = (
+        float(part.split()[-1].rstrip(")").rstrip(";"))
+        for part in (line.split(" (")[0], line.split("probabilities: ")[1].split(")")[0])
+    )
     assert 0.62 < learned < ceiling, line  # well above chance (0.5), below the generator's own AUC
 
 
@@ -100,17 +141,21 @@ def test_ps_server_command_serves_a_client_until_sigterm(tmp_path: Path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     secret = "documented-manual-path-secret"
-    server = subprocess.Popen([sys.executable, "-m", "trainmesh", "ps-server", "--bind", f"127.0.0.1:{port}",
-                               "--num-workers", "1"], env=clean_env(TRAINMESH_PS_SECRET=secret),
-                              stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "trainmesh", "ps-server", "--bind", f"127.0.0.1:{port}", "--num-workers", "1"],
+        env=clean_env(TRAINMESH_PS_SECRET=secret),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         ready = server.stdout.readline().strip()
         assert ready == f"READY tcp://127.0.0.1:{port}"
         from trainmesh.ps.client import PSClient
 
         with PSClient(servers=[f"tcp://127.0.0.1:{port}"], worker_id=0, num_workers=1, secret=secret) as client:
-            client.init([{"name": "w", "kind": "dense", "value": torch.ones(3),
-                          "optimizer": {"name": "sgd", "lr": 0.5}}])
+            client.init(
+                [{"name": "w", "kind": "dense", "value": torch.ones(3), "optimizer": {"name": "sgd", "lr": 0.5}}]
+            )
             client.push({"w": torch.tensor([1.0, 2.0, 3.0])}).result()
             torch.testing.assert_close(client.pull(["w"]).result()["w"], torch.tensor([0.5, 0.0, -0.5]))
         server.send_signal(signal.SIGTERM)
@@ -132,8 +177,13 @@ def test_a_default_loopback_server_makes_a_private_secret_and_refuses_a_stranger
     monkeypatch.delenv("TRAINMESH_PS_SECRET_FILE", raising=False)
     log = tmp_path / "server.log"
     with open(log, "w") as err:
-        server = subprocess.Popen([sys.executable, "-m", "trainmesh.ps", "--bind", "127.0.0.1:0"], env=clean_env(),
-                                  stdout=subprocess.PIPE, stderr=err, text=True)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "trainmesh.ps", "--bind", "127.0.0.1:0"],
+            env=clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
     try:
         address = server.stdout.readline().strip().removeprefix("READY ")
         path = log.read_text().split("give it to the job's processes as TRAINMESH_PS_SECRET_FILE=")[1].split()[0]
@@ -159,10 +209,13 @@ def test_a_default_loopback_server_makes_a_private_secret_and_refuses_a_stranger
             os.rmdir(os.path.dirname(path))
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["run", "--servers", "0", "-n", "2", "x.py"], "must be >= 1"),
-    (["run", "--servers", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1", "-n", "2", "x.py"], "--nnodes 2"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["run", "--servers", "0", "-n", "2", "x.py"], "must be >= 1"),
+        (["run", "--servers", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1", "-n", "2", "x.py"], "--nnodes 2"),
+    ],
+)
 def test_run_servers_bad_usage(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
@@ -191,8 +244,12 @@ def test_servers_exit_when_the_launcher_is_sigkilled(tmp_path):
     """A LocalCluster's servers watch their parent: SIGKILL the launcher and they stop by themselves."""
     import time
 
-    launcher = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_LAUNCHER), str(tmp_path)],
-                                stdout=subprocess.PIPE, text=True, env=clean_env())
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_LAUNCHER), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
     server_pids = [int(p) for p in launcher.stdout.readline().split()]
     try:
         assert len(server_pids) == 2 and not any(_gone(pid) for pid in server_pids)

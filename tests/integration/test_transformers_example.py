@@ -21,8 +21,26 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "trans
 def run(nproc: int, out, *args: str) -> tuple[float, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC"))}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "trainmesh", "run", "-n", str(nproc), EXAMPLE, "--model", "llama", "--steps", "3",
-           "--batch-size", "8", "--block", "32", "--out", str(out), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainmesh",
+        "run",
+        "-n",
+        str(nproc),
+        EXAMPLE,
+        "--model",
+        "llama",
+        "--steps",
+        "3",
+        "--batch-size",
+        "8",
+        "--block",
+        "32",
+        "--out",
+        str(out),
+        *args,
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     found = re.findall(r"final loss ([0-9.]+)", done.stdout)

@@ -53,8 +53,11 @@ def tensor_layout():
     return tm.ModelParallel(layout_map=layout_map, batch_dim_name="data")
 
 
-RUNS = {"dp": (Net, tm.DataParallel), "zero3": (Net, lambda: tm.DataParallel(zero_stage=3)),
-        "layout": (Mlp, tensor_layout)}
+RUNS = {
+    "dp": (Net, tm.DataParallel),
+    "zero3": (Net, lambda: tm.DataParallel(zero_stage=3)),
+    "layout": (Mlp, tensor_layout),
+}
 
 
 def main() -> None:
@@ -65,15 +68,28 @@ def main() -> None:
     cluster = tm.initialize()
     torch.set_num_threads(1)
     with open(os.path.join(args.out, f"rank{cluster.rank}.json"), "w") as fh:
-        json.dump({"rank": cluster.rank, "world_size": cluster.world_size, "node_rank": cluster.node_rank,
-                   "master_addr": cluster.master_addr, "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}, fh)
+        json.dump(
+            {
+                "rank": cluster.rank,
+                "world_size": cluster.world_size,
+                "node_rank": cluster.node_rank,
+                "master_addr": cluster.master_addr,
+                "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+            },
+            fh,
+        )
     g = torch.Generator().manual_seed(1)
     data = (torch.randn(N, 16, generator=g), torch.randn(N, 4, generator=g))
     for name in args.runs.split(","):
         model_class, distribution = RUNS[name]
         model = model_class()
-        trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), torch.nn.MSELoss(),
-                             distribution=distribution(), progress=False)
+        trainer = tm.Trainer(
+            model,
+            torch.optim.Adam(model.parameters(), lr=1e-2),
+            torch.nn.MSELoss(),
+            distribution=distribution(),
+            progress=False,
+        )
         trainer.fit(data, epochs=EPOCHS, batch_size=GLOBAL_BATCH)
         final = trainer.state_dict()["model"]
         if tm.is_main_process():

@@ -31,9 +31,12 @@ def main() -> None:
     parser.add_argument("--stall-at", type=int, default=0)
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--step-sleep", type=float, default=0.0,
-                        help="seconds per step, so an async write ends before the next boundary as it "
-                        "would with real steps")
+    parser.add_argument(
+        "--step-sleep",
+        type=float,
+        default=0.0,
+        help="seconds per step, so an async write ends before the next boundary as it would with real steps",
+    )
     args = parser.parse_args()
     cluster = tm.initialize()
     torch.set_num_threads(1)
@@ -54,18 +57,29 @@ def main() -> None:
                 fh.write(attempt)
             time.sleep(600)  # until the test kills this host or cuts it off
 
-    sample_log = SampleLog(log_path, attempt, resume_extra=str(cluster.world_size),
-                           before_step=(lambda: time.sleep(args.step_sleep)) if args.step_sleep else None,
-                           after_step=stall)
+    sample_log = SampleLog(
+        log_path,
+        attempt,
+        resume_extra=str(cluster.world_size),
+        before_step=(lambda: time.sleep(args.step_sleep)) if args.step_sleep else None,
+        after_step=stall,
+    )
     checkpoint = tm.ShardedCheckpoint(os.path.join(args.out, "ckpt"), every_n_steps=args.every, async_save=True)
-    trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), torch.nn.MSELoss(),
-                         callbacks=[checkpoint, sample_log], progress=False)
+    trainer = tm.Trainer(
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        torch.nn.MSELoss(),
+        callbacks=[checkpoint, sample_log],
+        progress=False,
+    )
     try:
         trainer.fit(data, epochs=args.epochs, batch_size=GLOBAL_BATCH, resume=True)
     except Exception as error:  # the survivors' diagnosis is part of what the tests check
         with open(os.path.join(args.out, f"error.{attempt}.rank{rank}.json"), "w") as fh:
-            json.dump({"type": type(error).__name__, "error": str(error),
-                       "missing": getattr(error, "missing_ranks", None)}, fh)
+            json.dump(
+                {"type": type(error).__name__, "error": str(error), "missing": getattr(error, "missing_ranks", None)},
+                fh,
+            )
         raise
     final = trainer.state_dict()["model"]
     if tm.is_main_process():

@@ -54,8 +54,14 @@ def main() -> None:
     torch.set_num_threads(1)
     secret = os.environ["TRAINMESH_PS_SECRET"]
     servers = args.servers.split(",")
-    client = PSClient(servers=servers, worker_id=args.worker if args.mode == "push" else "checker", part_numel=8,
-                      secret=secret, retry_after_s=0.5, request_timeout_s=120)
+    client = PSClient(
+        servers=servers,
+        worker_id=args.worker if args.mode == "push" else "checker",
+        part_numel=8,
+        secret=secret,
+        retry_after_s=0.5,
+        request_timeout_s=120,
+    )
     client.init({"w": initial()}, optimizer=SGD).result(60)
     if args.mode == "check":
         report = {"w": client.pull(["w"]).result(60)["w"].tolist(), "servers": client.stats().result(60)["servers"]}

@@ -61,8 +61,14 @@ def test_hosts_talk_only_to_each_other_and_counters_see_it(netns_cluster):
         routes = _ip("-n", host.netns, "route", "show").stdout
         assert "default" not in routes and routes.strip().startswith("198.18.0.0/24"), routes
         # loopback is up: a process in the namespace can serve itself on 127.0.0.1
-        host.run([sys.executable, "-c", "import socket; s = socket.create_server(('127.0.0.1', 0)); "
-                  "socket.create_connection(s.getsockname(), timeout=5)"])
+        host.run(
+            [
+                sys.executable,
+                "-c",
+                "import socket; s = socket.create_server(('127.0.0.1', 0)); "
+                "socket.create_connection(s.getsockname(), timeout=5)",
+            ]
+        )
     start = [h.counters() for h in cluster.hosts]
     nbytes = 8 << 20
     _transfer(cluster, nbytes)
@@ -126,8 +132,9 @@ def test_packet_loss_drops_that_share_and_tcp_still_delivers_every_byte(netns_cl
     receiver, sender = cluster.hosts
     sender.shape(loss=10.0)  # netem where the kernel has it, else htb + u32 on the IP ID
     assert 9 <= sender.loss_applied <= 11
-    counter = receiver.popen([sys.executable, "-c", UDP_COUNT, receiver.address, "7006"],
-                             stdout=subprocess.PIPE, text=True)
+    counter = receiver.popen(
+        [sys.executable, "-c", UDP_COUNT, receiver.address, "7006"], stdout=subprocess.PIPE, text=True
+    )
     assert counter.stdout.readline().strip() == "ready"
     dropped_before = sender.dropped_packets()
     sender.run([sys.executable, "-c", UDP_SEND, receiver.address, "7006", "1000"])
@@ -144,8 +151,12 @@ def test_packet_loss_drops_that_share_and_tcp_still_delivers_every_byte(netns_cl
 def test_cut_link_blocks_and_restore_heals(netns_cluster):
     cluster = netns_cluster(2)
     server, client = cluster.hosts
-    probe = [sys.executable, "-c", "import socket, sys; socket.create_connection((sys.argv[1], 9), timeout=1)",
-             server.address]
+    probe = [
+        sys.executable,
+        "-c",
+        "import socket, sys; socket.create_connection((sys.argv[1], 9), timeout=1)",
+        server.address,
+    ]
     # Nothing listens on port 9: a live link answers "refused" at once, a cut one times out.
     assert "ConnectionRefused" in client.run(probe, check=False).stderr
     server.cut()

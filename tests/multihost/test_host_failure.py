@@ -56,11 +56,37 @@ def cluster():
         yield hosts
 
 
-def launch(host, out: Path, *, nnodes: str, port: int, job_args: tuple[str, ...] = (), log: str = "") -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "trainmesh", "run", "--nnodes", nnodes, "--nproc-per-node", "2",
-           "--node-rank", str(host.index), "--rdzv-endpoint", f"{host.cluster.hosts[0].address}:{port}",
-           "--rdzv-id", f"job{port}", "--rdzv-conf", RDZV_CONF, "--max-restarts", "2", "--monitor-interval", "0.5",
-           str(JOB), "--out", str(out), "--step-sleep", "0.1", *job_args]
+def launch(
+    host, out: Path, *, nnodes: str, port: int, job_args: tuple[str, ...] = (), log: str = ""
+) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainmesh",
+        "run",
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        "2",
+        "--node-rank",
+        str(host.index),
+        "--rdzv-endpoint",
+        f"{host.cluster.hosts[0].address}:{port}",
+        "--rdzv-id",
+        f"job{port}",
+        "--rdzv-conf",
+        RDZV_CONF,
+        "--max-restarts",
+        "2",
+        "--monitor-interval",
+        "0.5",
+        str(JOB),
+        "--out",
+        str(out),
+        "--step-sleep",
+        "0.1",
+        *job_args,
+    ]
     logfile = open(out / f"launcher{host.index}{log}.log", "w")
     return host.popen(cmd, env=ENV, stdout=logfile, stderr=subprocess.STDOUT)
 
@@ -101,7 +127,7 @@ def effective_steps(out: Path):
         if parts[0] != "STEP":
             continue
         attempt, epoch, step = parts[1], int(parts[2]), int(parts[3])
-        later = order[order.index(attempt) + 1:]
+        later = order[order.index(attempt) + 1 :]
         if later and step > resumes[later[0]]:
             continue  # rolled back: trained again by the next attempt
         kept[epoch][step] += [int(x) for x in parts[4:]]

@@ -37,9 +37,21 @@ def test_a_shaped_host_link_is_measured_near_its_rate_and_prices_the_axes_across
         assert len(points) == 4 and points[-1][1] > points[0][1] and points[-1][1] > 0.5 * points[-1][0] / RATE_BYTES
 
     loop = Link("loopback", 1e-4, 1e9)
-    hardware = with_host_link(Hardware(name="calibrated", source="calibrated: test", flops=1e10,
-                                       devices_per_node=1 << 30, intra=loop, inter=loop, backend="gloo"),
-                              link, costs, measured, processes_per_host=2)
+    hardware = with_host_link(
+        Hardware(
+            name="calibrated",
+            source="calibrated: test",
+            flops=1e10,
+            devices_per_node=1 << 30,
+            intra=loop,
+            inter=loop,
+            backend="gloo",
+        ),
+        link,
+        costs,
+        measured,
+        processes_per_host=2,
+    )
     log = CollectiveLog(group_sizes={"data": 2})
     log.add("data", "all_reduce", 2**24, 1)
     inside, across = axis_seconds(log, hardware, {"data": 1})["data"], axis_seconds(log, hardware, {"data": 2})["data"]

@@ -56,9 +56,11 @@ def _max_abs_diff(a: dict, b: dict) -> float:
 @pytest.mark.timeout(60)
 def test_each_host_routes_to_the_rendezvous_host_through_its_own_address(netns_cluster):
     cluster = netns_cluster(2)
-    probe = ("from trainmesh.launcher.run import choose_local_addr as c\n"
-             "print(c('198.18.0.1:29400'))\n"
-             "try:\n    c('203.0.113.7:29400')\nexcept ValueError as e:\n    print(e)\n")
+    probe = (
+        "from trainmesh.launcher.run import choose_local_addr as c\n"
+        "print(c('198.18.0.1:29400'))\n"
+        "try:\n    c('203.0.113.7:29400')\nexcept ValueError as e:\n    print(e)\n"
+    )
     for host in cluster.hosts:
         chosen, refusal = host.run([sys.executable, "-c", probe]).stdout.splitlines()
         assert chosen == host.address
@@ -73,17 +75,38 @@ def test_dp_zero3_and_tensor_layout_on_two_hosts_equal_one_host(netns_cluster, t
     multi_out.mkdir()
 
     # Reference: all 4 processes on one host, loopback only (standalone rendezvous).
-    reference = subprocess.Popen(_launch_cmd("-n", "4", out=ref_out), env={**os.environ, **WORKER_ENV},
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    reference = subprocess.Popen(
+        _launch_cmd("-n", "4", out=ref_out),
+        env={**os.environ, **WORKER_ENV},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     _finish([reference], timeout=150)
 
     cluster = netns_cluster(2)
     before = [host.counters() for host in cluster.hosts]
     endpoint = f"{cluster.hosts[0].address}:{RDZV_PORT}"
     launchers = [
-        host.popen(_launch_cmd("--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(host.index),
-                               "--rdzv-endpoint", endpoint, "--rdzv-id", "parity", out=multi_out),
-                   env=WORKER_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        host.popen(
+            _launch_cmd(
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--node-rank",
+                str(host.index),
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                "parity",
+                out=multi_out,
+            ),
+            env=WORKER_ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for host in cluster.hosts
     ]
     outputs = _finish(launchers, timeout=150)
@@ -110,8 +133,10 @@ def test_dp_zero3_and_tensor_layout_on_two_hosts_equal_one_host(netns_cluster, t
         two = torch.load(multi_out / f"final_{name}.pt")
         assert _max_abs_diff(one, model_class().state_dict()) > 1e-3  # it trained
         diff = _max_abs_diff(one, two)
-        print(f"{name}: max |two hosts - one host| = {diff:.3g}; bytes host0 rx/tx "
-              f"{traffic[0].rx_bytes}/{traffic[0].tx_bytes}")
+        print(
+            f"{name}: max |two hosts - one host| = {diff:.3g}; bytes host0 rx/tx "
+            f"{traffic[0].rx_bytes}/{traffic[0].tx_bytes}"
+        )
         assert diff <= PARITY_TOL, (name, diff)
 
     # The same DDP job started as a Slurm step and as a Kubeflow PyTorchJob would start it, on
@@ -139,12 +164,27 @@ def _launch_as_srun(cluster, out: Path) -> list[subprocess.Popen]:
     procs = []
     for host in cluster.hosts:
         for local in range(2):
-            env = {**WORKER_ENV, "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_NNODES": "2",
-                   "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": str(host.index), "SLURM_LOCALID": str(local),
-                   "SLURM_PROCID": str(2 * host.index + local), "SLURM_STEP_NODELIST": "198.18.0.[1-2]",
-                   "GLOO_SOCKET_IFNAME": "eth0"}
-            procs.append(host.popen([sys.executable, str(JOB), "--out", str(out), "--runs", "dp"], env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            env = {
+                **WORKER_ENV,
+                "SLURM_JOB_ID": "4242",
+                "SLURM_NTASKS": "4",
+                "SLURM_NNODES": "2",
+                "SLURM_NTASKS_PER_NODE": "2",
+                "SLURM_NODEID": str(host.index),
+                "SLURM_LOCALID": str(local),
+                "SLURM_PROCID": str(2 * host.index + local),
+                "SLURM_STEP_NODELIST": "198.18.0.[1-2]",
+                "GLOO_SOCKET_IFNAME": "eth0",
+            }
+            procs.append(
+                host.popen(
+                    [sys.executable, str(JOB), "--out", str(out), "--runs", "dp"],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
     return procs
 
 
@@ -152,8 +192,19 @@ def _launch_as_pytorchjob(cluster, out: Path) -> list[subprocess.Popen]:
     """A PyTorchJob with 2 pods and nprocPerNode 2: each pod runs `trainmesh run -n 2 dp_job.py`
     with the operator's PET_* variables, which trainmesh run reads as torchrun does."""
     master = cluster.hosts[0].address
-    return [host.popen(_launch_cmd("-n", "2", out=out) + ["--runs", "dp"],
-                       env={**WORKER_ENV, "PET_NNODES": "2", "PET_NODE_RANK": str(host.index),
-                            "PET_MASTER_ADDR": master, "PET_MASTER_PORT": "23456"},
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for host in cluster.hosts]
+    return [
+        host.popen(
+            _launch_cmd("-n", "2", out=out) + ["--runs", "dp"],
+            env={
+                **WORKER_ENV,
+                "PET_NNODES": "2",
+                "PET_NODE_RANK": str(host.index),
+                "PET_MASTER_ADDR": master,
+                "PET_MASTER_PORT": "23456",
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for host in cluster.hosts
+    ]

@@ -40,10 +40,24 @@ pytestmark = pytest.mark.timeout(240)
 def start_servers(host, directory: Path) -> list[subprocess.Popen]:
     servers = []
     for index, port in enumerate(PORTS):
-        proc = host.popen([sys.executable, "-m", "trainmesh", "ps-server", "--bind", f"{host.address}:{port}",
-                           "--durability", "wal", "--dir", str(directory / f"server{index}")],
-                          env={"TRAINMESH_PS_SECRET": SECRET}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
+        proc = host.popen(
+            [
+                sys.executable,
+                "-m",
+                "trainmesh",
+                "ps-server",
+                "--bind",
+                f"{host.address}:{port}",
+                "--durability",
+                "wal",
+                "--dir",
+                str(directory / f"server{index}"),
+            ],
+            env={"TRAINMESH_PS_SECRET": SECRET},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         servers.append(proc)
     for proc, port in zip(servers, PORTS):
         line = proc.stdout.readline()
@@ -66,18 +80,36 @@ def test_ps_across_hosts_secret_loss_and_server_host_kill(netns_cluster, tmp_pat
         assert host.loss_applied > 0
     dropped = [host.dropped_packets() for host in workers]
     retransmits = [host.tcp_retransmits() for host in cluster.hosts]
-    pushing = [host.popen([sys.executable, str(WORKER), "push", "--servers", addresses, "--worker", str(i),
-                           "--pushes", str(PUSHES), "--out", str(tmp_path)],
-                          env={"TRAINMESH_PS_SECRET": SECRET, "OMP_NUM_THREADS": "1"},
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for i, host in enumerate(workers)]
+    pushing = [
+        host.popen(
+            [
+                sys.executable,
+                str(WORKER),
+                "push",
+                "--servers",
+                addresses,
+                "--worker",
+                str(i),
+                "--pushes",
+                str(PUSHES),
+                "--out",
+                str(tmp_path),
+            ],
+            env={"TRAINMESH_PS_SECRET": SECRET, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i, host in enumerate(workers)
+    ]
 
     # A worker whose last pushes were all acknowledged before the other one got this far may already
     # have exited (cleanly): it wrote its ``inflight`` file first, so only a failed exit is an error.
     deadline = time.monotonic() + 120
     while len(glob.glob(str(tmp_path / "inflight.*"))) < 2:
-        assert time.monotonic() < deadline and all(p.poll() in (None, 0) for p in pushing), \
-            [p.communicate()[0][-2000:] for p in pushing if p.poll() not in (None, 0)]
+        assert time.monotonic() < deadline and all(p.poll() in (None, 0) for p in pushing), [
+            p.communicate()[0][-2000:] for p in pushing if p.poll() not in (None, 0)
+        ]
         time.sleep(0.05)
     killed = server_host.kill()  # the server machine loses power with pushes on the wire
     assert len(killed) == 2
@@ -89,17 +121,21 @@ def test_ps_across_hosts_secret_loss_and_server_host_kill(netns_cluster, tmp_pat
     lost = [h.dropped_packets() - d for h, d in zip(workers, dropped)]  # while the pushes ran
     resends = sum(json.loads((tmp_path / f"done.{i}").read_text())["resends"] for i in range(2))
 
-    check = workers[0].run([sys.executable, str(WORKER), "check", "--servers", addresses,
-                            "--intruder-secret", "not-the-secret"],
-                           env={"TRAINMESH_PS_SECRET": SECRET, "OMP_NUM_THREADS": "1"}, timeout=120)
+    check = workers[0].run(
+        [sys.executable, str(WORKER), "check", "--servers", addresses, "--intruder-secret", "not-the-secret"],
+        env={"TRAINMESH_PS_SECRET": SECRET, "OMP_NUM_THREADS": "1"},
+        timeout=120,
+    )
     result = json.loads(check.stdout.strip().splitlines()[-1])
     every_grad = torch.stack(grads(0, PUSHES) + grads(1, PUSHES)).sum(0)
     expected = initial() - SGD["lr"] * every_grad
     final = torch.tensor(result["w"])
-    print(f"max |w - exact sum| = {(final - expected).abs().max().item():.3g}; resends {resends}; "
-          f"packets dropped on the workers' links {lost}; TCP segments retransmitted by the server host "
-          f"and the workers {[h.tcp_retransmits() - r for h, r in zip(cluster.hosts, retransmits)]}; "
-          f"replayed {[s['replayed'] for s in result['servers']]}")
+    print(
+        f"max |w - exact sum| = {(final - expected).abs().max().item():.3g}; resends {resends}; "
+        f"packets dropped on the workers' links {lost}; TCP segments retransmitted by the server host "
+        f"and the workers {[h.tcp_retransmits() - r for h, r in zip(cluster.hosts, retransmits)]}; "
+        f"replayed {[s['replayed'] for s in result['servers']]}"
+    )
     torch.testing.assert_close(final, expected, rtol=0, atol=1e-5)  # each push exactly once
     assert sum(s["replayed"] for s in result["servers"]) > 0  # state came back from the logs
     # Packets were lost, by the links' own count (either direction). Which side retransmits depends

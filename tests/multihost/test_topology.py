@@ -25,11 +25,34 @@ WORKER_ENV = {"OMP_NUM_THREADS": "1", "TRAINMESH_TIMEOUT_S": "90"}
 def test_hosts_from_the_rendezvous_drive_hierarchy_and_wire_bytes(netns_cluster, tmp_path):
     cluster = netns_cluster(2)
     endpoint = f"{cluster.hosts[0].address}:{RDZV_PORT}"
-    procs = [host.popen([sys.executable, "-m", "trainmesh", "run", "--nnodes", "2", "--nproc-per-node", "2",
-                         "--node-rank", str(host.index), "--rdzv-endpoint", endpoint, "--rdzv-id", "topo",
-                         str(JOB), "--out", str(tmp_path)],
-                        env=WORKER_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for host in cluster.hosts]
+    procs = [
+        host.popen(
+            [
+                sys.executable,
+                "-m",
+                "trainmesh",
+                "run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--node-rank",
+                str(host.index),
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                "topo",
+                str(JOB),
+                "--out",
+                str(tmp_path),
+            ],
+            env=WORKER_ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for host in cluster.hosts
+    ]
     outputs = []
     for proc in procs:
         try:

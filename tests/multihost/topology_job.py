@@ -37,12 +37,21 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, IN, generator=g), torch.randn(64, 1, generator=g)
     shard = slice(cluster.rank * 16, cluster.rank * 16 + 16)
-    for name, options in (("flat", {"hierarchical_allreduce": False}), ("default", {}),
-                          ("int8", {"compression": "int8"})):
+    for name, options in (
+        ("flat", {"hierarchical_allreduce": False}),
+        ("default", {}),
+        ("int8", {"compression": "int8"}),
+    ):
         torch.manual_seed(0)
-        model = tm.DataParallel().distribute_model(torch.nn.Sequential(
-            torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(),
-            torch.nn.Linear(HIDDEN, 1)))
+        model = tm.DataParallel().distribute_model(
+            torch.nn.Sequential(
+                torch.nn.Linear(IN, HIDDEN),
+                torch.nn.Tanh(),
+                torch.nn.Linear(HIDDEN, HIDDEN),
+                torch.nn.Tanh(),
+                torch.nn.Linear(HIDDEN, 1),
+            )
+        )
         comm = install_communication(model, TrainerConfig(**options))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         dist.barrier()
@@ -54,10 +63,13 @@ def main() -> None:
             optimizer.zero_grad()
             wire += comm.step_record().get("comm_wire_bytes", 0)
         dist.barrier()
-        out[name] = {"tx": tx_bytes() - before if local_rank == 0 else 0, "wire": wire,
-                     "hierarchical": comm.hierarchical,
-                     "params": sum(p.numel() for p in model.parameters()),
-                     "checksum": float(sum(p.double().sum() for p in model.parameters()))}
+        out[name] = {
+            "tx": tx_bytes() - before if local_rank == 0 else 0,
+            "wire": wire,
+            "hierarchical": comm.hierarchical,
+            "params": sum(p.numel() for p in model.parameters()),
+            "checksum": float(sum(p.double().sum() for p in model.parameters())),
+        }
     with open(os.path.join(args.out, f"rank{cluster.rank}.json"), "w") as fh:
         json.dump(out, fh)
     tm.shutdown()

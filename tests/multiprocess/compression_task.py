@@ -18,5 +18,10 @@ def make_data() -> tuple[torch.Tensor, torch.Tensor]:
 
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN),
-                               torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, 1),
+    )

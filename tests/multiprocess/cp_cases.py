@@ -8,18 +8,38 @@ import torch
 VOCAB, SEQ, GLOBAL_BATCH, STEPS = 64, 32, 4, 3
 
 
-def build_model(family: str = "llama", *, seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                **extra) -> torch.nn.Module:
+def build_model(
+    family: str = "llama", *, seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2, **extra
+) -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=8 * heads, intermediate_size=64, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
-                  bos_token_id=0, eos_token_id=1, pad_token_id=2, **extra)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=8 * heads,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        **extra,
+    )
     if family == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=8 * heads, n_layer=layers, n_head=heads,
-                                         n_positions=4096, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                         bos_token_id=0, eos_token_id=1)
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=8 * heads,
+            n_layer=layers,
+            n_head=heads,
+            n_positions=4096,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=1,
+        )
         config._attn_implementation = "sdpa"
         return transformers.GPT2LMHeadModel(config).float()
     if family == "qwen3":

@@ -6,8 +6,10 @@ from __future__ import annotations
 import torch
 
 VOCAB, SEQ, GLOBAL_BATCH, STEPS = 64, 16, 8, 3
-TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-           "gpt2": ["c_attn", "c_proj", "c_fc"]}
+TARGETS = {
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "gpt2": ["c_attn", "c_proj", "c_fc"],
+}
 
 
 def base_model(family: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:
@@ -15,12 +17,31 @@ def base_model(family: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     if family == "llama":
-        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                                          bos_token_id=0, eos_token_id=1, pad_token_id=2)
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=2,
+        )
         return transformers.LlamaForCausalLM(config).float()
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=4, n_positions=SEQ,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=layers,
+        n_head=4,
+        n_positions=SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     return transformers.GPT2LMHeadModel(config).float()
 
 
@@ -28,8 +49,14 @@ def lora_config(family: str, *, init=False):
     import peft
 
     # init_lora_weights=False: lora_B random, not zero, so every adapter moves from the first step
-    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS[family],
-                           init_lora_weights=init, fan_in_fan_out=family == "gpt2")
+    return peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=TARGETS[family],
+        init_lora_weights=init,
+        fan_in_fan_out=family == "gpt2",
+    )
 
 
 def lora_model(family: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:

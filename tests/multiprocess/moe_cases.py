@@ -11,17 +11,35 @@ VOCAB, SEQ, GLOBAL_BATCH, STEPS, NUM_EXPERTS = 64, 8, 8, 3, 4
 AUX_COEF = 0.1  # large, so that the auxiliary loss moves the router visibly in 3 steps
 
 
-def moe_model(family: str, seed: int = 0, num_experts: int = NUM_EXPERTS, layers: int = 2,
-              router_logits: bool = False) -> torch.nn.Module:
+def moe_model(
+    family: str, seed: int = 0, num_experts: int = NUM_EXPERTS, layers: int = 2, router_logits: bool = False
+) -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=SEQ, num_experts_per_tok=2,
-                  bos_token_id=0, eos_token_id=1, pad_token_id=2, output_router_logits=router_logits)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        num_experts_per_tok=2,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        output_router_logits=router_logits,
+    )
     if family == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=num_experts,
-                                             head_dim=8, decoder_sparse_step=1, mlp_only_layers=[], **common)
+        config = transformers.Qwen3MoeConfig(
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_experts=num_experts,
+            head_dim=8,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            **common,
+        )
         return transformers.Qwen3MoeForCausalLM(config).float()
     if family == "mixtral":
         config = transformers.MixtralConfig(intermediate_size=16, num_local_experts=num_experts, head_dim=8, **common)
@@ -32,6 +50,7 @@ def moe_model(family: str, seed: int = 0, num_experts: int = NUM_EXPERTS, layers
 def skew_router(model: torch.nn.Module, experts=(0, 1)) -> torch.nn.Module:
     """Every token to ``experts`` (both on the first process at EP 2): the routing weights stay the
     router's own softmax over those experts, so the router still learns."""
+
     def hook(module, args, output):
         logits, _, _ = output
         chosen = torch.tensor(experts, device=logits.device)
@@ -69,8 +88,14 @@ def make_optimizer(params):
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, eps=1e-5)
 
 
-def reference(family: str, skew: bool = False, accumulation: int = 1, max_norm: float | None = None,
-              aux: bool = False, epochs: int = 1) -> dict:
+def reference(
+    family: str,
+    skew: bool = False,
+    accumulation: int = 1,
+    max_norm: float | None = None,
+    aux: bool = False,
+    epochs: int = 1,
+) -> dict:
     """Losses, first-step gradients and final parameters of one process on the global batches; ``aux``
     adds ``AUX_COEF`` x transformers' auxiliary loss to the cross-entropy."""
     model = moe_model(family, router_logits=aux)
@@ -97,5 +122,4 @@ def reference(family: str, skew: bool = False, accumulation: int = 1, max_norm: 
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
-    return {"losses": losses, "grads": grads,
-            "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "grads": grads, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}

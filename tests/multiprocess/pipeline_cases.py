@@ -23,12 +23,31 @@ def build_model(family: str, n_layer: int = 4) -> torch.nn.Module:
     import transformers
 
     if family == "llama":
-        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
-                                          num_hidden_layers=n_layer, num_attention_heads=2, num_key_value_heads=2,
-                                          max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=n_layer,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=2,
+        )
         return transformers.LlamaForCausalLM(config).float()
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=n_layer, n_head=2, n_positions=SEQ,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=16,
+        n_layer=n_layer,
+        n_head=2,
+        n_positions=SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     return transformers.GPT2LMHeadModel(config).float()
 
 
@@ -92,8 +111,10 @@ def reference(family: str, n_layer: int = 4, steps: int = STEPS, max_grad_norm=N
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         losses.append(loss.item())
-    return {"params": {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)},
-            "losses": losses}
+    return {
+        "params": {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)},
+        "losses": losses,
+    }
 
 
 def local_full_params(model: torch.nn.Module) -> dict:
@@ -104,10 +125,24 @@ def local_full_params(model: torch.nn.Module) -> dict:
     return out
 
 
-def train_pipelined(family: str, mesh_shape, axes, schedule: str, *, microbatches: int = 4, zero_stage: int = 0,
-                    layout: bool = False, n_layer: int = 4, checkpointing=None, max_grad_norm=None,
-                    steps: int = STEPS, evaluate: bool = False, precision: str = "fp32", tol: float = 0.0,
-                    loss: str = "auto") -> dict:
+def train_pipelined(
+    family: str,
+    mesh_shape,
+    axes,
+    schedule: str,
+    *,
+    microbatches: int = 4,
+    zero_stage: int = 0,
+    layout: bool = False,
+    n_layer: int = 4,
+    checkpointing=None,
+    max_grad_norm=None,
+    steps: int = STEPS,
+    evaluate: bool = False,
+    precision: str = "fp32",
+    tol: float = 0.0,
+    loss: str = "auto",
+) -> dict:
     import trainmesh as tm
 
     LOSS_INPUTS.clear()
@@ -120,14 +155,29 @@ def train_pipelined(family: str, mesh_shape, axes, schedule: str, *, microbatche
         distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", pipeline=pipeline)
     else:
         distribution = tm.DataParallel(device_mesh=mesh, pipeline=pipeline)
-    trainer = tm.Trainer(model, make_optimizer, LOSSES[loss], distribution=distribution, zero_stage=zero_stage,
-                         activation_checkpointing=checkpointing, max_grad_norm=max_grad_norm, progress=False,
-                         log_every_n_steps=1, precision=precision, metrics=["accuracy"] if evaluate else None)
+    trainer = tm.Trainer(
+        model,
+        make_optimizer,
+        LOSSES[loss],
+        distribution=distribution,
+        zero_stage=zero_stage,
+        activation_checkpointing=checkpointing,
+        max_grad_norm=max_grad_norm,
+        progress=False,
+        log_every_n_steps=1,
+        precision=precision,
+        metrics=["accuracy"] if evaluate else None,
+    )
     with count_reduce_scatters() as reduce_scatters:
         history = trainer.fit(data(steps), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
-    out = {"params": local_full_params(trainer.model), "loss": history.history["loss"][-1],
-           "reduce_scatters": reduce_scatters[0], "fsdp_groups": fsdp_groups(trainer.model), "steps": steps,
-           "steps_posted_ahead": [stage.steps_posted_ahead for stage in trainer.model._trainmesh_pipeline.stages]}
+    out = {
+        "params": local_full_params(trainer.model),
+        "loss": history.history["loss"][-1],
+        "reduce_scatters": reduce_scatters[0],
+        "fsdp_groups": fsdp_groups(trainer.model),
+        "steps": steps,
+        "steps_posted_ahead": [stage.steps_posted_ahead for stage in trainer.model._trainmesh_pipeline.stages],
+    }
     if evaluate:
         logs = trainer.evaluate(data(1), batch_size=GLOBAL_BATCH)
         out["eval_loss"], out["eval_accuracy"] = logs["loss"], logs["accuracy"]
@@ -197,17 +247,34 @@ def run_configs(configs: list[dict]) -> list[dict]:
     return [refusal(**config) if config.get("refused") else train_pipelined(**config) for config in configs]
 
 
-def refusal(family: str, mesh_shape, axes, schedule: str, *, refused: bool, expect=(), n_layer: int = 4,
-            microbatches: int = 2, checkpointing=None, compile=False) -> dict:
+def refusal(
+    family: str,
+    mesh_shape,
+    axes,
+    schedule: str,
+    *,
+    refused: bool,
+    expect=(),
+    n_layer: int = 4,
+    microbatches: int = 2,
+    checkpointing=None,
+    compile=False,
+) -> dict:
     """The ValueError a pipelined Trainer raises at construction, on every process alike."""
     import trainmesh as tm
 
     mesh = tm.DeviceMesh(mesh_shape, axes, devices=tm.list_devices())
-    distribution = tm.DataParallel(device_mesh=mesh, pipeline=tm.Pipeline(schedule=schedule,
-                                                                          microbatches=microbatches))
+    distribution = tm.DataParallel(device_mesh=mesh, pipeline=tm.Pipeline(schedule=schedule, microbatches=microbatches))
     try:
-        tm.Trainer(build_model(family, n_layer), make_optimizer, lm_loss, distribution=distribution,
-                   activation_checkpointing=checkpointing, compile=compile, progress=False)
+        tm.Trainer(
+            build_model(family, n_layer),
+            make_optimizer,
+            lm_loss,
+            distribution=distribution,
+            activation_checkpointing=checkpointing,
+            compile=compile,
+            progress=False,
+        )
     except ValueError as error:
         return {"refused": str(error)}
     return {"refused": None}
@@ -228,8 +295,9 @@ class Interrupt(Exception):
     """Raised by every process at the same step: a crash after the last checkpoint."""
 
 
-def train_with_checkpoints(layout: str, ckpt_dir: str, *, resume: bool, crash_at_step: int | None = None,
-                           epochs: int = 2, steps: int = 4) -> dict:
+def train_with_checkpoints(
+    layout: str, ckpt_dir: str, *, resume: bool, crash_at_step: int | None = None, epochs: int = 2, steps: int = 4
+) -> dict:
     """The GPT with SGD-momentum under ``layout`` ("3d": pipe 2 x data 2 x model 2, "dp": data only),
     2 epochs of 4 shuffled steps, a sharded checkpoint every 2 steps (synchronous)."""
     import trainmesh as tm
@@ -238,27 +306,39 @@ def train_with_checkpoints(layout: str, ckpt_dir: str, *, resume: bool, crash_at
     if layout == "3d":
         mesh = tm.DeviceMesh((2, 2, 2), ["pipe", "data", "model"], devices=tm.list_devices())
         layout_map = tm.LayoutMap.auto(model, mesh, model_axis="model", verbose=False)
-        distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data",
-                                        pipeline=tm.Pipeline(schedule="1f1b", microbatches=2))
+        distribution = tm.ModelParallel(
+            layout_map=layout_map, batch_dim_name="data", pipeline=tm.Pipeline(schedule="1f1b", microbatches=2)
+        )
     else:
         distribution = tm.DataParallel()
     first_step: list = []  # the global step of the first step this run takes
     holder: list = []
-    callbacks = [tm.ShardedCheckpoint(ckpt_dir, every_n_steps=2, async_save=False),
-                 tm.LambdaCallback(on_train_batch_begin=lambda step, logs: first_step.append(
-                     holder[0].global_step + 1) if not first_step else None)]
+    callbacks = [
+        tm.ShardedCheckpoint(ckpt_dir, every_n_steps=2, async_save=False),
+        tm.LambdaCallback(
+            on_train_batch_begin=lambda step, logs: (
+                first_step.append(holder[0].global_step + 1) if not first_step else None
+            )
+        ),
+    ]
     if crash_at_step is not None:
+
         def crash(step, logs, trainer_steps=[0]):
             trainer_steps[0] += 1
             if trainer_steps[0] == crash_at_step:
                 raise Interrupt()
+
         callbacks.append(tm.LambdaCallback(on_train_batch_begin=crash))
-    trainer = tm.Trainer(model, make_optimizer, lm_loss, distribution=distribution, callbacks=callbacks,
-                         progress=False, seed=7)
+    trainer = tm.Trainer(
+        model, make_optimizer, lm_loss, distribution=distribution, callbacks=callbacks, progress=False, seed=7
+    )
     holder.append(trainer)
     try:
         trainer.fit(data(steps), epochs=epochs, batch_size=GLOBAL_BATCH, shuffle=True, resume=resume)
     except Interrupt:
         pass
-    return {"params": local_full_params(trainer.unwrapped_model), "global_step": trainer.global_step,
-            "first_step": first_step[0] if first_step else None}
+    return {
+        "params": local_full_params(trainer.unwrapped_model),
+        "global_step": trainer.global_step,
+        "first_step": first_step[0] if first_step else None,
+    }

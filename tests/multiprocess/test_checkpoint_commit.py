@@ -92,8 +92,13 @@ def _trainer_commits_between_saves(directory):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     ckpt = tm.ShardedCheckpoint(directory, every_n_steps=3, async_save=True, keep_last=5)
-    trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), torch.nn.MSELoss(),
-                         callbacks=[BeforeCheckpoint(), ckpt, AfterCheckpoint()], progress=False)
+    trainer = tm.Trainer(
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        torch.nn.MSELoss(),
+        callbacks=[BeforeCheckpoint(), ckpt, AfterCheckpoint()],
+        progress=False,
+    )
     trainer.fit(data, epochs=1, batch_size=16)
     manager_module.all_ranks_finished = asked_alone
     seen["final"] = [os.path.basename(p) for p in ckpt.manager.checkpoints()]

@@ -61,7 +61,7 @@ def _batch(step):
     x, y = torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g)
     r, w = tm.rank(), tm.world_size()
     per = GLOBAL_BATCH // w
-    return x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
+    return x[r * per : (r + 1) * per], y[r * per : (r + 1) * per]
 
 
 def _build(stage):
@@ -95,8 +95,12 @@ def _train_save(directory, stage, async_dir=None, export_path=None):
     torch.manual_seed(1000 + tm.rank())  # ranks draw different streams, as with per-rank dropout
     for step in range(STEPS):
         _step(model, optimizer, step)
-    state = {"model": model, "optimizer": optimizer, "data": Cursor(100 + tm.rank()),
-             "trainer": {"global_step": STEPS, "epoch": 1}}
+    state = {
+        "model": model,
+        "optimizer": optimizer,
+        "data": Cursor(100 + tm.rank()),
+        "trainer": {"global_step": STEPS, "epoch": 1},
+    }
     manager = CheckpointManager(directory)
     manager.save(STEPS, state, metrics={"loss": 1.0})
     if async_dir:
@@ -134,15 +138,24 @@ def launch_a(root):
 
 
 def launch_b(root):
-    return {"s0_to_s3": _load_step(f"{root}/s0_w2", 3), "async_to_s0": _load_step(f"{root}/async_w2", 0),
-            "s3_to_s0": _load_step(f"{root}/s3_w2", 0),
-            "save_s0": _train_save(f"{root}/s0_w4", 0), "save_s3": _train_save(f"{root}/s3_w4", 3)}
+    return {
+        "s0_to_s3": _load_step(f"{root}/s0_w2", 3),
+        "async_to_s0": _load_step(f"{root}/async_w2", 0),
+        "s3_to_s0": _load_step(f"{root}/s3_w2", 0),
+        "save_s0": _train_save(f"{root}/s0_w4", 0),
+        "save_s3": _train_save(f"{root}/s3_w4", 3),
+    }
 
 
 def launch_c(root):
-    return {"s0_to_s0": _load_step(f"{root}/s0_w4", 0), "s3_to_s3": _load_step(f"{root}/s3_w4", 3),
-            "s3_to_s0": _load_step(f"{root}/s3_w4", 0), "s0_to_s1": _load_step(f"{root}/s0_w4", 1),
-            "save_s1": _train_save(f"{root}/s1_w2", 1), "s1_to_s3": _load_step(f"{root}/s1_w2", 3)}
+    return {
+        "s0_to_s0": _load_step(f"{root}/s0_w4", 0),
+        "s3_to_s3": _load_step(f"{root}/s3_w4", 3),
+        "s3_to_s0": _load_step(f"{root}/s3_w4", 0),
+        "s0_to_s1": _load_step(f"{root}/s0_w4", 1),
+        "save_s1": _train_save(f"{root}/s1_w2", 1),
+        "s1_to_s3": _load_step(f"{root}/s1_w2", 3),
+    }
 
 
 def _close(a, b, tol=1e-6):
@@ -159,9 +172,9 @@ def test_reshard_across_world_sizes_and_zero_stages():
 
         ref_s0, ref_s3 = a[0]["s0"]["reference"], a[0]["s3"]["reference"]
         _close(ref_s0, ref_s3, tol=1e-5)  # sanity: stage 0 and 3 train the same model
-        _close(b[0]["s0_to_s3"]["params"], ref_s0)      # 2 -> 4, stage 0 -> 3
-        _close(b[0]["async_to_s0"]["params"], ref_s0)   # async save == sync save
-        _close(b[0]["s3_to_s0"]["params"], ref_s3)      # 2 -> 4, stage 3 -> 0
+        _close(b[0]["s0_to_s3"]["params"], ref_s0)  # 2 -> 4, stage 0 -> 3
+        _close(b[0]["async_to_s0"]["params"], ref_s0)  # async save == sync save
+        _close(b[0]["s3_to_s0"]["params"], ref_s3)  # 2 -> 4, stage 3 -> 0
         _close(c[0]["s0_to_s0"]["params"], b[0]["save_s0"]["reference"])  # 4 -> 2
         _close(c[0]["s3_to_s3"]["params"], b[0]["save_s3"]["reference"])  # 4 -> 2, stage 3
         _close(c[0]["s3_to_s0"]["params"], b[0]["save_s3"]["reference"])  # 4 -> 2, stage 3 -> 0

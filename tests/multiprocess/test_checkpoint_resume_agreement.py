@@ -32,8 +32,13 @@ def _decisions(directory):
         model = torch.nn.Linear(4, 1)
         steps = []
         counter = tm.LambdaCallback(on_train_batch_begin=lambda step, logs: steps.append(step))
-        trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.MSELoss(),
-                             callbacks=[callback, counter], progress=False)
+        trainer = tm.Trainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            torch.nn.MSELoss(),
+            callbacks=[callback, counter],
+            progress=False,
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             try:

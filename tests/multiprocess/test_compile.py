@@ -79,19 +79,34 @@ def train(kind, stage, ac, mode, backend):
 
     torch._dynamo.reset()  # each case starts from an empty cache, as a fresh process would
     model = Net()
-    trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), torch.nn.MSELoss(),
-                         distribution=distribution(kind, stage), max_grad_norm=1.0, activation_checkpointing=ac,
-                         compile=mode, compile_backend=backend, callbacks=[CountGraphs()], progress=False)
+    trainer = tm.Trainer(
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        torch.nn.MSELoss(),
+        distribution=distribution(kind, stage),
+        max_grad_norm=1.0,
+        activation_checkpointing=ac,
+        compile=mode,
+        compile_backend=backend,
+        callbacks=[CountGraphs()],
+        progress=False,
+    )
     history = trainer.fit(data(), epochs=EPOCHS, batch_size=BATCH)
     if kind == "pipe":  # each stage's own parameters (full values), compared process by process
-        params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-                  for k, v in trainer.unwrapped_model.named_parameters()}
+        params = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in trainer.unwrapped_model.named_parameters()
+        }
     else:
         params = {k: v.clone() for k, v in trainer.state_dict()["model"].items()}
-    return {"losses": [s["loss"] for s in history.steps], "norms": [s["grad_norm"] for s in history.steps],
-            "params": params,
-            "names": sorted(n for n, _ in trainer.unwrapped_model.named_parameters()), "graphs": graphs,
-            "compiled": compiled_mode(trainer.unwrapped_model)}
+    return {
+        "losses": [s["loss"] for s in history.steps],
+        "norms": [s["grad_norm"] for s in history.steps],
+        "params": params,
+        "names": sorted(n for n, _ in trainer.unwrapped_model.named_parameters()),
+        "graphs": graphs,
+        "compiled": compiled_mode(trainer.unwrapped_model),
+    }
 
 
 def _job(cases):

@@ -29,8 +29,9 @@ def train(**options):
     import trainmesh as tm
 
     model = make_model()
-    trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), torch.nn.MSELoss(), progress=False,
-                         **options)
+    trainer = tm.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.05), torch.nn.MSELoss(), progress=False, **options
+    )
     history = trainer.fit(make_data(), epochs=EPOCHS, batch_size=BATCH)
     return trainer, history
 
@@ -52,8 +53,14 @@ def _math() -> dict:
         got, payload, wire = two_phase_all_reduce(x, None, Int8Compressor(), "t")
         row_bound = world * float(amax) / 254
         bound = row_bound + (float(exact.abs().max()) + row_bound) / 254
-        out[numel] = {"err": float((got - exact).abs().max()), "bound": bound, "wire": wire,
-                      "formula": two_phase_wire_bytes(numel, world, 2048), "payload": payload, "sum": got}
+        out[numel] = {
+            "err": float((got - exact).abs().max()),
+            "bound": bound,
+            "wire": wire,
+            "formula": two_phase_wire_bytes(numel, world, 2048),
+            "payload": payload,
+            "sum": got,
+        }
     # Error feedback keeps both residuals, and over steps the sent sum tracks the true sum.
     compressor = Int8Compressor(error_feedback=True)
     x = torch.randn(5000, generator=torch.Generator().manual_seed(rank))

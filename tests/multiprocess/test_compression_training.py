@@ -40,9 +40,15 @@ def build(compression=None, *, zero_stage=0, callbacks=None, **options):
 
     model = make_model()
     options.setdefault("progress", False)
-    return tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), torch.nn.MSELoss(),
-                      distribution=tm.DataParallel(zero_stage=zero_stage), compression=compression,
-                      callbacks=callbacks, **options)
+    return tm.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        torch.nn.MSELoss(),
+        distribution=tm.DataParallel(zero_stage=zero_stage),
+        compression=compression,
+        callbacks=callbacks,
+        **options,
+    )
 
 
 def train(compression=None, *, zero_stage=0, epochs=EPOCHS, callbacks=None, resume=False):
@@ -56,11 +62,13 @@ def summary(trainer, history) -> dict:
     sharded = trainer.config.zero_stage and trainer.config.zero_stage >= 2
     # FSDP2 parameters are shards: the full ones are gathered onto rank 0 (collective, every rank calls it).
     params = trainer.state_dict()["model"] if sharded else trainer.unwrapped_model.state_dict()
-    return {"first_loss": steps[0]["loss"], "final_loss": history.history["loss"][-1],
-            "bytes": [(s.get("comm_bytes"), s.get("comm_bytes_uncompressed")) for s in steps],
-            "params": {k: v.detach().clone() for k, v in params.items()},
-            "compressor_state": trainer.communication.compressor.state_dict() if trainer.communication.compressor
-            else None}
+    return {
+        "first_loss": steps[0]["loss"],
+        "final_loss": history.history["loss"][-1],
+        "bytes": [(s.get("comm_bytes"), s.get("comm_bytes_uncompressed")) for s in steps],
+        "params": {k: v.detach().clone() for k, v in params.items()},
+        "compressor_state": trainer.communication.compressor.state_dict() if trainer.communication.compressor else None,
+    }
 
 
 def _four(directory: str) -> dict:
@@ -82,17 +90,20 @@ def _four(directory: str) -> dict:
         out["zero2_powersgd_error"] = str(error)
     zero2 = os.path.join(directory, "zero2")
     train("topk:0.01", zero_stage=2, epochs=3, callbacks=[tm.ModelCheckpoint(zero2, save_best=False)])
-    out["zero2_resumed"] = summary(*train("topk:0.01", zero_stage=2, resume=True,
-                                          callbacks=[tm.ModelCheckpoint(zero2, save_best=False)]))
+    out["zero2_resumed"] = summary(
+        *train("topk:0.01", zero_stage=2, resume=True, callbacks=[tm.ModelCheckpoint(zero2, save_best=False)])
+    )
     # Resume: 3 epochs, checkpoint, then on to 5, against the uninterrupted topk run above.
     single = os.path.join(directory, "single")
     train("topk:0.01", epochs=3, callbacks=[tm.ModelCheckpoint(single, save_best=False)])
-    out["resumed_single"] = summary(*train("topk:0.01", callbacks=[tm.ModelCheckpoint(single, save_best=False)],
-                                           resume=True))
+    out["resumed_single"] = summary(
+        *train("topk:0.01", callbacks=[tm.ModelCheckpoint(single, save_best=False)], resume=True)
+    )
     sharded = os.path.join(directory, "sharded")
     train("topk:0.01", epochs=3, callbacks=[tm.ShardedCheckpoint(sharded, async_save=False)])
-    out["resumed_sharded"] = summary(*train("topk:0.01", callbacks=[tm.ShardedCheckpoint(sharded, async_save=False)],
-                                            resume=True))
+    out["resumed_sharded"] = summary(
+        *train("topk:0.01", callbacks=[tm.ShardedCheckpoint(sharded, async_save=False)], resume=True)
+    )
     return out
 
 
@@ -139,8 +150,11 @@ def _nonfinite_backward(zero_stage: int) -> dict:
     x[0, 0] = float("nan")
     torch.nn.functional.mse_loss(trainer.model(x[:32]), y[:32]).backward()  # the hook / reduce-scatter runs
     after = trainer.communication.compressor.state_dict()["residuals"]
-    return {"same": before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before),
-            "finite": all(bool(torch.isfinite(v).all()) for v in after.values()), "count": len(after)}
+    return {
+        "same": before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before),
+        "finite": all(bool(torch.isfinite(v).all()) for v in after.values()),
+        "count": len(after),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +163,12 @@ def runs():
         four = run_distributed(_four, world_size=4, args=(directory,), timeout=500)
         saved = torch.load(os.path.join(directory, "single", "last.pt"), map_location="cpu", weights_only=False)
         latest = max(d for d in os.listdir(os.path.join(directory, "sharded")) if d.startswith("step_"))
-        saved["sharded_ranks"] = [torch.load(os.path.join(directory, "sharded", latest, f"rank_{r:05d}.pt"),
-                                             weights_only=False)["compression"] for r in range(4)]
+        saved["sharded_ranks"] = [
+            torch.load(os.path.join(directory, "sharded", latest, f"rank_{r:05d}.pt"), weights_only=False)[
+                "compression"
+            ]
+            for r in range(4)
+        ]
         two = run_distributed(_two, world_size=2, args=(directory,), timeout=200)
     return four, two, saved
 
@@ -182,8 +200,13 @@ def test_bytes_accounting_shows_the_compression_ratio(runs):
         # top-k sends a value and a 16-bit block offset per kept entry (6 bytes with fp32 values, 4
         # with fp16: 66.7x and 100x at 1%); k = ceil(1% of numel) per tensor costs a little more on
         # this tiny model's biases (65.1x and 97.7x for its payloads alone).
-        for spec, at_least in (("int8", 3.9), ("topk:0.01", 60.0), ("topk_fp16_values", 90.0), ("fp16", 2.0),
-                               ("powersgd:2", 4.0)):
+        for spec, at_least in (
+            ("int8", 3.9),
+            ("topk:0.01", 60.0),
+            ("topk_fp16_values", 90.0),
+            ("fp16", 2.0),
+            ("powersgd:2", 4.0),
+        ):
             for sent, dense in four[rank][spec]["bytes"]:
                 assert dense == params * 4  # fp32 gradients, every parameter, once per optimizer step
                 assert dense / sent >= at_least, (spec, sent, dense)
@@ -258,7 +281,9 @@ def test_resume_on_two_processes_gets_the_mean_of_the_four_residuals(runs):
 def test_zero2_residuals_on_a_different_world_size_restart_from_zero_with_a_warning(runs):
     _, two, _ = runs
     for rank in range(2):
-        assert any("restart from zero" in message and "4 processes" in message for message in two[rank]["zero2_warnings"])
+        assert any(
+            "restart from zero" in message and "4 processes" in message for message in two[rank]["zero2_warnings"]
+        )
         assert two[rank]["zero2_residuals"] == []
 
 

@@ -39,8 +39,10 @@ def _train(model, distribution, batches, **options):
 
 
 def _global_batches(inputs, targets):
-    return [({k: v[i:i + GLOBAL_BATCH] for k, v in inputs.items()}, targets[i:i + GLOBAL_BATCH])
-            for i in range(0, len(targets), GLOBAL_BATCH)]
+    return [
+        ({k: v[i : i + GLOBAL_BATCH] for k, v in inputs.items()}, targets[i : i + GLOBAL_BATCH])
+        for i in range(0, len(targets), GLOBAL_BATCH)
+    ]
 
 
 # --- 4 processes ---------------------------------------------------------------------------
@@ -76,10 +78,14 @@ def _four() -> dict:
         if kind == "dp":
             distribution = tm.DataParallel(mesh, sequence_dim_name="seq", context_parallel=method)
         else:  # "mp": no parameter sharded; "tp": the model's own TP plan over "model"
-            layout_map = tm.LayoutMap.auto(model, mesh, model_axis="model", verbose=False) if kind == "tp" \
+            layout_map = (
+                tm.LayoutMap.auto(model, mesh, model_axis="model", verbose=False)
+                if kind == "tp"
                 else tm.LayoutMap(mesh)
-            distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data",
-                                            sequence_dim_name="seq", context_parallel=method)
+            )
+            distribution = tm.ModelParallel(
+                layout_map=layout_map, batch_dim_name="data", sequence_dim_name="seq", context_parallel=method
+            )
         out[name] = _train(model, distribution, _batches(padding), zero_stage=stage)[:2]
     return out
 
@@ -141,6 +147,7 @@ def _count_collectives(model, batch):
 
 def _saved_bytes(model, x, y) -> int:
     """Bytes of activations autograd saves for backward in one forward (each storage once, parameters not)."""
+
     def local(tensor):  # a DTensor's own shard; an in-flight collective's result tensor
         tensor = tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
         return tensor.elem if type(tensor).__name__ == "AsyncCollectiveTensor" else tensor
@@ -165,12 +172,19 @@ def _errors(tm, mesh) -> dict:
     messages = {}
     cases = {
         "length": lambda: _train(build_model(), tm.DataParallel(mesh, sequence_dim_name="seq"), data(seq=30)),
-        "heads": lambda: _train(build_model(heads=3, kv_heads=1), tm.DataParallel(
-            mesh, sequence_dim_name="seq", context_parallel="ulysses"), data()),
-        "sliding window": lambda: _train(build_model("mistral", sliding_window=8), tm.DataParallel(
-            mesh, sequence_dim_name="seq"), data()),
-        "left padding, ring": lambda: _train(Padded(build_model()), tm.DataParallel(
-            mesh, sequence_dim_name="seq", context_parallel="ring"), _global_batches(*padded_data(left=True))),
+        "heads": lambda: _train(
+            build_model(heads=3, kv_heads=1),
+            tm.DataParallel(mesh, sequence_dim_name="seq", context_parallel="ulysses"),
+            data(),
+        ),
+        "sliding window": lambda: _train(
+            build_model("mistral", sliding_window=8), tm.DataParallel(mesh, sequence_dim_name="seq"), data()
+        ),
+        "left padding, ring": lambda: _train(
+            Padded(build_model()),
+            tm.DataParallel(mesh, sequence_dim_name="seq", context_parallel="ring"),
+            _global_batches(*padded_data(left=True)),
+        ),
     }
     for name, run in cases.items():
         try:
@@ -192,8 +206,7 @@ def _two() -> dict:
     for method, family in PARITY_TWO:
         distribution = tm.DataParallel(mesh, sequence_dim_name="seq", context_parallel=method)
         checkpointing = "full" if family == "qwen3" else None  # recomputed forwards redo the collectives
-        state, loss, trainer = _train(build_model(family), distribution, data(),
-                                      activation_checkpointing=checkpointing)
+        state, loss, trainer = _train(build_model(family), distribution, data(), activation_checkpointing=checkpointing)
         out["parity"][(method, family)] = (state, loss)
         if family != "llama":
             continue
@@ -220,11 +233,16 @@ def _sequence_parallel(tm) -> dict:
     x, y = data(seq=256, rows=2)
     for sp in (False, True):
         model = build_model()
-        distribution = tm.ModelParallel(layout_map=tm.LayoutMap.auto(model, mesh, verbose=False),
-                                        batch_dim_name="data", sequence_parallel=sp)
+        distribution = tm.ModelParallel(
+            layout_map=tm.LayoutMap.auto(model, mesh, verbose=False), batch_dim_name="data", sequence_parallel=sp
+        )
         state, loss, trainer = _train(model, distribution, data())
-        out[sp] = {"state": state, "loss": loss, "collectives": _count_collectives(trainer.model, (x, y)),
-                   "saved": _saved_bytes(trainer.model, x, y)}
+        out[sp] = {
+            "state": state,
+            "loss": loss,
+            "collectives": _count_collectives(trainer.model, (x, y)),
+            "saved": _saved_bytes(trainer.model, x, y),
+        }
     return out
 
 
@@ -249,8 +267,10 @@ def test_evaluate_sees_whole_sequences(two):
     model.load_state_dict(expected)
     x, y = data()
     with torch.no_grad():
-        losses = [lm_loss(model(x[i:i + GLOBAL_BATCH]), y[i:i + GLOBAL_BATCH]).item()
-                  for i in range(0, len(x), GLOBAL_BATCH)]
+        losses = [
+            lm_loss(model(x[i : i + GLOBAL_BATCH]), y[i : i + GLOBAL_BATCH]).item()
+            for i in range(0, len(x), GLOBAL_BATCH)
+        ]
     for method in ("ulysses", "ring"):
         assert abs(two[0]["evaluate", method] - sum(losses) / len(losses)) <= TOLERANCE
 
@@ -299,8 +319,11 @@ def test_sequence_parallelism_beside_tensor_parallelism(two):
     assert forward == {"all_gather_into_tensor": 2 * layers + 2, "reduce_scatter_tensor": 2 * layers}, forward
     # backward: each gather's gradient reduce-scattered, each reduce-scatter's gathered (and the whole
     # embedding's cut), and one small all-reduce per norm weight (its gradient is partial: 1/TP of the tokens)
-    assert backward == {"reduce_scatter_tensor": 2 * layers + 1, "all_gather_into_tensor": 2 * layers + 1,
-                        "all_reduce": 2 * layers + 1}, backward
+    assert backward == {
+        "reduce_scatter_tensor": 2 * layers + 1,
+        "all_gather_into_tensor": 2 * layers + 1,
+        "all_reduce": 2 * layers + 1,
+    }, backward
     # the norms' and residual adds' activations are split; the gathered unit inputs that the projections
     # save are not (measured 0.82 on this tiny model, whose norms are a small share of what is saved)
     ratio = sp["saved"] / tp["saved"]

@@ -80,4 +80,6 @@ def test_resume_on_another_world_size_is_exactly_once(tmp_path, before, after):
     seen = _seen(str(tmp_path))
     assert sorted(seen) == [0, 1]
     for epoch, indices in seen.items():
-        assert sorted(indices) == list(range(N)), f"epoch {epoch}: {len(indices)} consumed, {len(set(indices))} distinct"
+        assert sorted(indices) == list(range(N)), (
+            f"epoch {epoch}: {len(indices)} consumed, {len(set(indices))} distinct"
+        )

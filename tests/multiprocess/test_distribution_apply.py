@@ -44,13 +44,19 @@ def _scenarios() -> dict:
     big = tm.DeviceMesh((2, 4), ["data", "model"], devices=[f"cpu:{i}" for i in range(8)])
     big_map = tm.LayoutMap(big)
     big_map["d1.weight"] = ("model", None)
-    out["mesh_too_big"] = _error_of(lambda: tm.ModelParallel(layout_map=big_map).distribute_model(seed_model.SeedModel()))
+    out["mesh_too_big"] = _error_of(
+        lambda: tm.ModelParallel(layout_map=big_map).distribute_model(seed_model.SeedModel())
+    )
     foreign = tm.DeviceMesh((4,), ["batch"], devices=["cpu:0", "cpu:1", "cpu:2", "cpu:7"])
-    out["foreign_devices"] = _error_of(lambda: tm.DataParallel(device_mesh=foreign).distribute_model(seed_model.SeedModel()))
+    out["foreign_devices"] = _error_of(
+        lambda: tm.DataParallel(device_mesh=foreign).distribute_model(seed_model.SeedModel())
+    )
     mesh = tm.DeviceMesh((1, 4), ["data", "model"], devices=tm.list_devices())
     uneven = tm.LayoutMap(mesh)
     uneven["d2.weight"] = ("model", None)  # 10 rows over 4 processes
-    out["indivisible_dim"] = _error_of(lambda: tm.ModelParallel(layout_map=uneven).distribute_model(seed_model.SeedModel()))
+    out["indivisible_dim"] = _error_of(
+        lambda: tm.ModelParallel(layout_map=uneven).distribute_model(seed_model.SeedModel())
+    )
     out["indivisible_batch"] = _error_of(lambda: tm.DataParallel().distribute_dataset(data, 6))
     out["not_a_module"] = _error_of(lambda: tm.DataParallel().distribute_model(lambda x: x))
 
@@ -76,17 +82,20 @@ def _scenarios() -> dict:
     loss = torch.nn.functional.mse_loss(output, labels)
     out["loss_item"] = loss.item()  # this process's slice, as under DDP
     loss.backward()
-    out["grad_placements"] = {n: [str(p) for p in w.grad.placements] for n, w in mp_model.named_parameters()
-                              if isinstance(w, DTensor)}
-    out["param_placements"] = {n: [str(p) for p in w.placements] for n, w in mp_model.named_parameters()
-                               if isinstance(w, DTensor)}
+    out["grad_placements"] = {
+        n: [str(p) for p in w.grad.placements] for n, w in mp_model.named_parameters() if isinstance(w, DTensor)
+    }
+    out["param_placements"] = {
+        n: [str(p) for p in w.placements] for n, w in mp_model.named_parameters() if isinstance(w, DTensor)
+    }
     out["plain_params"] = sorted(n for n, w in mp_model.named_parameters() if not isinstance(w, DTensor))
     out["d2_grad"] = mp_model.d2.weight.grad.detach().clone()
     # The gradient is the full batch's: the same on one process with all 16 rows.
     torch.manual_seed(0)
     reference = seed_model.SeedModel().eval()
-    reference.load_state_dict({k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
-                               for k, v in mp_model.state_dict().items()})
+    reference.load_state_dict(
+        {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in mp_model.state_dict().items()}
+    )
     full_x = torch.cat([torch.as_tensor(data[0][:16])])
     torch.nn.functional.mse_loss(reference(full_x), torch.as_tensor(data[1][:16])).backward()
     out["d2_grad_reference"] = reference.d2.weight.grad.detach().clone()

@@ -26,8 +26,19 @@ import torch
 
 from trainmesh.testing import run_distributed
 
-from moe_cases import AUX_COEF, GLOBAL_BATCH, NUM_EXPERTS, STEPS, data, lm_loss, make_optimizer, moe_model, reference, \
-    skew_router, transformers_aux_loss
+from moe_cases import (
+    AUX_COEF,
+    GLOBAL_BATCH,
+    NUM_EXPERTS,
+    STEPS,
+    data,
+    lm_loss,
+    make_optimizer,
+    moe_model,
+    reference,
+    skew_router,
+    transformers_aux_loss,
+)
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 pytest.importorskip("transformers")
@@ -94,22 +105,33 @@ def _loop_cases(save_dir: str, checkpoint_dir: str) -> dict:
             if grads is None:
                 grads = {k: _full(p.grad).detach().clone() for k, p in model.named_parameters()}
             opt.step()
-        local_expert_numel = sum(p.to_local().numel()
-                                 for n, p in model.named_parameters() if ".experts." in n)
+        local_expert_numel = sum(p.to_local().numel() for n, p in model.named_parameters() if ".experts." in n)
         state = {k: _full(v).detach().clone() for k, v in model.state_dict().items()}
         if variant == "" and family == "qwen3_moe":
             tm.save_pretrained(model, save_dir)  # collective: the experts gathered from both processes
-        out[(family, variant)] = {"losses": losses, "grads": grads, "params": state, "stats": stats,
-                                  "expert_numel": (local_expert_numel, full_expert_numel), "all_to_all": all_to_all}
+        out[(family, variant)] = {
+            "losses": losses,
+            "grads": grads,
+            "params": state,
+            "stats": stats,
+            "expert_numel": (local_expert_numel, full_expert_numel),
+            "all_to_all": all_to_all,
+        }
         if variant == "aux":
             out[(family, variant)]["aux"] = (float(aux), aux_local)
     # a sharded training checkpoint at EP 2, resumed at EP 4 by the second launch
     model = moe_model("qwen3_moe")
-    layout_map = tm.LayoutMap.auto(model, tm.DeviceMesh((world,), ["data"], devices=tm.list_devices()),
-                                   expert_axis="data", verbose=False)
-    trainer = tm.Trainer(model, make_optimizer, lm_loss, progress=False,
-                         distribution=tm.ModelParallel(layout_map=layout_map, batch_dim_name="data"),
-                         callbacks=[tm.ShardedCheckpoint(checkpoint_dir, async_save=False)])
+    layout_map = tm.LayoutMap.auto(
+        model, tm.DeviceMesh((world,), ["data"], devices=tm.list_devices()), expert_axis="data", verbose=False
+    )
+    trainer = tm.Trainer(
+        model,
+        make_optimizer,
+        lm_loss,
+        progress=False,
+        distribution=tm.ModelParallel(layout_map=layout_map, batch_dim_name="data"),
+        callbacks=[tm.ShardedCheckpoint(checkpoint_dir, async_save=False)],
+    )
     trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
     return out
 
@@ -158,8 +180,11 @@ def test_collectives_per_moe_layer_and_expert_memory(loop_results):
             # c10d all-to-alls in a forward + backward, counted at the dispatcher: 2 layers x (1 + 2 + 2)
             assert rank_result[case]["all_to_all"] == 2 * 5
             for layer in stats.values():
-                assert (layer["count_exchanges"], layer["token_exchanges_forward"],
-                        layer["token_exchanges_backward"]) == (1, 2, 2)
+                assert (
+                    layer["count_exchanges"],
+                    layer["token_exchanges_forward"],
+                    layer["token_exchanges_backward"],
+                ) == (1, 2, 2)
             local, full = rank_result[case]["expert_numel"]
             assert local * 2 == full  # exactly 1/EP of the experts on each process
 
@@ -170,8 +195,9 @@ def _trainer_cases(checkpoint_dir: str) -> dict:
     out = {}
     # the EP 2 checkpoint of launch 1, resumed at EP 4 for a second epoch (model and AdamW state resharded)
     model = moe_model("qwen3_moe")
-    layout_map = tm.LayoutMap.auto(model, tm.DeviceMesh((4,), ["data"], devices=tm.list_devices()),
-                                   expert_axis="data", verbose=False)
+    layout_map = tm.LayoutMap.auto(
+        model, tm.DeviceMesh((4,), ["data"], devices=tm.list_devices()), expert_axis="data", verbose=False
+    )
 
     class CountSteps(tm.Callback):
         ran = 0
@@ -179,9 +205,14 @@ def _trainer_cases(checkpoint_dir: str) -> dict:
         def on_train_batch_end(self, step, logs=None):
             CountSteps.ran += 1
 
-    trainer = tm.Trainer(model, make_optimizer, lm_loss, progress=False,
-                         distribution=tm.ModelParallel(layout_map=layout_map, batch_dim_name="data"),
-                         callbacks=[tm.ShardedCheckpoint(checkpoint_dir, async_save=False), CountSteps()])
+    trainer = tm.Trainer(
+        model,
+        make_optimizer,
+        lm_loss,
+        progress=False,
+        distribution=tm.ModelParallel(layout_map=layout_map, batch_dim_name="data"),
+        callbacks=[tm.ShardedCheckpoint(checkpoint_dir, async_save=False), CountSteps()],
+    )
     trainer.fit(data(), epochs=2, batch_size=GLOBAL_BATCH, shuffle=False, resume=True)
     out["resumed_ep2_to_ep4"] = {k: v.detach().clone() for k, v in trainer.state_dict()["model"].items()}
     out["resumed_steps"] = CountSteps.ran
@@ -203,8 +234,7 @@ def test_ep_composes_on_four_processes(loop_results):
     assert results["resumed_steps"] == STEPS  # only the second epoch ran: the first came from the EP 2 checkpoint
     worst = {"resumed_ep2_to_ep4": _max_diff(results["resumed_ep2_to_ep4"], reference("qwen3_moe", epochs=2)["params"])}
     for name, family, _, _, _, options in TRAINER_CASES:
-        want = reference(family, accumulation=options.get("grad_accum_steps", 1),
-                         max_norm=options.get("max_grad_norm"))
+        want = reference(family, accumulation=options.get("grad_accum_steps", 1), max_norm=options.get("max_grad_norm"))
         worst[name] = _max_diff(results[name], want["params"])
     assert all(diff <= TOL for diff, _ in worst.values()), worst
 

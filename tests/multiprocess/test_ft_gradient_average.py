@@ -22,8 +22,13 @@ def _group(group: int, url: str, results: dict) -> None:
         torch.manual_seed(group)  # different starting weights: the quorum's init sync makes them equal
         model = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 2), "b": torch.nn.Linear(2, 1).to(torch.float64)})
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        sync = ReplicaGroupSync(model, optimizer, ReplicaGroups(
-            replica_group=group, lighthouse=url, min_replicas=2, advertise_host="127.0.0.1", timeout_s=20))
+        sync = ReplicaGroupSync(
+            model,
+            optimizer,
+            ReplicaGroups(
+                replica_group=group, lighthouse=url, min_replicas=2, advertise_host="127.0.0.1", timeout_s=20
+            ),
+        )
         steps = []
         try:
             while sync.current_step < 2:

@@ -18,8 +18,11 @@ from torchft.process_group import ProcessGroupGloo  # noqa: E402
 from trainmesh.ft.replica_groups import SafeStateTransport  # noqa: E402
 from trainmesh.ft.tensor_codec import UnsafeStateError  # noqa: E402
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(60),
-              pytest.mark.filterwarnings("ignore:The given buffer is not writable")]  # torchft's own frombuffer
+pytestmark = [
+    pytest.mark.dist,
+    pytest.mark.timeout(60),
+    pytest.mark.filterwarnings("ignore:The given buffer is not writable"),
+]  # torchft's own frombuffer
 TIMEOUT = timedelta(seconds=20)
 
 
@@ -27,8 +30,10 @@ def _pair(prefix: str):
     """Two configured torchft gloo groups (ranks 0 and 1) sharing one loopback store."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     pgs = [ProcessGroupGloo(timeout=TIMEOUT) for _ in range(2)]
-    threads = [threading.Thread(target=pg.configure, args=(f"127.0.0.1:{store.port}/{prefix}", f"r{rank}", rank, 2))
-               for rank, pg in enumerate(pgs)]
+    threads = [
+        threading.Thread(target=pg.configure, args=(f"127.0.0.1:{store.port}/{prefix}", f"r{rank}", rank, 2))
+        for rank, pg in enumerate(pgs)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -62,15 +67,19 @@ def test_state_arrives_bit_for_bit_over_a_torchft_gloo_group():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(4, 5)).sum().backward()
     optimizer.step()
-    state = {"user": {"default": {"model": model.state_dict(), "optimizer": optimizer.state_dict()}},
-             "torchft": {"step": 7, "batches_committed": 14}}
+    state = {
+        "user": {"default": {"model": model.state_dict(), "optimizer": optimizer.state_dict()}},
+        "torchft": {"step": 7, "batches_committed": 14},
+    }
     got = _exchange(SafeStateTransport(pgs[0], TIMEOUT), SafeStateTransport(pgs[1], TIMEOUT), state)["state"]
     assert got["torchft"] == {"step": 7, "batches_committed": 14}
     sent, back = state["user"]["default"], got["user"]["default"]
     assert all(torch.equal(back["model"][k], v) for k, v in sent["model"].items())
     assert back["optimizer"]["param_groups"] == sent["optimizer"]["param_groups"]
-    assert all(torch.equal(back["optimizer"]["state"][i]["exp_avg"], s["exp_avg"])
-               for i, s in sent["optimizer"]["state"].items())
+    assert all(
+        torch.equal(back["optimizer"]["state"][i]["exp_avg"], s["exp_avg"])
+        for i, s in sent["optimizer"]["state"].items()
+    )
     del store
 
 
@@ -78,7 +87,8 @@ def test_a_peer_sending_torchfts_pickled_metadata_is_refused():
     store, pgs = _pair("pickle")
     evil = PGTransport(pgs[0], timeout=TIMEOUT, device=torch.device("cpu"))  # pickle.dumps of its metadata
     # its tensors after the refused header are never received: the sender gives up after 2 s
-    result = _exchange(evil, SafeStateTransport(pgs[1], TIMEOUT), {"w": torch.ones(3)},
-                       send_timeout=timedelta(seconds=2))
+    result = _exchange(
+        evil, SafeStateTransport(pgs[1], TIMEOUT), {"w": torch.ones(3)}, send_timeout=timedelta(seconds=2)
+    )
     assert "refused" in result and "state" not in result, result
     del store

@@ -25,15 +25,21 @@ def _stalling_job() -> dict:
             if tm.rank() == 1 and self.trainer.global_step + 1 == STALL_AT_STEP:
                 time.sleep(12)
 
-    trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.MSELoss(),
-                         callbacks=[StallRank1()], progress=False)
+    trainer = tm.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.MSELoss(), callbacks=[StallRank1()], progress=False
+    )
     started = time.monotonic()
     try:
         trainer.fit((torch.randn(64, 4), torch.randn(64, 1)), epochs=1, batch_size=8)
         return {"error": None}
     except Exception as error:  # noqa: BLE001 - what it says is the point
-        return {"type": type(error).__name__, "error": str(error), "after_s": time.monotonic() - started,
-                "missing": getattr(error, "missing_ranks", None), "step": getattr(error, "step", None)}
+        return {
+            "type": type(error).__name__,
+            "error": str(error),
+            "after_s": time.monotonic() - started,
+            "missing": getattr(error, "missing_ranks", None),
+            "step": getattr(error, "step", None),
+        }
 
 
 def test_stalled_rank_is_named_by_the_survivor():

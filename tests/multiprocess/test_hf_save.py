@@ -77,8 +77,9 @@ def _save_everything(root: str) -> dict:
     try:
         for name in ("crash-new", "gpt2-dp"):
             calls[0] = 0
-            out["crash", name] = _error_of(lambda: tm.save_pretrained(model, os.path.join(root, name),
-                                                                      max_shard_size=SMALL))
+            out["crash", name] = _error_of(
+                lambda: tm.save_pretrained(model, os.path.join(root, name), max_shard_size=SMALL)
+            )
     finally:
         hf_save._write_tensor = original
 
@@ -99,9 +100,15 @@ def _save_everything(root: str) -> dict:
         hf_layout.publish = publish
 
     # A Trainer checkpoint for `trainmesh export`, and the trained weights to compare it with.
-    trainer = tm.Trainer(build_model("gpt2", n_layer=2), make_optimizer, lm_loss, distribution=tm.DataParallel(),
-                         zero_stage=3, progress=False,
-                         callbacks=[tm.ShardedCheckpoint(os.path.join(root, "ckpt"), async_save=False)])
+    trainer = tm.Trainer(
+        build_model("gpt2", n_layer=2),
+        make_optimizer,
+        lm_loss,
+        distribution=tm.DataParallel(),
+        zero_stage=3,
+        progress=False,
+        callbacks=[tm.ShardedCheckpoint(os.path.join(root, "ckpt"), async_save=False)],
+    )
     trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
     tm.save_pretrained(trainer.model, os.path.join(root, "trained"))
     state = trainer.state_dict()["model"]
@@ -165,13 +172,17 @@ def test_export_cli_round_trip(saved, tmp_path):
     root, results = saved
     trained = results[0]["trained"]
     out = tmp_path / "exported"
-    assert cli.main(["export", str(root / "ckpt"), str(out), "--config", str(root / "gpt2-dp"),
-                     "--max-shard-size", "4KB"]) == 0
+    assert (
+        cli.main(["export", str(root / "ckpt"), str(out), "--config", str(root / "gpt2-dp"), "--max-shard-size", "4KB"])
+        == 0
+    )
     assert (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file()
     exported = _loaded(out)
     _assert_same(exported, trained, "export")
     _assert_same(_loaded(root / "trained"), trained, "save_pretrained after training")
-    assert not torch.equal(trained["transformer.h.0.mlp.c_fc.weight"],
-                           build_model("gpt2", n_layer=2).state_dict()["transformer.h.0.mlp.c_fc.weight"])
+    assert not torch.equal(
+        trained["transformer.h.0.mlp.c_fc.weight"],
+        build_model("gpt2", n_layer=2).state_dict()["transformer.h.0.mlp.c_fc.weight"],
+    )
     with pytest.raises(SystemExit):  # a folder that is no checkpoint: a usage error naming it
         cli.main(["export", str(tmp_path), str(tmp_path / "x")])

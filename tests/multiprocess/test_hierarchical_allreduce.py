@@ -58,7 +58,11 @@ def _parity_worker():
 def test_hierarchical_equals_flat_all_reduce():
     results = run_distributed(_parity_worker, world_size=4, timeout=120)
     assert [members for _, members in results] == [
-        ([0, 1], [0, 2]), ([0, 1], [1, 3]), ([2, 3], [0, 2]), ([2, 3], [1, 3])]
+        ([0, 1], [0, 2]),
+        ([0, 1], [1, 3]),
+        ([2, 3], [0, 2]),
+        ([2, 3], [1, 3]),
+    ]
     for worst, _ in results:
         assert len(worst) == 3 * 3 * len(SIZES)
         for key, error in worst.items():

@@ -33,24 +33,43 @@ def train(hierarchical, compression=None) -> dict:
     model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     first_step = {}
-    keep_first_step = tm.LambdaCallback(on_train_batch_end=lambda step, logs: first_step or first_step.update(
-        {k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()}))
-    trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), torch.nn.MSELoss(),
-                         hierarchical_allreduce=hierarchical, compression=compression, callbacks=[keep_first_step],
-                         progress=False)
+    keep_first_step = tm.LambdaCallback(
+        on_train_batch_end=lambda step, logs: (
+            first_step
+            or first_step.update({k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()})
+        )
+    )
+    trainer = tm.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+        torch.nn.MSELoss(),
+        hierarchical_allreduce=hierarchical,
+        compression=compression,
+        callbacks=[keep_first_step],
+        progress=False,
+    )
     history = trainer.fit(make_data(), epochs=2, batch_size=32)
-    return {"hierarchical": trainer.communication.hierarchical, "losses": [s["loss"] for s in history.steps],
-            "params": {k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()},
-            "first_update": {k: initial[k] - v for k, v in first_step.items()}}
+    return {
+        "hierarchical": trainer.communication.hierarchical,
+        "losses": [s["loss"] for s in history.steps],
+        "params": {k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()},
+        "first_update": {k: initial[k] - v for k, v in first_step.items()},
+    }
 
 
 def _job() -> dict:
     rank = int(os.environ["RANK"])
     # Two "nodes" of two processes, as torchrun --nnodes 2 --nproc-per-node 2 numbers them.
     os.environ.update(TRAINMESH_HOST_ID=f"node{rank // 2}", LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank % 2))
-    out = {"flat": train(False), "forced": train(True), "auto": train(None),
-           "flat_fp16": train(False, "fp16"), "hier_fp16": train(True, "fp16"),
-           "flat_powersgd": train(False, "powersgd:1"), "hier_powersgd": train(True, "powersgd:1")}
+    out = {
+        "flat": train(False),
+        "forced": train(True),
+        "auto": train(None),
+        "flat_fp16": train(False, "fp16"),
+        "hier_fp16": train(True, "fp16"),
+        "flat_powersgd": train(False, "powersgd:1"),
+        "hier_powersgd": train(True, "powersgd:1"),
+    }
     os.environ.update(TRAINMESH_HOST_ID="node0", LOCAL_WORLD_SIZE="4", LOCAL_RANK=str(rank))  # one node
     out["one_node_auto"] = train(None)["hierarchical"]
     try:

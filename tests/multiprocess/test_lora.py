@@ -24,17 +24,34 @@ import torch
 
 from trainmesh.testing import run_distributed
 
-from lora_cases import (GLOBAL_BATCH, base_model, data, lm_loss, lora_config, lora_model, make_optimizer, make_sgd,
-                        reference, train_reference)
+from lora_cases import (
+    GLOBAL_BATCH,
+    base_model,
+    data,
+    lm_loss,
+    lora_config,
+    lora_model,
+    make_optimizer,
+    make_sgd,
+    reference,
+    train_reference,
+)
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 # (family, layout, zero stage, compression)
-CONFIGS = [("llama", "dp", 0, None), ("llama", "dp", 1, None), ("llama", "dp", 3, None), ("llama", "tp", 0, None),
-           ("gpt2", "tp", 0, None), ("gpt2", "dp", 3, None),
-           ("llama", "dp", 0, "fp16"), ("llama", "dp", 3, "fp16")]
+CONFIGS = [
+    ("llama", "dp", 0, None),
+    ("llama", "dp", 1, None),
+    ("llama", "dp", 3, None),
+    ("llama", "tp", 0, None),
+    ("gpt2", "tp", 0, None),
+    ("gpt2", "dp", 3, None),
+    ("llama", "dp", 0, "fp16"),
+    ("llama", "dp", 3, "fp16"),
+]
 
 
 def _name(config) -> str:
@@ -53,25 +70,39 @@ def _run_all(root: str, configs=None, save: bool = True) -> dict:
         distribution = None
         if layout == "tp":
             mesh = tm.DeviceMesh((1, 2), ["data", "model"], devices=tm.list_devices())
-            distribution = tm.ModelParallel(layout_map=tm.LayoutMap.auto(model, mesh, verbose=False),
-                                            batch_dim_name="data")
-        trainer = tm.Trainer(model, make_optimizer, lm_loss, distribution=distribution, zero_stage=stage,
-                             compression=compression, progress=False)
+            distribution = tm.ModelParallel(
+                layout_map=tm.LayoutMap.auto(model, mesh, verbose=False), batch_dim_name="data"
+            )
+        trainer = tm.Trainer(
+            model,
+            make_optimizer,
+            lm_loss,
+            distribution=distribution,
+            zero_stage=stage,
+            compression=compression,
+            progress=False,
+        )
         history = trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
         module = trainer.unwrapped_model if hasattr(trainer, "unwrapped_model") else trainer.model
         params = dict(trainer.model.named_parameters())
         result = {
             "frozen_grads": [n for n, p in params.items() if not p.requires_grad and p.grad is not None],
             "state_for_frozen": [n for n, p in params.items() if not p.requires_grad and p in trainer.optimizer.state],
-            "frozen_in_optimizer": [n for n, p in params.items() if not p.requires_grad and any(
-                p is q for g in trainer.optimizer.param_groups for q in g["params"])],
+            "frozen_in_optimizer": [
+                n
+                for n, p in params.items()
+                if not p.requires_grad and any(p is q for g in trainer.optimizer.param_groups for q in g["params"])
+            ],
             "state_count": len(trainer.optimizer.state),
             "trainable_count": sum(p.requires_grad for p in params.values()),
             "trainable_bytes": sum(p.numel() * 4 for p in module.parameters() if p.requires_grad),
             "frozen_bytes": sum(p.numel() * 4 for p in module.parameters() if not p.requires_grad),
             "comm_uncompressed": [r.get("comm_bytes_uncompressed") for r in history.steps] if compression else None,
-            "placements": {n: [str(pl) for pl in p.placements] for n, p in params.items()
-                           if isinstance(p, DTensor) and layout == "tp"},
+            "placements": {
+                n: [str(pl) for pl in p.placements]
+                for n, p in params.items()
+                if isinstance(p, DTensor) and layout == "tp"
+            },
         }
         state = trainer.state_dict()["model"]
         result["state"] = {k: v.detach().clone() for k, v in state.items()}
@@ -96,15 +127,19 @@ def _meta_runs(base_dir: str) -> dict:
     out = {}
     for layout, stage in META_LAYOUTS:
         with torch.device("meta"):
-            model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(
-                transformers.AutoConfig.from_pretrained(base_dir)), lora_config("llama", init=True))
+            model = peft.get_peft_model(
+                transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(base_dir)),
+                lora_config("llama", init=True),
+            )
         distribution = None
         if layout == "tp":
             mesh = tm.DeviceMesh((1, 2), ["data", "model"], devices=tm.list_devices())
-            distribution = tm.ModelParallel(layout_map=tm.LayoutMap.auto(model, mesh, verbose=False),
-                                            batch_dim_name="data")
-        trainer = tm.Trainer(model, make_sgd, lm_loss, distribution=distribution, zero_stage=stage,
-                             weights=base_dir, progress=False)
+            distribution = tm.ModelParallel(
+                layout_map=tm.LayoutMap.auto(model, mesh, verbose=False), batch_dim_name="data"
+            )
+        trainer = tm.Trainer(
+            model, make_sgd, lm_loss, distribution=distribution, zero_stage=stage, weights=base_dir, progress=False
+        )
         initial = {k: v.detach().clone() for k, v in trainer.state_dict()["model"].items()}
         trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
         out[layout] = (initial, {k: v.detach().clone() for k, v in trainer.state_dict()["model"].items()})
@@ -149,7 +184,11 @@ def test_frozen_parameters_cost_nothing(results):
                 assert r["state_count"] == r["trainable_count"], config
             if config[3]:  # bytes handed to the gradient collectives, counted by the communication layer
                 for sent in r["comm_uncompressed"]:
-                    assert r["trainable_bytes"] <= sent < r["trainable_bytes"] + 4096, (config, sent, r["trainable_bytes"])
+                    assert r["trainable_bytes"] <= sent < r["trainable_bytes"] + 4096, (
+                        config,
+                        sent,
+                        r["trainable_bytes"],
+                    )
                     assert sent < r["frozen_bytes"] / 5, config
 
 
@@ -205,8 +244,9 @@ def test_meta_built_base_with_weights_under_lora(results):
             else:
                 expected = file_state[name.removeprefix("base_model.model.").replace(".base_layer.", ".")]
                 assert torch.equal(value, expected), (layout, name)
-        model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base_dir),
-                                    lora_config("llama", init=True))
+        model = peft.get_peft_model(
+            transformers.AutoModelForCausalLM.from_pretrained(base_dir), lora_config("llama", init=True)
+        )
         model.load_state_dict(initial)
         expected = train_reference(model, make_sgd)
         for name, value in expected.items():

@@ -36,13 +36,19 @@ peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
 # (base dtype, layout, zero stage)
-CONFIGS = [("bfloat16", "dp", 0), ("bfloat16", "dp", 1), ("bfloat16", "dp", 3), ("bfloat16", "tp", 0),
-           ("float16", "dp", 0), ("float16", "dp", 3)]
+CONFIGS = [
+    ("bfloat16", "dp", 0),
+    ("bfloat16", "dp", 1),
+    ("bfloat16", "dp", 3),
+    ("bfloat16", "tp", 0),
+    ("float16", "dp", 0),
+    ("float16", "dp", 3),
+]
 LR, MOMENTUM = 0.5, 0.9  # make_sgd's: the applied gradient is read back from the update with them
 
 # Tolerances on each adapter's gradient, relative (L2 over the tensor), per step.
 # U is bf16's unit roundoff: 8 significant bits, so rounding moves a value by at most 2**-9 of itself.
-U = 2.0 ** -9
+U = 2.0**-9
 TOLERANCE = {
     # DataParallel and ZeRO: each process runs the one process's per-token ops on half the rows; what
     # changes is where the weight-gradient matmul's bf16 output is rounded (each half rounded, then the
@@ -104,24 +110,44 @@ def _run_all() -> dict:
         distribution = None
         if layout == "tp":
             mesh = tm.DeviceMesh((1, 2), ["data", "model"], devices=tm.list_devices())
-            distribution = tm.ModelParallel(layout_map=tm.LayoutMap.auto(model, mesh, verbose=False),
-                                            batch_dim_name="data")
+            distribution = tm.ModelParallel(
+                layout_map=tm.LayoutMap.auto(model, mesh, verbose=False), batch_dim_name="data"
+            )
         snapshots = Snapshots()
-        trainer = tm.Trainer(model, make_sgd, lm_loss, distribution=distribution, zero_stage=stage,
-                             precision="bf16-mixed", callbacks=[snapshots], log_every_n_steps=1, progress=False)
+        trainer = tm.Trainer(
+            model,
+            make_sgd,
+            lm_loss,
+            distribution=distribution,
+            zero_stage=stage,
+            precision="bf16-mixed",
+            callbacks=[snapshots],
+            log_every_n_steps=1,
+            progress=False,
+        )
         history = trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
         params = dict(trainer.unwrapped_model.named_parameters())  # names without DDP's "module."
         trainable = {id(p) for p in params.values() if p.requires_grad}
         out[config] = {
-            "start": snapshots.start, "adapters": snapshots.adapters,
+            "start": snapshots.start,
+            "adapters": snapshots.adapters,
             "end": {k: v.detach().clone() for k, v in full_model_state(trainer.model).items()},
             "losses": [r["loss"] for r in history.steps],
             # what this process holds: (dtype, trainable, rows, bytes) of each parameter's local tensor
-            "held": {n: (_local(p).dtype, p.requires_grad, _local(p).shape[0] if _local(p).dim() else 1,
-                         _local(p).numel() * _local(p).element_size()) for n, p in params.items()},
+            "held": {
+                n: (
+                    _local(p).dtype,
+                    p.requires_grad,
+                    _local(p).shape[0] if _local(p).dim() else 1,
+                    _local(p).numel() * _local(p).element_size(),
+                )
+                for n, p in params.items()
+            },
             "frozen_grads": [n for n, p in params.items() if not p.requires_grad and p.grad is not None],
-            "state": [(id(p) in trainable, {k: _local(v).dtype for k, v in s.items() if torch.is_tensor(v) and v.dim()})
-                      for p, s in trainer.optimizer.state.items()],
+            "state": [
+                (id(p) in trainable, {k: _local(v).dtype for k, v in s.items() if torch.is_tensor(v) and v.dim()})
+                for p, s in trainer.optimizer.state.items()
+            ],
             "trainable_count": len(trainable),
         }
     return out
@@ -161,8 +187,10 @@ def test_every_step_matches_one_process_within_bf16_rounding(results):
                 # ((p[i-1] - p[i]) - momentum * (p[i-2] - p[i-1])) / lr (no buf before the first step)
                 applied = ((before[name] - after[name]) - MOMENTUM * (earlier[name] - before[name])) / LR
                 error = ((applied - grad).norm() / grad.norm()).item()
-                assert error <= tolerance, (f"{config} step {step}: {name} gradient differs from one process by "
-                                            f"{error / U:.1f} bf16 roundoffs (tolerance {tolerance / U:.0f})")
+                assert error <= tolerance, (
+                    f"{config} step {step}: {name} gradient differs from one process by "
+                    f"{error / U:.1f} bf16 roundoffs (tolerance {tolerance / U:.0f})"
+                )
         moved = max((snaps[-1][n] - snaps[0][n]).abs().max().item() for n in snaps[0])
         assert moved > 1e-2, config  # the adapters trained
 

@@ -36,14 +36,16 @@ peft = pytest.importorskip("peft")
 P2D2 = ((2, 2), ("pipe", "data"))
 P2M2 = ((2, 1, 2), ("pipe", "data", "model"))
 # (family, layers, mesh, schedule, zero stage, split points, save)
-CONFIGS = [("llama", 2, P2D2, "1f1b", 0, None, True),
-           ("llama", 2, P2D2, "gpipe", 0, None, False),
-           ("gpt2", 2, P2D2, "1f1b", 0, None, True),
-           ("llama", 2, P2D2, "1f1b", 3, None, True),
-           ("llama", 2, P2M2, "1f1b", 0, None, True),
-           ("gpt2", 2, P2M2, "gpipe", 0, None, True),
-           ("llama", 4, P2D2, "zbv", 0, None, False),
-           ("llama", 4, P2D2, "1f1b", 0, ("model.layers.1",), False)]
+CONFIGS = [
+    ("llama", 2, P2D2, "1f1b", 0, None, True),
+    ("llama", 2, P2D2, "gpipe", 0, None, False),
+    ("gpt2", 2, P2D2, "1f1b", 0, None, True),
+    ("llama", 2, P2D2, "1f1b", 3, None, True),
+    ("llama", 2, P2M2, "1f1b", 0, None, True),
+    ("gpt2", 2, P2M2, "gpipe", 0, None, True),
+    ("llama", 4, P2D2, "zbv", 0, None, False),
+    ("llama", 4, P2D2, "1f1b", 0, ("model.layers.1",), False),
+]
 
 
 def _name(config) -> str:
@@ -72,13 +74,16 @@ def _run_all(root: str) -> dict:
         model = lora_model(family, layers=layers)
         pipeline = tm.Pipeline(axis="pipe", schedule=schedule, microbatches=2, split_points=points or "auto")
         if "model" in axes:
-            distribution = tm.ModelParallel(layout_map=tm.LayoutMap.auto(model, mesh, model_axis="model",
-                                                                          verbose=False),
-                                            batch_dim_name="data", pipeline=pipeline)
+            distribution = tm.ModelParallel(
+                layout_map=tm.LayoutMap.auto(model, mesh, model_axis="model", verbose=False),
+                batch_dim_name="data",
+                pipeline=pipeline,
+            )
         else:
             distribution = tm.DataParallel(device_mesh=mesh, pipeline=pipeline)
-        trainer = tm.Trainer(model, make_optimizer, lm_loss, distribution=distribution, zero_stage=stage,
-                             progress=False)
+        trainer = tm.Trainer(
+            model, make_optimizer, lm_loss, distribution=distribution, zero_stage=stage, progress=False
+        )
         sizes: list[int] = []
         original, counted = _counting_all_reduces(sizes)
         torch.distributed.all_reduce = counted
@@ -89,7 +94,9 @@ def _run_all(root: str) -> dict:
         params = dict(trainer.model.named_parameters())
         in_optimizer = {id(q) for g in trainer.optimizer.param_groups for q in g["params"]}
         out[config] = {
-            "params": {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in params.items()},
+            "params": {
+                n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in params.items()
+            },
             "frozen_grads": [n for n, p in params.items() if not p.requires_grad and p.grad is not None],
             "state_for_frozen": [n for n, p in params.items() if not p.requires_grad and p in trainer.optimizer.state],
             "frozen_in_optimizer": [n for n, p in params.items() if not p.requires_grad and id(p) in in_optimizer],

@@ -40,8 +40,9 @@ def test_the_check_starts_after_every_loss_and_before_the_last_backward() -> Non
         first_grads[len(first_grads)] = len(seen)
 
     model.weight.register_hook(on_weight_grad)
-    forward_backward(model, micro, torch.nn.functional.mse_loss, build_precision("fp32", "cpu"), losses,
-                     before_last_backward=launch)
+    forward_backward(
+        model, micro, torch.nn.functional.mse_loss, build_precision("fp32", "cpu"), losses, before_last_backward=launch
+    )
     assert [s[0] for s in seen] == [6]  # once, with both micro-batches' 3 rows each
     assert first_grads == {0: 0, 1: 1}  # first backward before the launch, the last one after it
     with torch.no_grad():  # weights unchanged: no optimizer step ran

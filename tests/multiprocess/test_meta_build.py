@@ -36,22 +36,39 @@ def build_model(family: str, device: str = "cpu", **sizes) -> torch.nn.Module:
     with torch.device(device):
         if family == "llama":
             config = transformers.LlamaConfig(
-                vocab_size=sizes.get("vocab", VOCAB), hidden_size=sizes.get("hidden", 32),
-                intermediate_size=sizes.get("intermediate", 64), num_hidden_layers=sizes.get("layers", 2),
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                bos_token_id=0, eos_token_id=1, pad_token_id=2)
+                vocab_size=sizes.get("vocab", VOCAB),
+                hidden_size=sizes.get("hidden", 32),
+                intermediate_size=sizes.get("intermediate", 64),
+                num_hidden_layers=sizes.get("layers", 2),
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=SEQ,
+                bos_token_id=0,
+                eos_token_id=1,
+                pad_token_id=2,
+            )
             return transformers.LlamaForCausalLM(config)
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                         eos_token_id=1)
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=SEQ,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=1,
+        )
         return transformers.GPT2LMHeadModel(config)
 
 
 def make_distribution(tm, layout: str, model):
     def model_parallel(shape, axes=("data", "model"), **options):
         mesh = tm.DeviceMesh(shape, list(axes), devices=tm.list_devices())
-        return tm.ModelParallel(layout_map=tm.LayoutMap.auto(model, mesh, verbose=False), batch_dim_name="data",
-                                **options)
+        return tm.ModelParallel(
+            layout_map=tm.LayoutMap.auto(model, mesh, verbose=False), batch_dim_name="data", **options
+        )
 
     pipeline = tm.Pipeline(axis="pipe", schedule="1f1b", microbatches=2)
     return {
@@ -61,8 +78,9 @@ def make_distribution(tm, layout: str, model):
         "tp2x2": lambda: model_parallel((2, 2)),
         "tp1x4": lambda: model_parallel((1, 4)),
         "tp2x2_zero3": lambda: model_parallel((2, 2), zero_stage=3),
-        "pipe2x2": lambda: tm.DataParallel(device_mesh=tm.DeviceMesh((2, 2), ["pipe", "data"],
-                                                                     devices=tm.list_devices()), pipeline=pipeline),
+        "pipe2x2": lambda: tm.DataParallel(
+            device_mesh=tm.DeviceMesh((2, 2), ["pipe", "data"], devices=tm.list_devices()), pipeline=pipeline
+        ),
         "pipe2_tp2": lambda: model_parallel((2, 1, 2), ("pipe", "data", "model"), pipeline=pipeline),
     }[layout]()
 
@@ -128,10 +146,12 @@ def _job(directory: str) -> dict:
             for source in ("files", "init"):
                 model = build_model(family, "meta")
                 distribution = make_distribution(tm, layout, model)
-                model = distribution.distribute_model(model, weights=files if source == "files" else None,
-                                                      init_seed=SEED)
+                model = distribution.distribute_model(
+                    model, weights=files if source == "files" else None, init_seed=SEED
+                )
                 out[(family, layout, source)] = _worst_local_difference(
-                    model, expected if source == "files" else {k: v.detach() for k, v in initialised.items()})
+                    model, expected if source == "files" else {k: v.detach() for k, v in initialised.items()}
+                )
                 root = unwrap(model)
                 names = dict(root.named_parameters(remove_duplicate=False))
                 if family == "gpt2" and "lm_head.weight" in names and "transformer.wte.weight" in names:
@@ -142,8 +162,15 @@ def _job(directory: str) -> dict:
             model = build_model(family, "meta")
             optimizer = make_optimizer(model.parameters())  # on the meta parameters, as users write it
             callbacks = [tm.ShardedCheckpoint(checkpoint, async_save=False)] if layout == "zero3" else None
-            trainer = tm.Trainer(model, optimizer, lm_loss, distribution=make_distribution(tm, layout, model),
-                                 weights=files, progress=False, callbacks=callbacks)
+            trainer = tm.Trainer(
+                model,
+                optimizer,
+                lm_loss,
+                distribution=make_distribution(tm, layout, model),
+                weights=files,
+                progress=False,
+                callbacks=callbacks,
+            )
             trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
             out[(family, layout, "trained")] = _worst_local_difference(trainer.model, trained)
         # the ZeRO-3 run's sharded checkpoint as weights=, read on another layout
@@ -151,16 +178,20 @@ def _job(directory: str) -> dict:
         model = make_distribution(tm, "tp2x2", model).distribute_model(model, weights=checkpoint)
         out[(family, "from_checkpoint")] = _worst_local_difference(model, trained)
     # a bf16 file into an fp32 model: the values are the bf16 ones, widened
-    model = tm.DataParallel(zero_stage=3).distribute_model(build_model("llama", "meta"),
-                                                           weights=os.path.join(directory, "llama_bf16.safetensors"))
-    widened = {**dict(build_model("llama").named_buffers()),
-               **{k: v.float() for k, v in _read_files(os.path.join(directory, "bf16")).items()}}
+    model = tm.DataParallel(zero_stage=3).distribute_model(
+        build_model("llama", "meta"), weights=os.path.join(directory, "llama_bf16.safetensors")
+    )
+    widened = {
+        **dict(build_model("llama").named_buffers()),
+        **{k: v.float() for k, v in _read_files(os.path.join(directory, "bf16")).items()},
+    }
     out["bf16"] = (_worst_local_difference(model, widened), next(model.parameters()).dtype)
     # bad files: every process raises the same error, before any collective
     for case in ("missing_index_file", "truncated", "shape"):
         try:
-            tm.DataParallel(zero_stage=3).distribute_model(build_model("llama", "meta"),
-                                                           weights=os.path.join(directory, "bad", case))
+            tm.DataParallel(zero_stage=3).distribute_model(
+                build_model("llama", "meta"), weights=os.path.join(directory, "bad", case)
+            )
             out[case] = None
         except ValueError as exc:
             out[case] = str(exc)
@@ -256,6 +287,7 @@ def test_bad_files_are_one_clear_error_on_every_process(results):
 
 
 # --- memory: no process holds the whole model ------------------------------------------------------
+
 
 def _memory_job(directory: str) -> dict:
     import trainmesh as tm

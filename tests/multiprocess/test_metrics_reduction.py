@@ -57,13 +57,15 @@ def reduce_metrics(shardings: tuple[list[int], ...]) -> list[dict]:
         acc_state, mean_state = acc.state(), mean.state()
         dist.all_reduce(acc_state, op=dist.ReduceOp.SUM)
         dist.all_reduce(mean_state, op=dist.ReduceOp.SUM)
-        results.append(dict(
-            local_accuracy=acc.compute(),
-            local_count=int(acc.state()[1]),
-            accuracy=acc.compute(acc_state),
-            mean=mean.compute(mean_state),
-            state_dtype=str(acc_state.dtype),
-        ))
+        results.append(
+            dict(
+                local_accuracy=acc.compute(),
+                local_count=int(acc.state()[1]),
+                accuracy=acc.compute(acc_state),
+                mean=mean.compute(mean_state),
+                state_dtype=str(acc_state.dtype),
+            )
+        )
     return results
 
 

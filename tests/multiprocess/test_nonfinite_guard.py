@@ -37,8 +37,14 @@ def _run(policy: str, bad_step: int, epochs: int, checkpoint_dir: str | None = N
         return loss
 
     callbacks = [tm.ModelCheckpoint(checkpoint_dir, save_best=False)] if checkpoint_dir else []
-    trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, nonfinite_loss=policy,
-                         callbacks=callbacks, progress=False)
+    trainer = tm.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn,
+        nonfinite_loss=policy,
+        callbacks=callbacks,
+        progress=False,
+    )
     holder["trainer"] = trainer
     weights_after = {}
 
@@ -48,8 +54,7 @@ def _run(policy: str, bad_step: int, epochs: int, checkpoint_dir: str | None = N
             if logs.get("nonfinite"):
                 weights_after["w"] = weights
                 if checkpoint_dir:  # what the rollback should have restored: the file as it is now
-                    state = torch.load(os.path.join(checkpoint_dir, "last.pt"), map_location="cpu",
-                                       weights_only=False)
+                    state = torch.load(os.path.join(checkpoint_dir, "last.pt"), map_location="cpu", weights_only=False)
                     weights_after["checkpoint"] = [v.clone() for v in state["model"].values()]
             elif "w" not in weights_after:
                 weights_after["before"] = weights  # the last good step's weights (before the bad one)

@@ -42,11 +42,15 @@ def _check(configs, results_per_rank, references):
         for rank_results in results_per_rank:  # the loss exists on the last stage; every rank reports it
             run = rank_results[index]
             assert abs(run["loss"] - mean_loss) <= max(tol, 1e-5), config
-            assert run["steps_posted_ahead"] == [run["steps"] - 1] * (1 if single else 2), (config, run["steps_posted_ahead"])
+            assert run["steps_posted_ahead"] == [run["steps"] - 1] * (1 if single else 2), (
+                config,
+                run["steps_posted_ahead"],
+            )
             if config.get("zero_stage", 0) >= 2:  # once per FSDP unit and step, not once per microbatch
                 run = rank_results[index]
-                assert run["fsdp_groups"] > 0 and run["reduce_scatters"] == run["steps"] * run["fsdp_groups"], \
+                assert run["fsdp_groups"] > 0 and run["reduce_scatters"] == run["steps"] * run["fsdp_groups"], (
                     f"{config}: {run['reduce_scatters']} reduce-scatters in {run['steps']} steps of {run['fsdp_groups']} units"
+                )
     return worst
 
 
@@ -56,8 +60,11 @@ def _references(configs):
         key = (config["family"], config.get("n_layer", 4), config.get("max_grad_norm"))
         if key not in refs:
             refs[key] = reference(config["family"], key[1], max_grad_norm=key[2])
-    moved = max((refs[key]["params"][name] - value).abs().max().item()
-                for key in refs for name, value in build_model(key[0], key[1]).named_parameters())
+    moved = max(
+        (refs[key]["params"][name] - value).abs().max().item()
+        for key in refs
+        for name, value in build_model(key[0], key[1]).named_parameters()
+    )
     assert moved > 1e-3, "the reference must move the weights, or a run that did nothing would pass"
     return refs
 
@@ -65,10 +72,13 @@ def _references(configs):
 def test_every_schedule_on_two_stages_matches_one_process():
     configs = [dict(family="gpt", mesh_shape=(2, 1), axes=["pipe", "data"], schedule=s) for s in SCHEDULES]
     # bf16 autocast inside the stages: close to the fp32 run, not equal (bf16 keeps 8 bits of mantissa)
-    configs += [dict(family="gpt", mesh_shape=(2, 1), axes=["pipe", "data"], schedule="1f1b",
-                     precision="bf16-mixed", tol=2e-2)]
-    configs += [dict(family="gpt2", mesh_shape=(2, 1), axes=["pipe", "data"], schedule="1f1b"),
-                dict(family="llama", mesh_shape=(2, 1), axes=["pipe", "data"], schedule="interleaved_1f1b")]
+    configs += [
+        dict(family="gpt", mesh_shape=(2, 1), axes=["pipe", "data"], schedule="1f1b", precision="bf16-mixed", tol=2e-2)
+    ]
+    configs += [
+        dict(family="gpt2", mesh_shape=(2, 1), axes=["pipe", "data"], schedule="1f1b"),
+        dict(family="llama", mesh_shape=(2, 1), axes=["pipe", "data"], schedule="interleaved_1f1b"),
+    ]
     results = run_distributed(run_configs, world_size=2, args=(configs,), timeout=500)
     _check(configs, results, _references(configs))
 
@@ -77,20 +87,47 @@ def test_pipe_by_data_with_zero_and_checkpointing_matches_one_process():
     # every schedule on pipe 4 (and on pipe 2 x data 2, pipe 2 x model 2), for the GPT, GPT-2 and
     # Llama, is in test_pipeline_matrix.py
     pytest.importorskip("transformers")
-    configs = [dict(family="gpt", mesh_shape=(2, 2), axes=["pipe", "data"], schedule="1f1b", zero_stage=z,
-                     checkpointing=policy) for z, policy in ((0, "full"), (2, None), (3, "selective"))]
-    configs += [dict(family="gpt2", mesh_shape=(2, 2), axes=["pipe", "data"], schedule="gpipe", zero_stage=3,
-                     checkpointing="full")]
+    configs = [
+        dict(
+            family="gpt", mesh_shape=(2, 2), axes=["pipe", "data"], schedule="1f1b", zero_stage=z, checkpointing=policy
+        )
+        for z, policy in ((0, "full"), (2, None), (3, "selective"))
+    ]
+    configs += [
+        dict(
+            family="gpt2",
+            mesh_shape=(2, 2),
+            axes=["pipe", "data"],
+            schedule="gpipe",
+            zero_stage=3,
+            checkpointing="full",
+        )
+    ]
     results = run_distributed(run_configs, world_size=4, args=(configs,), timeout=560)
     _check(configs, results, _references(configs))
 
 
 def test_3d_pipe_data_model_matches_one_process_with_clipping_metrics_evaluate_and_predict():
     pytest.importorskip("transformers")
-    configs = [dict(family="gpt", mesh_shape=(2, 2, 2), axes=["pipe", "data", "model"], schedule="1f1b",
-                    zero_stage=0, max_grad_norm=0.05, evaluate=True),
-               dict(family="gpt2", mesh_shape=(2, 2, 2), axes=["pipe", "data", "model"], schedule="interleaved_1f1b",
-                    zero_stage=2, checkpointing="full")]
+    configs = [
+        dict(
+            family="gpt",
+            mesh_shape=(2, 2, 2),
+            axes=["pipe", "data", "model"],
+            schedule="1f1b",
+            zero_stage=0,
+            max_grad_norm=0.05,
+            evaluate=True,
+        ),
+        dict(
+            family="gpt2",
+            mesh_shape=(2, 2, 2),
+            axes=["pipe", "data", "model"],
+            schedule="interleaved_1f1b",
+            zero_stage=2,
+            checkpointing="full",
+        ),
+    ]
     results = run_distributed(run_configs, world_size=8, args=(configs,), timeout=560)
     _check(configs, results, _references(configs))
     # evaluate and predict on the 3-D layout equal the single-process model with the same weights

@@ -19,18 +19,25 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 
 def test_3d_checkpoint_resumes_under_data_parallel_and_one_process(tmp_path):
-    straight = run_distributed(train_with_checkpoints, world_size=1, args=("dp", str(tmp_path / "straight")),
-                               kwargs=dict(resume=False))[0]
-    crashed = run_distributed(train_with_checkpoints, world_size=8, args=("3d", str(tmp_path / "ckpt")),
-                              kwargs=dict(resume=False, crash_at_step=3), timeout=400)
+    straight = run_distributed(
+        train_with_checkpoints, world_size=1, args=("dp", str(tmp_path / "straight")), kwargs=dict(resume=False)
+    )[0]
+    crashed = run_distributed(
+        train_with_checkpoints,
+        world_size=8,
+        args=("3d", str(tmp_path / "ckpt")),
+        kwargs=dict(resume=False, crash_at_step=3),
+        timeout=400,
+    )
     assert {r["global_step"] for r in crashed} == {2}  # it died in step 3, after saving step 2
     for world in (4, 1):
         directory = tmp_path / f"ckpt{world}"
         import shutil
 
         shutil.copytree(tmp_path / "ckpt", directory)
-        resumed = run_distributed(train_with_checkpoints, world_size=world, args=("dp", str(directory)),
-                                  kwargs=dict(resume=True), timeout=300)
+        resumed = run_distributed(
+            train_with_checkpoints, world_size=world, args=("dp", str(directory)), kwargs=dict(resume=True), timeout=300
+        )
         assert resumed[0]["first_step"] == 3, "the resumed run must start after the checkpoint's step"
         assert resumed[0]["global_step"] == straight["global_step"] == 8
         got = merge(resumed)

@@ -39,9 +39,19 @@ STEPS, TOL = 2, 1e-5
 
 def _matrix(mesh: str) -> list[dict]:
     pipe = MESHES[mesh]["mesh_shape"][0]
-    return [dict(family=family, schedule=schedule, loss=LOSS[family], n_layer=4 * pipe // 2, microbatches=pipe,
-                 steps=STEPS, **MESHES[mesh])
-            for family in LOSS for schedule in SCHEDULES]
+    return [
+        dict(
+            family=family,
+            schedule=schedule,
+            loss=LOSS[family],
+            n_layer=4 * pipe // 2,
+            microbatches=pipe,
+            steps=STEPS,
+            **MESHES[mesh],
+        )
+        for family in LOSS
+        for schedule in SCHEDULES
+    ]
 
 
 def _run_and_check(configs: list[dict]) -> None:
@@ -82,12 +92,22 @@ def test_pipe2_data2_every_schedule_and_model_matches_one_process():
     base = dict(loss="model_output", n_layer=4, microbatches=2, steps=STEPS, **MESHES["pipe2_data2"])
     # regressions: the zero-bubble schedules under ZeRO-3 (gradients were wrong), and the loss
     # reading outputs.logits in evaluation too
-    configs += [dict(base, family="llama", schedule="zbv", zero_stage=3, evaluate=True),
-                dict(base, family="gpt2", schedule="interleaved_zero_bubble", zero_stage=3),
-                dict(base, family="llama", schedule="interleaved_zero_bubble", zero_stage=2)]
+    configs += [
+        dict(base, family="llama", schedule="zbv", zero_stage=3, evaluate=True),
+        dict(base, family="gpt2", schedule="interleaved_zero_bubble", zero_stage=3),
+        dict(base, family="llama", schedule="interleaved_zero_bubble", zero_stage=2),
+    ]
     # what torch cannot run is refused when the Trainer is built, on every process, naming the way out
-    configs += [dict(family="llama", schedule="zbv", refused=True, checkpointing="full", **MESHES["pipe2_data2"],
-                     expect=("'zbv'", "activation checkpointing", "model.layers.", "'interleaved_1f1b'"))]
+    configs += [
+        dict(
+            family="llama",
+            schedule="zbv",
+            refused=True,
+            checkpointing="full",
+            **MESHES["pipe2_data2"],
+            expect=("'zbv'", "activation checkpointing", "model.layers.", "'interleaved_1f1b'"),
+        )
+    ]
     _run_and_check(configs)
 
 

@@ -43,8 +43,14 @@ def _measure(precision: str, micro_batch: int, seq_len: int, zero_stage: int, ac
     with LiveTensorBytes("cpu") as tracker:
         torch.manual_seed(0)
         model = CharGPT(GPTConfig(**config))
-        trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-4), lm_loss, precision=precision,
-                             grad_accum_steps=accum, **options)
+        trainer = tm.Trainer(
+            model,
+            torch.optim.Adam(model.parameters(), lr=1e-4),
+            lm_loss,
+            precision=precision,
+            grad_accum_steps=accum,
+            **options,
+        )
         trainer.fit(data, epochs=1, batch_size=world * micro_batch * accum, shuffle=False)
     return {"peak": tracker.peak}
 
@@ -80,13 +86,22 @@ def test_planned_total_within_15_percent_of_measured_peak():
     measured = run_distributed(_measure_all, world_size=2, args=(CASES,), timeout=300)
     failures = []
     for index, (precision, micro_batch, seq_len, zero_stage, accum, config) in enumerate(CASES):
-        report = plan(lambda: CharGPT(GPTConfig(**config)), world_size=2, zero_stage=zero_stage, precision=precision,
-                      micro_batch=micro_batch, seq_len=seq_len, grad_accum_steps=accum)
+        report = plan(
+            lambda: CharGPT(GPTConfig(**config)),
+            world_size=2,
+            zero_stage=zero_stage,
+            precision=precision,
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            grad_accum_steps=accum,
+        )
         planned = report.rows[0].total
         for rank, peaks in enumerate(measured):
             error = planned / peaks[index] - 1
-            line = (f"{precision} stage {zero_stage} micro-batch {micro_batch} T {seq_len} accum {accum} rank {rank}: "
-                    f"planned {format_bytes(planned)}, measured {format_bytes(peaks[index])} ({error:+.1%})")
+            line = (
+                f"{precision} stage {zero_stage} micro-batch {micro_batch} T {seq_len} accum {accum} rank {rank}: "
+                f"planned {format_bytes(planned)}, measured {format_bytes(peaks[index])} ({error:+.1%})"
+            )
             print(line)
             if abs(error) > TOLERANCE:
                 failures.append(line)
@@ -111,9 +126,16 @@ def _real_steps(cases) -> list[dict]:
         torch.manual_seed(0)
         model = model_factory("tiny-llama")()
         ids = torch.randint(0, 1024, (2, 32))
-        result = measure_step(model, MeshSpec.parse(mesh, tm.world_size()), tm.rank(), (),
-                              {"input_ids": ids, "labels": ids}, zero_stage=zero,
-                              activation_checkpointing=checkpointing, precision="fp32")
+        result = measure_step(
+            model,
+            MeshSpec.parse(mesh, tm.world_size()),
+            tm.rank(),
+            (),
+            {"input_ids": ids, "labels": ids},
+            zero_stage=zero,
+            activation_checkpointing=checkpointing,
+            precision="fp32",
+        )
         out.append(result.to_dict())
     return out
 
@@ -131,11 +153,25 @@ def test_dry_run_equals_the_real_step_on_4_processes():
     meta = build_meta_model(model_factory("tiny-llama"))
     for index, (mesh, zero, checkpointing) in enumerate(REAL_CASES):
         for rank in (0, 3):
-            planned = run_rank(meta, MeshSpec.parse(mesh, 4), rank, zero_stage=zero,
-                               activation_checkpointing=checkpointing, precision="fp32", micro_batch=2,
-                               seq_len=32).to_dict()
+            planned = run_rank(
+                meta,
+                MeshSpec.parse(mesh, 4),
+                rank,
+                zero_stage=zero,
+                activation_checkpointing=checkpointing,
+                precision="fp32",
+                micro_batch=2,
+                seq_len=32,
+            ).to_dict()
             measured = real[rank][index]
             for key in ("params", "grads", "optimizer", "activations", "buffers", "flops", "collectives"):
-                assert planned[key] == measured[key], (mesh, zero, checkpointing, rank, key, planned[key],
-                                                       measured[key])
+                assert planned[key] == measured[key], (
+                    mesh,
+                    zero,
+                    checkpointing,
+                    rank,
+                    key,
+                    planned[key],
+                    measured[key],
+                )
             assert measured["collectives"], "a 4-process step communicates"

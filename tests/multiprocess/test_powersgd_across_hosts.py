@@ -52,8 +52,10 @@ class _Snapshots(tm.Callback):
 
     def _state(self) -> dict:
         compressor = self.trainer.communication.compressor
-        return {"residuals": {k: v.detach().clone() for k, v in compressor.residuals.items()},
-                "params": {k: v.detach().clone() for k, v in self.trainer.unwrapped_model.state_dict().items()}}
+        return {
+            "residuals": {k: v.detach().clone() for k, v in compressor.residuals.items()},
+            "params": {k: v.detach().clone() for k, v in self.trainer.unwrapped_model.state_dict().items()},
+        }
 
     def on_train_batch_begin(self, step, logs=None):
         if self.before is None:  # after a resume: what the checkpoint gave this process
@@ -68,24 +70,39 @@ def train(hierarchical: bool, *, epochs: int = EPOCHS, checkpoint: str | None = 
     snapshots = _Snapshots()
     callbacks = [snapshots] + ([tm.ModelCheckpoint(checkpoint, save_best=False)] if checkpoint else [])
     model = make_model()
-    trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), torch.nn.MSELoss(),
-                         compression="powersgd:2", hierarchical_allreduce=hierarchical, callbacks=callbacks,
-                         progress=False)
+    trainer = tm.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        torch.nn.MSELoss(),
+        compression="powersgd:2",
+        hierarchical_allreduce=hierarchical,
+        callbacks=callbacks,
+        progress=False,
+    )
     history = trainer.fit(make_data(), epochs=epochs, batch_size=BATCH, resume=resume)
     state = trainer.communication.compressor.state_dict()
-    return {"hierarchical": trainer.communication.hierarchical, "losses": [s["loss"] for s in history.steps],
-            "params": {k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()},
-            "residuals": state["residuals"], "q_memory": state["q_memory"],
-            "before": snapshots.before, "after": snapshots.after,
-            "bytes": [(s.get("comm_bytes"), s.get("comm_wire_bytes")) for s in history.steps]}
+    return {
+        "hierarchical": trainer.communication.hierarchical,
+        "losses": [s["loss"] for s in history.steps],
+        "params": {k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()},
+        "residuals": state["residuals"],
+        "q_memory": state["q_memory"],
+        "before": snapshots.before,
+        "after": snapshots.after,
+        "bytes": [(s.get("comm_bytes"), s.get("comm_wire_bytes")) for s in history.steps],
+    }
 
 
 def _job(directory: str) -> dict:
     rank = int(os.environ["RANK"])
     os.environ.update(TRAINMESH_HOST_ID=f"host{rank // 2}", LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank % 2))
     hier_dir, flat_dir = os.path.join(directory, "hier"), os.path.join(directory, "flat")
-    out = {"flat": train(False, epochs=1, checkpoint=flat_dir), "hier": train(True, epochs=1, checkpoint=hier_dir),
-           "flat_2": train(False), "hier_2": train(True)}
+    out = {
+        "flat": train(False, epochs=1, checkpoint=flat_dir),
+        "hier": train(True, epochs=1, checkpoint=hier_dir),
+        "flat_2": train(False),
+        "hier_2": train(True),
+    }
     out["hier_resumed"] = train(True, checkpoint=hier_dir, resume=True)
     out["flat_resumed_across_hosts"] = train(True, checkpoint=flat_dir, resume=True)
     return out
@@ -147,8 +164,7 @@ def test_leaders_hold_the_error_feedback_and_it_totals_the_flat_residuals(runs):
             # A residual kept per process instead of per host would be off by O(1).
             assert _relative(hier_total[key], flat_total[key]) < ONE_STEP_RTOL, (step, key)
     for key in keys:  # both leaders ran the same all-reduced arithmetic: bit-identical
-        torch.testing.assert_close(runs[0]["hier"]["q_memory"][key], runs[2]["hier"]["q_memory"][key],
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(runs[0]["hier"]["q_memory"][key], runs[2]["hier"]["q_memory"][key], rtol=0, atol=0)
 
 
 def test_error_feedback_checkpoints_and_the_resumed_run_equals_the_uninterrupted_one(runs):
@@ -158,7 +174,7 @@ def test_error_feedback_checkpoints_and_the_resumed_run_equals_the_uninterrupted
         want, got = runs[rank]["hier_2"], runs[rank]["hier_resumed"]
         for name, value in want["params"].items():
             torch.testing.assert_close(got["params"][name], value, rtol=0, atol=0)
-        assert got["losses"] == want["losses"][len(want["losses"]) - len(got["losses"]):]
+        assert got["losses"] == want["losses"][len(want["losses"]) - len(got["losses"]) :]
         assert set(got["residuals"]) == set(want["residuals"])
         for key, value in want["residuals"].items():
             torch.testing.assert_close(got["residuals"][key], value, rtol=0, atol=0)
@@ -186,8 +202,9 @@ def test_a_flat_checkpoint_resumed_across_hosts_keeps_the_residual_mass(runs):
     for key, total in flat_total.items():
         assert _relative(hier_total[key], total) < ONE_STEP_RTOL, key
     for rank in range(4):
-        _same_step(flat[rank]["after"][30], flat[rank]["after"][31],
-                   resumed[rank]["before"], resumed[rank]["after"][31])
+        _same_step(
+            flat[rank]["after"][30], flat[rank]["after"][31], resumed[rank]["before"], resumed[rank]["after"][31]
+        )
     assert all(not resumed[r]["residuals"] for r in others)  # and not taken back up later
 
 

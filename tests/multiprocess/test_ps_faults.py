@@ -21,8 +21,9 @@ SGD = {"name": "sgd", "lr": 0.1}
 
 def test_server_sigkill_loses_no_acknowledged_update_and_applies_in_flight_pushes_once(tmp_path):
     with LocalCluster(2, durability="wal", directory=tmp_path) as cluster:
-        client = PSClient(servers=cluster.addresses, worker_id=0, part_numel=8, retry_after_s=0.3,
-                          secret=cluster.secret)
+        client = PSClient(
+            servers=cluster.addresses, worker_id=0, part_numel=8, retry_after_s=0.3, secret=cluster.secret
+        )
         w0 = torch.randn(64)  # 8 parts over both servers
         client.init({"w": w0}, optimizer=SGD)
         generator = torch.Generator().manual_seed(3)
@@ -73,8 +74,10 @@ def _victim(addresses, secret, ready, steps_before_ready):
 
 
 def _params():
-    return [{"name": "s", "kind": "dense", "value": torch.zeros(4), "mode": "sync"},
-            {"name": "a", "kind": "dense", "value": torch.zeros(4), "mode": "async"}]
+    return [
+        {"name": "s", "kind": "dense", "value": torch.zeros(4), "mode": "sync"},
+        {"name": "a", "kind": "dense", "value": torch.zeros(4), "mode": "async"},
+    ]
 
 
 def test_a_killed_worker_stops_sync_with_its_name_while_async_goes_on():

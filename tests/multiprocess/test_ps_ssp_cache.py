@@ -74,8 +74,15 @@ def ssp_cache_worker() -> dict:
         optimizer.flush(raise_errors=False)  # the later refused pushes too
     tm.barrier()
     strategy.close()
-    return {"used": used, "blocking": blocking, "steps": steps, "max_lead": max_lead, "final": final.tolist(),
-            "server_lead": max(s["max_staleness_observed"] for s in servers), "raised_at": raised_at}
+    return {
+        "used": used,
+        "blocking": blocking,
+        "steps": steps,
+        "max_lead": max_lead,
+        "final": final.tolist(),
+        "server_lead": max(s["max_staleness_observed"] for s in servers),
+        "raised_at": raised_at,
+    }
 
 
 def test_ssp_cache_keeps_the_bound_loses_no_push_and_spares_the_stragglers_pulls():

@@ -34,7 +34,7 @@ def _full_batch_reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor) ->
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for _ in range(EPOCHS):
         for start in range(0, SAMPLES, GLOBAL_BATCH):
-            loss = nn.functional.mse_loss(model(x[start:start + GLOBAL_BATCH]), y[start:start + GLOBAL_BATCH])
+            loss = nn.functional.mse_loss(model(x[start : start + GLOBAL_BATCH]), y[start : start + GLOBAL_BATCH])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -51,15 +51,18 @@ def trainer_sync_worker() -> dict:
     strategy = tm.ParameterServerStrategy(num_servers=2, mode="sync")
     model = _mlp(seed=100 + rank)  # different on each worker: worker 0's values must win
     x, y = _data()
-    trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=LR), nn.functional.mse_loss,
-                         distribution=strategy, progress=False)
-    history = trainer.fit(torch.utils.data.TensorDataset(x, y), epochs=EPOCHS, batch_size=GLOBAL_BATCH,
-                          shuffle=False)
+    trainer = tm.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=LR), nn.functional.mse_loss, distribution=strategy, progress=False
+    )
+    history = trainer.fit(torch.utils.data.TensorDataset(x, y), epochs=EPOCHS, batch_size=GLOBAL_BATCH, shuffle=False)
     reference = _full_batch_reference(_mlp(seed=100), x, y)
     stats = strategy.stats()
     strategy.close()
-    return {"diff": _max_diff(trainer.unwrapped_model, reference), "loss": history.history["loss"],
-            "pushes": sum(s["applied_pushes"] for s in stats["servers"])}
+    return {
+        "diff": _max_diff(trainer.unwrapped_model, reference),
+        "loss": history.history["loss"],
+        "pushes": sum(s["applied_pushes"] for s in stats["servers"]),
+    }
 
 
 @pytest.mark.timeout(150)
@@ -105,8 +108,10 @@ def custom_loop_worker() -> dict:
         optimizer.step()
         return loss.detach()
 
-    losses = [float(strategy.reduce("mean", strategy.run(step, args=batch))) for batch in
-              strategy.experimental_distribute_dataset(batches)]
+    losses = [
+        float(strategy.reduce("mean", strategy.run(step, args=batch)))
+        for batch in strategy.experimental_distribute_dataset(batches)
+    ]
     # One process, full batches, a local nn.Embedding starting at zeros like the servers' table.
     ref_emb = nn.Embedding(1000, 4)
     nn.init.zeros_(ref_emb.weight)
@@ -122,9 +127,12 @@ def custom_loop_worker() -> dict:
         ref_losses.append(float(loss))
     touched = torch.unique(ids)
     served = strategy.client.pull_rows("emb.item", touched).result()
-    out = {"losses": losses, "ref_losses": ref_losses,
-           "emb_diff": float((served - ref_emb.weight.detach()[touched]).abs().max()),
-           "head_diff": _max_diff(model.head, ref_head)}
+    out = {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "emb_diff": float((served - ref_emb.weight.detach()[touched]).abs().max()),
+        "head_diff": _max_diff(model.head, ref_head),
+    }
     strategy.close()
     return out
 

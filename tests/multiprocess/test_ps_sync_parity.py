@@ -86,8 +86,10 @@ def sync_worker(kinds: list[str]) -> dict:
         served = strategy.client.pull_rows("emb.item", touched).result(60)
         stats = strategy.stats()
         out[kind] = {
-            "dense": max(float((p.detach() - q.detach()).abs().max())
-                         for p, q in zip(model.head.parameters(), reference.head.parameters())),
+            "dense": max(
+                float((p.detach() - q.detach()).abs().max())
+                for p, q in zip(model.head.parameters(), reference.head.parameters())
+            ),
             "rows": float((served - ref_table[touched]).abs().max()),
             "moved": float(ref_table[touched].abs().max()),
             "rounds": sum(s["rounds_applied"] for s in stats["servers"]),

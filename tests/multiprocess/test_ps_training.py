@@ -81,10 +81,19 @@ def _client(rank, addresses, fault=None, **kwargs) -> PSClient:
     from trainmesh.ps.inprocess_transport import FaultInjectingTransport
     from trainmesh.ps.transport import ZmqClientTransport
 
-    transports = [FaultInjectingTransport(ZmqClientTransport(a, f"w{rank}-{i}".encode()), seed=rank * 7 + i, **fault)
-                  for i, a in enumerate(addresses)]
-    return PSClient(transports=transports, server_ids=list(addresses), worker_id=rank, part_numel=32, secret=SECRET,
-                    retry_after_s=0.1, **kwargs)
+    transports = [
+        FaultInjectingTransport(ZmqClientTransport(a, f"w{rank}-{i}".encode()), seed=rank * 7 + i, **fault)
+        for i, a in enumerate(addresses)
+    ]
+    return PSClient(
+        transports=transports,
+        server_ids=list(addresses),
+        worker_id=rank,
+        part_numel=32,
+        secret=SECRET,
+        retry_after_s=0.1,
+        **kwargs,
+    )
 
 
 def _train(rank, addresses, steps, mode, staleness, fault, slow_rank):
@@ -92,8 +101,10 @@ def _train(rank, addresses, steps, mode, staleness, fault, slow_rank):
     client = _client(rank, addresses, fault)
     started = time.monotonic()
     params = _initial_params()
-    client.init([{"name": n, "kind": "dense", "value": v, "mode": mode, "staleness": staleness}
-                 for n, v in params.items()], optimizer=SGD)
+    client.init(
+        [{"name": n, "kind": "dense", "value": v, "mode": mode, "staleness": staleness} for n, v in params.items()],
+        optimizer=SGD,
+    )
     generator = torch.Generator().manual_seed(100 + rank)
     x, y = torch.randn(32, 8, generator=generator), torch.randn(32, 16, generator=generator)
     pushed = {n: torch.zeros_like(v) for n, v in params.items()}
@@ -110,8 +121,13 @@ def _train(rank, addresses, steps, mode, staleness, fault, slow_rank):
         client.clock().result(30)
     stats = client.stats().result(30)
     client.close()
-    return {"pushed": pushed, "pulls": client.pulls, "clocks": client.clocks_sent, "stats": stats,
-            "seconds": time.monotonic() - started}
+    return {
+        "pushed": pushed,
+        "pulls": client.pulls,
+        "clocks": client.clocks_sent,
+        "stats": stats,
+        "seconds": time.monotonic() - started,
+    }
 
 
 def _final_values(addresses, mode="async", staleness=None) -> dict[str, torch.Tensor]:
@@ -133,9 +149,11 @@ def run_worker_threads(fn, argss: list[tuple], timeout: float = 60.0) -> list:
 
 # Worker processes for the clean run; threads (four clients in this process, still talking to
 # real server processes over TCP) for the faulty one, to keep it fast on a loaded machine.
-@pytest.mark.parametrize("fault,run", [(None, run_workers),
-                                       ({"drop_send": 0.1, "drop_recv": 0.1, "duplicate_send": 0.2}, run_worker_threads)],
-                         ids=["clean-processes", "drops-and-duplicates-threads"])
+@pytest.mark.parametrize(
+    "fault,run",
+    [(None, run_workers), ({"drop_send": 0.1, "drop_recv": 0.1, "duplicate_send": 0.2}, run_worker_threads)],
+    ids=["clean-processes", "drops-and-duplicates-threads"],
+)
 def test_async_sgd_applies_every_pushed_gradient_exactly_once(fault, run):
     with LocalCluster(2, num_workers=4, secret=SECRET) as cluster:
         results = run(_train, [(r, cluster.addresses, 8, "async", None, fault, None) for r in range(4)])
@@ -177,10 +195,14 @@ def test_rebalancing_moves_only_changed_owners_and_keeps_values_state_and_versio
         two = list(cluster.addresses)
         client = PSClient(servers=two, worker_id=0, part_numel=16, rows_per_shard=64, secret=secret)
         weight = torch.randn(20, 10)
-        specs = [{"name": "w", "kind": "dense", "value": weight},
-                 {"name": "emb", "kind": "sparse", "shape": [1000, 4], "init": {"std": 0.1}}]
+        specs = [
+            {"name": "w", "kind": "dense", "value": weight},
+            {"name": "emb", "kind": "sparse", "shape": [1000, 4], "init": {"std": 0.1}},
+        ]
         client.init(specs, optimizer=momentum)
-        reference = torch.optim.SGD([ref := weight.clone().requires_grad_()], **{k: v for k, v in momentum.items() if k != "name"})
+        reference = torch.optim.SGD(
+            [ref := weight.clone().requires_grad_()], **{k: v for k, v in momentum.items() if k != "name"}
+        )
         grads = [torch.randn(20, 10) for _ in range(4)]
         ids = torch.arange(0, 1000, 7)
         for g in grads[:3]:
@@ -253,7 +275,9 @@ def test_sparse_traffic_is_proportional_to_the_touched_rows():
         assert torch.allclose(client.pull_rows("emb", ids).result(30), expected - LR * grads, atol=1e-7)
         neighbours = ids[ids + 1 < rows] + 1
         neighbours = neighbours[~torch.isin(neighbours, ids)]
-        untouched = torch.stack([init_rows(4096, dim, initial, "emb", i // 4096)[i % 4096] for i in neighbours.tolist()])
+        untouched = torch.stack(
+            [init_rows(4096, dim, initial, "emb", i // 4096)[i % 4096] for i in neighbours.tolist()]
+        )
         assert torch.equal(client.pull_rows("emb", neighbours).result(30), untouched)
         servers = client.stats().result(30)["servers"]
         touched_ranges = len(set((ids // 4096).tolist()) | set((neighbours // 4096).tolist()))

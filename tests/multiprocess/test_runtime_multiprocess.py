@@ -18,8 +18,16 @@ import pytest
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 
 WORKER = os.path.join(os.path.dirname(__file__), "runtime_worker.py")
-CLUSTER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG",
-                "GROUP_RANK")
+CLUSTER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TF_CONFIG",
+    "GROUP_RANK",
+)
 
 
 def free_port() -> int:
@@ -29,15 +37,20 @@ def free_port() -> int:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in CLUSTER_VARS and not k.startswith(("SLURM_", "TRAINMESH_", "TORCHELASTIC_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in CLUSTER_VARS and not k.startswith(("SLURM_", "TRAINMESH_", "TORCHELASTIC_"))
+    }
     env.update(OMP_NUM_THREADS="1", **extra)
     return env
 
 
 def run_workers(envs: list[dict], args_per_rank: list[list[str]], timeout: float = 90) -> list[dict]:
     procs = [
-        subprocess.Popen([sys.executable, WORKER, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, WORKER, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for env, args in zip(envs, args_per_rank)
     ]
     results = []
@@ -46,7 +59,7 @@ def run_workers(envs: list[dict], args_per_rank: list[list[str]], timeout: float
             out, err = proc.communicate(timeout=timeout)
             lines = [line for line in out.splitlines() if line.startswith("RESULT=")]
             assert proc.returncode == 0 and lines, f"worker failed (rc={proc.returncode}):\n{out}\n{err}"
-            results.append(json.loads(lines[-1][len("RESULT="):]))
+            results.append(json.loads(lines[-1][len("RESULT=") :]))
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -77,16 +90,20 @@ def test_single_process_needs_no_network():
 
 def test_torchrun_variables():
     port = str(free_port())
-    envs = [clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-            for r in range(2)]
+    envs = [
+        clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        for r in range(2)
+    ]
     check_two_process_job(run_workers(envs, [["plain"]] * 2), "torchrun")
 
 
 def test_tf_config_cluster_spec():
     port = free_port()
     workers = [f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"]
-    envs = [clean_env(TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}))
-            for i in range(2)]
+    envs = [
+        clean_env(TF_CONFIG=json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}))
+        for i in range(2)
+    ]
     results = run_workers(envs, [["plain"]] * 2)
     check_two_process_job(results, "tf_config")
     assert [r["local_rank"] for r in results] == [0, 1]
@@ -94,8 +111,18 @@ def test_tf_config_cluster_spec():
 
 def test_slurm_variables():
     port = str(free_port())
-    envs = [clean_env(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r), SLURM_NODEID="0",
-                      SLURM_JOB_NODELIST="127.0.0.1", SLURM_JOB_ID="4242", MASTER_PORT=port) for r in range(2)]
+    envs = [
+        clean_env(
+            SLURM_PROCID=str(r),
+            SLURM_NTASKS="2",
+            SLURM_LOCALID=str(r),
+            SLURM_NODEID="0",
+            SLURM_JOB_NODELIST="127.0.0.1",
+            SLURM_JOB_ID="4242",
+            MASTER_PORT=port,
+        )
+        for r in range(2)
+    ]
     check_two_process_job(run_workers(envs, [["plain"]] * 2), "slurm")
 
 
@@ -113,11 +140,25 @@ STALL_S = 90  # how long rank 1 sleeps before its collective
 @pytest.mark.parametrize("op", ["barrier", "all_reduce"])
 def test_a_stalled_rank_times_out_instead_of_hanging(op):
     port = str(free_port())
-    envs = [clean_env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                      TRAINMESH_TIMEOUT_S="3", STALL_S=str(STALL_S), STALL_OP=op) for r in range(2)]
+    envs = [
+        clean_env(
+            RANK=str(r),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            TRAINMESH_TIMEOUT_S="3",
+            STALL_S=str(STALL_S),
+            STALL_OP=op,
+        )
+        for r in range(2)
+    ]
     started = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, WORKER, "stall"], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for env in envs]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, "stall"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for env in envs
+    ]
     try:
         out, err = procs[0].communicate(timeout=STALL_S + 30)
     finally:
@@ -126,7 +167,7 @@ def test_a_stalled_rank_times_out_instead_of_hanging(op):
             proc.wait()
     line = [x for x in out.splitlines() if x.startswith("RESULT=")]
     assert line, f"rank 0 printed no result:\n{out}\n{err}"
-    result = json.loads(line[-1][len("RESULT="):])
+    result = json.loads(line[-1][len("RESULT=") :])
     assert result["barrier"] != "returned"
     if op == "barrier":
         assert "Ranks 1 failed" in result["barrier"]  # monitored_barrier names the rank that did not arrive

@@ -29,10 +29,14 @@ def _job() -> dict:
     matrix = values[:10].clone().reshape(2, 5)
     pending = all_reduce_small_async(values.clone())
     return {
-        "sum": all_reduce_small(values.clone()), "reference": reference,
-        "max": all_reduce_small(values.clone(), op=dist.ReduceOp.MAX), "max_reference": maximum,
-        "min": all_reduce_small(values.clone(), op=dist.ReduceOp.MIN), "min_reference": minimum,
-        "async": pending(), "shape": tuple(all_reduce_small(matrix).shape),
+        "sum": all_reduce_small(values.clone()),
+        "reference": reference,
+        "max": all_reduce_small(values.clone(), op=dist.ReduceOp.MAX),
+        "max_reference": maximum,
+        "min": all_reduce_small(values.clone(), op=dist.ReduceOp.MIN),
+        "min_reference": minimum,
+        "async": pending(),
+        "shape": tuple(all_reduce_small(matrix).shape),
         "floats": all_reduce_floats_async(values.tolist())(),
     }
 

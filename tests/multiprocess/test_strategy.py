@@ -53,8 +53,11 @@ def _scenarios() -> dict:
     step_hooks_before = len(torch_optimizer._global_optimizer_pre_hooks)
     out: dict = {}
     strategy = MirroredStrategy()
-    out["replicas"] = (strategy.num_replicas_in_sync, strategy.replica_id_in_sync_group,
-                       MultiWorkerMirroredStrategy().num_replicas_in_sync)
+    out["replicas"] = (
+        strategy.num_replicas_in_sync,
+        strategy.replica_id_in_sync_group,
+        MultiWorkerMirroredStrategy().num_replicas_in_sync,
+    )
 
     # --- mirrored init: identical on every replica although every rank seeds differently ----
     torch.manual_seed(100 + rank)
@@ -91,14 +94,16 @@ def _scenarios() -> dict:
         wrapped = wrap(net)  # keep it alive through backward: its reducer does the all-reduce
         wrapped(x).pow(2).mean().backward()
         torch.optim.SGD(net.parameters(), lr=0.1).step()
-        out.setdefault("ddp", []).append((net.weight.grad.clone(), strategy.reduce(ReduceOp.MEAN, local),
-                                          before, net.weight.detach().clone()))
+        out.setdefault("ddp", []).append(
+            (net.weight.grad.clone(), strategy.reduce(ReduceOp.MEAN, local), before, net.weight.detach().clone())
+        )
 
     # --- the custom loop of the example (even and uneven global batches) ----------------------
     out["loop"] = strategy_custom_loop.train(strategy, epochs=2)["weights"]
     gbs, samples = UNEVEN[world]
-    out["loop_uneven"] = strategy_custom_loop.train(strategy, epochs=2, global_batch_size=gbs,
-                                                   num_samples=samples)["weights"]
+    out["loop_uneven"] = strategy_custom_loop.train(strategy, epochs=2, global_batch_size=gbs, num_samples=samples)[
+        "weights"
+    ]
 
     # --- reduce ---------------------------------------------------------------------------------
     same_shape = torch.tensor([rank + 1.0, 10.0])
@@ -142,9 +147,11 @@ def _scenarios() -> dict:
             raise RuntimeError("boom")
     except RuntimeError:
         pass
-    out["after_exception"] = (tm.distribution() is None,
-                              len(torch_module._global_parameter_registration_hooks) == param_hooks,
-                              strategy._mirror.is_mirrored(failed[0].weight))
+    out["after_exception"] = (
+        tm.distribution() is None,
+        len(torch_module._global_parameter_registration_hooks) == param_hooks,
+        strategy._mirror.is_mirrored(failed[0].weight),
+    )
 
     # --- lifetime: close() removes the step hook; a strategy whose parameters died drops its own -
     hooks_with_strategy = len(torch_optimizer._global_optimizer_pre_hooks)
@@ -161,8 +168,11 @@ def _scenarios() -> dict:
     plain = torch.nn.Parameter(torch.zeros(1))
     plain.grad = torch.ones(1)
     torch.optim.SGD([plain], lr=0.1).step()
-    out["self_removed"] = (installed, short_lived._mirror.step_hook_installed,
-                           len(torch_optimizer._global_optimizer_pre_hooks) == step_hooks_before)
+    out["self_removed"] = (
+        installed,
+        short_lived._mirror.step_hook_installed,
+        len(torch_optimizer._global_optimizer_pre_hooks) == step_hooks_before,
+    )
 
     check = torch.ones(1)
     dist.all_reduce(check)
@@ -207,9 +217,9 @@ def test_mirrored_strategy(world):
     total = n * (n + 1) / 2
     for r in results:
         a, b, c_grad_is_none, b_grad = r["summed_step"]
-        assert torch.equal(a, torch.full((3,), -total))          # SUM of 1..n, lr 1
+        assert torch.equal(a, torch.full((3,), -total))  # SUM of 1..n, lr 1
         assert torch.equal(b, -torch.ones(3)) and torch.equal(b_grad, torch.ones(3))
-        assert c_grad_is_none                                     # no replica had one: untouched
+        assert c_grad_is_none  # no replica had one: untouched
         assert torch.equal(r["aggregated_grad"], torch.full((3,), total))
         assert torch.equal(r["after_aggregated_step"], torch.full((3,), -2 * total))  # reduced once
         for ddp_grad, mean_of_local, before, after in r["ddp"]:  # distribute_model, then DDP by hand

@@ -34,9 +34,14 @@ def _both() -> dict:
     trainer = tm.Trainer(model, optimizer, torch.nn.CrossEntropyLoss(), distribution=strategy, progress=False)
     trainer.fit(loop.make_loader(loop.make_data(), global_batch, shuffle=True, seed=0), epochs=2)
     trained = {k: v.detach().clone() for k, v in trainer.unwrapped_model.state_dict().items()}
-    return {"custom": custom["weights"], "trainer": trained, "replicas": strategy.num_replicas_in_sync,
-            "moved": max((custom["weights"][k] - loop.make_model(0).state_dict()[k]).abs().max().item()
-                         for k in custom["weights"])}
+    return {
+        "custom": custom["weights"],
+        "trainer": trained,
+        "replicas": strategy.num_replicas_in_sync,
+        "moved": max(
+            (custom["weights"][k] - loop.make_model(0).state_dict()[k]).abs().max().item() for k in custom["weights"]
+        ),
+    }
 
 
 def test_custom_loop_equals_trainer_on_two_processes():

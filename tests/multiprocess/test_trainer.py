@@ -33,18 +33,34 @@ def params_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def train_with_trainer(grad_accum_steps: int = 1, precision: str = "fp32", max_grad_norm=None,
-                       distribution=None, callbacks=None, epochs: int = EPOCHS, batch: int = GLOBAL_BATCH,
-                       data=None) -> dict:
+def train_with_trainer(
+    grad_accum_steps: int = 1,
+    precision: str = "fp32",
+    max_grad_norm=None,
+    distribution=None,
+    callbacks=None,
+    epochs: int = EPOCHS,
+    batch: int = GLOBAL_BATCH,
+    data=None,
+) -> dict:
     import trainmesh as tm
 
     model = make_model()
-    trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
-                         torch.nn.CrossEntropyLoss(), metrics=["accuracy"], distribution=distribution,
-                         callbacks=callbacks, grad_accum_steps=grad_accum_steps, precision=precision,
-                         max_grad_norm=max_grad_norm, progress=False)
-    history = trainer.fit(make_data() if data is None else data, epochs=epochs,
-                          batch_size=None if data is not None else batch)
+    trainer = tm.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
+        torch.nn.CrossEntropyLoss(),
+        metrics=["accuracy"],
+        distribution=distribution,
+        callbacks=callbacks,
+        grad_accum_steps=grad_accum_steps,
+        precision=precision,
+        max_grad_norm=max_grad_norm,
+        progress=False,
+    )
+    history = trainer.fit(
+        make_data() if data is None else data, epochs=epochs, batch_size=None if data is not None else batch
+    )
     return {
         "step_losses": [s["loss"] for s in history.steps],
         "epoch_loss": history.history["loss"],
@@ -82,8 +98,13 @@ def _one_process() -> dict:
     plain = train_with_trainer()
     clipped = train_with_trainer(max_grad_norm=0.5)
     accumulated = train_with_trainer(grad_accum_steps=4)
-    return {"plain": _strip(plain), "clipped": _strip(clipped), "accumulated": _strip(accumulated),
-            "eval": _evaluate_uneven(), "loaders": _from_loaders()}
+    return {
+        "plain": _strip(plain),
+        "clipped": _strip(clipped),
+        "accumulated": _strip(accumulated),
+        "eval": _evaluate_uneven(),
+        "loaders": _from_loaders(),
+    }
 
 
 def _from_loaders() -> dict:
@@ -96,8 +117,10 @@ def _from_loaders() -> dict:
     global_batches = DataLoader(dataset, batch_size=GLOBAL_BATCH, shuffle=False)
     sampler = DistributedSampler(dataset, num_replicas=tm.world_size(), rank=tm.rank(), shuffle=False)
     presharded = DataLoader(dataset, batch_size=GLOBAL_BATCH // tm.world_size(), sampler=sampler)
-    return {"global": _strip(train_with_trainer(data=global_batches)),
-            "presharded": _strip(train_with_trainer(data=presharded, grad_accum_steps=1))}
+    return {
+        "global": _strip(train_with_trainer(data=global_batches)),
+        "presharded": _strip(train_with_trainer(data=presharded, grad_accum_steps=1)),
+    }
 
 
 def _strip(result: dict) -> dict:
@@ -109,8 +132,13 @@ def _evaluate_uneven() -> dict:
     import trainmesh as tm
 
     model = make_model(seed=3)
-    trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.CrossEntropyLoss(),
-                         metrics=["accuracy"], progress=False)
+    trainer = tm.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.nn.CrossEntropyLoss(),
+        metrics=["accuracy"],
+        progress=False,
+    )
     logs = trainer.evaluate(make_data(37, seed=5), batch_size=8)
     predictions = trainer.predict(make_data(37, seed=5), batch_size=8)
     return {"logs": logs, "predictions": predictions}
@@ -150,16 +178,25 @@ def _multi_process() -> dict:
     import trainmesh as tm
 
     rank = tm.rank()
-    out = {"plain": _strip(train_with_trainer()), "accumulated": _strip(train_with_trainer(grad_accum_steps=2)),
-           "clipped": _strip(train_with_trainer(max_grad_norm=0.5)), "eval": _evaluate_uneven(),
-           "loaders": _from_loaders()}
+    out = {
+        "plain": _strip(train_with_trainer()),
+        "accumulated": _strip(train_with_trainer(grad_accum_steps=2)),
+        "clipped": _strip(train_with_trainer(max_grad_norm=0.5)),
+        "eval": _evaluate_uneven(),
+        "loaders": _from_loaders(),
+    }
 
     # Collectives per optimizer step do not grow with accumulation: count DDP's all-reduces.
     counts = {}
     for k in (1, 4):
         model = make_model()
-        trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.CrossEntropyLoss(),
-                             grad_accum_steps=k, progress=False)
+        trainer = tm.Trainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            torch.nn.CrossEntropyLoss(),
+            grad_accum_steps=k,
+            progress=False,
+        )
         calls = [0]
 
         def counting_hook(state, bucket, calls=calls):
@@ -190,8 +227,13 @@ def _fp16_overflow_on_rank_1(rank: int) -> dict:
     import trainmesh as tm
 
     model = make_model()
-    trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.CrossEntropyLoss(),
-                         precision="fp16-mixed", progress=False)
+    trainer = tm.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.nn.CrossEntropyLoss(),
+        precision="fp16-mixed",
+        progress=False,
+    )
     scaler = trainer.precision.scaler
     unscale = scaler.unscale_
 
@@ -203,9 +245,13 @@ def _fp16_overflow_on_rank_1(rank: int) -> dict:
 
     scaler.unscale_ = unscale_with_overflow_on_rank_1
     history = trainer.fit(make_data(), epochs=1, batch_size=GLOBAL_BATCH)
-    return {"skipped": [s["skipped"] for s in history.steps], "scales": [s["loss_scale"] for s in history.steps],
-            "skipped_total": scaler.skipped_steps, "params": params_of(trainer.unwrapped_model),
-            "epoch_logs": history.last_epoch()}
+    return {
+        "skipped": [s["skipped"] for s in history.steps],
+        "scales": [s["loss_scale"] for s in history.steps],
+        "skipped_total": scaler.skipped_steps,
+        "params": params_of(trainer.unwrapped_model),
+        "epoch_logs": history.last_epoch(),
+    }
 
 
 @pytest.fixture(scope="module")

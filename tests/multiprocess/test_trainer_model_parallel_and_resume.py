@@ -56,17 +56,28 @@ def run(distribution=None, epochs=2, accum=1, max_grad_norm=1.0, callbacks=None,
     import trainmesh as tm
 
     model = Net()
-    trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), torch.nn.MSELoss(),
-                         distribution=distribution, callbacks=callbacks, grad_accum_steps=accum,
-                         max_grad_norm=max_grad_norm, progress=False)
+    trainer = tm.Trainer(
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        torch.nn.MSELoss(),
+        distribution=distribution,
+        callbacks=callbacks,
+        grad_accum_steps=accum,
+        max_grad_norm=max_grad_norm,
+        progress=False,
+    )
     history = trainer.fit(data(), epochs=epochs, batch_size=BATCH, eval_data=data(), resume=resume)
     return trainer, history
 
 
 def _single() -> dict:
     trainer, history = run()
-    return {"losses": [s["loss"] for s in history.steps], "norms": [s["grad_norm"] for s in history.steps],
-            "val_loss": history.history["val_loss"], "params": full_params(trainer)}
+    return {
+        "losses": [s["loss"] for s in history.steps],
+        "norms": [s["grad_norm"] for s in history.steps],
+        "val_loss": history.history["val_loss"],
+        "params": full_params(trainer),
+    }
 
 
 def _four(checkpoint_dir: str) -> dict:
@@ -78,16 +89,25 @@ def _four(checkpoint_dir: str) -> dict:
         # The optimizer's parameter is the shard held at rest (a stage-2 model may still have its
         # gathered copy registered after the last evaluation forward).
         local = trainer.optimizer.param_groups[0]["params"][0].to_local().shape
-        out[(shape, stage)] = {"losses": [s["loss"] for s in history.steps], "norms": [s["grad_norm"] for s in history.steps],
-                      "val_loss": history.history["val_loss"], "params": full_params(trainer), "up_local": tuple(local)}
+        out[(shape, stage)] = {
+            "losses": [s["loss"] for s in history.steps],
+            "norms": [s["grad_norm"] for s in history.steps],
+            "val_loss": history.history["val_loss"],
+            "params": full_params(trainer),
+            "up_local": tuple(local),
+        }
 
     # Checkpoint + resume on DataParallel, 4 processes.
     full_trainer, _ = run(epochs=3)
     first, _ = run(epochs=1, callbacks=[tm.ModelCheckpoint(checkpoint_dir)])
     resumed, history = run(epochs=3, callbacks=[tm.ModelCheckpoint(checkpoint_dir)], resume=True)
-    out["resume"] = {"uninterrupted": full_params(full_trainer), "resumed": full_params(resumed),
-                     "resumed_epochs": history.epoch, "global_step": resumed.global_step,
-                     "files": sorted(os.listdir(checkpoint_dir))}
+    out["resume"] = {
+        "uninterrupted": full_params(full_trainer),
+        "resumed": full_params(resumed),
+        "resumed_epochs": history.epoch,
+        "global_step": resumed.global_step,
+        "files": sorted(os.listdir(checkpoint_dir)),
+    }
     return out
 
 
@@ -125,13 +145,20 @@ def test_resume_from_checkpoint_continues_exactly(four):
     for result in four:
         resume = result["resume"]
         # Each file beside its checksum; a file saved again keeps its predecessor as *.prev.pt.
-        assert [f for f in resume["files"] if ".prev." not in f] == ["best.pt", "best.pt.sha256", "last.pt",
-                                                                    "last.pt.sha256"]
+        assert [f for f in resume["files"] if ".prev." not in f] == [
+            "best.pt",
+            "best.pt.sha256",
+            "last.pt",
+            "last.pt.sha256",
+        ]
         assert {"last.prev.pt", "last.prev.pt.sha256"} <= set(resume["files"])
         assert resume["resumed_epochs"] == [0, 1, 2]  # history restored from the checkpoint, then extended
         assert resume["global_step"] == 3 * N // BATCH
     resume = four[0]["resume"]
-    assert resume["uninterrupted"].keys() == resume["resumed"].keys() == {"up.weight", "up.bias", "down.weight",
-                                                                          "down.bias"}
+    assert (
+        resume["uninterrupted"].keys()
+        == resume["resumed"].keys()
+        == {"up.weight", "up.bias", "down.weight", "down.bias"}
+    )
     for name, value in resume["uninterrupted"].items():
         torch.testing.assert_close(resume["resumed"][name], value, rtol=0, atol=1e-6)

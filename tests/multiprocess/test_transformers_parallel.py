@@ -24,8 +24,11 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 transformers = pytest.importorskip("transformers")
 
 MESHES, STAGES, POLICIES = [(4, 1), (2, 2), (1, 4)], [0, 2, 3], [None, "full", "selective"]
-CONFIGS = [(mesh, stage, POLICIES[(i + j) % 3], "adamw" if (i + j) % 2 else "sgd")
-           for i, mesh in enumerate(MESHES) for j, stage in enumerate(STAGES)]
+CONFIGS = [
+    (mesh, stage, POLICIES[(i + j) % 3], "adamw" if (i + j) % 2 else "sgd")
+    for i, mesh in enumerate(MESHES)
+    for j, stage in enumerate(STAGES)
+]
 
 
 def make_optimizer(name: str, params):
@@ -58,9 +61,15 @@ def _all_configs(family: str) -> dict:
         model = build_model(family)
         layout_map = tm.LayoutMap.auto(model, mesh, verbose=False)
         distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data")
-        trainer = tm.Trainer(model, lambda params, name=optimizer: make_optimizer(name, params), lm_loss,
-                             distribution=distribution, zero_stage=stage, activation_checkpointing=policy,
-                             progress=False)
+        trainer = tm.Trainer(
+            model,
+            lambda params, name=optimizer: make_optimizer(name, params),
+            lm_loss,
+            distribution=distribution,
+            zero_stage=stage,
+            activation_checkpointing=policy,
+            progress=False,
+        )
         trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
         state = trainer.state_dict()["model"]  # gathered on the main process
         out[(mesh_shape, stage, policy, optimizer)] = {k: v.detach().clone() for k, v in state.items()}
@@ -87,5 +96,7 @@ def test_every_layout_matches_one_process(family_results):
             worst = max(worst, diff)
             assert diff <= 1e-5, f"{family} {config}: {name} differs by {diff:.3g}"
     # The reference moved the weights: a run that did nothing could not pass.
-    assert max((references["sgd"][k] - build_model(family).state_dict()[k]).abs().max().item()
-               for k in references["sgd"]) > 1e-3
+    assert (
+        max((references["sgd"][k] - build_model(family).state_dict()[k]).abs().max().item() for k in references["sgd"])
+        > 1e-3
+    )

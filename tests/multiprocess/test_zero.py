@@ -54,9 +54,17 @@ def train(stage, *, accum=1, epochs=EPOCHS, precision="fp32", callbacks=None, re
     import trainmesh as tm
 
     model = Net()
-    trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), torch.nn.MSELoss(),
-                         distribution=tm.DataParallel(zero_stage=stage), grad_accum_steps=accum, max_grad_norm=0.5,
-                         precision=precision, callbacks=callbacks, progress=False)
+    trainer = tm.Trainer(
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        torch.nn.MSELoss(),
+        distribution=tm.DataParallel(zero_stage=stage),
+        grad_accum_steps=accum,
+        max_grad_norm=0.5,
+        precision=precision,
+        callbacks=callbacks,
+        progress=False,
+    )
     held = []  # gradient bytes this process holds when the optimizer steps (every storage once)
 
     def grad_bytes_at_step(optimizer, *_):
@@ -69,10 +77,14 @@ def train(stage, *, accum=1, epochs=EPOCHS, precision="fp32", callbacks=None, re
 
     trainer.optimizer.register_step_pre_hook(grad_bytes_at_step)
     history = trainer.fit(data(), epochs=epochs, batch_size=BATCH, eval_data=data(35), resume=resume)
-    out = {"losses": [s["loss"] for s in history.steps], "norms": [s["grad_norm"] for s in history.steps],
-           "grad_bytes_at_step": held,
-           "val_loss": history.history["val_loss"], "params": trainer.state_dict()["model"],
-           "predictions": trainer.predict(data(35), batch_size=BATCH)}  # last batch: 3 rows, a rank gets none
+    out = {
+        "losses": [s["loss"] for s in history.steps],
+        "norms": [s["grad_norm"] for s in history.steps],
+        "grad_bytes_at_step": held,
+        "val_loss": history.history["val_loss"],
+        "params": trainer.state_dict()["model"],
+        "predictions": trainer.predict(data(35), batch_size=BATCH),
+    }  # last batch: 3 rows, a rank gets none
     if measure:
         out["bytes"] = local_bytes(trainer)
     return out, trainer
@@ -82,8 +94,14 @@ def _fp16_overflow(rank: int, stage: int) -> dict:
     import trainmesh as tm
 
     model = Net()
-    trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), torch.nn.MSELoss(),
-                         distribution=tm.DataParallel(zero_stage=stage), precision="fp16-mixed", progress=False)
+    trainer = tm.Trainer(
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        torch.nn.MSELoss(),
+        distribution=tm.DataParallel(zero_stage=stage),
+        precision="fp16-mixed",
+        progress=False,
+    )
     scaler = trainer.precision.scaler
     unscale = scaler.unscale_
 
@@ -96,8 +114,11 @@ def _fp16_overflow(rank: int, stage: int) -> dict:
 
     scaler.unscale_ = unscale_with_overflow_on_rank_1
     history = trainer.fit(data(), epochs=1, batch_size=BATCH)
-    return {"skipped": [s["skipped"] for s in history.steps], "scales": [s["loss_scale"] for s in history.steps],
-            "finite": all(torch.isfinite(v).all() for v in trainer.state_dict()["model"].values())}
+    return {
+        "skipped": [s["skipped"] for s in history.steps],
+        "scales": [s["loss_scale"] for s in history.steps],
+        "finite": all(torch.isfinite(v).all() for v in trainer.state_dict()["model"].values()),
+    }
 
 
 def _resume(stage: int, directory: str) -> dict:
@@ -128,8 +149,12 @@ def _all_reduce_scatter(world: int, rank: int) -> dict:
         diffs[str(dtype)] = (got.float() - want.float()).abs().max().item() / want.float().abs().max().item()
     model = tm.DataParallel(zero_stage=2).distribute_model(Net())
     # torch keeps a unit's reduce-scatter on its parameter group (no public getter)
-    comms = [type(group._reduce_scatter_comm).__name__ for m in model.modules() if isinstance(m, FSDPModule)
-             for group in m._get_fsdp_state()._fsdp_param_groups]
+    comms = [
+        type(group._reduce_scatter_comm).__name__
+        for m in model.modules()
+        if isinstance(m, FSDPModule)
+        for group in m._get_fsdp_state()._fsdp_param_groups
+    ]
     return {"relative_diff": diffs, "unit_comms": comms}
 
 

@@ -23,10 +23,13 @@ def _train(zero_stage: int) -> dict:
     trainer.fit(data, epochs=2, batch_size=16)
     group = trainer.optimizer.param_groups[0]
     state = [v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
-    return {"type": type(trainer.optimizer).__name__, "weight_decay": group["weight_decay"],
-            "same_object": trainer.optimizer is optimizer,
-            "state_sharded": bool(state) and all(hasattr(v, "placements") for v in state),
-            "params": {k: v.clone() for k, v in trainer.state_dict()["model"].items()}}
+    return {
+        "type": type(trainer.optimizer).__name__,
+        "weight_decay": group["weight_decay"],
+        "same_object": trainer.optimizer is optimizer,
+        "state_sharded": bool(state) and all(hasattr(v, "placements") for v in state),
+        "params": {k: v.clone() for k, v in trainer.state_dict()["model"].items()},
+    }
 
 
 def _both() -> dict:

@@ -412,7 +412,12 @@ def test_dtensor_parameters_and_fsdp2_compose(one_process_group, policy):
     out0, grads0 = step(make_transformer(), batch)
 
     tp = make_transformer()
-    plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(), "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+    plan = {
+        "attn.qkv": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(),
+        "mlp.0": ColwiseParallel(),
+        "mlp.2": RowwiseParallel(),
+    }
     for block in tp.blocks:
         parallelize_module(block, mesh, plan)
     names = [n for n, _ in tp.named_parameters()]

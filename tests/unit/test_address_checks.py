@@ -31,19 +31,27 @@ TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2"}
 
 # (environment, words the error must contain: the variable, the bad value, the reason)
 BAD_ENVIRONMENTS = {
-    "tf_config_port_99999": (_tf(["a:2222", "b:99999"]),
-                             ["TF_CONFIG", "cluster.worker[1]='b:99999'", "outside 1..65535"]),
+    "tf_config_port_99999": (
+        _tf(["a:2222", "b:99999"]),
+        ["TF_CONFIG", "cluster.worker[1]='b:99999'", "outside 1..65535"],
+    ),
     "tf_config_port_0": (_tf(["a:0"]), ["TF_CONFIG", "cluster.worker[0]='a:0'", "outside 1..65535"]),
     "tf_config_empty_host": (_tf([":2222"]), ["TF_CONFIG", "cluster.worker[0]=':2222'", "host is empty"]),
-    "tf_config_duplicate": (_tf(["a:1", "b:1", "a:1"]), ["TF_CONFIG", "cluster.worker[0] and cluster.worker[2]",
-                                                         "a:1"]),
-    "tf_config_duplicate_across_roles": (_tf(["a:1"], chief=["a:1"]), ["TF_CONFIG", "cluster.worker[0]",
-                                                                        "cluster.chief[0]"]),
+    "tf_config_duplicate": (
+        _tf(["a:1", "b:1", "a:1"]),
+        ["TF_CONFIG", "cluster.worker[0] and cluster.worker[2]", "a:1"],
+    ),
+    "tf_config_duplicate_across_roles": (
+        _tf(["a:1"], chief=["a:1"]),
+        ["TF_CONFIG", "cluster.worker[0]", "cluster.chief[0]"],
+    ),
     "tf_config_bad_ps": (_tf(["a:1"], ps=["p:123456"]), ["TF_CONFIG", "cluster.ps[0]='p:123456'"]),
     "master_port_99999": ({**TORCHRUN, "MASTER_PORT": "99999"}, ["MASTER_PORT", "'99999'", "outside 1..65535"]),
     "master_port_0": ({**TORCHRUN, "MASTER_PORT": "0"}, ["MASTER_PORT", "'0'", "outside 1..65535"]),
-    "trainmesh_master_port": ({"TRAINMESH_RANK": "0", "TRAINMESH_WORLD_SIZE": "2", "TRAINMESH_MASTER_PORT": "-5"},
-                              ["TRAINMESH_MASTER_PORT", "'-5'"]),
+    "trainmesh_master_port": (
+        {"TRAINMESH_RANK": "0", "TRAINMESH_WORLD_SIZE": "2", "TRAINMESH_MASTER_PORT": "-5"},
+        ["TRAINMESH_MASTER_PORT", "'-5'"],
+    ),
     "master_addr_blank": ({**TORCHRUN, "MASTER_ADDR": "  "}, ["MASTER_ADDR", "host is empty"]),
     "slurm_master_port": ({**SLURM, "MASTER_PORT": "70000"}, ["MASTER_PORT", "'70000'", "outside 1..65535"]),
     "slurm_empty_host": ({**SLURM, "SLURM_JOB_NODELIST": "n1,,n2"}, ["SLURM_JOB_NODELIST", "'n1,,n2'", "empty host"]),
@@ -60,10 +68,13 @@ def test_each_bad_address_is_named_by_detection(env, words):
         assert word in str(raised.value), (word, str(raised.value))
 
 
-@pytest.mark.parametrize(("addresses", "words"), [
-    ("a:1,a:70000", ["job_addresses='a:70000'", "outside 1..65535"]),
-    ("a:1,:2", ["job_addresses=':2'", "host is empty"]),
-])
+@pytest.mark.parametrize(
+    ("addresses", "words"),
+    [
+        ("a:1,a:70000", ["job_addresses='a:70000'", "outside 1..65535"]),
+        ("a:1,:2", ["job_addresses=':2'", "host is empty"]),
+    ],
+)
 def test_each_bad_job_address_is_named(addresses, words):
     with pytest.raises(ValueError) as raised:
         detect_cluster_env(addresses, num_processes=None if isinstance(addresses, str) else 3, process_id=0, environ={})
@@ -87,8 +98,10 @@ def test_good_addresses_still_pass():
 
 @pytest.mark.usefixtures("no_process_group_left_behind")
 def test_initialize_names_the_bad_port_before_any_connection(monkeypatch):
-    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["127.0.0.1:99999", "127.0.0.1:2"]},
-                                                "task": {"type": "worker", "index": 0}}))
+    monkeypatch.setenv(
+        "TF_CONFIG",
+        json.dumps({"cluster": {"worker": ["127.0.0.1:99999", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 0}}),
+    )
     for name in ("RANK", "WORLD_SIZE", "TRAINMESH_RANK", "TRAINMESH_WORLD_SIZE", "SLURM_PROCID"):
         monkeypatch.delenv(name, raising=False)
 
@@ -102,16 +115,29 @@ def test_initialize_names_the_bad_port_before_any_connection(monkeypatch):
         tm.initialize()
 
 
-@pytest.mark.parametrize(("name", "value", "words"), [
-    ("TF_CONFIG", json.dumps({"cluster": {"worker": ["h:99999"]}, "task": {"type": "worker", "index": 0}}),
-     ["TF_CONFIG", "cluster.worker[0]='h:99999'", "outside 1..65535"]),
-    ("TRAINMESH_PS_SERVERS", "tcp://a:1,tcp://a:1", ["TRAINMESH_PS_SERVERS", "entry 0", "entry 1", "a:1"]),
-    ("TRAINMESH_PS_SERVERS", "tcp://:5555", ["TRAINMESH_PS_SERVERS", "host is empty"]),
-    ("TRAINMESH_PS_SERVERS", "tcp://a:99999", ["TRAINMESH_PS_SERVERS", "outside 1..65535"]),
-])
+@pytest.mark.parametrize(
+    ("name", "value", "words"),
+    [
+        (
+            "TF_CONFIG",
+            json.dumps({"cluster": {"worker": ["h:99999"]}, "task": {"type": "worker", "index": 0}}),
+            ["TF_CONFIG", "cluster.worker[0]='h:99999'", "outside 1..65535"],
+        ),
+        ("TRAINMESH_PS_SERVERS", "tcp://a:1,tcp://a:1", ["TRAINMESH_PS_SERVERS", "entry 0", "entry 1", "a:1"]),
+        ("TRAINMESH_PS_SERVERS", "tcp://:5555", ["TRAINMESH_PS_SERVERS", "host is empty"]),
+        ("TRAINMESH_PS_SERVERS", "tcp://a:99999", ["TRAINMESH_PS_SERVERS", "outside 1..65535"]),
+    ],
+)
 def test_trainmesh_env_names_the_bad_address(monkeypatch, capsys, name, value, words):
-    for other in ("TF_CONFIG", "RANK", "WORLD_SIZE", "TRAINMESH_RANK", "TRAINMESH_WORLD_SIZE", "SLURM_PROCID",
-                  "TRAINMESH_PS_SERVERS"):
+    for other in (
+        "TF_CONFIG",
+        "RANK",
+        "WORLD_SIZE",
+        "TRAINMESH_RANK",
+        "TRAINMESH_WORLD_SIZE",
+        "SLURM_PROCID",
+        "TRAINMESH_PS_SERVERS",
+    ):
         monkeypatch.delenv(other, raising=False)
     monkeypatch.setenv(name, value)
     assert cli.main(["env"]) == 1
@@ -127,18 +153,26 @@ def script(tmp_path: Path) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize(("argv", "environ", "words"), [
-    (["--nnodes", "2", "--rdzv-endpoint", "h:99999"], {}, ["--rdzv-endpoint h:99999", "outside 1..65535"]),
-    (["--nnodes", "2", "--rdzv-endpoint", "h:0"], {}, ["--rdzv-endpoint h:0", "outside 1..65535"]),
-    (["--nnodes", "2", "--rdzv-endpoint", ":29400"], {}, ["--rdzv-endpoint :29400", "host is empty"]),
-    (["--nnodes", "2"], {"PET_RDZV_ENDPOINT": "h:99999"}, ["PET_RDZV_ENDPOINT='h:99999'", "outside 1..65535"]),
-    (["--nnodes", "2"], {"PET_MASTER_ADDR": "h", "PET_MASTER_PORT": "0"}, ["PET_MASTER_PORT='0'"]),
-    ([], {"TRAINMESH_PS_SERVERS": "tcp://a:1,tcp://a:1"}, ["TRAINMESH_PS_SERVERS", "same address a:1"]),
-])
-def test_the_launcher_names_the_bad_address_before_starting_anything(script, capsys, monkeypatch, argv, environ,
-                                                                      words):
-    for name in ("PET_NNODES", "PET_NODE_RANK", "PET_RDZV_ENDPOINT", "PET_MASTER_ADDR", "PET_MASTER_PORT",
-                 "TRAINMESH_PS_SERVERS"):
+@pytest.mark.parametrize(
+    ("argv", "environ", "words"),
+    [
+        (["--nnodes", "2", "--rdzv-endpoint", "h:99999"], {}, ["--rdzv-endpoint h:99999", "outside 1..65535"]),
+        (["--nnodes", "2", "--rdzv-endpoint", "h:0"], {}, ["--rdzv-endpoint h:0", "outside 1..65535"]),
+        (["--nnodes", "2", "--rdzv-endpoint", ":29400"], {}, ["--rdzv-endpoint :29400", "host is empty"]),
+        (["--nnodes", "2"], {"PET_RDZV_ENDPOINT": "h:99999"}, ["PET_RDZV_ENDPOINT='h:99999'", "outside 1..65535"]),
+        (["--nnodes", "2"], {"PET_MASTER_ADDR": "h", "PET_MASTER_PORT": "0"}, ["PET_MASTER_PORT='0'"]),
+        ([], {"TRAINMESH_PS_SERVERS": "tcp://a:1,tcp://a:1"}, ["TRAINMESH_PS_SERVERS", "same address a:1"]),
+    ],
+)
+def test_the_launcher_names_the_bad_address_before_starting_anything(script, capsys, monkeypatch, argv, environ, words):
+    for name in (
+        "PET_NNODES",
+        "PET_NODE_RANK",
+        "PET_RDZV_ENDPOINT",
+        "PET_MASTER_ADDR",
+        "PET_MASTER_PORT",
+        "TRAINMESH_PS_SERVERS",
+    ):
         monkeypatch.delenv(name, raising=False)
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
@@ -154,10 +188,13 @@ def test_the_launcher_names_the_bad_address_before_starting_anything(script, cap
 
 
 @pytest.mark.usefixtures("no_process_group_left_behind")  # the strategy starts a one-process group
-@pytest.mark.parametrize(("value", "words"), [
-    ("tcp://a:1,tcp://a:1", ["TRAINMESH_PS_SERVERS", "a:1"]),
-    ("tcp://a:99999", ["TRAINMESH_PS_SERVERS", "outside 1..65535"]),
-])
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ("tcp://a:1,tcp://a:1", ["TRAINMESH_PS_SERVERS", "a:1"]),
+        ("tcp://a:99999", ["TRAINMESH_PS_SERVERS", "outside 1..65535"]),
+    ],
+)
 def test_the_parameter_server_strategy_names_a_bad_server_address(monkeypatch, value, words):
     # the workers' own path to the servers (no launcher, no `trainmesh env`): refused before any connection
     monkeypatch.setenv("TRAINMESH_PS_SERVERS", value)

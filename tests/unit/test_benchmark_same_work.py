@@ -50,7 +50,8 @@ def test_each_precision_compares_with_its_own_zero_formula(zero_memory):
         assert zero_memory.matching_formula("deepspeed", stage, "bf16-mixed")[0] == "paper_2_2_12"
         # trainmesh stores fp32 parameters and gradients under both precisions
         assert zero_memory.matching_formula("trainmesh", stage, "fp32") == zero_memory.matching_formula(
-            "trainmesh", stage, "bf16-mixed")
+            "trainmesh", stage, "bf16-mixed"
+        )
     # first-step losses: fp32 on both sides leaves only rounding, so the bound is far tighter
     assert zero_memory.PRECISIONS["fp32"]["loss_tolerance"] < zero_memory.PRECISIONS["bf16-mixed"]["loss_tolerance"]
 

@@ -190,8 +190,12 @@ def test_checkpoint_writes_last_every_epoch_and_best_on_improvement(tmp_path):
 
 def test_checkpoint_max_mode_and_switches(tmp_path):
     trainer = FakeTrainer()
-    fit(trainer, [ModelCheckpoint(tmp_path, monitor="val_accuracy", save_last=False)], [0.5, 0.4, 0.9],
-        key="val_accuracy")
+    fit(
+        trainer,
+        [ModelCheckpoint(tmp_path, monitor="val_accuracy", save_last=False)],
+        [0.5, 0.4, 0.9],
+        key="val_accuracy",
+    )
     assert trainer.saved == [("best.pt", 0), ("best.pt", 2)]
     assert not (tmp_path / "last.pt").exists()
     trainer = FakeTrainer()

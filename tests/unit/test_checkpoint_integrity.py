@@ -31,7 +31,9 @@ def _state(step=0):
 
 
 def _dcp_file(path):
-    return next(os.path.join(path, "dcp", n) for n in sorted(os.listdir(os.path.join(path, "dcp"))) if n.endswith(".distcp"))
+    return next(
+        os.path.join(path, "dcp", n) for n in sorted(os.listdir(os.path.join(path, "dcp"))) if n.endswith(".distcp")
+    )
 
 
 def test_marker_is_written_last_and_covers_every_file(tmp_path, monkeypatch):

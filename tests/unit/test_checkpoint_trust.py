@@ -42,11 +42,17 @@ def _fit(directory, epochs, *, sharded=False, steps=None, **fit_kwargs):
     """4 steps per epoch; a checkpoint at every epoch end. ``steps`` collects the steps taken."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
-    callback = (tm.ShardedCheckpoint(directory, async_save=False) if sharded
-                else tm.ModelCheckpoint(directory, save_best=False))
+    callback = (
+        tm.ShardedCheckpoint(directory, async_save=False) if sharded else tm.ModelCheckpoint(directory, save_best=False)
+    )
     counter = None if steps is None else tm.LambdaCallback(on_train_batch_begin=lambda step, logs: steps.append(step))
-    trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01), torch.nn.MSELoss(),
-                         callbacks=[callback] + ([counter] if counter else []), progress=False)
+    trainer = tm.Trainer(
+        model,
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        torch.nn.MSELoss(),
+        callbacks=[callback] + ([counter] if counter else []),
+        progress=False,
+    )
     trainer.fit(TensorDataset(X, Y), epochs=epochs, batch_size=8, **fit_kwargs)
     return trainer
 
@@ -115,6 +121,7 @@ def test_a_crash_anywhere_in_a_save_leaves_a_valid_checkpoint(tmp_path, monkeypa
                 if len(calls) > crash_at:
                     raise KeyboardInterrupt("killed mid-save")
                 return real(*args, **kwargs)
+
             return call
 
         monkeypatch.setattr(os, "replace", counting(real_replace))
@@ -174,12 +181,20 @@ def test_dcp_non_tensor_items_are_read_with_weights_only(tmp_path):
         warnings.simplefilter("ignore")  # "no process group: one process"
         dcp.save({"plain": {"lr": 0.5}, "crafted": RunsCode(target)}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
         loaded = {"plain": {"lr": 0.0}}
-        dcp.load(loaded, checkpoint_id=str(tmp_path / "c"), storage_reader=SafeFileSystemReader(str(tmp_path / "c")),
-                 no_dist=True)
+        dcp.load(
+            loaded,
+            checkpoint_id=str(tmp_path / "c"),
+            storage_reader=SafeFileSystemReader(str(tmp_path / "c")),
+            no_dist=True,
+        )
         assert loaded["plain"]["lr"] == 0.5  # plain items still load
         with pytest.raises(CheckpointException, match="'crafted'.*weights_only.*GLOBAL posix.mkdir"):
-            dcp.load({"crafted": None}, checkpoint_id=str(tmp_path / "c"),
-                     storage_reader=SafeFileSystemReader(str(tmp_path / "c")), no_dist=True)
+            dcp.load(
+                {"crafted": None},
+                checkpoint_id=str(tmp_path / "c"),
+                storage_reader=SafeFileSystemReader(str(tmp_path / "c")),
+                no_dist=True,
+            )
     assert not target.exists()
 
 

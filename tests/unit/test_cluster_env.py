@@ -48,7 +48,10 @@ ENVS = {
         "MASTER_PORT": "2222",
     },
     "tf_config": tf_config(
-        {"cluster": {"worker": ["tf0:3333", "tf1:3333", "tf2:3333", "tf3:3333"]}, "task": {"type": "worker", "index": 3}}
+        {
+            "cluster": {"worker": ["tf0:3333", "tf1:3333", "tf2:3333", "tf3:3333"]},
+            "task": {"type": "worker", "index": 3},
+        }
     ),
     "slurm": {
         "SLURM_PROCID": "4",
@@ -113,9 +116,7 @@ def test_each_source_alone(source):
     assert _summary(_detect([source])) == (source, EXPECTED[source])
 
 
-@pytest.mark.parametrize(
-    "high,low", list(itertools.combinations(ORDER, 2)), ids=lambda s: s
-)
+@pytest.mark.parametrize("high,low", list(itertools.combinations(ORDER, 2)), ids=lambda s: s)
 def test_precedence_between_every_pair(high, low):
     assert _summary(_detect([high, low])) == (high, EXPECTED[high])
     # the order in which the variables were put into the mapping must not matter
@@ -267,13 +268,17 @@ def test_non_integer_rank_raises_even_when_process_id_must_come_from_env():
 
 
 def test_tf_config_worker():
-    c = detect_cluster_env(environ=tf_config({"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 1}}))
+    c = detect_cluster_env(
+        environ=tf_config({"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 1}})
+    )
     assert (c.source, c.rank, c.world_size, c.master_addr, c.master_port) == ("tf_config", 1, 2, "a", 1)
     assert (c.local_rank, c.local_world_size, c.node_rank) == (0, 1, 1)
 
 
-@pytest.mark.parametrize("task,rank", [({"type": "chief", "index": 0}, 0), ({"type": "worker", "index": 0}, 1),
-                                       ({"type": "worker", "index": 1}, 2)])
+@pytest.mark.parametrize(
+    "task,rank",
+    [({"type": "chief", "index": 0}, 0), ({"type": "worker", "index": 0}, 1), ({"type": "worker", "index": 1}, 2)],
+)
 def test_tf_config_chief_is_rank_zero(task, rank):
     spec = {"cluster": {"chief": ["c:9"], "worker": ["w0:1", "w1:1"], "ps": ["p:1"]}, "task": task}
     c = detect_cluster_env(environ=tf_config(spec))
@@ -304,8 +309,19 @@ def test_tf_config_local_rank_from_shared_hosts():
         json.dumps({"cluster": {"worker": ["a:1"], "ps": ["p:1"]}, "task": {"type": "ps", "index": 0}}),
         json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"type": "evaluator", "index": 0}}),
     ],
-    ids=["bad-json", "list", "null", "no-cluster", "no-worker-key", "non-int-index", "no-workers",
-         "index-past-end", "negative-index", "ps", "evaluator"],
+    ids=[
+        "bad-json",
+        "list",
+        "null",
+        "no-cluster",
+        "no-worker-key",
+        "non-int-index",
+        "no-workers",
+        "index-past-end",
+        "negative-index",
+        "ps",
+        "evaluator",
+    ],
 )
 def test_malformed_tf_config_is_value_error_naming_it(raw):
     with pytest.raises(ValueError, match="TF_CONFIG"):
@@ -333,7 +349,9 @@ def test_tf_config_negative_worker_index_with_chief_raises():
         detect_cluster_env(environ=tf_config(spec))
 
 
-@pytest.mark.parametrize("workers", ["ab", "h:1", [1234], [""]], ids=["str", "str-with-port", "int-entry", "empty-entry"])
+@pytest.mark.parametrize(
+    "workers", ["ab", "h:1", [1234], [""]], ids=["str", "str-with-port", "int-entry", "empty-entry"]
+)
 def test_tf_config_malformed_worker_entries_name_tf_config(workers):
     spec = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": 0}}
     with pytest.raises(ValueError, match="TF_CONFIG"):

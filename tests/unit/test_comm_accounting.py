@@ -83,13 +83,16 @@ def test_int8_and_topk_payloads_meet_their_byte_targets_on_a_large_gradient():
     assert 66 <= dense / topk <= 4 / (0.01 * 6)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"compression": "zip"}, "compression"),
-    ({"compression": "topk:2"}, "compression"),
-    ({"compression": 3}, "compression"),
-    ({"hierarchical_allreduce": "yes"}, "hierarchical_allreduce"),
-    ({"hierarchical_allreduce": 1}, "hierarchical_allreduce"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"compression": "zip"}, "compression"),
+        ({"compression": "topk:2"}, "compression"),
+        ({"compression": 3}, "compression"),
+        ({"hierarchical_allreduce": "yes"}, "hierarchical_allreduce"),
+        ({"hierarchical_allreduce": 1}, "hierarchical_allreduce"),
+    ],
+)
 def test_bad_communication_options_are_rejected_with_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TrainerConfig(**kwargs)

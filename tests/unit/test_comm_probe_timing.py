@@ -31,6 +31,7 @@ def test_candidates_run_interleaved_in_rotated_order_and_report_medians(one_proc
         def fn():
             calls.append(name)
             clock[0] += durations[name].pop(0)
+
         return fn
 
     monkeypatch.setattr(probe.time, "perf_counter", lambda: clock[0])
@@ -56,6 +57,7 @@ def test_a_load_burst_lands_on_every_candidate_alike(one_process_group, monkeypa
                 calls.append(name)
                 burst = 3 <= len(calls) <= 5  # the third to fifth run, whichever candidates they are
                 clock[0] += base[name] * (4.0 if burst else 1.0)
+
             return fn
 
         return {"fast": run("fast"), "slow": run("slow")}

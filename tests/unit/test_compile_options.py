@@ -87,8 +87,14 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", recording_compile)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.MSELoss(), compile="regional",
-                         compile_mode="max-autotune-no-cudagraphs", progress=False)
+    trainer = tm.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.nn.MSELoss(),
+        compile="regional",
+        compile_mode="max-autotune-no-cudagraphs",
+        progress=False,
+    )
     assert seen and all(kw["mode"] == "max-autotune-no-cudagraphs" and kw["backend"] == "inductor" for kw in seen)
     assert len(seen) == 2  # one per block: regional
     trainer.fit((torch.randn(8, 4), torch.randn(8, 4)), epochs=1, batch_size=4)

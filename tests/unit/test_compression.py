@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from trainmesh.compression import (
-    BF16Compressor, Compressed, Compressor, FP16Compressor, Int8Compressor, PowerSGDCompressor,
-    TopKCompressor, get_compressor,
+    BF16Compressor,
+    Compressed,
+    Compressor,
+    FP16Compressor,
+    Int8Compressor,
+    PowerSGDCompressor,
+    TopKCompressor,
+    get_compressor,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -98,8 +104,12 @@ def _momentum_topk():
     return TopKCompressor(0.05, momentum=0.9, warmup_steps=5)
 
 
-STATEFUL = [lambda: Int8Compressor(rounding="stochastic", error_feedback=True), _momentum_topk,
-            lambda: PowerSGDCompressor(2), lambda: BF16Compressor(error_feedback=True)]
+STATEFUL = [
+    lambda: Int8Compressor(rounding="stochastic", error_feedback=True),
+    _momentum_topk,
+    lambda: PowerSGDCompressor(2),
+    lambda: BF16Compressor(error_feedback=True),
+]
 
 
 @pytest.mark.parametrize("make", STATEFUL)
@@ -185,8 +195,9 @@ def test_registry_builds_every_spec():
     assert not any(c.summable for c in (topk, powersgd, get_compressor("int8")))
 
 
-@pytest.mark.parametrize("spec", ["gzip", "topk:", "topk:abc", "topk:0", "topk:1.5", "powersgd:0",
-                                  "powersgd:1.5", "int8:banker", "fp16:2"])
+@pytest.mark.parametrize(
+    "spec", ["gzip", "topk:", "topk:abc", "topk:0", "topk:1.5", "powersgd:0", "powersgd:1.5", "int8:banker", "fp16:2"]
+)
 def test_registry_rejects_unknown_or_malformed_specs(spec):
     with pytest.raises(ValueError, match="Received") as info:
         get_compressor(spec)

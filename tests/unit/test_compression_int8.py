@@ -104,5 +104,7 @@ def test_payload_is_the_textbook_formula_bit_for_bit(rounding, numel):
     assert torch.equal(compressed.tensors["values"], values)
     assert torch.equal(compressed.tensors["scale"].view(torch.int32), scale.view(torch.int32))  # bits: +0 is not -0
     dense = Int8Compressor().decompress(compressed)
-    expected = (torch.nn.functional.pad(values.float(), (0, -numel % 2048)).view(-1, 2048) * scale[:, None]).reshape(-1)[:numel]
+    expected = (torch.nn.functional.pad(values.float(), (0, -numel % 2048)).view(-1, 2048) * scale[:, None]).reshape(
+        -1
+    )[:numel]
     assert torch.equal(dense.view(torch.int32), expected.view(torch.int32))

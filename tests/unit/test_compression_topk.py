@@ -84,9 +84,14 @@ def test_dgc_momentum_correction_matches_the_paper_recurrence():
 
 
 def test_bad_options_are_rejected():
-    for kwargs, word in [({"ratio": 0}, "ratio"), ({"ratio": 1.5}, "ratio"), ({"momentum": 1.0}, "momentum"),
-                         ({"momentum": 0.9, "error_feedback": False}, "error_feedback"),
-                         ({"warmup_steps": -1}, "warmup_steps"), ({"values": "int8"}, "values")]:
+    for kwargs, word in [
+        ({"ratio": 0}, "ratio"),
+        ({"ratio": 1.5}, "ratio"),
+        ({"momentum": 1.0}, "momentum"),
+        ({"momentum": 0.9, "error_feedback": False}, "error_feedback"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"values": "int8"}, "values"),
+    ]:
         with pytest.raises(ValueError, match=word):
             TopKCompressor(**kwargs)
 
@@ -167,11 +172,14 @@ def _ratio_for(k: int, numel: int) -> float:
     return (k - 0.5) / numel  # ceil(ratio * numel) == k, whatever the rounding of the division
 
 
-@pytest.mark.parametrize("numel, positions, counts", [
-    (1000, [0, 7, 999], None),                                            # below one block
-    (BLOCK, [0, 255, 256, BLOCK - 1], None),                              # exactly one block
-    (3 * BLOCK + 17, FIRST_AND_LAST, [6, 0, 0, 3]),                       # empty blocks between
-])
+@pytest.mark.parametrize(
+    "numel, positions, counts",
+    [
+        (1000, [0, 7, 999], None),  # below one block
+        (BLOCK, [0, 255, 256, BLOCK - 1], None),  # exactly one block
+        (3 * BLOCK + 17, FIRST_AND_LAST, [6, 0, 0, 3]),  # empty blocks between
+    ],
+)
 @pytest.mark.parametrize("values", ["same", "fp16"])
 def test_block_offsets_round_trip_exactly(numel, positions, counts, values):
     x = _planted(numel, positions)
@@ -201,8 +209,10 @@ def test_block_offsets_round_trip_exactly(numel, positions, counts, values):
 def test_payload_layout_depends_on_the_size_only():
     # An all-gather unpacks every rank's payload with its own layout.
     compressor = TopKCompressor(0.01, error_feedback=False)
-    layouts = {tuple((name, t.dtype, tuple(t.shape)) for name, t in compressor.compress(x).tensors.items())
-               for x in (torch.randn(3 * BLOCK + 17), torch.zeros(3 * BLOCK + 17), _planted(3 * BLOCK + 17, [0]))}
+    layouts = {
+        tuple((name, t.dtype, tuple(t.shape)) for name, t in compressor.compress(x).tensors.items())
+        for x in (torch.randn(3 * BLOCK + 17), torch.zeros(3 * BLOCK + 17), _planted(3 * BLOCK + 17, [0]))
+    }
     assert len(layouts) == 1
 
 
@@ -251,19 +261,22 @@ def _valid_payload(numel: int = 3 * BLOCK + 17, positions: list[int] = FIRST_AND
     return compressor, compressed, changed
 
 
-@pytest.mark.parametrize("case, match", [
-    ("counts add up to more", "add up to"),
-    ("counts add up to less", "add up to"),
-    ("a negative count", "negative"),
-    ("an offset past the last block's end", "past"),
-    ("an entry moved into the short last block", "past"),
-    ("no counts", "no 'counts'"),
-    ("counts of the wrong length", "'counts' must be"),
-    ("int64 counts", "'counts' must be"),
-    ("an offset missing", "'offsets' must be"),
-    ("int16 offsets", "'offsets' must be"),
-    ("no offsets", "neither"),
-])
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("counts add up to more", "add up to"),
+        ("counts add up to less", "add up to"),
+        ("a negative count", "negative"),
+        ("an offset past the last block's end", "past"),
+        ("an entry moved into the short last block", "past"),
+        ("no counts", "no 'counts'"),
+        ("counts of the wrong length", "'counts' must be"),
+        ("int64 counts", "'counts' must be"),
+        ("an offset missing", "'offsets' must be"),
+        ("int16 offsets", "'offsets' must be"),
+        ("no offsets", "neither"),
+    ],
+)
 def test_a_malformed_block_payload_is_rejected_with_a_value_error(case, match):
     compressor, good, changed = _valid_payload()
     counts, offsets = good.tensors["counts"], good.tensors["offsets"]
@@ -272,10 +285,12 @@ def test_a_malformed_block_payload_is_rejected_with_a_value_error(case, match):
         "counts add up to less": lambda: changed(counts=counts - torch.tensor([1, 0, 0, 0], dtype=torch.int32)),
         "a negative count": lambda: changed(counts=torch.tensor([7, -1, 0, 3], dtype=torch.int32)),
         "an offset past the last block's end": lambda: changed(
-            offsets=torch.cat([offsets[:-1], torch.tensor([[17, 0]], dtype=torch.uint8)])),
+            offsets=torch.cat([offsets[:-1], torch.tensor([[17, 0]], dtype=torch.uint8)])
+        ),
         # Counts still add up to k, but the sixth entry (offset 65535) now lies in the 17-entry block.
         "an entry moved into the short last block": lambda: changed(
-            counts=torch.tensor([5, 0, 0, 4], dtype=torch.int32)),
+            counts=torch.tensor([5, 0, 0, 4], dtype=torch.int32)
+        ),
         "no counts": lambda: changed(counts=None),
         "counts of the wrong length": lambda: changed(counts=counts[:3]),
         "int64 counts": lambda: changed(counts=counts.long()),
@@ -305,8 +320,11 @@ def test_a_malformed_single_block_or_flat_payload_is_rejected_with_a_value_error
     assert compressor.decompress(ok)[[3, 998]].tolist() == [2.0, 1.0]
     for indices, match in [([1000, 3], "outside"), ([-1, 3], "outside"), ([1, 2, 3], "'indices' must be")]:
         with pytest.raises(ValueError, match=match):
-            compressor.decompress(Compressed({"indices": torch.tensor(indices, dtype=torch.int32),
-                                              "values": torch.tensor([1.0, 2.0])}, meta))
+            compressor.decompress(
+                Compressed(
+                    {"indices": torch.tensor(indices, dtype=torch.int32), "values": torch.tensor([1.0, 2.0])}, meta
+                )
+            )
 
 
 def test_a_payload_whose_count_or_size_disagrees_with_its_meta_is_rejected():
@@ -314,8 +332,9 @@ def test_a_payload_whose_count_or_size_disagrees_with_its_meta_is_rejected():
 
     compressor, good, _ = _valid_payload(1000, [5, 999])
     # values and offsets agree with each other (three entries), the meta says two were kept
-    three = Compressed({"offsets": torch.tensor([[5, 0], [6, 0], [231, 3]], dtype=torch.uint8),
-                        "values": torch.ones(3)}, good.meta)
+    three = Compressed(
+        {"offsets": torch.tensor([[5, 0], [6, 0], [231, 3]], dtype=torch.uint8), "values": torch.ones(3)}, good.meta
+    )
     assert good.meta["k"] == 2
     with pytest.raises(ValueError, match="says it keeps 2 entries but carries 3"):
         compressor.decompress(three)

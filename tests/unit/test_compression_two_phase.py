@@ -54,6 +54,7 @@ def test_worker_runs_jobs_in_order_on_its_own_thread_and_reports_errors():
             if i == 2:
                 raise ValueError("boom in job 2")
             return torch.tensor([float(i)])
+
         return run
 
     futures = [worker.run(job(i)) for i in range(4)]
@@ -72,9 +73,12 @@ def test_merger_holds_buckets_until_the_size_or_the_last_bucket():
         return [p * 2 for p in parts]
 
     merger = BucketMerger(worker, reduce, bucket_bytes=100)
-    futures = [merger.add(torch.ones(10), 40, last=False), merger.add(torch.ones(20), 40, last=False),
-               merger.add(torch.ones(30), 40, last=False),  # 120 >= 100: the first three go together
-               merger.add(torch.ones(5), 20, last=True)]    # the last bucket flushes whatever is held
+    futures = [
+        merger.add(torch.ones(10), 40, last=False),
+        merger.add(torch.ones(20), 40, last=False),
+        merger.add(torch.ones(30), 40, last=False),  # 120 >= 100: the first three go together
+        merger.add(torch.ones(5), 20, last=True),
+    ]  # the last bucket flushes whatever is held
     for future, n in zip(futures, (10, 20, 30, 5)):
         assert torch.equal(future.wait(), torch.full((n,), 2.0))
     assert calls == [[10, 20, 30], [5]]

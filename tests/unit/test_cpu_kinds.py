@@ -28,8 +28,12 @@ SIMULATED = {
     "avx512_bf16": {"avx2", "avx512", "avx512_bf16"},
     "amx": {"avx2", "avx512", "avx512_bf16", "amx"},
 }
-_DETECTORS = {"amx": "_is_amx_tile_supported", "avx512_bf16": "_is_avx512_bf16_supported",
-              "avx512": "_is_avx512_supported", "avx2": "_is_avx2_supported"}
+_DETECTORS = {
+    "amx": "_is_amx_tile_supported",
+    "avx512_bf16": "_is_avx512_bf16_supported",
+    "avx512": "_is_avx512_supported",
+    "avx2": "_is_avx2_supported",
+}
 
 
 @pytest.fixture
@@ -113,10 +117,12 @@ def _auto_demo_args() -> argparse.Namespace:
     return argparse.Namespace(precision="auto", nproc_per_node=None, out="out", epochs=None, quick=True)
 
 
-@pytest.mark.parametrize("kind, chosen, dtype", [("amx", "bf16-mixed", torch.bfloat16),
-                                                 ("avx2", "fp32", torch.float32)])
-def test_the_demos_mfu_is_against_the_peak_of_this_cpu_kind(simulate, tmp_path, monkeypatch, capsys,
-                                                            kind, chosen, dtype):
+@pytest.mark.parametrize(
+    "kind, chosen, dtype", [("amx", "bf16-mixed", torch.bfloat16), ("avx2", "fp32", torch.float32)]
+)
+def test_the_demos_mfu_is_against_the_peak_of_this_cpu_kind(
+    simulate, tmp_path, monkeypatch, capsys, kind, chosen, dtype
+):
     """``trainmesh demo``: the precision it picks on this kind of CPU, the peak it probes for that
     precision's compute dtype, and the MFU the Trainer's meter reports against that peak."""
     monkeypatch.setenv("TRAINMESH_CACHE_DIR", str(tmp_path))
@@ -142,8 +148,9 @@ def test_the_demos_mfu_is_against_the_peak_of_this_cpu_kind(simulate, tmp_path, 
     assert probed == [dtype]  # the other CPU's peak was not taken for this one's
     demo_cmd._ensure_peak_probe(args.precision)
     assert probed == [dtype]  # this CPU's is, once probed
-    meter = throughput.ThroughputMeter.for_job(peak_flops=None, dtype=dtype, device_type="cpu", world_size=4,
-                                               local_world_size=4, meta_model=None)
+    meter = throughput.ThroughputMeter.for_job(
+        peak_flops=None, dtype=dtype, device_type="cpu", world_size=4, local_world_size=4, meta_model=None
+    )
     assert meter.peak_flops == 4e12 and meter.peak_units == 1
     meter.flops_per_sample = 1e9
     rates = meter.report(samples=100)

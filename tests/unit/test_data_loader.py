@@ -50,8 +50,15 @@ def reads(log_dir):
 
 
 def sampler(n=40, gbs=8, world=1, index=0, k=1, **kw):
-    return GlobalBatchSampler(n, global_batch_size=gbs, data_parallel_size=world, data_index=index,
-                              micro_batches=k, seed=kw.pop("seed", 2), **kw)
+    return GlobalBatchSampler(
+        n,
+        global_batch_size=gbs,
+        data_parallel_size=world,
+        data_index=index,
+        micro_batches=k,
+        seed=kw.pop("seed", 2),
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -59,8 +66,10 @@ def sampler(n=40, gbs=8, world=1, index=0, k=1, **kw):
 def test_same_batches_as_direct_indexing(num_workers, prefetch):
     data = Squares()
     s = sampler(world=2, index=1, k=2)
-    expected = [[torch.utils.data.default_collate([data[i] for i in m]) for m in step]
-                for step in sampler(world=2, index=1, k=2).iter_steps()]
+    expected = [
+        [torch.utils.data.default_collate([data[i] for i in m]) for m in step]
+        for step in sampler(world=2, index=1, k=2).iter_steps()
+    ]
     with DataLoader(data, s, num_workers=num_workers, prefetch=prefetch) as loader:
         for epoch in range(2):
             got = list(loader)
@@ -70,8 +79,9 @@ def test_same_batches_as_direct_indexing(num_workers, prefetch):
             assert s.epoch == epoch + 1 and loader.stats.steps == 5 * (epoch + 1)
             ref = sampler(world=2, index=1, k=2)
             ref.set_epoch(epoch + 1)
-            expected = [[torch.utils.data.default_collate([data[i] for i in m]) for m in step]
-                        for step in ref.iter_steps()]
+            expected = [
+                [torch.utils.data.default_collate([data[i] for i in m]) for m in step] for step in ref.iter_steps()
+            ]
         assert loader.stats.samples == 2 * 20 and loader.stats.batches == 20
 
 
@@ -92,12 +102,14 @@ def test_plain_index_batches_and_torch_batch_sampler():
 
 def test_prefetch_overlaps_a_slow_dataset_with_a_slow_step():
     n, per_sample, per_step = 16, 0.01, 0.04  # 4 steps of 4 samples: 0.04 s to read, 0.04 s to train
+
     def run(prefetch):
         with DataLoader(Squares(n, delay=per_sample), sampler(n=n, gbs=4, shuffle=False), prefetch=prefetch) as loader:
             started = time.perf_counter()
             for _ in loader:
                 time.sleep(per_step)
             return time.perf_counter() - started, loader.stats.wait_s
+
     serial, _ = run(0)
     overlapped, wait = run(2)
     read_plus_train = 4 * (4 * per_sample + per_step)
@@ -126,7 +138,9 @@ def test_retries_exhausted_raise_naming_the_sample(tmp_path):
 def test_corrupt_sample_raises_or_is_skipped(num_workers):
     data = Squares(16, corrupt={6})
     with DataLoader(data, sampler(n=16, gbs=4, shuffle=False), num_workers=num_workers) as loader:
-        with pytest.raises(CorruptSampleError, match=r"sample 6 of Squares\(n=16\) failed: ValueError: bad header") as err:
+        with pytest.raises(
+            CorruptSampleError, match=r"sample 6 of Squares\(n=16\) failed: ValueError: bad header"
+        ) as err:
             list(loader)
         assert err.value.index == 6
     with DataLoader(data, sampler(n=16, gbs=4, shuffle=False), num_workers=num_workers, on_corrupt="skip") as loader:

@@ -15,8 +15,12 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:The l
 
 
 def samplers(n, gbs, world, *, k=1, seed=3, **kw):
-    return [GlobalBatchSampler(n, global_batch_size=gbs, data_parallel_size=world, data_index=r, micro_batches=k,
-                               seed=seed, **kw) for r in range(world)]
+    return [
+        GlobalBatchSampler(
+            n, global_batch_size=gbs, data_parallel_size=world, data_index=r, micro_batches=k, seed=seed, **kw
+        )
+        for r in range(world)
+    ]
 
 
 def consume(ranks, steps=None):
@@ -49,18 +53,42 @@ def test_exactly_once_per_epoch(world, k):
     assert ranks[0].global_order(0).tolist() != ranks[0].global_order(1).tolist()  # reshuffled per epoch
 
 
-@pytest.mark.parametrize("n,gbs,world,k,drop", [(96, 16, 2, 1, False), (100, 16, 2, 2, False), (100, 16, 4, 1, True),
-                                                 (102, 12, 3, 2, False), (20, 8, 2, 1, False)])
+@pytest.mark.parametrize(
+    "n,gbs,world,k,drop",
+    [
+        (96, 16, 2, 1, False),
+        (100, 16, 2, 2, False),
+        (100, 16, 4, 1, True),
+        (102, 12, 3, 2, False),
+        (20, 8, 2, 1, False),
+    ],
+)
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_same_batches_as_distributed_batches(n, gbs, world, k, drop, shuffle):
     data = torch.arange(n)
     for rank in range(world):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            old = DistributedBatches(data, global_batch_size=gbs, data_parallel_size=world, data_index=rank,
-                                     shuffle=shuffle, seed=7, drop_remainder=drop, micro_batches=k)
-            new = GlobalBatchSampler(n, global_batch_size=gbs, data_parallel_size=world, data_index=rank,
-                                     micro_batches=k, shuffle=shuffle, seed=7, drop_remainder=drop)
+            old = DistributedBatches(
+                data,
+                global_batch_size=gbs,
+                data_parallel_size=world,
+                data_index=rank,
+                shuffle=shuffle,
+                seed=7,
+                drop_remainder=drop,
+                micro_batches=k,
+            )
+            new = GlobalBatchSampler(
+                n,
+                global_batch_size=gbs,
+                data_parallel_size=world,
+                data_index=rank,
+                micro_batches=k,
+                shuffle=shuffle,
+                seed=7,
+                drop_remainder=drop,
+            )
         assert len(new) == len(old) == new.steps_per_epoch
         for epoch in range(2):
             expected = [[t[0].tolist() for t in step] for step in old.iter_steps()]
@@ -144,13 +172,23 @@ def test_resume_at_every_cursor_on_another_world_size(old_world, new_world, n):
             assert sorted(seen) == sorted(before[0].global_order(epoch)[:kept].tolist()), (epoch, stop_after)
 
 
-@pytest.mark.parametrize("n,gbs,world,k,drop", [(96, 16, 2, 1, False), (100, 16, 2, 2, False), (100, 16, 4, 1, True),
-                                                 (102, 12, 3, 2, False), (20, 8, 2, 1, False), (7, 8, 2, 1, False)])
+@pytest.mark.parametrize(
+    "n,gbs,world,k,drop",
+    [
+        (96, 16, 2, 1, False),
+        (100, 16, 2, 2, False),
+        (100, 16, 4, 1, True),
+        (102, 12, 3, 2, False),
+        (20, 8, 2, 1, False),
+        (7, 8, 2, 1, False),
+    ],
+)
 def test_end_of_epoch_is_found_without_listing_the_rest_of_it(n, gbs, world, k, drop):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        sampler = GlobalBatchSampler(n, global_batch_size=gbs, data_parallel_size=world, data_index=0,
-                                     micro_batches=k, drop_remainder=drop)
+        sampler = GlobalBatchSampler(
+            n, global_batch_size=gbs, data_parallel_size=world, data_index=0, micro_batches=k, drop_remainder=drop
+        )
     for cursor in range(n + 1):  # the O(1) check advance() uses agrees with the full listing
         assert sampler._has_step_from(cursor) == bool(sampler.global_batches(cursor=cursor)), cursor
 

@@ -16,8 +16,14 @@ pytestmark = pytest.mark.timeout(60)
 
 def make(data, gbs, dp=1, idx=0, *, shuffle=False, seed=0, drop=False, **kw):
     return DistributedBatches(
-        data, global_batch_size=gbs, data_parallel_size=dp, data_index=idx,
-        shuffle=shuffle, seed=seed, drop_remainder=drop, **kw,
+        data,
+        global_batch_size=gbs,
+        data_parallel_size=dp,
+        data_index=idx,
+        shuffle=shuffle,
+        seed=seed,
+        drop_remainder=drop,
+        **kw,
     )
 
 

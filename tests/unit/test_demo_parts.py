@@ -34,7 +34,7 @@ def tiny_model(vocab_size: int, *, block_size: int = 16, seed: int = 0) -> CharG
 
 def color_pixels(image, hex_color: str, tol: float = 0.02) -> int:
     """How many pixels of an RGB(A) float image are ``hex_color`` (within ``tol`` per channel)."""
-    rgb = torch.tensor([int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    rgb = torch.tensor([int(hex_color[i : i + 2], 16) / 255 for i in (1, 3, 5)])
     pixels = torch.as_tensor(image[..., :3])
     return int(((pixels - rgb).abs() <= tol).all(dim=-1).sum())
 
@@ -42,8 +42,11 @@ def color_pixels(image, hex_color: str, tol: float = 0.02) -> int:
 # --- corpus ---------------------------------------------------------------------------------
 def test_corpus_is_deterministic_and_split_by_file(corpus) -> None:
     again = build_corpus(SMALL_BUDGET, max_file_chars=4_000)
-    assert (again.train_text, again.heldout_text, again.vocab.chars) == (corpus.train_text, corpus.heldout_text,
-                                                                       corpus.vocab.chars)
+    assert (again.train_text, again.heldout_text, again.vocab.chars) == (
+        corpus.train_text,
+        corpus.heldout_text,
+        corpus.vocab.chars,
+    )
     assert corpus.train_files and corpus.heldout_files
     # Held out are the last files of a sorted selection, disjoint from the training files.
     names = list(corpus.train_files) + list(corpus.heldout_files)
@@ -219,8 +222,9 @@ def _write_logs(log_dir: Path) -> None:
 
     with LogWriter(log_dir, tensorboard=False) as writer:
         for step in range(1, 41):
-            writer.log_step({"epoch": (step - 1) // 20, "global_step": step, "loss": 3 - step / 20,
-                             "samples_per_s": 100.0 + step})
+            writer.log_step(
+                {"epoch": (step - 1) // 20, "global_step": step, "loss": 3 - step / 20, "samples_per_s": 100.0 + step}
+            )
         for epoch in range(2):
             writer.log_epoch({"epoch": epoch, "loss": 2.5 - epoch, "val_loss": 2.6 - epoch})
 
@@ -276,8 +280,20 @@ def test_demo_command_delegates_to_run() -> None:
     assert demo_cmd._resolve_nproc(args).nproc_per_node == (gpus or 4)
     assert demo_cmd._resolve_nproc(parser.parse_args(["-n", "3"])).nproc_per_node == 3
     run_args, _ = demo_cmd.run_args(parser.parse_args(["-n", "2", "--quick", "--out", "o", "--epochs", "1"]))
-    assert torchrun_argv(run_args) == ["--nproc-per-node", "2", "--nnodes", "1", "--standalone", "--module",
-                                       "trainmesh.demo.job", "--out", "o", "--epochs", "1", "--quick"]
+    assert torchrun_argv(run_args) == [
+        "--nproc-per-node",
+        "2",
+        "--nnodes",
+        "1",
+        "--standalone",
+        "--module",
+        "trainmesh.demo.job",
+        "--out",
+        "o",
+        "--epochs",
+        "1",
+        "--quick",
+    ]
     with pytest.raises(SystemExit):
         parser.parse_args(["-n", "0"])
 

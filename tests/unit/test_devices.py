@@ -14,8 +14,16 @@ from trainmesh.runtime import process_group
 
 pytestmark = pytest.mark.timeout(60)
 
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                  "GROUP_RANK", "TF_CONFIG")
+_LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "TF_CONFIG",
+)
 
 
 @pytest.fixture(autouse=True)

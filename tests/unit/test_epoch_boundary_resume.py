@@ -33,8 +33,9 @@ class Crash(Exception):
 def _trainer(callbacks):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
-    return tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01), torch.nn.MSELoss(),
-                      callbacks=callbacks, progress=False)
+    return tm.Trainer(
+        model, torch.optim.Adam(model.parameters(), lr=0.01), torch.nn.MSELoss(), callbacks=callbacks, progress=False
+    )
 
 
 def _params(trainer):
@@ -44,8 +45,11 @@ def _params(trainer):
 @pytest.mark.parametrize("sharded", [False, True], ids=["model-checkpoint", "sharded-sync"])
 def test_an_epochs_last_step_is_saved_once_with_the_epoch_done(tmp_path, sharded):
     saved = []  # (global step, epoch counter, data epoch) of every save, in order
-    callback = (tm.ShardedCheckpoint(tmp_path, every_n_steps=2, async_save=False) if sharded
-                else tm.ModelCheckpoint(tmp_path, save_best=False, save_every_n_steps=2))
+    callback = (
+        tm.ShardedCheckpoint(tmp_path, every_n_steps=2, async_save=False)
+        if sharded
+        else tm.ModelCheckpoint(tmp_path, save_best=False, save_every_n_steps=2)
+    )
     trainer = _trainer([callback])
     original = trainer.save_checkpoint if not sharded else None
 

@@ -26,22 +26,26 @@ def run(script: str) -> str:
 
 
 def test_the_group_trainmesh_started_is_destroyed_at_exit():
-    out = run(textwrap.dedent(f"""
+    out = run(
+        textwrap.dedent(f"""
         import atexit, torch.distributed as dist, trainmesh as tm
         {REPORT}
         tm.initialize()
         print("initialized:", dist.is_initialized(), flush=True)
-    """))
+    """)
+    )
     assert "initialized: True" in out
     assert "group alive at the end: False" in out
 
 
 def test_a_group_the_user_started_is_left_to_the_user():
     # trainmesh adopts a group it did not start and must not tear it down behind the user's back.
-    out = run(textwrap.dedent(f"""
+    out = run(
+        textwrap.dedent(f"""
         import atexit, torch.distributed as dist, trainmesh as tm
         {REPORT}
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         tm.initialize()
-    """))
+    """)
+    )
     assert "group alive at the end: True" in out

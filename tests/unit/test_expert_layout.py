@@ -16,10 +16,20 @@ transformers = pytest.importorskip("transformers")
 
 def _qwen3_moe(num_experts: int = 4):
     torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
-                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
-                                         num_experts=num_experts, num_experts_per_tok=2, decoder_sparse_step=1,
-                                         mlp_only_layers=[])
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=num_experts,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
     return transformers.Qwen3MoeForCausalLM(config)
 
 
@@ -76,8 +86,11 @@ def test_experts_that_do_not_divide_over_the_axis_are_named():
 
 def test_expert_axis_on_a_model_without_experts():
     torch.manual_seed(0)
-    dense = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+    dense = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+        )
+    )
     with pytest.raises(ValueError, match=r"expert_axis='data' was given but LlamaForCausalLM has no experts"):
         tm.LayoutMap.auto(dense, _mesh(2), expert_axis="data", verbose=False)
     layout_map = tm.LayoutMap(_mesh(2))
@@ -89,8 +102,11 @@ def test_expert_axis_on_a_model_without_experts():
 def test_an_unsupported_router_is_named():
     model = _qwen3_moe()
     del model.model.layers[1].mlp.gate.top_k  # not a top-k router any more
-    with pytest.raises(ValueError, match=r"Router 'model.layers.1.mlp.gate' \(Qwen3MoeTopKRouter\) is not a supported "
-                                         r"router for expert parallelism over axis 'data'"):
+    with pytest.raises(
+        ValueError,
+        match=r"Router 'model.layers.1.mlp.gate' \(Qwen3MoeTopKRouter\) is not a supported "
+        r"router for expert parallelism over axis 'data'",
+    ):
         tm.LayoutMap.auto(model, _mesh(2), expert_axis="data", verbose=False)
 
 
@@ -99,7 +115,9 @@ def test_a_layout_inside_an_expert_or_a_partial_one_is_refused():
     mesh = _mesh(2, 2, axes=("data", "model"))
     layout_map = tm.LayoutMap(mesh)
     layout_map["model.layers.0.mlp.experts.gate_up_proj"] = ("data", "model", None)
-    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.experts.gate_up_proj' may be laid out .* \(dim 0\) only"):
+    with pytest.raises(
+        ValueError, match=r"'model.layers.0.mlp.experts.gate_up_proj' may be laid out .* \(dim 0\) only"
+    ):
         build_expert_plan(model, tm.ModelParallel(layout_map=layout_map, batch_dim_name="data"))
     layout_map = tm.LayoutMap(mesh)
     layout_map["model.layers.0.mlp.experts.gate_up_proj"] = ("data", None, None)

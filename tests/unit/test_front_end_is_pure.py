@@ -24,8 +24,11 @@ def _imports(path: pathlib.Path) -> set[str]:
 def test_no_front_end_module_imports_the_engine_or_torch_distributed():
     offenders = {}
     for path in sorted(FRONT_END.glob("*.py")):
-        bad = {name for name in _imports(path)
-               if "_torch" in name or name.startswith("torch.distributed") or name.startswith("trainmesh.trainer")}
+        bad = {
+            name
+            for name in _imports(path)
+            if "_torch" in name or name.startswith("torch.distributed") or name.startswith("trainmesh.trainer")
+        }
         if bad:
             offenders[path.name] = sorted(bad)
     assert not offenders, f"front-end modules import the engine: {offenders}"

@@ -32,8 +32,12 @@ def test_model_optimizer_and_schedule_state_round_trip_exactly():
         model(torch.randn(2, 4)).sum().backward()
         optimizer.step()
         scheduler.step()
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-             "extra": {"bf16": torch.ones(3, dtype=torch.bfloat16), "flag": True, "none": None, 7: "int key"}}
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "extra": {"bf16": torch.ones(3, dtype=torch.bfloat16), "flag": True, "none": None, 7: "int key"},
+    }
     back = _roundtrip(state)
     assert back["model"].keys() == state["model"].keys()
     assert all(torch.equal(back["model"][k], v) for k, v in state["model"].items())

@@ -19,8 +19,9 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 def _gpt2():
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=32, n_embd=16, n_layer=2, n_head=2, n_positions=8,
-                                     bos_token_id=0, eos_token_id=1)
+    config = transformers.GPT2Config(
+        vocab_size=32, n_embd=16, n_layer=2, n_head=2, n_positions=8, bos_token_id=0, eos_token_id=1
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -95,8 +96,14 @@ def test_export_from_a_dcp_folder(tmp_path):
         export_pretrained(tmp_path / "dcp", tmp_path / "bare")
     assert set(safetensors_torch.load_file(tmp_path / "bare" / "model.safetensors")) == set(model.state_dict())
     assert not (tmp_path / "bare" / "config.json").exists()
-    llama = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                     num_attention_heads=2, num_key_value_heads=2)
+    llama = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     llama.save_pretrained(tmp_path / "other")
     with pytest.raises(ValueError, match="has no tensor 'model.embed_tokens.weight'"):
         export_pretrained(tmp_path / "dcp", tmp_path / "wrong", config=tmp_path / "other")

@@ -45,7 +45,9 @@ def test_unresolvable_rendezvous_host_is_a_value_error(monkeypatch):
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
     monkeypatch.setattr(socket, "getaddrinfo", no_such_host)
-    with pytest.raises(ValueError, match=r"cannot resolve the rendezvous host 'nohost'.*Received: --rdzv-endpoint nohost:1"):
+    with pytest.raises(
+        ValueError, match=r"cannot resolve the rendezvous host 'nohost'.*Received: --rdzv-endpoint nohost:1"
+    ):
         run.choose_local_addr("nohost:1")
 
 
@@ -64,7 +66,9 @@ def test_worker_env_points_gloo_at_the_advertised_interface(monkeypatch):
 
 
 def test_local_addr_reaches_torchrun(script):
-    args, _ = parse("-n", "2", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--local-addr", "127.0.0.1", script)
+    args, _ = parse(
+        "-n", "2", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--local-addr", "127.0.0.1", script
+    )
     argv = run.torchrun_argv(args)
     assert argv[argv.index("--local-addr") + 1] == "127.0.0.1"
     args, _ = parse("-n", "2", script)
@@ -76,8 +80,9 @@ def test_default_local_addr_only_on_several_nodes(script):
     assert run.resolve_local_addr(args) is None  # one node: torch's own default, nothing to reach
     args, _ = parse("-n", "2", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", script)
     assert run.resolve_local_addr(args) == "127.0.0.1"
-    args, _ = parse("-n", "2", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--local-addr", "127.0.0.2",
-                    script)
+    args, _ = parse(
+        "-n", "2", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--local-addr", "127.0.0.2", script
+    )
     assert run.resolve_local_addr(args) == "127.0.0.2"  # as given
 
 
@@ -85,8 +90,10 @@ def test_default_local_addr_only_on_several_nodes(script):
     ("argv", "message"),
     [
         (["--nnodes", "2", "--rdzv-endpoint", "h:abc"], "--rdzv-endpoint must be HOST:PORT"),
-        (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--local-addr", FOREIGN],
-         f"--local-addr must be an address of this machine.*Received: --local-addr {FOREIGN}"),
+        (
+            ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--local-addr", FOREIGN],
+            f"--local-addr must be an address of this machine.*Received: --local-addr {FOREIGN}",
+        ),
         (["--nnodes", "2"], "--rdzv-endpoint HOST:PORT is required"),
         (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1"], "--node-rank must be < --nnodes"),
     ],
@@ -111,8 +118,19 @@ def test_no_route_to_the_rendezvous_host_is_a_usage_error(script, capsys, monkey
 
 
 def test_elastic_node_range_and_rendezvous_settings_reach_torchrun(script):
-    args, _ = parse("-n", "2", "--nnodes", "1:2", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:29400",
-                    "--rdzv-conf", "last_call_timeout=2,join_timeout=60", script)
+    args, _ = parse(
+        "-n",
+        "2",
+        "--nnodes",
+        "1:2",
+        "--node-rank",
+        "1",
+        "--rdzv-endpoint",
+        "127.0.0.1:29400",
+        "--rdzv-conf",
+        "last_call_timeout=2,join_timeout=60",
+        script,
+    )
     argv = run.torchrun_argv(args)
     assert argv[argv.index("--nnodes") + 1] == "1:2"
     assert argv[argv.index("--rdzv-conf") + 1] == "is_host=0,last_call_timeout=2,join_timeout=60"

@@ -23,8 +23,7 @@ def read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
 
 def test_round_trip(tmp_path: Path) -> None:
     log_dir = tmp_path / "deep" / "logs"  # created, parents included
-    steps = [{"epoch": 0, "step": s, "global_step": s, "loss": 1.0 / s, "lr": 1e-3, "skipped": 0}
-             for s in range(1, 4)]
+    steps = [{"epoch": 0, "step": s, "global_step": s, "loss": 1.0 / s, "lr": 1e-3, "skipped": 0} for s in range(1, 4)]
     with LogWriter(log_dir, tensorboard=False) as writer:
         for record in steps:
             writer.log_step(record)
@@ -51,7 +50,7 @@ def test_new_keys_widen_the_csv(tmp_path: Path) -> None:
         writer.log_step({"global_step": 1, "loss": 1.0})
         writer.log_step({"global_step": 2, "loss": 0.9, "loss_scale": 32768.0})
         writer.log_step({"global_step": 3, "grad_norm": 2.5, "loss": 0.8})  # new key, other order
-        writer.log_step({"global_step": 4, "loss": 0.7})                    # keys missing
+        writer.log_step({"global_step": 4, "loss": 0.7})  # keys missing
     columns, rows = read_csv(tmp_path / "steps.csv")
     assert columns == ["global_step", "loss", "loss_scale", "grad_norm"]
     assert rows == [
@@ -67,8 +66,15 @@ def test_new_keys_widen_the_csv(tmp_path: Path) -> None:
 
 def test_nan_and_inf(tmp_path: Path) -> None:
     with LogWriter(tmp_path, tensorboard=False) as writer:
-        writer.log_step({"global_step": 1, "loss": math.nan, "grad_norm": math.inf,
-                         "delta": -math.inf, "t": torch.tensor(float("nan"))})
+        writer.log_step(
+            {
+                "global_step": 1,
+                "loss": math.nan,
+                "grad_norm": math.inf,
+                "delta": -math.inf,
+                "t": torch.tensor(float("nan")),
+            }
+        )
     (record,) = read_log(tmp_path)
     assert math.isnan(record["loss"]) and math.isnan(record["t"])
     assert record["grad_norm"] == math.inf and record["delta"] == -math.inf
@@ -129,8 +135,17 @@ def test_tensorboard_scalars(tmp_path: Path) -> None:
     with LogWriter(tmp_path) as writer:  # auto: tensorboard is installed
         assert writer.tensorboard_dir == tmp_path / "tensorboard"
         for step in (1, 2, 3):
-            writer.log_step({"epoch": 0, "step": step, "global_step": step, "loss": 1.0 / step,
-                             "skipped": False, "note": "text", "grad_norm": math.nan})
+            writer.log_step(
+                {
+                    "epoch": 0,
+                    "step": step,
+                    "global_step": step,
+                    "loss": 1.0 / step,
+                    "skipped": False,
+                    "note": "text",
+                    "grad_norm": math.nan,
+                }
+            )
         writer.log_epoch({"epoch": 0, "loss": 0.6, "val_loss": 0.7})
         writer.log_epoch({"epoch": 1, "loss": 0.4, "val_loss": 0.5})
     events = EventAccumulator(str(tmp_path / "tensorboard"))

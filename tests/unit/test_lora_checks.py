@@ -15,8 +15,15 @@ peft = pytest.importorskip("peft")
 
 
 def _llama() -> torch.nn.Module:
-    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=8)
+    config = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=8,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
 

@@ -99,9 +99,22 @@ def test_mesh_equality_and_hash():
         ((2,), ["a"], ["cpu:", "cpu:1"], "device name"),
         ((2,), ["a"], ["", "cpu:1"], "device name"),
     ],
-    ids=["empty-shape", "empty-shape-list", "empty-axes", "fewer-names", "more-names", "too-few-dims",
-         "too-many-dims", "duplicate-axis", "duplicate-device", "zero-axis", "no-colon", "non-int-index",
-         "no-index", "empty-name"],
+    ids=[
+        "empty-shape",
+        "empty-shape-list",
+        "empty-axes",
+        "fewer-names",
+        "more-names",
+        "too-few-dims",
+        "too-many-dims",
+        "duplicate-axis",
+        "duplicate-device",
+        "zero-axis",
+        "no-colon",
+        "non-int-index",
+        "no-index",
+        "empty-name",
+    ],
 )
 def test_mesh_value_errors(shape, axis_names, devices, match):
     with pytest.raises(ValueError, match=match):

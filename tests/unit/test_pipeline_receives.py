@@ -54,8 +54,16 @@ class Schedule:
         self._stages_forward_initialized = self._stages_backward_initialized = initialized
 
     def step(self):
-        for kind, stage, chunk in [("fwd", 0, 0), ("fwd", 1, 0), ("fwd", 0, 1), ("fwd", 1, 1),
-                                   ("bwd", 1, 1), ("bwd", 0, 1), ("bwd", 1, 0), ("bwd", 0, 0)]:
+        for kind, stage, chunk in [
+            ("fwd", 0, 0),
+            ("fwd", 1, 0),
+            ("fwd", 0, 1),
+            ("fwd", 1, 1),
+            ("bwd", 1, 1),
+            ("bwd", 0, 1),
+            ("bwd", 1, 0),
+            ("bwd", 0, 0),
+        ]:
             s = self.stages[stage]
             ops = s.get_fwd_recv_ops(chunk) if kind == "fwd" else s.get_bwd_recv_ops(chunk)
             for op in ops:  # posted when due, and waited for at once
@@ -98,7 +106,7 @@ def test_later_steps_post_the_first_steps_receives_in_its_order_before_the_sched
     assert posted == [("post", op) for op in asked], "every receive, in the first step's order, before the schedule"
     schedule.step()
     plan.after_step()
-    after = log[len(posted):]
+    after = log[len(posted) :]
     assert not [entry for entry in after if entry[0] == "post"], "the schedule must get no receive to post"
     # each posted receive is waited for right before the compute that consumes it, and only there
     computes = [entry for entry in first if entry[0] in ("forward", "backward")]

@@ -26,9 +26,18 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def llama(dtype: torch.dtype = torch.float32) -> nn.Module:
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                                      bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to(dtype)
 
@@ -39,8 +48,15 @@ def lora(dtype: torch.dtype = torch.bfloat16) -> nn.Module:
 
 
 def _row(model: nn.Module, stage: int, world_size: int = 2, optimizer="adamw"):
-    report = plan(model, world_size=world_size, zero_stage=stage, precision="bf16-mixed", micro_batch=BATCH,
-                  seq_len=SEQ, optimizer=optimizer)
+    report = plan(
+        model,
+        world_size=world_size,
+        zero_stage=stage,
+        precision="bf16-mixed",
+        micro_batch=BATCH,
+        seq_len=SEQ,
+        optimizer=optimizer,
+    )
     return report, next(r for r in report.rows if r.activation_checkpointing is None)
 
 
@@ -89,8 +105,11 @@ def test_zero3_working_buffers_gather_the_base_as_stored_and_unshard_trainable_g
     in_layers = {id(p) for p in layers.parameters()}
 
     def unsharded(params, trainable_only=False, itemsize=None):
-        return sum(math.ceil(p.shape[0] / 2) * 2 * (p.numel() // p.shape[0]) * (itemsize or p.element_size())
-                   for p in params if p.requires_grad or not trainable_only)
+        return sum(
+            math.ceil(p.shape[0] / 2) * 2 * (p.numel() // p.shape[0]) * (itemsize or p.element_size())
+            for p in params
+            if p.requires_grad or not trainable_only
+        )
 
     root = unsharded(p for p in model.parameters() if id(p) not in in_layers)
     blocks = sorted((unsharded(layer.parameters()) for layer in layers), reverse=True)
@@ -173,8 +192,8 @@ def test_gather_dtype_keeps_a_16_bit_base_as_stored_and_fp32_models_as_before():
     from trainmesh._torch.zero import build_mixed_precision, gather_dtype
 
     assert gather_dtype(nn.Linear(4, 4), torch.bfloat16) == torch.bfloat16  # fp32 master weights: cast to gather
-    assert gather_dtype(nn.Linear(4, 4), None) is None                       # fp32 precision: nothing to cast
-    assert gather_dtype(lora(torch.bfloat16), torch.bfloat16) is None         # stored in 16 bits: as stored
+    assert gather_dtype(nn.Linear(4, 4), None) is None  # fp32 precision: nothing to cast
+    assert gather_dtype(lora(torch.bfloat16), torch.bfloat16) is None  # stored in 16 bits: as stored
     assert gather_dtype(lora(torch.float16), torch.bfloat16) is None
     policy = build_mixed_precision(torch.bfloat16, None, lora(torch.bfloat16))
     assert (policy.param_dtype, policy.reduce_dtype) == (None, torch.float32)  # adapters reduced in fp32

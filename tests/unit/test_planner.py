@@ -14,8 +14,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def mlp():  # 2 Linear layers: (64*32 + 32) + (32*16 + 16) = 2080 + 528 = 2608 parameters
-    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(),
-                         nn.Linear(32, 16))
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16))
 
 
 def rows_by_stage(report):
@@ -26,11 +25,11 @@ def test_exact_bytes_per_stage_for_a_small_mlp():
     n = 2
     report = plan(mlp, world_size=n, micro_batch=4, example_input=torch.zeros(4, 64), budget_bytes="1MiB")
     rows = rows_by_stage(report)
-    P = 2608 * 4                       # fp32 parameters
-    adam = 2 * P + 4 * 4               # exp_avg + exp_avg_sq + a 4-byte step per parameter tensor (4 tensors)
+    P = 2608 * 4  # fp32 parameters
+    adam = 2 * P + 4 * 4  # exp_avg + exp_avg_sq + a 4-byte step per parameter tensor (4 tensors)
     # dim-0 shards: weight (32,64) -> 16 rows, bias 32 -> 16, weight (16,32) -> 8 rows, bias 16 -> 8
     shard = (16 * 64 + 16 + 8 * 32 + 8) * 4
-    adam_shard = 2 * shard + 4 * 4     # scalars stay whole
+    adam_shard = 2 * shard + 4 * 4  # scalars stay whole
     # activations: the input (4,64) saved by Linear, ReLU output (4,32) saved by ReLU and the 2nd Linear
     # (one storage), and the output (4,16)
     acts = (4 * 64 + 4 * 32 + 4 * 16) * 4
@@ -75,7 +74,8 @@ def test_gpt_rows_checkpointing_and_transformer_activations_match_a_real_forward
     config = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, d_model=128)
     report = plan(lambda: CharGPT(config), world_size=2, micro_batch=8, seq_len=64)
     assert [(r.zero_stage, r.activation_checkpointing) for r in report.rows] == [
-        (s, c) for s in range(4) for c in (None, "full")]
+        (s, c) for s in range(4) for c in (None, "full")
+    ]
     rows = rows_by_stage(report)
     # Measured on real CPU tensors with the same saved_tensors_hooks count (flash SDPA, no T x T matrix):
     assert rows[(0, None)].activations == 8954368 + 8 * 64 * 65 * 4
@@ -88,8 +88,14 @@ def test_every_k_policy_uses_the_checkpointing_modules_paths():
     from trainmesh.demo.char_gpt import CharGPT, GPTConfig
 
     config = GPTConfig(vocab_size=65, block_size=32, n_layer=4, n_head=2, d_model=64)
-    acts = {p: plan(lambda: CharGPT(config), world_size=1, zero_stage=0, micro_batch=2, seq_len=32,
-                    activation_checkpointing=p).rows[-1].activations for p in ("full", "every:2")}
+    acts = {
+        p: plan(
+            lambda: CharGPT(config), world_size=1, zero_stage=0, micro_batch=2, seq_len=32, activation_checkpointing=p
+        )
+        .rows[-1]
+        .activations
+        for p in ("full", "every:2")
+    }
     none = plan(lambda: CharGPT(config), world_size=1, zero_stage=0, micro_batch=2, seq_len=32).rows[0].activations
     assert acts["full"] < acts["every:2"] < none
 
@@ -101,8 +107,8 @@ def test_meta_device_only_a_10b_parameter_model_plans_instantly():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     report = plan(huge, world_size=8, zero_stage=3, micro_batch=1, example_input=torch.zeros(1, 16384))
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
-    assert report.num_parameters == 40 * 16384 ** 2
-    assert report.rows[0].params == 40 * 16384 ** 2 * 4 // 8
+    assert report.num_parameters == 40 * 16384**2
+    assert report.rows[0].params == 40 * 16384**2 * 4 // 8
     assert grown_mib < 500, f"peak RSS grew by {grown_mib:.0f} MiB: something was allocated for real"
 
 
@@ -115,8 +121,7 @@ def test_instance_is_copied_not_touched_and_tied_weights_count_once():
 
 
 def test_budget_flags_best_and_units():
-    report = plan(mlp, world_size=4, micro_batch=4, example_input=torch.zeros(4, 64),
-                  budget_bytes=40_000)
+    report = plan(mlp, world_size=4, micro_batch=4, example_input=torch.zeros(4, 64), budget_bytes=40_000)
     fits = {r.zero_stage: r.fits for r in report.rows}
     assert fits[0] is False and fits[3] is True
     assert report.best().fits and report.best(10) is None

@@ -13,8 +13,16 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_a_1024_rank_tp_x_fsdp_plan_files_collectives_per_axis():
-    plan = plan_parallel("tiny-llama", world_size=1024, mesh="data=128,model=8", zero_stage=3,
-                         activation_checkpointing="full", micro_batch=1, seq_len=64, precision="fp32")
+    plan = plan_parallel(
+        "tiny-llama",
+        world_size=1024,
+        mesh="data=128,model=8",
+        zero_stage=3,
+        activation_checkpointing="full",
+        micro_batch=1,
+        seq_len=64,
+        precision="fp32",
+    )
     rank = plan.ranks[0]
     rows = {(r["axis"], r["kind"]): r for r in rank.collectives.rows()}
     # FSDP2 over the 128-way batch axis: one all-gather per unit in forward and one in backward,
@@ -55,8 +63,16 @@ def test_mesh_errors_name_the_value():
 
 
 def test_a_plan_that_does_not_fit_says_by_how_much_and_which_knob():
-    plan = plan_parallel("tiny-llama", world_size=4, mesh="data=4", zero_stage=0, micro_batch=1, seq_len=64,
-                         device_memory="8MiB", precision="fp32")
+    plan = plan_parallel(
+        "tiny-llama",
+        world_size=4,
+        mesh="data=4",
+        zero_stage=0,
+        micro_batch=1,
+        seq_len=64,
+        device_memory="8MiB",
+        precision="fp32",
+    )
     assert plan.fits is False
     note = plan.notes[-1]
     assert "over the device memory by" in note and "--zero 3" in note
@@ -65,8 +81,16 @@ def test_a_plan_that_does_not_fit_says_by_how_much_and_which_knob():
 
 def test_search_ranks_fitting_candidates_fastest_first():
     # tiny-llama: 3.7M parameters, 59 MB of fp32 Adam states when whole; 40 MiB rules out ZeRO 0 on one axis
-    result = search("tiny-llama", world_size=2, device_memory=40 * 2**20, micro_batch=1, seq_len=32,
-                    precision="fp32", zero_stages=(0, 3), checkpointing_choices=(None,))
+    result = search(
+        "tiny-llama",
+        world_size=2,
+        device_memory=40 * 2**20,
+        micro_batch=1,
+        seq_len=32,
+        precision="fp32",
+        zero_stages=(0, 3),
+        checkpointing_choices=(None,),
+    )
     ranked = result.ranked
     assert ranked and all(p.fits for p in ranked)
     assert [p.step.seconds for p in ranked] == sorted(p.step.seconds for p in ranked)
@@ -75,8 +99,16 @@ def test_search_ranks_fitting_candidates_fastest_first():
 
 
 def test_a_3d_pipe_x_data_x_model_plan_runs_the_pipeline_split():
-    plan = plan_parallel("tiny-llama", world_size=8, mesh="pipe=2,data=2,model=2", zero_stage=3, micro_batch=1,
-                         seq_len=32, precision="fp32", microbatches=4)
+    plan = plan_parallel(
+        "tiny-llama",
+        world_size=8,
+        mesh="pipe=2,data=2,model=2",
+        zero_stage=3,
+        micro_batch=1,
+        seq_len=32,
+        precision="fp32",
+        microbatches=4,
+    )
     first, last = plan.ranks
     assert (first.rank, last.rank) == (0, 4) and (first.in_flight, last.in_flight) == (2, 1)
     # each stage holds about half the layers: neither holds the whole model's parameters
@@ -86,7 +118,10 @@ def test_a_3d_pipe_x_data_x_model_plan_runs_the_pipeline_split():
     assert pipe["send_recv"]["count"] == 4 and pipe["send_recv"]["bytes"] == 4 * 32 * 256 * 4
     assert "pipe bubble" in plan.step.exposed
     for r in plan.ranks:  # 1F1B interleaves the microbatches' forwards and backwards: each op keeps its own phase
-        assert 1.5 < r.ops.flops("backward") / r.ops.flops("forward") < 2.5, (r.ops.flops("forward"), r.ops.flops("backward"))
+        assert 1.5 < r.ops.flops("backward") / r.ops.flops("forward") < 2.5, (
+            r.ops.flops("forward"),
+            r.ops.flops("backward"),
+        )
 
 
 def test_alpha_beta_fit_and_calibrated_hardware_round_trip(tmp_path):
@@ -97,8 +132,14 @@ def test_alpha_beta_fit_and_calibrated_hardware_round_trip(tmp_path):
     times = {s: alpha + s / beta for s in (2**12, 2**16, 2**20, 2**23)}
     fitted_alpha, fitted_beta = fit_alpha_beta(times)
     assert abs(fitted_alpha - alpha) < 1e-7 and abs(fitted_beta / beta - 1) < 1e-6
-    hw = Hardware(name="calibrated", source="calibrated: test", flops=1e11, devices_per_node=1 << 30,
-                  intra=Link("loopback", alpha, beta), inter=Link("loopback", alpha, beta))
+    hw = Hardware(
+        name="calibrated",
+        source="calibrated: test",
+        flops=1e11,
+        devices_per_node=1 << 30,
+        intra=Link("loopback", alpha, beta),
+        inter=Link("loopback", alpha, beta),
+    )
     path = tmp_path / "hw.json"
     import json
 
@@ -109,8 +150,18 @@ def test_alpha_beta_fit_and_calibrated_hardware_round_trip(tmp_path):
 
 
 def test_search_ranks_pipe_x_data_x_model_meshes_too():
-    result = search("tiny-llama", world_size=8, device_memory=2**40, micro_batch=1, seq_len=32, precision="fp32",
-                    zero_stages=(3,), checkpointing_choices=(None,), max_model=2, max_pipe=2)
+    result = search(
+        "tiny-llama",
+        world_size=8,
+        device_memory=2**40,
+        micro_batch=1,
+        seq_len=32,
+        precision="fp32",
+        zero_stages=(3,),
+        checkpointing_choices=(None,),
+        max_model=2,
+        max_pipe=2,
+    )
     meshes = {p.mesh.text(): p for p in result.plans}
     assert set(meshes) == {"data=8", "data=4,model=2", "pipe=2,data=4", "pipe=2,data=2,model=2"}, result.skipped
     assert [p.step.seconds for p in result.ranked] == sorted(p.step.seconds for p in result.ranked)
@@ -132,11 +183,19 @@ def test_each_op_is_priced_by_its_flops_or_bytes_plus_overhead():
         y.t()  # a view: overhead only
     assert prof.ops("forward") == 2 and prof.ops("backward") == 1 and prof.flops() == 2 * 8 * 16 * 4
     link = Link("l", 0.0, 1e9)
-    hw = Hardware(name="t", source="test", flops=1e9, devices_per_node=8, intra=link, inter=link,
-                  memory_bandwidth=1e9, op_overhead=1e-6)
+    hw = Hardware(
+        name="t",
+        source="test",
+        flops=1e9,
+        devices_per_node=8,
+        intra=link,
+        inter=link,
+        memory_bandwidth=1e9,
+        op_overhead=1e-6,
+    )
     seconds = price(prof, hw)
     mm = max(1024 / 1e9, (8 * 16 + 16 * 4 + 8 * 4) * 4 / 1e9)  # compute-bound: 1.024 us
-    relu = 2 * 8 * 4 * 4 / 1e9                                     # reads and writes 128 bytes
+    relu = 2 * 8 * 4 * 4 / 1e9  # reads and writes 128 bytes
     assert seconds["forward"] == pytest.approx(mm + relu + 2e-6, rel=1e-9)
     assert seconds["backward"] == pytest.approx(1e-6, rel=1e-9)
     assert OpProfile.from_rows(prof.rows()).counts == prof.counts
@@ -158,8 +217,9 @@ def test_attention_and_arithmetic_bound_ops_are_priced_on_their_own_measured_cur
     kinds = sorted(key[4] for key in prof.counts)
     assert kinds == ["", "attention", "exp"]
     link = Link("l", 0.0, 1e9)
-    roofline = Hardware(name="t", source="test", flops=1e9, devices_per_node=8, intra=link, inter=link,
-                        memory_bandwidth=1e9)
+    roofline = Hardware(
+        name="t", source="test", flops=1e9, devices_per_node=8, intra=link, inter=link, memory_bandwidth=1e9
+    )
     exp_bytes, attention_flops = 2 * 1024 * 4, 4 * 2 * 16 * 16 * 8
     base = price(prof, roofline)
     assert base["forward"] == pytest.approx((exp_bytes + 3 * 1024 * 4) / 1e9, rel=1e-9)
@@ -177,8 +237,9 @@ def test_step_time_counts_every_op_and_the_cores_processes_share():
     from trainmesh.planner.hardware import HARDWARE
     from trainmesh.planner.parallel import estimate_step
 
-    plan = plan_parallel("tiny-llama", world_size=4, mesh="data=4", zero_stage=0, micro_batch=1, seq_len=32,
-                         precision="fp32")
+    plan = plan_parallel(
+        "tiny-llama", world_size=4, mesh="data=4", zero_stage=0, micro_batch=1, seq_len=32, precision="fp32"
+    )
     rank = plan.ranks[0]
     assert rank.ops.ops("optimizer") > 0 and rank.ops.bytes("forward") > 0
     h100 = HARDWARE["h100"]
@@ -217,11 +278,16 @@ def test_measured_core_sharing_prices_the_step_and_is_named_in_the_plan():
     curve = ((1, 1.0), (2, 1.5), (4, 3.0), (8, 7.0))
     assert slowdown_at(curve, 1) == 1.0 and slowdown_at(curve, 3) == pytest.approx(2.25)
     assert slowdown_at(curve, 16) == pytest.approx(14.0) and slowdown_at((), 8) == 1.0
-    plan = plan_parallel("tiny-llama", world_size=4, mesh="data=4", zero_stage=0, micro_batch=1, seq_len=32,
-                         precision="fp32")
+    plan = plan_parallel(
+        "tiny-llama", world_size=4, mesh="data=4", zero_stage=0, micro_batch=1, seq_len=32, precision="fp32"
+    )
     cpu = replace(HARDWARE["h100"], op_overhead=1e-3, cores=2, devices_per_node=1 << 30, contention_curve=curve)
     # the measured curve replaces the core count's share (which would say 2.0 for 4 processes on 2 cores)
-    assert cpu.contention(4) == 3.0 and cpu.shares_cores(4) and not replace(cpu, contention_curve=((1, 1.0), (4, 1.0))).shares_cores(4)
+    assert (
+        cpu.contention(4) == 3.0
+        and cpu.shares_cores(4)
+        and not replace(cpu, contention_curve=((1, 1.0), (4, 1.0))).shares_cores(4)
+    )
     step = estimate_step(plan.ranks, plan.mesh, cpu, tokens_per_rank=None, shape={})
     # compute at the 4-process slowdown; the loopback figures already carry 2 processes' share (3.0 / 1.5)
     assert step.seconds == pytest.approx(3.0 * step.compute + 2.0 * sum(step.axes.values()), rel=1e-6)
@@ -246,8 +312,16 @@ def test_each_collective_kind_is_priced_with_its_own_measured_figures():
     from trainmesh.planner.hardware import Hardware, Link, axis_seconds
 
     loop, far = Link("loopback", 1e-3, 1e9), Link("far", 1e-3, 1e9)
-    hw = Hardware(name="calibrated", source="calibrated: test", flops=1e11, devices_per_node=2, intra=loop,
-                  inter=far, backend="gloo", collective_costs=(("reduce_scatter", 2e-3, 0.5e9),))
+    hw = Hardware(
+        name="calibrated",
+        source="calibrated: test",
+        flops=1e11,
+        devices_per_node=2,
+        intra=loop,
+        inter=far,
+        backend="gloo",
+        collective_costs=(("reduce_scatter", 2e-3, 0.5e9),),
+    )
     log = CollectiveLog(group_sizes={"data": 2})
     log.add("data", "all_reduce", 10**6, 2)
     log.add("data", "reduce_scatter", 10**6, 3)
@@ -269,13 +343,27 @@ def test_a_measured_host_link_prices_the_axes_that_cross_hosts_and_namespace_hos
     from trainmesh.planner.hardware import Hardware, Link, axis_seconds
 
     loop = Link("loopback", 1e-4, 2e9)
-    one_machine = Hardware(name="calibrated", source="calibrated: test", flops=1e11, devices_per_node=1 << 30,
-                           intra=loop, inter=loop, backend="gloo", cores=2,
-                           collective_costs=(("all_reduce", 2e-4, 1e9),), contention_curve=((1, 1.0), (4, 2.5)))
+    one_machine = Hardware(
+        name="calibrated",
+        source="calibrated: test",
+        flops=1e11,
+        devices_per_node=1 << 30,
+        intra=loop,
+        inter=loop,
+        backend="gloo",
+        cores=2,
+        collective_costs=(("all_reduce", 2e-4, 1e9),),
+        contention_curve=((1, 1.0), (4, 2.5)),
+    )
     # all-reduce measured as a curve (wire bytes of one call -> seconds); all-gather only as a fit
     measured = (("all_reduce", ((4096, 3e-3), (2**20, 8e-3), (2**23, 70e-3))),)
-    hosts = with_host_link(one_machine, Link("hosts at 1gbit", 3e-3, 150e6),
-                           (("all_reduce", 3e-3, 150e6), ("all_gather", 4e-4, 140e6)), measured, processes_per_host=2)
+    hosts = with_host_link(
+        one_machine,
+        Link("hosts at 1gbit", 3e-3, 150e6),
+        (("all_reduce", 3e-3, 150e6), ("all_gather", 4e-4, 140e6)),
+        measured,
+        processes_per_host=2,
+    )
     log = CollectiveLog(group_sizes={"data": 2})
     log.add("data", "all_reduce", 2 * 3 * 2**20, 2)  # two calls of 3 MiB (two ranks: 3 MiB on the wire each)
     log.add("data", "all_gather", 10**6, 1)
@@ -293,7 +381,8 @@ def test_a_measured_host_link_prices_the_axes_that_cross_hosts_and_namespace_hos
     # outside the measured sizes: the smallest's latency below, the last segment's slope above
     assert hosts.collective_seconds("all_reduce", hosts.inter, 1, 100) == pytest.approx(3e-3)
     assert hosts.collective_seconds("all_reduce", hosts.inter, 1, 2**24) == pytest.approx(
-        70e-3 + (70e-3 - 8e-3) * (2**24 - 2**23) / (2**23 - 2**20))
+        70e-3 + (70e-3 - 8e-3) * (2**24 - 2**23) / (2**23 - 2**20)
+    )
     # the namespace hosts are one machine: all 4 processes of 2 hosts share its cores
     assert hosts.processes_per_node(4) == 4 and hosts.contention(4) == pytest.approx(2.5)
     assert replace(hosts, nodes_share_cores=False).processes_per_node(4) == 2
@@ -312,15 +401,35 @@ def test_waiting_on_a_link_between_hosts_is_not_stretched_by_the_core_share():
     from trainmesh.planner.parallel import estimate_step
 
     loop = Link("loopback", 1e-4, 2e9)
-    one_machine = Hardware(name="calibrated", source="calibrated: test", flops=1e10, devices_per_node=1 << 30,
-                           intra=loop, inter=loop, backend="gloo", cores=2, contention_curve=((1, 1.0), (2, 1.0), (4, 2.5)))
+    one_machine = Hardware(
+        name="calibrated",
+        source="calibrated: test",
+        flops=1e10,
+        devices_per_node=1 << 30,
+        intra=loop,
+        inter=loop,
+        backend="gloo",
+        cores=2,
+        contention_curve=((1, 1.0), (2, 1.0), (4, 2.5)),
+    )
     hosts = with_host_link(one_machine, Link("hosts at 1gbit", 3e-3, 100e6), (), (), processes_per_host=2)
     spec = MeshSpec.parse("data=2,model=2", 4)  # data stride 2: each data group has a rank on each host
     log = CollectiveLog(group_sizes={"data": 2, "model": 2})
     log.add("data", "all_reduce", 8 * 10**6, 1)
     log.add("model", "all_reduce", 10**6, 4)
-    rank = RankResult(rank=0, coords={"data": 0, "model": 0}, params=0, grads=0, optimizer=0, activations=0,
-                      buffers=0, flops=3 * 10**9, collectives=log, num_parameters_local=0, seconds=0.0)
+    rank = RankResult(
+        rank=0,
+        coords={"data": 0, "model": 0},
+        params=0,
+        grads=0,
+        optimizer=0,
+        activations=0,
+        buffers=0,
+        flops=3 * 10**9,
+        collectives=log,
+        num_parameters_local=0,
+        seconds=0.0,
+    )
     step = estimate_step([rank], spec, hosts, tokens_per_rank=None, shape={})
     strides = {"data": 2, "model": 1}
     on_links, cpu = axis_seconds(log, hosts, strides), axis_seconds(log, hosts, strides, all_intra=True)
@@ -349,14 +458,17 @@ def test_fsdp2_hooks_are_priced_per_gather_and_reduce_scatter_call():
     from trainmesh.planner.parallel import estimate_step
 
     hooked = replace(HARDWARE["h100"], fsdp_call_overhead=1e-3)
-    zero3 = plan_parallel("tiny-llama", world_size=4, mesh="data=4", zero_stage=3, micro_batch=1, seq_len=32,
-                          precision="fp32")
-    calls = sum(row["count"] for row in zero3.ranks[0].collectives.rows()
-                if row["kind"] in ("all_gather", "reduce_scatter"))
+    zero3 = plan_parallel(
+        "tiny-llama", world_size=4, mesh="data=4", zero_stage=3, micro_batch=1, seq_len=32, precision="fp32"
+    )
+    calls = sum(
+        row["count"] for row in zero3.ranks[0].collectives.rows() if row["kind"] in ("all_gather", "reduce_scatter")
+    )
     step = estimate_step(zero3.ranks, zero3.mesh, hooked, tokens_per_rank=None, shape={})
     assert calls > 0 and step.phases["fsdp hooks"] == pytest.approx(calls * 1e-3, rel=1e-9)
-    ddp = plan_parallel("tiny-llama", world_size=4, mesh="data=4", zero_stage=0, micro_batch=1, seq_len=32,
-                        precision="fp32")
+    ddp = plan_parallel(
+        "tiny-llama", world_size=4, mesh="data=4", zero_stage=0, micro_batch=1, seq_len=32, precision="fp32"
+    )
     assert "fsdp hooks" not in estimate_step(ddp.ranks, ddp.mesh, hooked, tokens_per_rank=None, shape={}).phases
 
 
@@ -368,8 +480,16 @@ def test_a_dry_run_keeps_torchs_false_alarms_out_of_the_planners_output():
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan_parallel("tiny-llama", world_size=4, mesh="pipe=2,data=2", zero_stage=3, micro_batch=1, seq_len=32,
-                      precision="fp32", microbatches=2)
+        plan_parallel(
+            "tiny-llama",
+            world_size=4,
+            mesh="pipe=2,data=2",
+            zero_stage=3,
+            micro_batch=1,
+            seq_len=32,
+            precision="fp32",
+            microbatches=2,
+        )
         warnings.warn("a warning of another kind", UserWarning)
     texts = [str(w.message) for w in caught]
     assert not [t for t in texts if "data pointer of FakeTensor" in t or "returned a view tensor" in t], texts

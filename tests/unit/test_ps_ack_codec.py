@@ -34,8 +34,13 @@ def test_frames_of_another_shape_are_left_to_the_general_decoder():
     assert read_ack(ack, key).seq == 41
     # a tampered byte (seq digit), a wrong secret, no secret, a truncated or extended frame
     tampered = ack.replace(b'"seq":41,', b'"seq":42,')
-    for frame, secret in [(tampered, b"secret"), (ack, b"other"), (ack, None), (ack[:-1], b"secret"),
-                          (ack + b"\0", b"secret")]:
+    for frame, secret in [
+        (tampered, b"secret"),
+        (ack, b"other"),
+        (ack, None),
+        (ack[:-1], b"secret"),
+        (ack + b"\0", b"secret"),
+    ]:
         assert read_ack(frame, _check_secret(secret)) is None
         with pytest.raises(ProtocolError):
             decode(frame, secret)

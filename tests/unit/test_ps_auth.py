@@ -44,8 +44,13 @@ def served():
 
 
 def _client(hub, worker, **kwargs) -> PSClient:
-    return PSClient(transports=[hub.client("s0", f"w{worker}".encode())], worker_id=worker, retry_after_s=0.2,
-                    request_timeout_s=10.0, **kwargs)
+    return PSClient(
+        transports=[hub.client("s0", f"w{worker}".encode())],
+        worker_id=worker,
+        retry_after_s=0.2,
+        request_timeout_s=10.0,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("secret", [b"not-the-secret", None], ids=["wrong", "missing"])
@@ -67,11 +72,13 @@ def test_a_strangers_shutdown_export_init_and_push_are_refused_and_change_nothin
         owner.init({"w": torch.zeros(4)}, optimizer={"name": "sgd", "lr": 1.0})
         before = owner.stats().result(10)["servers"][0]
         stranger = hub.client("s0", b"stranger")
-        for msg in [Message(MessageType.SHUTDOWN, "x", 1), Message(MessageType.EXPORT, "x", 2, meta={"list": True}),
-                    Message(MessageType.INIT, "x", 3, meta={"params": []}),
-                    Message(MessageType.REGISTER, "x", 4, meta={"worker": "x"}),
-                    Message(MessageType.PUSH, "x", 5, meta={"shards": ["w#0"], "rows": {}},
-                            tensors={"w#0": torch.ones(4)})]:
+        for msg in [
+            Message(MessageType.SHUTDOWN, "x", 1),
+            Message(MessageType.EXPORT, "x", 2, meta={"list": True}),
+            Message(MessageType.INIT, "x", 3, meta={"params": []}),
+            Message(MessageType.REGISTER, "x", 4, meta={"worker": "x"}),
+            Message(MessageType.PUSH, "x", 5, meta={"shards": ["w#0"], "rows": {}}, tensors={"w#0": torch.ones(4)}),
+        ]:
             stranger.send(encode(msg))  # unsigned, as a process without the secret would send it
             stranger.send(encode(msg, b"guessed"))
         reply = stranger.recv(5)

@@ -26,25 +26,52 @@ def _torch_run(opt_cls, kwargs, init, grads):
 
 DENSE_CASES = [
     ({"name": "sgd", "lr": 0.1}, torch.optim.SGD, {"lr": 0.1}),
-    ({"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.01},
-     torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}),
-    ({"name": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": True},
-     torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
-    ({"name": "sgd", "lr": 0.05, "momentum": 0.8, "dampening": 0.3},
-     torch.optim.SGD, {"lr": 0.05, "momentum": 0.8, "dampening": 0.3}),
+    (
+        {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.01},
+        torch.optim.SGD,
+        {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01},
+    ),
+    (
+        {"name": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": True},
+        torch.optim.SGD,
+        {"lr": 0.05, "momentum": 0.9, "nesterov": True},
+    ),
+    (
+        {"name": "sgd", "lr": 0.05, "momentum": 0.8, "dampening": 0.3},
+        torch.optim.SGD,
+        {"lr": 0.05, "momentum": 0.8, "dampening": 0.3},
+    ),
     ({"name": "adam", "lr": 0.01}, torch.optim.Adam, {"lr": 0.01}),
-    ({"name": "adam", "lr": 0.01, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1},
-     torch.optim.Adam, {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1}),
-    ({"name": "adamw", "lr": 0.01, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1},
-     torch.optim.AdamW, {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1}),
+    (
+        {"name": "adam", "lr": 0.01, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1},
+        torch.optim.Adam,
+        {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1},
+    ),
+    (
+        {"name": "adamw", "lr": 0.01, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1},
+        torch.optim.AdamW,
+        {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1},
+    ),
     ({"name": "adagrad", "lr": 0.1}, torch.optim.Adagrad, {"lr": 0.1}),
-    ({"name": "adagrad", "lr": 0.1, "initial_accumulator_value": 0.5, "lr_decay": 0.1, "eps": 1e-8},
-     torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.5, "lr_decay": 0.1, "eps": 1e-8}),
+    (
+        {"name": "adagrad", "lr": 0.1, "initial_accumulator_value": 0.5, "lr_decay": 0.1, "eps": 1e-8},
+        torch.optim.Adagrad,
+        {"lr": 0.1, "initial_accumulator_value": 0.5, "lr_decay": 0.1, "eps": 1e-8},
+    ),
 ]
 
 
-DENSE_IDS = ["sgd", "sgd-momentum-wd", "sgd-nesterov", "sgd-dampening", "adam", "adam-betas-eps-wd",
-             "adamw-betas-eps-wd", "adagrad", "adagrad-init-lr_decay"]
+DENSE_IDS = [
+    "sgd",
+    "sgd-momentum-wd",
+    "sgd-nesterov",
+    "sgd-dampening",
+    "adam",
+    "adam-betas-eps-wd",
+    "adamw-betas-eps-wd",
+    "adagrad",
+    "adagrad-init-lr_decay",
+]
 
 
 @pytest.mark.parametrize("spec,opt_cls,kwargs", DENSE_CASES, ids=DENSE_IDS)
@@ -81,12 +108,21 @@ def test_lr_override_matches_a_torch_lr_schedule():
     torch.testing.assert_close(value, param.detach(), atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("spec,opt_cls,kwargs", [
-    ({"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
-     torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
-    ({"name": "adagrad", "lr": 0.1, "lr_decay": 0.05, "initial_accumulator_value": 0.1},
-     torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.05, "initial_accumulator_value": 0.1}),
-])
+@pytest.mark.parametrize(
+    "spec,opt_cls,kwargs",
+    [
+        (
+            {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
+            torch.optim.SGD,
+            {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
+        ),
+        (
+            {"name": "adagrad", "lr": 0.1, "lr_decay": 0.05, "initial_accumulator_value": 0.1},
+            torch.optim.Adagrad,
+            {"lr": 0.1, "lr_decay": 0.05, "initial_accumulator_value": 0.1},
+        ),
+    ],
+)
 def test_row_update_equals_dense_update_on_those_rows(spec, opt_cls, kwargs):
     rows, dim = 12, 5
     touched = torch.tensor([7, 2, 9])
@@ -159,8 +195,9 @@ def test_adam_rows_keep_a_step_count_per_row():
             p.grad = None
         for r in set(i.tolist()):
             summed = g[i == r].sum(0, keepdim=True)
-            row_params[r].grad = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.long), summed, (1, dim),
-                                                          check_invariants=True)
+            row_params[r].grad = torch.sparse_coo_tensor(
+                torch.zeros(1, 1, dtype=torch.long), summed, (1, dim), check_invariants=True
+            )
         ref.step()
     expected = torch.cat([p.detach() for p in row_params])
 
@@ -174,11 +211,18 @@ def test_adam_rows_keep_a_step_count_per_row():
     assert torch.equal(value[2:4], init[2:4])
 
 
-@pytest.mark.parametrize("spec,opt_cls,kwargs", [
-    ({"name": "sgd", "lr": 0.1}, torch.optim.SGD, {"lr": 0.1}),
-    ({"name": "adagrad", "lr": 0.1, "initial_accumulator_value": 0.2},
-     torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.2}),
-], ids=["sgd", "adagrad"])
+@pytest.mark.parametrize(
+    "spec,opt_cls,kwargs",
+    [
+        ({"name": "sgd", "lr": 0.1}, torch.optim.SGD, {"lr": 0.1}),
+        (
+            {"name": "adagrad", "lr": 0.1, "initial_accumulator_value": 0.2},
+            torch.optim.Adagrad,
+            {"lr": 0.1, "initial_accumulator_value": 0.2},
+        ),
+    ],
+    ids=["sgd", "adagrad"],
+)
 def test_rows_match_torch_on_a_sparse_embedding_with_varying_rows(spec, opt_cls, kwargs):
     """Where torch's sparse update does not depend on a step count, it must match exactly even
     when each step touches different rows (with duplicates)."""
@@ -234,7 +278,10 @@ def test_empty_row_update_changes_nothing():
 def test_state_layout():
     value = torch.zeros(5, 3)
     assert set(make_optimizer({"name": "sgd", "lr": 1}).init_state(value)) == {"step"}
-    assert set(make_optimizer({"name": "sgd", "lr": 1, "momentum": 0.5}).init_state(value)) == {"step", "momentum_buffer"}
+    assert set(make_optimizer({"name": "sgd", "lr": 1, "momentum": 0.5}).init_state(value)) == {
+        "step",
+        "momentum_buffer",
+    }
     adam = make_optimizer({"name": "adam", "lr": 1}).init_state(value)
     assert adam["step"].shape == (5,) and adam["exp_avg"].shape == (5, 3)
     ada = make_optimizer({"name": "adagrad", "lr": 1, "initial_accumulator_value": 0.25}).init_state(torch.zeros(7))
@@ -245,23 +292,31 @@ def test_spec_is_normalized_and_json_able():
     import json
 
     opt = make_optimizer({"name": "adam", "lr": 1e-3, "betas": (0.5, 0.6)})
-    assert json.loads(json.dumps(opt.spec)) == {"name": "adam", "lr": 1e-3, "betas": [0.5, 0.6],
-                                                 "eps": 1e-8, "weight_decay": 0.0}
+    assert json.loads(json.dumps(opt.spec)) == {
+        "name": "adam",
+        "lr": 1e-3,
+        "betas": [0.5, 0.6],
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+    }
     assert make_optimizer(opt.spec).spec == opt.spec
 
 
-@pytest.mark.parametrize("spec,match", [
-    ({"name": "rmsprop", "lr": 1}, "rmsprop"),
-    ({"lr": 1}, "None"),
-    ({"name": "sgd", "lr": 1, "mometum": 0.9}, "mometum"),
-    ({"name": "sgd"}, "lr"),
-    ({"name": "sgd", "lr": -1}, "-1"),
-    ({"name": "sgd", "lr": "0.1"}, "'0.1'"),
-    ({"name": "sgd", "lr": 1, "nesterov": True}, "nesterov"),
-    ({"name": "adam", "lr": 1, "betas": [0.9]}, "betas"),
-    ({"name": "adam", "lr": 1, "betas": [1.0, 0.9]}, "betas"),
-    ({"name": "adagrad", "lr": float("nan")}, "nan"),
-])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ({"name": "rmsprop", "lr": 1}, "rmsprop"),
+        ({"lr": 1}, "None"),
+        ({"name": "sgd", "lr": 1, "mometum": 0.9}, "mometum"),
+        ({"name": "sgd"}, "lr"),
+        ({"name": "sgd", "lr": -1}, "-1"),
+        ({"name": "sgd", "lr": "0.1"}, "'0.1'"),
+        ({"name": "sgd", "lr": 1, "nesterov": True}, "nesterov"),
+        ({"name": "adam", "lr": 1, "betas": [0.9]}, "betas"),
+        ({"name": "adam", "lr": 1, "betas": [1.0, 0.9]}, "betas"),
+        ({"name": "adagrad", "lr": float("nan")}, "nan"),
+    ],
+)
 def test_bad_specs_are_rejected_naming_the_problem(spec, match):
     with pytest.raises(ValueError, match=match):
         make_optimizer(spec)

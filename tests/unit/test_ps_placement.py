@@ -73,8 +73,9 @@ def test_placement_is_the_same_in_another_process():
         "print(','.join(r.owner(f'param{k}#{i}') for k in range(5) for i in range(20)))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=50, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=50, check=True
+    ).stdout.split()
     ring = HashRing(["s0", "s1", "s2", "s3"])
     assert int(out[0]) == ring_hash("emb.user#3")
     assert out[1] == ",".join(ring.owner(f"param{k}#{i}") for k in range(5) for i in range(20))
@@ -123,7 +124,10 @@ def test_empty_dense_parameter_gets_one_empty_part():
 def test_sparse_split_into_row_ranges():
     specs = Partitioner(rows_per_shard=4096).sparse_shards("emb", 10_000, 16)
     assert [(s.shard_id, s.row_start, s.row_stop) for s in specs] == [
-        ("emb#0", 0, 4096), ("emb#1", 4096, 8192), ("emb#2", 8192, 10_000)]
+        ("emb#0", 0, 4096),
+        ("emb#1", 4096, 8192),
+        ("emb#2", 8192, 10_000),
+    ]
     assert sum(s.rows for s in specs) == 10_000
 
 

@@ -14,8 +14,17 @@ import warnings
 import pytest
 import torch
 
-from trainmesh.ps.protocol import (DTYPES, MAX_HEADER_BYTES, Message, MessageType, ProtocolError, decode,
-                                   encode, encode_parts, payload_nbytes)
+from trainmesh.ps.protocol import (
+    DTYPES,
+    MAX_HEADER_BYTES,
+    Message,
+    MessageType,
+    ProtocolError,
+    decode,
+    encode,
+    encode_parts,
+    payload_nbytes,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,7 +52,8 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return bytes(a.contiguous().reshape(-1).view(torch.uint8).numpy()) == bytes(
-        b.contiguous().reshape(-1).view(torch.uint8).numpy())
+        b.contiguous().reshape(-1).view(torch.uint8).numpy()
+    )
 
 
 def _random_tensor(rng: random.Random, dtype: torch.dtype) -> torch.Tensor:
@@ -81,8 +91,15 @@ def test_bfloat16_bits_preserved_including_nan_and_inf():
 
 
 def test_meta_and_all_message_types_round_trip():
-    meta = {"shards": ["emb#0", "emb#1"], "rows": {"emb#0": "rows0"}, "lr": 0.01, "clock": 3,
-            "flag": True, "none": None, "nested": {"a": [1, [2, {"b": "é"}]]}}
+    meta = {
+        "shards": ["emb#0", "emb#1"],
+        "rows": {"emb#0": "rows0"},
+        "lr": 0.01,
+        "clock": 3,
+        "flag": True,
+        "none": None,
+        "nested": {"a": [1, [2, {"b": "é"}]]},
+    }
     for msg_type in MessageType:
         out = decode(encode(Message(msg_type.value, "s", 2**40, version=-1, meta=meta)))
         assert out.type is msg_type and out.meta == meta and out.seq == 2**40 and out.version == -1
@@ -125,9 +142,19 @@ def _mixed_message() -> Message:
     """Large tensors (their own parts), small ones and odd sizes (padding) in one push."""
     big = torch.arange(40000, dtype=torch.float32)  # 160,000 bytes: over the zero-copy threshold
     odd = torch.arange(20001, dtype=torch.int8)  # 20,001 bytes: under it, 7 bytes of padding follow
-    return Message("push", "w", 3, tensors={"small": torch.ones(3, dtype=torch.int8), "big": big,
-                                             "odd": odd, "big2": big.flip(0).contiguous(), "last": torch.ones(1)},
-                   meta={"shards": ["big"]})
+    return Message(
+        "push",
+        "w",
+        3,
+        tensors={
+            "small": torch.ones(3, dtype=torch.int8),
+            "big": big,
+            "odd": odd,
+            "big2": big.flip(0).contiguous(),
+            "last": torch.ones(1),
+        },
+        meta={"shards": ["big"]},
+    )
 
 
 @pytest.mark.parametrize("secret", [None, SECRET])
@@ -184,7 +211,7 @@ def test_payload_is_aligned_and_counted():
     data = encode(msg)
     header_len = struct.unpack_from("<I", data, 6)[0]
     assert (10 + header_len) % 8 == 0
-    specs = json.loads(data[10:10 + header_len])["tensors"]
+    specs = json.loads(data[10 : 10 + header_len])["tensors"]
     assert [s["offset"] for s in specs] == [0, 8]
     assert len(data) == 10 + header_len + 8 + 24
 
@@ -261,42 +288,45 @@ def test_large_tensor_encodes_and_decodes_quickly():
     assert elapsed < 2.0, f"16 MiB encode+decode took {elapsed:.2f}s"
 
 
-@pytest.mark.parametrize("frame, match", [
-    (b"", "shorter than"),
-    (b"XXXX" + struct.pack("<BBI", 1, 0, 2) + b"{}", "bad magic"),
-    (b"TMPS" + struct.pack("<BBI", 2, 0, 2) + b"{}", "format version 2"),
-    (b"TMPS" + struct.pack("<BBI", 1, 0x80, 2) + b"{}", "unknown flags"),
-    (_frame(None, header_bytes=b"\xff\xfe{}"), "not UTF-8"),
-    (_frame(None, header_bytes=b"{"), "not valid JSON"),
-    (_frame(None, header_bytes=b"[" * 100_000 + b"]" * 100_000), "JSON|nested"),
-    (_frame(None, header_bytes=b'{"seq": ' + b"9" * 5000 + b"}"), "not valid JSON"),
-    (_frame(None, header_bytes=b'{"seq": NaN}'), "non-JSON constant"),
-    (_frame(None, header_bytes=b'{"a": 1, "a": 2}'), "duplicate key"),
-    (_frame([1, 2]), "must be a JSON object"),
-    (_frame({"type": "push"}), "header keys"),
-    (_frame(_header(extra=1)), "header keys"),
-    (_frame(_header(type="launch")), "unknown message type"),
-    (_frame(_header(sender=5)), "sender"),
-    (_frame(_header(seq=-1)), "seq"),
-    (_frame(_header(seq=True)), "seq"),
-    (_frame(_header(version=1.5)), "version"),
-    (_frame(_header(meta=[])), "meta must be a JSON object"),
-    (_frame(_header(tensors={})), "tensors must be a list"),
-    (_frame(_header(tensors=[7])), "tensor entry"),
-    (_frame(_header(tensors=[_spec(dtype="object")]), bytes(8)), "dtype 'object'"),
-    (_frame(_header(tensors=[_spec(shape=(-2,), nbytes=-8)]), bytes(8)), "shape"),
-    (_frame(_header(tensors=[_spec(shape=(1.0,), nbytes=4)]), bytes(8)), "shape"),
-    (_frame(_header(tensors=[_spec(shape=[1] * 33, nbytes=4)]), bytes(8)), "shape"),
-    (_frame(_header(tensors=[_spec(shape=(0, 2**40, 2**40), nbytes=0)])), "too large"),
-    (_frame(_header(tensors=[_spec(nbytes=12)]), bytes(16)), "nbytes 12"),
-    (_frame(_header(tensors=[_spec(offset=8)]), bytes(16)), "offset 8, expected 0"),
-    (_frame(_header(tensors=[_spec(), _spec(name="h", offset=4)]), bytes(16)), "offset 4, expected 8"),
-    (_frame(_header(tensors=[_spec(), _spec(offset=8)]), bytes(16)), "duplicate tensor name"),
-    (_frame(_header(tensors=[_spec(shape=(4,), nbytes=16)]), bytes(8)), "beyond"),
-    (_frame(_header(tensors=[_spec(shape=(1,), nbytes=4)]), bytes(4) + b"\x01" + bytes(3)), "padding"),
-    (_frame(_header(tensors=[_spec()]), bytes(16)), "payload is 16 bytes"),
-    (_frame(_header(), b"junk"), "payload is 4 bytes"),
-])
+@pytest.mark.parametrize(
+    "frame, match",
+    [
+        (b"", "shorter than"),
+        (b"XXXX" + struct.pack("<BBI", 1, 0, 2) + b"{}", "bad magic"),
+        (b"TMPS" + struct.pack("<BBI", 2, 0, 2) + b"{}", "format version 2"),
+        (b"TMPS" + struct.pack("<BBI", 1, 0x80, 2) + b"{}", "unknown flags"),
+        (_frame(None, header_bytes=b"\xff\xfe{}"), "not UTF-8"),
+        (_frame(None, header_bytes=b"{"), "not valid JSON"),
+        (_frame(None, header_bytes=b"[" * 100_000 + b"]" * 100_000), "JSON|nested"),
+        (_frame(None, header_bytes=b'{"seq": ' + b"9" * 5000 + b"}"), "not valid JSON"),
+        (_frame(None, header_bytes=b'{"seq": NaN}'), "non-JSON constant"),
+        (_frame(None, header_bytes=b'{"a": 1, "a": 2}'), "duplicate key"),
+        (_frame([1, 2]), "must be a JSON object"),
+        (_frame({"type": "push"}), "header keys"),
+        (_frame(_header(extra=1)), "header keys"),
+        (_frame(_header(type="launch")), "unknown message type"),
+        (_frame(_header(sender=5)), "sender"),
+        (_frame(_header(seq=-1)), "seq"),
+        (_frame(_header(seq=True)), "seq"),
+        (_frame(_header(version=1.5)), "version"),
+        (_frame(_header(meta=[])), "meta must be a JSON object"),
+        (_frame(_header(tensors={})), "tensors must be a list"),
+        (_frame(_header(tensors=[7])), "tensor entry"),
+        (_frame(_header(tensors=[_spec(dtype="object")]), bytes(8)), "dtype 'object'"),
+        (_frame(_header(tensors=[_spec(shape=(-2,), nbytes=-8)]), bytes(8)), "shape"),
+        (_frame(_header(tensors=[_spec(shape=(1.0,), nbytes=4)]), bytes(8)), "shape"),
+        (_frame(_header(tensors=[_spec(shape=[1] * 33, nbytes=4)]), bytes(8)), "shape"),
+        (_frame(_header(tensors=[_spec(shape=(0, 2**40, 2**40), nbytes=0)])), "too large"),
+        (_frame(_header(tensors=[_spec(nbytes=12)]), bytes(16)), "nbytes 12"),
+        (_frame(_header(tensors=[_spec(offset=8)]), bytes(16)), "offset 8, expected 0"),
+        (_frame(_header(tensors=[_spec(), _spec(name="h", offset=4)]), bytes(16)), "offset 4, expected 8"),
+        (_frame(_header(tensors=[_spec(), _spec(offset=8)]), bytes(16)), "duplicate tensor name"),
+        (_frame(_header(tensors=[_spec(shape=(4,), nbytes=16)]), bytes(8)), "beyond"),
+        (_frame(_header(tensors=[_spec(shape=(1,), nbytes=4)]), bytes(4) + b"\x01" + bytes(3)), "padding"),
+        (_frame(_header(tensors=[_spec()]), bytes(16)), "payload is 16 bytes"),
+        (_frame(_header(), b"junk"), "payload is 4 bytes"),
+    ],
+)
 def test_malformed_frames_raise_protocol_error(frame, match):
     with pytest.raises(ProtocolError, match=match):
         decode(frame)
@@ -331,8 +361,13 @@ def _valid_frames(rng: random.Random, secret) -> list[bytes]:
     for i in range(12):
         dtypes = rng.sample(sorted(DTYPES.values(), key=str), rng.randint(0, 3))
         tensors = {f"p{j}#{i}": _random_tensor(rng, dt) for j, dt in enumerate(dtypes)}
-        msg = Message(rng.choice(list(MessageType)), f"w{i}", rng.randrange(100), tensors=tensors,
-                      meta={"shards": list(tensors), "clock": i})
+        msg = Message(
+            rng.choice(list(MessageType)),
+            f"w{i}",
+            rng.randrange(100),
+            tensors=tensors,
+            meta={"shards": list(tensors), "clock": i},
+        )
         frames.append(encode(msg, secret))
     return frames
 
@@ -344,7 +379,7 @@ def _mutate(rng: random.Random, data: bytes) -> bytes:
         for _ in range(rng.randint(1, 4)):
             buf[rng.randrange(len(buf))] = rng.randrange(256)
     elif kind == 1:  # truncate
-        del buf[rng.randrange(len(buf) + 1):]
+        del buf[rng.randrange(len(buf) + 1) :]
     elif kind == 2:  # append junk
         buf += rng.randbytes(rng.randint(1, 32))
     elif kind == 3 and buf:  # insert or delete a run in the middle
@@ -352,27 +387,35 @@ def _mutate(rng: random.Random, data: bytes) -> bytes:
         if rng.random() < 0.5:
             buf[at:at] = rng.randbytes(rng.randint(1, 16))
         else:
-            del buf[at:at + rng.randint(1, 16)]
+            del buf[at : at + rng.randint(1, 16)]
     else:  # set the header length field to something random
         buf[6:10] = struct.pack("<I", rng.choice([0, 1, len(buf), rng.randrange(1 << 32)]))
     return bytes(buf)
 
 
 def _random_json(rng: random.Random, depth: int = 0):
-    makers = [lambda: None, lambda: True, lambda: rng.randint(-2**70, 2**70), lambda: rng.uniform(-1e3, 1e3),
-              lambda: "x" * rng.randint(0, 3), lambda: rng.choice([0, 1, -1, 8, 2**63]),
-              lambda: rng.choice(list(DTYPES) + ["push", "float128"])]
+    makers = [
+        lambda: None,
+        lambda: True,
+        lambda: rng.randint(-(2**70), 2**70),
+        lambda: rng.uniform(-1e3, 1e3),
+        lambda: "x" * rng.randint(0, 3),
+        lambda: rng.choice([0, 1, -1, 8, 2**63]),
+        lambda: rng.choice(list(DTYPES) + ["push", "float128"]),
+    ]
     if depth < 3:
-        makers += [lambda: [_random_json(rng, depth + 1) for _ in range(rng.randint(0, 3))],
-                   lambda: {str(k): _random_json(rng, depth + 1) for k in range(rng.randint(0, 3))}]
+        makers += [
+            lambda: [_random_json(rng, depth + 1) for _ in range(rng.randint(0, 3))],
+            lambda: {str(k): _random_json(rng, depth + 1) for k in range(rng.randint(0, 3))},
+        ]
     return rng.choice(makers)()
 
 
 def _mutate_header(rng: random.Random, data: bytes) -> bytes:
     """Replace one value anywhere in a valid header: exercises the field checks, not the JSON parser."""
     header_len = struct.unpack_from("<I", data, 6)[0]
-    header = json.loads(data[10:10 + header_len])
-    payload = data[10 + header_len:]
+    header = json.loads(data[10 : 10 + header_len])
+    payload = data[10 + header_len :]
     # Half the time aim at the tensor specs, where the layout checks live.
     node, key = header, "tensors" if header["tensors"] and rng.random() < 0.5 else rng.choice(list(header))
     while isinstance(node[key], (dict, list)) and node[key] and rng.random() < 0.7:

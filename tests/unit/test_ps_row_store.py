@@ -13,14 +13,17 @@ pytestmark = pytest.mark.timeout(60)
 
 ROWS, PER_RANGE, DIM = 166, 16, 4  # 11 ranges, the last one 6 rows
 SLOT_BYTES = PER_RANGE * DIM * 4
-OPTIMIZERS = [{"name": "sgd", "lr": 0.1, "momentum": 0.9}, {"name": "adam", "lr": 0.01},
-              {"name": "adagrad", "lr": 0.1}]
+OPTIMIZERS = [{"name": "sgd", "lr": 0.1, "momentum": 0.9}, {"name": "adam", "lr": 0.01}, {"name": "adagrad", "lr": 0.1}]
 
 
 def _ranges(optimizer: dict) -> dict[int, Shard]:
     count = -(-ROWS // PER_RANGE)
-    return {i: Shard.sparse(f"t#{i}", min(PER_RANGE, ROWS - i * PER_RANGE), DIM, optimizer,
-                            {"kind": "normal", "std": 0.1, "seed": 3}) for i in range(count)}
+    return {
+        i: Shard.sparse(
+            f"t#{i}", min(PER_RANGE, ROWS - i * PER_RANGE), DIM, optimizer, {"kind": "normal", "std": 0.1, "seed": 3}
+        )
+        for i in range(count)
+    }
 
 
 def _per_range_apply(shards: dict[int, Shard], ids: torch.Tensor, grads: torch.Tensor, lr) -> None:
@@ -46,8 +49,16 @@ def test_packed_update_equals_one_update_per_range(optimizer, slots_per_page, mo
     # pages are added while ranges are already packed: those must keep their values.
     touches = [[9, 3], [0, 10, 4], [1, 2, 5, 6, 7, 8], list(range(11))]
     for step, ranges in enumerate(touches * 2):
-        ids = torch.cat([r * PER_RANGE + torch.randperm(min(PER_RANGE, ROWS - r * PER_RANGE), generator=gen)[:3]
-                         for r in ranges]).sort().values
+        ids = (
+            torch.cat(
+                [
+                    r * PER_RANGE + torch.randperm(min(PER_RANGE, ROWS - r * PER_RANGE), generator=gen)[:3]
+                    for r in ranges
+                ]
+            )
+            .sort()
+            .values
+        )
         grads = torch.randn(ids.numel(), DIM, generator=gen)
         lr = 0.05 if step == 5 else None
         store.apply(ids, grads, packed.__getitem__, lr=lr)

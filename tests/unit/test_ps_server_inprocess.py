@@ -52,8 +52,10 @@ class Servers:
     def client(self, worker: int, fault=None, fault_seed: int = 0, **kwargs) -> PSClient:
         transports = [self.hub.client(f"s{i}", f"w{worker}".encode()) for i in range(len(self.servers))]
         if fault:
-            transports = [FaultInjectingTransport(t, seed=fault_seed * 100 + worker * 10 + i, **fault)
-                          for i, t in enumerate(transports)]
+            transports = [
+                FaultInjectingTransport(t, seed=fault_seed * 100 + worker * 10 + i, **fault)
+                for i, t in enumerate(transports)
+            ]
         kwargs.setdefault("retry_after_s", 0.1)
         return PSClient(transports=transports, worker_id=worker, **kwargs)
 
@@ -140,8 +142,12 @@ def test_sparse_rows_touch_only_those_rows_and_bytes_scale_with_rows(servers_fac
     sent, received = client.bytes_sent, client.bytes_received
     rows = client.pull_rows("emb", ids).result(10)
     pull_in = client.bytes_received - received
-    expected = torch.stack([init_rows(1000, 8, {"kind": "normal", "std": 0.1, "seed": 0}, "emb", i // 1000)[i % 1000]
-                            for i in ids.tolist()])
+    expected = torch.stack(
+        [
+            init_rows(1000, 8, {"kind": "normal", "std": 0.1, "seed": 0}, "emb", i // 1000)[i % 1000]
+            for i in ids.tolist()
+        ]
+    )
     assert torch.equal(rows, expected)
     assert pull_in < 2 * 4 * 8 * 4 + 2 * 1500  # 4 distinct rows of 8 floats, plus two headers
     grads = torch.ones(5, 8)
@@ -380,8 +386,10 @@ def test_pipelined_clock_and_pull_never_overtake_a_dropped_push(servers_factory,
     before that round was applied, about one run in three."""
     servers = servers_factory(2)
     fault = {"drop_send": 0.3, "drop_recv": 0.2, "duplicate_send": 0.2, "delay_s": (0.0, 0.002)}
-    clients = [servers.client(w, fault=fault, fault_seed=fault_seed, part_numel=2, num_workers=2,
-                              retry_after_s=0.05) for w in range(2)]
+    clients = [
+        servers.client(w, fault=fault, fault_seed=fault_seed, part_numel=2, num_workers=2, retry_after_s=0.05)
+        for w in range(2)
+    ]
     for c in clients:
         c.init({"w": torch.zeros(6)}, optimizer={"name": "sgd", "lr": 1.0}, mode="sync", staleness=0)
     steps = 8
@@ -416,8 +424,9 @@ def test_many_row_ranges_in_one_push_match_a_one_process_table(servers_factory):
     client = servers.client(0, heartbeat_s=60, rows_per_shard=16)
     adagrad = {"name": "adagrad", "lr": 0.5}
     client.init([{"name": "emb", "kind": "sparse", "shape": [1000, 4], "init": {"std": 0.1}}], optimizer=adagrad)
-    table = torch.cat([init_rows(min(16, 1000 - 16 * i), 4, {"kind": "normal", "std": 0.1, "seed": 0}, "emb", i)
-                       for i in range(63)])
+    table = torch.cat(
+        [init_rows(min(16, 1000 - 16 * i), 4, {"kind": "normal", "std": 0.1, "seed": 0}, "emb", i) for i in range(63)]
+    )
     optimizer = make_optimizer(adagrad)
     state = optimizer.init_state(table)
     gen = torch.Generator().manual_seed(3)

@@ -45,10 +45,21 @@ def test_server_optimizer_mirrors_the_torch_optimizer():
     params = [nn.Parameter(torch.zeros(2))]
     sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.02)
     assert server_optimizer_spec(sgd, sgd.param_groups[0], num_workers=2) == {
-        "name": "sgd", "lr": 0.1, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.01, "nesterov": True}
+        "name": "sgd",
+        "lr": 0.1,
+        "momentum": 0.9,
+        "dampening": 0.0,
+        "weight_decay": 0.01,
+        "nesterov": True,
+    }
     adam = torch.optim.Adam(params, lr=1e-3, betas=(0.8, 0.99), eps=1e-6)
     assert server_optimizer_spec(adam, adam.param_groups[0], 1) == {
-        "name": "adam", "lr": 1e-3, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.0}
+        "name": "adam",
+        "lr": 1e-3,
+        "betas": [0.8, 0.99],
+        "eps": 1e-6,
+        "weight_decay": 0.0,
+    }
     adagrad = torch.optim.Adagrad(params, lr=0.5, initial_accumulator_value=0.1)
     assert server_optimizer_spec(adagrad, adagrad.param_groups[0], 1)["initial_accumulator_value"] == 0.1
     rmsprop = torch.optim.RMSprop(params)
@@ -71,8 +82,10 @@ def test_bad_arguments_are_named():
 
 
 def test_importing_trainmesh_does_not_import_zmq_or_the_server():
-    code = ("import sys, trainmesh, trainmesh.ps; assert trainmesh.ParameterServerStrategy; "
-            "print('zmq' in sys.modules, 'trainmesh.ps.server' in sys.modules)")
+    code = (
+        "import sys, trainmesh, trainmesh.ps; assert trainmesh.ParameterServerStrategy; "
+        "print('zmq' in sys.modules, 'trainmesh.ps.server' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split() == ["False", "False"]
 
@@ -102,8 +115,14 @@ def test_trainer_on_local_servers_matches_a_plain_loop_with_momentum_and_schedul
 
     with tm.ParameterServerStrategy(num_servers=2, mode="sync") as strategy:
         model = _model()
-        trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), nn.MSELoss(),
-                             distribution=strategy, progress=False, scheduler=scheduler)
+        trainer = tm.Trainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            nn.MSELoss(),
+            distribution=strategy,
+            progress=False,
+            scheduler=scheduler,
+        )
         assert isinstance(trainer.optimizer, PSOptimizer) and trainer.optimizer.inner_class == "SGD"
         trainer.fit(torch.utils.data.TensorDataset(x, y), epochs=1, batch_size=8, shuffle=False)
         assert strategy.stats()["bytes_sent"] > 0
@@ -111,7 +130,7 @@ def test_trainer_on_local_servers_matches_a_plain_loop_with_momentum_and_schedul
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     schedule = scheduler(optimizer)
     for start in range(0, 48, 8):
-        loss = nn.functional.mse_loss(reference(x[start:start + 8]), y[start:start + 8])
+        loss = nn.functional.mse_loss(reference(x[start : start + 8]), y[start : start + 8])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -24,8 +24,7 @@ from trainmesh.ps.server import ParameterServer
 pytestmark = pytest.mark.timeout(120)
 
 NUMEL, PART = 6, 4  # two dense shards
-OPTIMIZERS = {"momentum": {"name": "sgd", "lr": 0.5, "momentum": 0.9},
-              "adam": {"name": "adam", "lr": 0.1}}
+OPTIMIZERS = {"momentum": {"name": "sgd", "lr": 0.5, "momentum": 0.9}, "adam": {"name": "adam", "lr": 0.1}}
 
 
 class CapturingTransport:
@@ -53,9 +52,12 @@ class Worker:
     def __init__(self, worker: int, num_workers: int, spec: dict, parts, value: torch.Tensor):
         self.id, self.session, self.seq = str(worker), f"s{worker}", 0
         self.parts = parts
-        self.setup = [self._frame(MessageType.REGISTER, {"worker": self.id, "num_workers": num_workers}),
-                      self._frame(MessageType.INIT, {"params": [spec]},
-                                  {p.shard_id: value[p.start:p.stop].clone() for p in parts})]
+        self.setup = [
+            self._frame(MessageType.REGISTER, {"worker": self.id, "num_workers": num_workers}),
+            self._frame(
+                MessageType.INIT, {"params": [spec]}, {p.shard_id: value[p.start : p.stop].clone() for p in parts}
+            ),
+        ]
 
     def _frame(self, kind: MessageType, meta: dict, tensors: dict | None = None) -> tuple[int, bytes]:
         self.seq += 1
@@ -65,11 +67,15 @@ class Worker:
     def round_frames(self, round_: int, grad: torch.Tensor) -> tuple[list[bytes], int]:
         """Push of ``round_``, the clock that follows it and a sync pull at that clock; the pull's seq."""
         sids = [p.shard_id for p in self.parts]
-        push_seq, push = self._frame(MessageType.PUSH, {"shards": sids, "rows": {}, "round": round_},
-                                     {p.shard_id: grad[p.start:p.stop].clone() for p in self.parts})
+        push_seq, push = self._frame(
+            MessageType.PUSH,
+            {"shards": sids, "rows": {}, "round": round_},
+            {p.shard_id: grad[p.start : p.stop].clone() for p in self.parts},
+        )
         _, clock = self._frame(MessageType.CLOCK, {"clock": round_ + 1, "after_pushes": [push_seq]})
-        pull_seq, pull = self._frame(MessageType.PULL, {"clock": round_ + 1, "shards": sids, "rows": {},
-                                                        "after_pushes": [push_seq]})
+        pull_seq, pull = self._frame(
+            MessageType.PULL, {"clock": round_ + 1, "shards": sids, "rows": {}, "after_pushes": [push_seq]}
+        )
         return [push, clock, pull], pull_seq
 
 
@@ -97,13 +103,22 @@ def _pull_answers(transport: CapturingTransport, seen: int) -> list[tuple[str, M
     return answers
 
 
-def _run(num_workers: int, optimizer: dict, grads: list[list[torch.Tensor]], value: torch.Tensor, seed: int | None,
-         duplicate: float = 0.3, late: float = 0.3, **durability) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+def _run(
+    num_workers: int,
+    optimizer: dict,
+    grads: list[list[torch.Tensor]],
+    value: torch.Tensor,
+    seed: int | None,
+    duplicate: float = 0.3,
+    late: float = 0.3,
+    **durability,
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Deliver every worker's frames (``seed``: random order, duplicates, late resends; None: in
     order, no faults); returns the final values and, per clock, what the sync pulls saw."""
     rng = random.Random(seed)
-    spec, _ = normalize_entry({"name": "w", "kind": "dense", "value": value, "mode": "sync", "staleness": 0},
-                              optimizer, "sync", 0, 16, 0)
+    spec, _ = normalize_entry(
+        {"name": "w", "kind": "dense", "value": value, "mode": "sync", "staleness": 0}, optimizer, "sync", 0, 16, 0
+    )
     parts = Partitioner(PART, 16).dense_shards("w", NUMEL)
     server, transport = _server(num_workers, **durability)
     workers = [Worker(w, num_workers, spec, parts, value) for w in range(num_workers)]
@@ -173,8 +188,9 @@ def test_any_arrival_order_gives_one_process_parameters_exactly(num_workers, opt
     rounds = 4
     # Multiples of 1/8: every sum of them is exact in fp32, so any order of adding pushes gives
     # the same round gradient and the comparison can be exact.
-    grads = [[torch.randint(-16, 17, (NUMEL,), generator=gen).float() / 8 for _ in range(num_workers)]
-             for _ in range(rounds)]
+    grads = [
+        [torch.randint(-16, 17, (NUMEL,), generator=gen).float() / 8 for _ in range(num_workers)] for _ in range(rounds)
+    ]
     value = torch.randint(-8, 9, (NUMEL,), generator=gen).float() / 4
     expected, expected_seen = _one_process(OPTIMIZERS[optimizer], grads, value)
     for seed in range(50):
@@ -193,8 +209,9 @@ def test_the_write_ahead_log_replays_to_the_same_state(tmp_path, optimizer):
     value = torch.zeros(NUMEL)
     expected, _ = _one_process(OPTIMIZERS[optimizer], grads, value)
     for seed in range(3):
-        final, _ = _run(2, OPTIMIZERS[optimizer], grads, value, seed, durability="wal",
-                        directory=tmp_path / f"{optimizer}{seed}")
+        final, _ = _run(
+            2, OPTIMIZERS[optimizer], grads, value, seed, durability="wal", directory=tmp_path / f"{optimizer}{seed}"
+        )
         assert torch.equal(final, expected)
 
 
@@ -205,8 +222,14 @@ def test_a_dead_workers_late_push_for_a_closed_round_is_refused(caplog):
     server, transport = _server(2)
     server.clocks.dead_after_s = 5.0
     server.clocks._now = lambda: clock_now[0]
-    spec, _ = normalize_entry({"name": "w", "kind": "dense", "value": torch.zeros(NUMEL), "mode": "sync"},
-                              {"name": "sgd", "lr": 1.0}, "sync", 0, 16, 0)
+    spec, _ = normalize_entry(
+        {"name": "w", "kind": "dense", "value": torch.zeros(NUMEL), "mode": "sync"},
+        {"name": "sgd", "lr": 1.0},
+        "sync",
+        0,
+        16,
+        0,
+    )
     parts = Partitioner(PART, 16).dense_shards("w", NUMEL)
     workers = [Worker(w, 2, spec, parts, torch.zeros(NUMEL)) for w in range(2)]
     for w in workers:
@@ -245,10 +268,21 @@ def test_a_sync_server_without_a_worker_count_refuses_sync_init():
     """--num-workers 0 and a client that does not say how many workers the job has: round 0 could
     close before the others registered, so sync mode is refused, saying how to fix it."""
     server, transport = _server(0)
-    spec, value = normalize_entry({"name": "w", "kind": "dense", "value": torch.zeros(NUMEL), "mode": "sync"},
-                                  {"name": "sgd", "lr": 1.0}, "sync", 0, 16, 0)
-    init = Message(MessageType.INIT, "0", 1, meta={"params": [spec], "session": "s"},
-                   tensors={p.shard_id: torch.zeros(p.stop - p.start) for p in Partitioner(PART, 16).dense_shards("w", NUMEL)})
+    spec, value = normalize_entry(
+        {"name": "w", "kind": "dense", "value": torch.zeros(NUMEL), "mode": "sync"},
+        {"name": "sgd", "lr": 1.0},
+        "sync",
+        0,
+        16,
+        0,
+    )
+    init = Message(
+        MessageType.INIT,
+        "0",
+        1,
+        meta={"params": [spec], "session": "s"},
+        tensors={p.shard_id: torch.zeros(p.stop - p.start) for p in Partitioner(PART, 16).dense_shards("w", NUMEL)},
+    )
     _deliver(server, "0", encode(init, None))
     reply = decode(transport.sent[-1][1], None)
     assert reply.type is MessageType.ERROR and "--num-workers N" in reply.meta["error"], reply.meta
@@ -258,8 +292,14 @@ def test_a_sync_server_without_a_worker_count_refuses_sync_init():
 def test_a_registered_worker_count_holds_round_0_for_workers_not_registered_yet():
     """The first worker registers (saying the job has 2), pushes and clocks: round 0 stays open
     until worker 1, not registered yet, has pushed and clocked too."""
-    spec, _ = normalize_entry({"name": "w", "kind": "dense", "value": torch.zeros(NUMEL), "mode": "sync"},
-                              {"name": "sgd", "lr": 1.0}, "sync", 0, 16, 0)
+    spec, _ = normalize_entry(
+        {"name": "w", "kind": "dense", "value": torch.zeros(NUMEL), "mode": "sync"},
+        {"name": "sgd", "lr": 1.0},
+        "sync",
+        0,
+        16,
+        0,
+    )
     parts = Partitioner(PART, 16).dense_shards("w", NUMEL)
     server, _ = _server(0)
     early = Worker(0, 2, spec, parts, torch.zeros(NUMEL))

@@ -36,8 +36,12 @@ class OneServer:
         server.transport.close()
 
     def client(self, worker: int) -> PSClient:
-        return PSClient(transports=[self.hub.client("s0", f"w{worker}".encode())], worker_id=worker,
-                        retry_after_s=0.1, heartbeat_s=0.1)
+        return PSClient(
+            transports=[self.hub.client("s0", f"w{worker}".encode())],
+            worker_id=worker,
+            retry_after_s=0.1,
+            heartbeat_s=0.1,
+        )
 
     def close(self) -> None:
         self.server.stop()
@@ -71,16 +75,20 @@ def test_sync_pushes_wait_for_their_round_and_are_applied_once_summed():
         assert clients[0].stats().result(10)["servers"][0]["rounds_applied"] == k  # one worker is not a round
         clients[1].clock().result(10)
         for c in clients:  # a sync pull at the next clock sees the whole round, applied once
-            torch.testing.assert_close(c.pull(["w"]).result(10)["w"], _reference(w0, rounds[:k + 1]),
-                                       rtol=0, atol=1e-6)
+            torch.testing.assert_close(
+                c.pull(["w"]).result(10)["w"], _reference(w0, rounds[: k + 1]), rtol=0, atol=1e-6
+            )
     assert clients[0].stats().result(10)["servers"][0]["rounds_applied"] == 3
     for c in clients:
         c.close()
     servers.close()
 
 
-@pytest.mark.parametrize("durability,snapshot_every", [("wal", 1000), ("wal", 1), ("snapshot", 1)],
-                         ids=["wal-replay", "wal-snapshot-with-open-round", "snapshot-with-open-round"])
+@pytest.mark.parametrize(
+    "durability,snapshot_every",
+    [("wal", 1000), ("wal", 1), ("snapshot", 1)],
+    ids=["wal-replay", "wal-snapshot-with-open-round", "snapshot-with-open-round"],
+)
 def test_an_open_round_survives_a_crash(tmp_path, durability, snapshot_every):
     servers = OneServer(durability=durability, directory=tmp_path, snapshot_every=snapshot_every)
     clients = [servers.client(w) for w in range(2)]

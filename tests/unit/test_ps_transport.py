@@ -11,8 +11,14 @@ import pytest
 
 from trainmesh.ps.inprocess_transport import FaultInjectingTransport, InProcessHub
 from trainmesh.ps.loopback_bandwidth import loopback_bandwidth
-from trainmesh.ps.transport import (ClientTransport, ServerTransport, ZmqClientTransport, ZmqServerTransport,
-                                    check_bind_address, normalize_address)
+from trainmesh.ps.transport import (
+    ClientTransport,
+    ServerTransport,
+    ZmqClientTransport,
+    ZmqServerTransport,
+    check_bind_address,
+    normalize_address,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -184,15 +190,25 @@ def test_inprocess_hub_refuses_two_servers_with_one_name():
     hub.server("s").close()
 
 
-@pytest.mark.parametrize("address", ["tcp://127.0.0.1:5555", "127.0.0.1:0", "tcp://127.3.2.1:1",
-                                     "tcp://localhost:0", "tcp://[::1]:0", "ipc://some-socket",
-                                     "inproc://ps"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "tcp://127.0.0.1:5555",
+        "127.0.0.1:0",
+        "tcp://127.3.2.1:1",
+        "tcp://localhost:0",
+        "tcp://[::1]:0",
+        "ipc://some-socket",
+        "inproc://ps",
+    ],
+)
 def test_loopback_and_local_addresses_need_no_secret(address):
     assert check_bind_address(address, None) == normalize_address(address)
 
 
-@pytest.mark.parametrize("address", ["tcp://0.0.0.0:5555", "tcp://*:5555", "10.1.2.3:80",
-                                     "tcp://[::]:1", "tcp://trainer-host-7:5555"])
+@pytest.mark.parametrize(
+    "address", ["tcp://0.0.0.0:5555", "tcp://*:5555", "10.1.2.3:80", "tcp://[::]:1", "tcp://trainer-host-7:5555"]
+)
 def test_exposed_addresses_need_a_secret(address):
     with pytest.raises(ValueError, match="refusing to bind .*" + re.escape(address.split("//")[-1])):
         check_bind_address(address, None)
@@ -238,8 +254,9 @@ def test_malformed_addresses_are_rejected(address):
 def _fault_run(seed: int, messages: int = 600):
     hub = InProcessHub()
     server = hub.server("s")
-    client = FaultInjectingTransport(hub.client("s", b"w"), drop_send=0.2, drop_recv=0.25,
-                                     duplicate_send=0.1, seed=seed)
+    client = FaultInjectingTransport(
+        hub.client("s", b"w"), drop_send=0.2, drop_recv=0.25, duplicate_send=0.1, seed=seed
+    )
     for i in range(messages):
         client.send(i.to_bytes(4, "little"))
     delivered = []
@@ -265,7 +282,10 @@ def test_fault_injector_counts_what_it_did_and_is_reproducible():
     again, delivered_again, replies_again = _fault_run(seed=7)
     assert (delivered_again, replies_again) == (delivered, replies)
     assert (again.dropped_sends, again.duplicated_sends, again.dropped_recvs) == (
-        client.dropped_sends, client.duplicated_sends, client.dropped_recvs)
+        client.dropped_sends,
+        client.duplicated_sends,
+        client.dropped_recvs,
+    )
     _, delivered_other, _ = _fault_run(seed=8)
     assert delivered_other != delivered
 
@@ -285,9 +305,15 @@ def test_fault_injector_delays_sends_and_keeps_waiting_after_a_dropped_reply():
     assert time.monotonic() - start >= 0.15  # the drop did not cut the wait short
 
 
-@pytest.mark.parametrize("kwargs, match", [({"drop_send": 1.5}, "drop_send"), ({"drop_recv": -0.1}, "drop_recv"),
-                                           ({"duplicate_send": 2}, "duplicate_send"),
-                                           ({"delay_s": (0.2, 0.1)}, "delay_s")])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"drop_send": 1.5}, "drop_send"),
+        ({"drop_recv": -0.1}, "drop_recv"),
+        ({"duplicate_send": 2}, "duplicate_send"),
+        ({"delay_s": (0.2, 0.1)}, "delay_s"),
+    ],
+)
 def test_fault_injector_validates_its_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FaultInjectingTransport(InProcessHub().client("s", b"w"), **kwargs)
@@ -314,7 +340,9 @@ def test_loopback_bandwidth_measures_zmq_throughput():
         result = loopback_bandwidth(nbytes, repeats=5)
         assert result["nbytes"] == nbytes and result["repeats"] == 5 and result["bytes_per_s"] > 0
         assert result["seconds_per_message"] == pytest.approx(result["seconds"] / 5)
-        print(f"zmq loopback {nbytes >> 20} MiB send+ack: {result['bytes_per_s'] / 1e9:.2f} GB/s, "
-              f"{result['seconds_per_message'] * 1e3:.2f} ms/message")
+        print(
+            f"zmq loopback {nbytes >> 20} MiB send+ack: {result['bytes_per_s'] / 1e9:.2f} GB/s, "
+            f"{result['seconds_per_message'] * 1e3:.2f} ms/message"
+        )
     pipelined = loopback_bandwidth(1 << 20, repeats=7, warmup=1, window=3)  # as the PS benchmark's peer
     assert pipelined["acked"] == 7 and pipelined["window"] == 3

@@ -9,8 +9,7 @@ import textwrap
 
 import pytest
 
-from trainmesh.ps.wal import (SNAPSHOT_FILE, WAL_FILE, CorruptSnapshotError, WriteAheadLog,
-                              read_snapshot, write_snapshot)
+from trainmesh.ps.wal import SNAPSHOT_FILE, WAL_FILE, CorruptSnapshotError, WriteAheadLog, read_snapshot, write_snapshot
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -121,8 +120,9 @@ _CHILD = textwrap.dedent("""
 def test_records_survive_sigkill_right_after_append(tmp_path):
     n = 200
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), str(n)], env=env,
-                          capture_output=True, timeout=50)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp_path), str(n)], env=env, capture_output=True, timeout=50
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
     with WriteAheadLog(tmp_path) as wal:  # the killed child's lock is gone
         assert wal.count == n

@@ -125,7 +125,8 @@ def test_state_dict_round_trip_resumes_the_same_schedule():
 
 def test_multiplier_values_directly():
     f = WarmupDecay(warmup_steps=0, total_steps=4, min_lr_ratio=0.0, shape="cosine")
-    assert [f(s) for s in range(5)] == pytest.approx([1.0, (1 + math.cos(math.pi / 4)) / 2, 0.5,
-                                                      (1 + math.cos(3 * math.pi / 4)) / 2, 0.0])
+    assert [f(s) for s in range(5)] == pytest.approx(
+        [1.0, (1 + math.cos(math.pi / 4)) / 2, 0.5, (1 + math.cos(3 * math.pi / 4)) / 2, 0.0]
+    )
     with pytest.raises(ValueError, match="Received: shape='step'"):
         WarmupDecay(warmup_steps=0, total_steps=4, min_lr_ratio=0.0, shape="step")

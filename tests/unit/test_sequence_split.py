@@ -42,15 +42,22 @@ def test_split_batch_splits_tokens_and_targets_and_keeps_the_padding_mask_whole(
     assert split.split_batch((x, x), index=0)[0].tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]]
 
 
-@pytest.mark.parametrize("batch,message", [
-    ((torch.zeros(2, 6, dtype=torch.long),) * 2, r"divisible by 2 x the axis size \(4\)"),
-    (({"input_ids": torch.zeros(2, 8, dtype=torch.long), "position_ids": torch.zeros(2, 8)}, torch.zeros(2, 8)),
-     "Packed sequences"),
-    (({"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8)}, torch.zeros(2, 8)),
-     "labels"),
-    ((torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 7)), "sequence length 8"),
-    ((torch.zeros(8, dtype=torch.long), torch.zeros(8)), r"\[batch, seq"),
-])
+@pytest.mark.parametrize(
+    "batch,message",
+    [
+        ((torch.zeros(2, 6, dtype=torch.long),) * 2, r"divisible by 2 x the axis size \(4\)"),
+        (
+            ({"input_ids": torch.zeros(2, 8, dtype=torch.long), "position_ids": torch.zeros(2, 8)}, torch.zeros(2, 8)),
+            "Packed sequences",
+        ),
+        (
+            ({"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8)}, torch.zeros(2, 8)),
+            "labels",
+        ),
+        ((torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 7)), "sequence length 8"),
+        ((torch.zeros(8, dtype=torch.long), torch.zeros(8)), r"\[batch, seq"),
+    ],
+)
 def test_bad_batches_are_value_errors(batch, message):
     with pytest.raises(ValueError, match=message):
         SequenceSplit(axis="seq", axis_size=2).split_batch(batch, index=0)
@@ -101,8 +108,9 @@ def test_sequence_parallel_needs_one_model_axis_and_no_sequence_axis():
     assert tm.ModelParallel(layout_map=tm.LayoutMap(mesh), sequence_parallel=True).sequence_parallel
     assert not tm.ModelParallel(layout_map=tm.LayoutMap(mesh)).sequence_parallel
     with pytest.raises(ValueError, match="the mesh has 0"):
-        tm.ModelParallel(layout_map=tm.LayoutMap(tm.DeviceMesh((4,), ["data"], devices=DEVICES4)),
-                         sequence_parallel=True)
+        tm.ModelParallel(
+            layout_map=tm.LayoutMap(tm.DeviceMesh((4,), ["data"], devices=DEVICES4)), sequence_parallel=True
+        )
     three = tm.DeviceMesh((1, 2, 2), ["data", "seq", "model"], devices=DEVICES4)
     with pytest.raises(ValueError, match="beside a sequence axis"):
         tm.ModelParallel(layout_map=tm.LayoutMap(three), sequence_dim_name="seq", sequence_parallel=True)

@@ -35,10 +35,16 @@ def test_input_context_rejects_indivisible_global_batch(global_batch_size):
         InputContext(num_replicas_in_sync=8).get_per_replica_batch_size(global_batch_size)
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"num_input_pipelines": 0}, {"input_pipeline_id": -1}, {"num_replicas_in_sync": 0},
-    {"num_input_pipelines": 2, "input_pipeline_id": 2}, {"num_replicas_in_sync": 2.0},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_input_pipelines": 0},
+        {"input_pipeline_id": -1},
+        {"num_replicas_in_sync": 0},
+        {"num_input_pipelines": 2, "input_pipeline_id": 2},
+        {"num_replicas_in_sync": 2.0},
+    ],
+)
 def test_input_context_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError, match="Received"):
         InputContext(**kwargs)

@@ -20,8 +20,13 @@ def _state(spec: str, world: int, peers: list[torch.Tensor]):
         for peer in peers:
             tensor += compressor.compress(peer / world).tensors["values"].reshape(tensor.shape)
 
-    return SimpleNamespace(compressor=compressor, world_size=world, all_reduce=all_reduce, counter=ByteCounter(),
-                           allreduce_wire=lambda nbytes: ring_wire_bytes(nbytes, world))
+    return SimpleNamespace(
+        compressor=compressor,
+        world_size=world,
+        all_reduce=all_reduce,
+        counter=ByteCounter(),
+        allreduce_wire=lambda nbytes: ring_wire_bytes(nbytes, world),
+    )
 
 
 @pytest.mark.parametrize("spec", ["fp16", "bf16"])
@@ -46,8 +51,10 @@ def test_whole_bucket_cast_equals_the_per_gradient_path(spec, dtype):
 
     assert whole.data_ptr() == flat.data_ptr()  # written into the bucket itself
     assert whole.dtype == dtype
-    assert torch.equal(whole.view(torch.int16 if dtype != torch.float32 else torch.int32),
-                       per_gradient.view(torch.int16 if dtype != torch.float32 else torch.int32))
+    assert torch.equal(
+        whole.view(torch.int16 if dtype != torch.float32 else torch.int32),
+        per_gradient.view(torch.int16 if dtype != torch.float32 else torch.int32),
+    )
     assert new_state.counter.take() == old_state.counter.take()
 
 
@@ -57,8 +64,7 @@ def test_the_hook_takes_the_whole_bucket_path_only_without_error_feedback(error_
     from trainmesh.compression import FP16Compressor
 
     taken = []
-    monkeypatch.setattr(ddp_hooks, "_summable_bucket",
-                        lambda *args: taken.append(1) or _summable_bucket(*args))
+    monkeypatch.setattr(ddp_hooks, "_summable_bucket", lambda *args: taken.append(1) or _summable_bucket(*args))
     state = _state("fp16", 2, [torch.ones(6)])
     state.compressor, state.two_phase = FP16Compressor(error_feedback=error_feedback), False
     flat = torch.arange(6, dtype=torch.float32) / 3

@@ -119,8 +119,9 @@ def test_trainer_logs_tokens_per_s_and_mfu(tmp_path, capsys):
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 11, (32, 6), generator=g)
     model = TinyLM()
-    trainer = tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss, peak_flops=1e9,
-                         log_dir=tmp_path, progress=True)
+    trainer = tm.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss, peak_flops=1e9, log_dir=tmp_path, progress=True
+    )
     history = trainer.fit((tokens, tokens.roll(1, dims=1)), epochs=1, batch_size=8)
     # forward + backward of the head (3 x 2*16*11 per token); the embedding is a lookup, 0 FLOPs
     assert trainer._meter.flops_per_sample == 6 * 3 * 2 * 16 * 11
@@ -142,12 +143,21 @@ def test_optimizer_implementation_switches_kernels_and_keeps_the_result():
     params = {}
     for impl in (None, "fused", "foreach", "for-loop"):
         model = mlp()
-        trainer = tm.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), torch.nn.MSELoss(),
-                             optimizer_implementation=impl, max_grad_norm=0.5, progress=False)
+        trainer = tm.Trainer(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            torch.nn.MSELoss(),
+            optimizer_implementation=impl,
+            max_grad_norm=0.5,
+            progress=False,
+        )
         group = trainer.optimizer.param_groups[0]
         if impl is not None:
-            assert (group["fused"], group["foreach"]) == {"fused": (True, False), "foreach": (False, True),
-                                                          "for-loop": (False, False)}[impl]
+            assert (group["fused"], group["foreach"]) == {
+                "fused": (True, False),
+                "foreach": (False, True),
+                "for-loop": (False, False),
+            }[impl]
         trainer.fit((x, y), epochs=2, batch_size=8)
         params[impl] = torch.cat([p.detach().flatten() for p in trainer.unwrapped_model.parameters()])
     for impl in ("fused", "foreach", "for-loop"):
@@ -173,13 +183,22 @@ def test_a_tensor_layout_trains_with_a_foreach_optimizer(implementation):
         mesh = tm.DeviceMesh((1, 1), ["data", "model"], devices=tm.list_devices())
         layout_map = tm.LayoutMap(mesh)
         layout_map[r"0\.weight"] = ("model", None)  # the first layer sharded; the rest plain
-        trainer = tm.Trainer(model, torch.optim.Adam(model.parameters(), lr=1e-2, foreach=foreach), torch.nn.MSELoss(),
-                             distribution=tm.ModelParallel(layout_map=layout_map, batch_dim_name="data"),
-                             optimizer_implementation=implementation if foreach else None, progress=False)
+        trainer = tm.Trainer(
+            model,
+            torch.optim.Adam(model.parameters(), lr=1e-2, foreach=foreach),
+            torch.nn.MSELoss(),
+            distribution=tm.ModelParallel(layout_map=layout_map, batch_dim_name="data"),
+            optimizer_implementation=implementation if foreach else None,
+            progress=False,
+        )
         assert {hasattr(p, "placements") for p in trainer.optimizer.param_groups[0]["params"]} == {True, False}
         trainer.fit((x, y), epochs=2, batch_size=8)
-        params[foreach] = torch.cat([p.detach().full_tensor().flatten() if hasattr(p, "full_tensor") else p.detach().flatten()
-                                     for p in trainer.unwrapped_model.parameters()])
+        params[foreach] = torch.cat(
+            [
+                p.detach().full_tensor().flatten() if hasattr(p, "full_tensor") else p.detach().flatten()
+                for p in trainer.unwrapped_model.parameters()
+            ]
+        )
     assert (params[True] - params[False]).abs().max() <= 1e-6
 
 

@@ -30,14 +30,22 @@ def test_round_trip_tokens_identical(tmp_path, fmt):
     expected = np.concatenate(docs)
     assert index["total_tokens"] == len(expected) == sum(index["shard_tokens"])
     assert all(n == 257 for n in index["shard_tokens"][:-1])
-    assert sorted(os.listdir(tmp_path)) == ["index.json"] + [f"shard_{i:05d}.{fmt}" for i in range(len(index["shards"]))]
+    assert sorted(os.listdir(tmp_path)) == ["index.json"] + [
+        f"shard_{i:05d}.{fmt}" for i in range(len(index["shards"]))
+    ]
     ds = TokenShardDataset(tmp_path, block_size=8, data_parallel_size=1, data_index=0, verify_checksums=True)
     assert np.array_equal(np.concatenate([np.asarray(a) for a in ds.arrays]), expected)
 
 
 def test_text_with_tokenizer_and_eot(tmp_path):
-    index = write_token_shards(["ab", "c"], tmp_path, tokenizer=lambda s: [ord(c) - 96 for c in s],
-                               vocab_size=10, eot_id=0, tokenizer_description="letters")
+    index = write_token_shards(
+        ["ab", "c"],
+        tmp_path,
+        tokenizer=lambda s: [ord(c) - 96 for c in s],
+        vocab_size=10,
+        eot_id=0,
+        tokenizer_description="letters",
+    )
     ds = TokenShardDataset(tmp_path, block_size=1, data_parallel_size=1, data_index=0)
     assert np.asarray(ds.arrays[0]).tolist() == [1, 2, 0, 3, 0]
     assert index["tokenizer"] == "letters"
@@ -47,7 +55,9 @@ def test_text_with_tokenizer_and_eot(tmp_path):
         write_token_shards([[1, 12]], tmp_path / "y", vocab_size=10)
 
 
-@pytest.mark.parametrize("vocab_size,dtype", [(256, "uint16"), (65536, "uint16"), (65537, "uint32"), (100_000, "uint32")])
+@pytest.mark.parametrize(
+    "vocab_size,dtype", [(256, "uint16"), (65536, "uint16"), (65537, "uint32"), (100_000, "uint32")]
+)
 def test_dtype_choice(tmp_path, vocab_size, dtype):
     top = vocab_size - 1
     index = write_token_shards([[0, top, 1]], tmp_path, vocab_size=vocab_size)
@@ -119,7 +129,12 @@ def test_windows_shape_and_no_straddling(tmp_path):
     # per shard: starts 0, 4 (start + 5 <= 10), then 0 for the 5-token shard
     assert len(ds) == 5
     assert [ds.window(i).tolist() for i in range(5)] == [
-        [0, 1, 2, 3, 4], [4, 5, 6, 7, 8], [10, 11, 12, 13, 14], [14, 15, 16, 17, 18], [20, 21, 22, 23, 24]]
+        [0, 1, 2, 3, 4],
+        [4, 5, 6, 7, 8],
+        [10, 11, 12, 13, 14],
+        [14, 15, 16, 17, 18],
+        [20, 21, 22, 23, 24],
+    ]
     x, y = ds[1]
     assert x.shape == y.shape == (4,) and x.dtype == y.dtype == torch.int64 and torch.equal(x[1:], y[:-1])
     with pytest.raises(IndexError):
@@ -161,8 +176,10 @@ def _token_ids(x: torch.Tensor) -> list[int]:
 
 
 def _ranks(path, world, gbs, state=None, **kw):
-    ranks = [TokenShardDataset(path, block_size=8, seed=1, data_parallel_size=world, data_index=r, **kw)
-             for r in range(world)]
+    ranks = [
+        TokenShardDataset(path, block_size=8, seed=1, data_parallel_size=world, data_index=r, **kw)
+        for r in range(world)
+    ]
     for ds in ranks:
         if state is not None:
             ds.load_state_dict(state)
@@ -240,9 +257,19 @@ def test_memory_mapped_not_read(tmp_path):
     shard[::4096] = 7
     shard.flush()
     del shard
-    (tmp_path / "index.json").write_text(json.dumps({
-        "format": "npy", "dtype": "uint16", "vocab_size": 8, "shard_tokens": [n], "total_tokens": n,
-        "shards": [{"file": "shard_00000.npy", "tokens": n, "sha256": ""}], "tokenizer": "test"}))
+    (tmp_path / "index.json").write_text(
+        json.dumps(
+            {
+                "format": "npy",
+                "dtype": "uint16",
+                "vocab_size": 8,
+                "shard_tokens": [n],
+                "total_tokens": n,
+                "shards": [{"file": "shard_00000.npy", "tokens": n, "sha256": ""}],
+                "tokenizer": "test",
+            }
+        )
+    )
 
     def resident() -> dict[str, int]:  # kB of private (copied) and file-backed (mapped) memory
         with open("/proc/self/status") as fh:
@@ -267,7 +294,8 @@ def test_memory_mapped_not_read(tmp_path):
 def test_map_style_with_distributed_batches(tmp_path):
     write_token_shards([np.arange(8 * 16 + 1)], tmp_path, vocab_size=1 << 12)
     ds = TokenShardDataset(tmp_path, block_size=8, data_parallel_size=1, data_index=0)
-    batches = DistributedBatches(ds, global_batch_size=8, data_parallel_size=2, data_index=1, shuffle=True,
-                                 seed=0, drop_remainder=False)
+    batches = DistributedBatches(
+        ds, global_batch_size=8, data_parallel_size=2, data_index=1, shuffle=True, seed=0, drop_remainder=False
+    )
     xs = [x for x, _ in batches]
     assert len(xs) == 2 and xs[0].shape == (4, 8)

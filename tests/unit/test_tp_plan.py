@@ -20,8 +20,15 @@ def mesh(shape):
 
 def llama(kv_heads=2):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=16)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=16,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -35,8 +42,9 @@ def plan_of(model, layout_map):
     distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data")
     layouts = parameter_layouts(model, distribution)
     m = layout_map.device_mesh
-    return build_tp_plan(model, layouts, batch_axis="data", model_axes=["model"],
-                         axis_sizes={a: m.axis_size(a) for a in m.axis_names})
+    return build_tp_plan(
+        model, layouts, batch_axis="data", model_axes=["model"], axis_sizes={a: m.axis_size(a) for a in m.axis_names}
+    )
 
 
 def test_auto_uses_the_models_own_plan_and_pairs_megatron_style(capsys):
@@ -45,7 +53,10 @@ def test_auto_uses_the_models_own_plan_and_pairs_megatron_style(capsys):
     plan = plan_of(llama(), layout_map)
     attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
     assert {p: plan[p].style for p in (f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.o_proj")} == {
-        f"{attn}.q_proj": "colwise", f"{attn}.k_proj": "colwise", f"{attn}.o_proj": "rowwise"}
+        f"{attn}.q_proj": "colwise",
+        f"{attn}.k_proj": "colwise",
+        f"{attn}.o_proj": "rowwise",
+    }
     # Activations stay sharded between the pair: no gather after q/k/v, o takes shards.
     assert not plan[f"{attn}.q_proj"].gather_output and plan[f"{attn}.o_proj"].sharded_input
     assert not plan[f"{mlp}.up_proj"].gather_output and plan[f"{mlp}.down_proj"].sharded_input
@@ -132,9 +143,11 @@ def test_auto_plans_a_peft_model_as_its_base_head_included(family):
     peft = pytest.importorskip("peft")
     targets = ["c_attn", "c_fc"] if family == "gpt2" else ["q_proj", "down_proj"]
     plain = tm.LayoutMap.auto(gpt2() if family == "gpt2" else llama(), mesh((1, 2)), verbose=False)
-    wrapped = tm.LayoutMap.auto(peft.get_peft_model(gpt2() if family == "gpt2" else llama(),
-                                                    peft.LoraConfig(r=2, target_modules=targets)),
-                                mesh((1, 2)), verbose=False)
+    wrapped = tm.LayoutMap.auto(
+        peft.get_peft_model(gpt2() if family == "gpt2" else llama(), peft.LoraConfig(r=2, target_modules=targets)),
+        mesh((1, 2)),
+        verbose=False,
+    )
 
     def as_base(key: str) -> str:
         return key.replace("\\", "").removeprefix("base_model.model.").replace(".base_layer", "")

@@ -14,8 +14,12 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _distribution(dp: int, index: int):
-    return SimpleNamespace(data_parallel_size=dp, auto_shard_dataset=True, data_index=lambda: index,
-                           _batch_to_global=lambda batch, device=None: batch)
+    return SimpleNamespace(
+        data_parallel_size=dp,
+        auto_shard_dataset=True,
+        data_index=lambda: index,
+        _batch_to_global=lambda batch, device=None: batch,
+    )
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -24,10 +28,18 @@ def test_each_process_gets_its_rows_of_every_global_batch(shuffle, dp, k):
     x = torch.arange(96, dtype=torch.float32).reshape(48, 2)
     y = torch.arange(48)
     for index in range(dp):
-        steps = TrainSteps((x, y), _distribution(dp, index), global_batch_size=16, grad_accum_steps=k,
-                           shuffle=shuffle, seed=3, drop_remainder=False)
-        expected = GlobalBatchSampler(48, global_batch_size=16, data_parallel_size=dp, data_index=index,
-                                      micro_batches=k, shuffle=shuffle, seed=3).plan()
+        steps = TrainSteps(
+            (x, y),
+            _distribution(dp, index),
+            global_batch_size=16,
+            grad_accum_steps=k,
+            shuffle=shuffle,
+            seed=3,
+            drop_remainder=False,
+        )
+        expected = GlobalBatchSampler(
+            48, global_batch_size=16, data_parallel_size=dp, data_index=index, micro_batches=k, shuffle=shuffle, seed=3
+        ).plan()
         got = list(steps)
         assert len(got) == len(expected) == 3
         for micro_batches, (_, indices) in zip(got, expected):
@@ -41,8 +53,15 @@ def test_each_process_gets_its_rows_of_every_global_batch(shuffle, dp, k):
 
 def test_the_unshuffled_fast_path_follows_a_resumed_cursor():
     x, y = torch.arange(48, dtype=torch.float32).reshape(24, 2), torch.arange(24)
-    steps = TrainSteps((x, y), _distribution(2, 1), global_batch_size=8, grad_accum_steps=1,
-                       shuffle=False, seed=0, drop_remainder=False)
+    steps = TrainSteps(
+        (x, y),
+        _distribution(2, 1),
+        global_batch_size=8,
+        grad_accum_steps=1,
+        shuffle=False,
+        seed=0,
+        drop_remainder=False,
+    )
     steps.load_state_dict({**steps.state_dict(), "cursor": 8})
     assert [mb[0][1].tolist() for mb in steps] == [[12, 13, 14, 15], [20, 21, 22, 23]]
     assert np.array_equal(np.asarray(steps.last_indices), [20, 21, 22, 23])
@@ -54,8 +73,15 @@ def test_distributed_batches_hand_out_the_sampler_rows_as_views_when_unshuffled(
 
     x, y = torch.arange(64, dtype=torch.float32).reshape(32, 2), torch.arange(32)
     for index in range(2):
-        batches = DistributedBatches((x, y), global_batch_size=8, data_parallel_size=2, data_index=index,
-                                     shuffle=shuffle, seed=5, drop_remainder=False)
+        batches = DistributedBatches(
+            (x, y),
+            global_batch_size=8,
+            data_parallel_size=2,
+            data_index=index,
+            shuffle=shuffle,
+            seed=5,
+            drop_remainder=False,
+        )
         expected = [np.concatenate(m) for _, m in batches.sampler.local_steps(0)]
         got = list(batches)
         assert [yb.tolist() for _, yb in got] == [e.tolist() for e in expected]

@@ -49,8 +49,14 @@ def test_plan_derives_micro_batch_steps_and_scaled_lr():
     assert plan.lr == pytest.approx(0.4)
     text = plan.describe()
     assert "micro-batch 16 x accumulation 2 x data-parallel 4" in text and "scaled from 0.1" in text
-    sqrt = Plan.derive(TrainerConfig(lr_scaling="sqrt", base_batch_size=32), global_batch_size=128,
-                       data_parallel_size=1, num_samples=None, epochs=1, base_lr=0.1)
+    sqrt = Plan.derive(
+        TrainerConfig(lr_scaling="sqrt", base_batch_size=32),
+        global_batch_size=128,
+        data_parallel_size=1,
+        num_samples=None,
+        epochs=1,
+        base_lr=0.1,
+    )
     assert sqrt.lr == pytest.approx(0.2) and sqrt.steps_per_epoch is None
 
 
@@ -59,11 +65,16 @@ def test_plan_rejects_contradictions_before_training():
     with pytest.raises(ValueError, match="batch_size=64"):
         Plan.derive(config, global_batch_size=64, data_parallel_size=2, num_samples=100, epochs=1, base_lr=0.1)
     with pytest.raises(ValueError, match="smaller than one global batch"):
-        Plan.derive(TrainerConfig(drop_remainder=True), global_batch_size=64, data_parallel_size=1,
-                    num_samples=10, epochs=1, base_lr=0.1)
+        Plan.derive(
+            TrainerConfig(drop_remainder=True),
+            global_batch_size=64,
+            data_parallel_size=1,
+            num_samples=10,
+            epochs=1,
+            base_lr=0.1,
+        )
     with pytest.raises(ValueError, match="epochs"):
-        Plan.derive(TrainerConfig(), global_batch_size=8, data_parallel_size=1, num_samples=10, epochs=0,
-                    base_lr=0.1)
+        Plan.derive(TrainerConfig(), global_batch_size=8, data_parallel_size=1, num_samples=10, epochs=0, base_lr=0.1)
 
 
 def test_loss_scaler_grows_after_clean_steps_and_halves_on_overflow():
@@ -86,8 +97,12 @@ def test_loss_scaler_grows_after_clean_steps_and_halves_on_overflow():
 
 def test_loss_scaler_finds_a_nan_in_any_gradient_of_any_dtype():
     scaler = DynamicLossScaler(init_scale=4.0)
-    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2, dtype=torch.float16)),
-              torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.ones(1))]
+    params = [
+        torch.nn.Parameter(torch.ones(3)),
+        torch.nn.Parameter(torch.ones(2, dtype=torch.float16)),
+        torch.nn.Parameter(torch.ones(5)),
+        torch.nn.Parameter(torch.ones(1)),
+    ]
     grads = [torch.full((3,), 8.0), torch.full((2,), 4.0, dtype=torch.float16), torch.full((5,), 2.0), None]
     for param, grad in zip(params, grads):
         param.grad = grad
@@ -101,7 +116,11 @@ def test_loss_scaler_finds_a_nan_in_any_gradient_of_any_dtype():
 def test_default_scaler_matches_the_issue():
     scaler = build_precision("fp16-mixed").scaler
     assert (scaler.scale_value, scaler.growth_factor, scaler.backoff_factor, scaler.growth_interval) == (
-        2.0**15, 2.0, 0.5, 2000)
+        2.0**15,
+        2.0,
+        0.5,
+        2000,
+    )
     assert build_precision("bf16-mixed").scaler is None and build_precision("fp32").scaler is None
 
 

@@ -21,8 +21,12 @@ st = pytest.importorskip("safetensors.torch")
 @pytest.fixture()
 def tensors(tmp_path):
     g = torch.Generator().manual_seed(0)
-    values = {"cube": torch.randn(7, 5, 3, generator=g), "matrix": torch.randn(9, 11, generator=g),
-              "half": torch.randn(6, generator=g).bfloat16(), "scalar": torch.tensor(2.5)}
+    values = {
+        "cube": torch.randn(7, 5, 3, generator=g),
+        "matrix": torch.randn(9, 11, generator=g),
+        "half": torch.randn(6, generator=g).bfloat16(),
+        "scalar": torch.tensor(2.5),
+    }
     st.save_file(values, str(tmp_path / "model.safetensors"))
     return values
 

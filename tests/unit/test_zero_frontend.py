@@ -18,15 +18,18 @@ def test_defaults_are_stage_0_without_offload():
     assert dp.zero_stage == 0 and dp.memory == MemoryOptions()
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(zero_stage=4), "zero_stage=4"),
-    (dict(zero_stage=True), "zero_stage=True"),
-    (dict(zero_stage=3, cpu_offload="yes"), "cpu_offload='yes'"),
-    (dict(zero_stage=1, cpu_offload=True), "zero_stage=1, cpu_offload=True"),
-    (dict(shard_unit=0), "shard_unit=0"),
-    (dict(shard_unit="Block"), "shard_unit='Block'"),
-    (dict(reduce_dtype="int8"), "reduce_dtype='int8'"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(zero_stage=4), "zero_stage=4"),
+        (dict(zero_stage=True), "zero_stage=True"),
+        (dict(zero_stage=3, cpu_offload="yes"), "cpu_offload='yes'"),
+        (dict(zero_stage=1, cpu_offload=True), "zero_stage=1, cpu_offload=True"),
+        (dict(shard_unit=0), "shard_unit=0"),
+        (dict(shard_unit="Block"), "shard_unit='Block'"),
+        (dict(reduce_dtype="int8"), "reduce_dtype='int8'"),
+    ],
+)
 def test_bad_options_raise_naming_the_value(bad, match):
     with pytest.raises(ValueError, match=match):
         DataParallel(devices=TWO, **bad)
@@ -80,7 +83,6 @@ def test_shard_units_default_class_and_size():
     assert select_shard_units(plain, 10**9)[0] == []  # the root alone
 
 
-
 @pytest.mark.usefixtures("no_process_group_left_behind")
 @pytest.mark.parametrize("zero_stage", [0, 3])
 def test_a_meta_device_model_is_materialised_by_its_initialisers(zero_stage):
@@ -107,5 +109,8 @@ def test_blocks_grouped_for_blocking_collectives_up_to_the_bucket():
     assert group_for_blocking_collectives(blocks) == [blocks]
     assert group_for_blocking_collectives(blocks, max_bytes=block_bytes - 1) == blocks
     big = Block(width=1024)  # 8 MB: larger than the bucket below, it stays a unit of its own
-    assert group_for_blocking_collectives([blocks[0], big, blocks[1]], max_bytes=4 * block_bytes) == \
-        [blocks[0], big, blocks[1]]
+    assert group_for_blocking_collectives([blocks[0], big, blocks[1]], max_bytes=4 * block_bytes) == [
+        blocks[0],
+        big,
+        blocks[1],
+    ]

@@ -137,9 +137,7 @@ def _block_stacks(model: nn.Module) -> list[list[str]]:
             repeated = {cls for cls, n in counts.items() if n >= 2}
             if getattr(module, "_trainmesh_blocks", False):  # a pipeline stage's blocks, even just one
                 repeated = set(counts)
-            blocks = [
-                name for name, child in children if type(child) in repeated and _has_params(child)
-            ]
+            blocks = [name for name, child in children if type(child) in repeated and _has_params(child)]
             if blocks:
                 stacks.append([f"{path}.{name}" if path else name for name in blocks])
                 return  # blocks inside blocks are not blocks

@@ -39,9 +39,11 @@ class CheckpointWeights:
         self.dcp_dir, _ = resolve_checkpoint(self.source)
         self.reader = SafeFileSystemReader(self.dcp_dir)
         metadata = self.reader.read_metadata()
-        self.entries = {key[len(MODEL_PREFIX):]: _Entry(self.dcp_dir, tuple(meta.size), meta.properties.dtype)
-                        for key, meta in metadata.state_dict_metadata.items()
-                        if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
+        self.entries = {
+            key[len(MODEL_PREFIX) :]: _Entry(self.dcp_dir, tuple(meta.size), meta.properties.dtype)
+            for key, meta in metadata.state_dict_metadata.items()
+            if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)
+        }
 
     @staticmethod
     def is_checkpoint(path: str | os.PathLike) -> bool:

@@ -29,8 +29,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["COMPILE_MODES", "apply_compile", "check_compile_mode", "check_inductor_mode", "compile_unavailable_reason",
-           "compiled_mode", "is_compiled_in_place"]
+__all__ = [
+    "COMPILE_MODES",
+    "apply_compile",
+    "check_compile_mode",
+    "check_inductor_mode",
+    "compile_unavailable_reason",
+    "compiled_mode",
+    "is_compiled_in_place",
+]
 
 COMPILE_MODES = (False, True, "regional")
 _MARK = "_trainmesh_compile"
@@ -39,8 +46,10 @@ _MARK = "_trainmesh_compile"
 def check_compile_mode(mode: Any) -> Any:
     """``mode`` if it is one of ``COMPILE_MODES``; ValueError naming it otherwise."""
     if not any(mode is m or (isinstance(m, str) and mode == m) for m in COMPILE_MODES):
-        raise ValueError(f"compile must be False, True (the whole model) or 'regional' (each repeated block). "
-                         f"Received: compile={mode!r}")
+        raise ValueError(
+            f"compile must be False, True (the whole model) or 'regional' (each repeated block). "
+            f"Received: compile={mode!r}"
+        )
     return mode
 
 
@@ -54,11 +63,15 @@ def check_inductor_mode(inductor_mode: str | None, backend: str = "inductor") ->
 
     known = list(list_mode_options())
     if not isinstance(inductor_mode, str) or inductor_mode not in known:
-        raise ValueError(f"compile_mode must be None or one of torch.compile's modes {known}. "
-                         f"Received: compile_mode={inductor_mode!r}")
+        raise ValueError(
+            f"compile_mode must be None or one of torch.compile's modes {known}. "
+            f"Received: compile_mode={inductor_mode!r}"
+        )
     if backend != "inductor":
-        raise ValueError(f"compile_mode applies to the inductor backend only (torch.compile passes no mode to other "
-                         f"backends). Received: compile_mode={inductor_mode!r}, compile_backend={backend!r}")
+        raise ValueError(
+            f"compile_mode applies to the inductor backend only (torch.compile passes no mode to other "
+            f"backends). Received: compile_mode={inductor_mode!r}, compile_backend={backend!r}"
+        )
     return inductor_mode
 
 
@@ -111,8 +124,15 @@ def compiled_mode(model: nn.Module) -> Any:
     return getattr(model, _MARK, False)
 
 
-def apply_compile(model: nn.Module, mode: Any, *, backend: str = "inductor", fullgraph: bool = False,
-                  device_type: str = "cpu", inductor_mode: str | None = None) -> nn.Module:
+def apply_compile(
+    model: nn.Module,
+    mode: Any,
+    *,
+    backend: str = "inductor",
+    fullgraph: bool = False,
+    device_type: str = "cpu",
+    inductor_mode: str | None = None,
+) -> nn.Module:
     """Compile ``model`` (``True``) or each of its repeated blocks (``"regional"``) in place; returns it.
 
     Call it after tensor layouts and activation checkpointing, before DDP / FSDP2 (see
@@ -131,8 +151,11 @@ def apply_compile(model: nn.Module, mode: Any, *, backend: str = "inductor", ful
         raise ValueError(f"compile backend must be a torch.compile backend name. Received: backend={backend!r}")
     reason = compile_unavailable_reason(backend, device_type)
     if reason is not None:
-        warnings.warn(f"trainmesh: compile={mode!r} is not possible here: {reason}; the model runs eager.",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"trainmesh: compile={mode!r} is not possible here: {reason}; the model runs eager.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         setattr(model, _MARK, False)
         return model
     modules = dict(model.named_modules())

@@ -70,8 +70,11 @@ class SequenceContext:
         key = (seq_len, str(device))
         if key not in self._cache:
             order = self.split.gathered_order(seq_len)
-            self._cache[key] = (self.split.chunk_positions(seq_len, self.index).to(device), order.to(device),
-                                torch.argsort(order).to(device))
+            self._cache[key] = (
+                self.split.chunk_positions(seq_len, self.index).to(device),
+                order.to(device),
+                torch.argsort(order).to(device),
+            )
         return self._cache[key]
 
 
@@ -92,27 +95,46 @@ class _Call:
         if self._mask is None:
             causal = torch.ones(self.seq_len, self.seq_len, dtype=torch.bool, device=device).tril()
             eye = torch.eye(self.seq_len, dtype=torch.bool, device=device)
-            self._mask = (causal & (self.padding.to(device)[:, None, None, :] | eye))
+            self._mask = causal & (self.padding.to(device)[:, None, None, :] | eye)
         return self._mask
 
 
 # --- the attention function ------------------------------------------------------------------
-def context_parallel_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                               trainmesh_sequence: _Call | None = None, **kwargs):
+def context_parallel_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    trainmesh_sequence: _Call | None = None,
+    **kwargs,
+):
     """A transformers attention function (``AttentionInterface``): ``[B, H, s, D]`` in, ``[B, s, H, D]`` out."""
     if trainmesh_sequence is None:  # whole sequences: evaluation, prediction, generation
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     call = trainmesh_sequence
     context = call.context
     if context.method == "ulysses":
         from .ulysses import ulysses_attention
 
         _, order, restore = context.layout(call.seq_len, query.device)
-        out = ulysses_attention(query, key, value, group=context.group, n=context.split.axis_size, order=order,
-                                restore=restore, scale=scaling, mask=call.mask(query.device))
+        out = ulysses_attention(
+            query,
+            key,
+            value,
+            group=context.group,
+            n=context.split.axis_size,
+            order=order,
+            restore=restore,
+            scale=scaling,
+            mask=call.mask(query.device),
+        )
     else:
         from .ring_attention import ring_attention
 
@@ -147,9 +169,11 @@ def resolve_method(method: str, heads: int, kv_heads: int, size: int) -> str:
     if method == "auto":
         return "ulysses" if heads % size == 0 else "ring"
     if method == "ulysses" and heads % size:
-        raise ValueError(f"Ulysses splits the attention heads over the sequence axis: {heads} heads do not divide "
-                         f"over {size} processes. Use context_parallel='ring', or an axis size that divides the "
-                         f"heads. Received: num_attention_heads={heads}, axis size {size}")
+        raise ValueError(
+            f"Ulysses splits the attention heads over the sequence axis: {heads} heads do not divide "
+            f"over {size} processes. Use context_parallel='ring', or an axis size that divides the "
+            f"heads. Received: num_attention_heads={heads}, axis size {size}"
+        )
     return method
 
 
@@ -157,17 +181,25 @@ def check_config(config) -> tuple[int, int]:
     """``(heads, kv_heads)``; unsupported attention features refused by name."""
     for name in ("sliding_window", "attention_chunk_size"):
         if getattr(config, name, None) and getattr(config, "use_sliding_window", True):
-            raise ValueError(f"Context parallelism supports full causal attention only; this model uses a "
-                             f"sliding window. Received: {name}={getattr(config, name)}")
+            raise ValueError(
+                f"Context parallelism supports full causal attention only; this model uses a "
+                f"sliding window. Received: {name}={getattr(config, name)}"
+            )
     if getattr(config, "layer_types", None) and any(t != "full_attention" for t in config.layer_types):
-        raise ValueError(f"Context parallelism supports full causal attention only. Received: "
-                         f"layer_types={sorted(set(config.layer_types))}")
+        raise ValueError(
+            f"Context parallelism supports full causal attention only. Received: "
+            f"layer_types={sorted(set(config.layer_types))}"
+        )
     if any("sink" in name for name in vars(config)):
-        raise ValueError("Context parallelism does not support attention sinks. Received: a config with "
-                         f"{[n for n in vars(config) if 'sink' in n]}")
+        raise ValueError(
+            "Context parallelism does not support attention sinks. Received: a config with "
+            f"{[n for n in vars(config) if 'sink' in n]}"
+        )
     if getattr(config, "attention_dropout", 0.0):
-        raise ValueError(f"Context parallelism does not support attention dropout. Received: "
-                         f"attention_dropout={config.attention_dropout}")
+        raise ValueError(
+            f"Context parallelism does not support attention dropout. Received: "
+            f"attention_dropout={config.attention_dropout}"
+        )
     heads = getattr(config, "num_attention_heads", None)
     if not heads:
         raise ValueError(f"Context parallelism needs num_attention_heads in the model's config. Received: {config!r}")
@@ -180,26 +212,33 @@ def _pre_hook(context: SequenceContext, module, args, kwargs):
         return None  # whole sequences
     tokens = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
     if tokens is None or tokens.dim() < 2:
-        raise ValueError("A model over a sequence axis takes [batch, seq] input_ids (or inputs_embeds). Received: "
-                         f"{type(tokens).__name__}")
+        raise ValueError(
+            "A model over a sequence axis takes [batch, seq] input_ids (or inputs_embeds). Received: "
+            f"{type(tokens).__name__}"
+        )
     local = tokens.shape[1]
     seq_len = local * context.split.axis_size
     if kwargs.get("position_ids") is not None:
-        raise ValueError("Packed sequences (position_ids) are not supported over a sequence axis yet. "
-                         "Received: position_ids")
+        raise ValueError(
+            "Packed sequences (position_ids) are not supported over a sequence axis yet. Received: position_ids"
+        )
     padding = kwargs.pop("attention_mask", None)
     if padding is not None:
         if padding.dim() != 2 or padding.shape[1] != seq_len:
-            raise ValueError(f"Over a sequence axis the attention mask is a whole [batch, {seq_len}] padding mask "
-                             f"(custom 4-D masks are not supported). Received: attention_mask of shape "
-                             f"{tuple(padding.shape)}")
+            raise ValueError(
+                f"Over a sequence axis the attention mask is a whole [batch, {seq_len}] padding mask "
+                f"(custom 4-D masks are not supported). Received: attention_mask of shape "
+                f"{tuple(padding.shape)}"
+            )
         padding = padding.bool()
         if bool(padding.all()):
             padding = None
         elif context.method == "ring" and bool((padding[:, 1:] & ~padding[:, :-1]).any()):
-            raise ValueError("Ring attention takes padding at the end of sequences only (it is then exactly "
-                             "the causal mask for every real token); use context_parallel='ulysses' for "
-                             "left padding. Received: an attention_mask with padding before real tokens")
+            raise ValueError(
+                "Ring attention takes padding at the end of sequences only (it is then exactly "
+                "the causal mask for every real token); use context_parallel='ulysses' for "
+                "left padding. Received: an attention_mask with padding before real tokens"
+            )
     positions, _, _ = context.layout(seq_len, tokens.device)
     kwargs["position_ids"] = positions.unsqueeze(0).expand(tokens.shape[0], -1)
     kwargs["attention_mask"] = _PREPARED_MASK.to(tokens.device)
@@ -215,8 +254,10 @@ def apply_context_parallel(model: nn.Module, distribution) -> nn.Module:
     split = distribution.sequence
     hf = transformers_model(model)
     if hf is None:
-        raise ValueError("A sequence axis splits attention through transformers' attention interface; the model "
-                         f"holds no transformers model. Received: {type(model).__name__}")
+        raise ValueError(
+            "A sequence axis splits attention through transformers' attention interface; the model "
+            f"holds no transformers model. Received: {type(model).__name__}"
+        )
     heads, kv_heads = check_config(hf.config)
     method = resolve_method(split.method, heads, kv_heads, split.axis_size)
     torch_mesh = to_torch_mesh(distribution.device_mesh)

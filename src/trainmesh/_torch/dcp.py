@@ -89,7 +89,9 @@ def _keep_owned_replicas(state: dict[str, Any], rank: int, world_size: int) -> N
         for key, value in container.items():
             if isinstance(value, dict):
                 visit(value, path + (str(key),))
-            elif isinstance(value, torch.Tensor) and not hasattr(value, "to_local") and value.numel() >= _MIN_SPLIT_NUMEL:
+            elif (
+                isinstance(value, torch.Tensor) and not hasattr(value, "to_local") and value.numel() >= _MIN_SPLIT_NUMEL
+            ):
                 entries.append((value.numel() * value.element_size(), path + (str(key),)))
 
     visit(state, ())
@@ -101,8 +103,11 @@ def _keep_owned_replicas(state: dict[str, Any], rank: int, world_size: int) -> N
             dropped.add(path)
 
     def pruned(container, path):
-        return {key: pruned(value, path + (str(key),)) if isinstance(value, dict) else value
-                for key, value in container.items() if path + (str(key),) not in dropped}
+        return {
+            key: pruned(value, path + (str(key),)) if isinstance(value, dict) else value
+            for key, value in container.items()
+            if path + (str(key),) not in dropped
+        }
 
     state.update(pruned(state, ()))
     for key in [k for k in state if (str(k),) in dropped]:
@@ -150,8 +155,9 @@ def _signature(obj) -> Any:
 
 def async_save(state: dict[str, Any], path: str, process_group=None, stager=None) -> Future:
     """Stage a CPU copy now (the only blocking part), write it in a background thread."""
-    result = dcp.async_save(state, checkpoint_id=path, process_group=process_group, no_dist=_no_dist(),
-                            async_stager=stager)
+    result = dcp.async_save(
+        state, checkpoint_id=path, process_group=process_group, no_dist=_no_dist(), async_stager=stager
+    )
     return getattr(result, "upload_completion", result)
 
 
@@ -163,8 +169,9 @@ def _safe_reader(path: str) -> SafeFileSystemReader:
     return reader
 
 
-def load_sharded(model: nn.Module, optimizer: Any | None, path: str, process_group=None, *,
-                 trainable_only: list[str] | None = None) -> None:
+def load_sharded(
+    model: nn.Module, optimizer: Any | None, path: str, process_group=None, *, trainable_only: list[str] | None = None
+) -> None:
     """Load a DCP checkpoint into ``model`` / ``optimizer`` as they are laid out *now*.
 
     The templates come from the current model, so DCP reads exactly this rank's shards
@@ -180,14 +187,20 @@ def load_sharded(model: nn.Module, optimizer: Any | None, path: str, process_gro
     options = StateDictOptions(strict=frozen)
     if optimizer is not None and is_zero_optimizer(optimizer):
         state = {"model": model_state(model, frozen=frozen)}
-        dcp.load(state, checkpoint_id=path, storage_reader=_safe_reader(path), process_group=process_group,
-                 no_dist=_no_dist())
+        dcp.load(
+            state,
+            checkpoint_id=path,
+            storage_reader=_safe_reader(path),
+            process_group=process_group,
+            no_dist=_no_dist(),
+        )
         set_model_state_dict(model, state["model"], options=options)
         # No template to read shards into: the optimizer state arrives as full tensors.
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-        loaded = _load_state_dict_from_keys({"optimizer"}, checkpoint_id=path, process_group=process_group,
-                                            storage_reader=_safe_reader(path))
+        loaded = _load_state_dict_from_keys(
+            {"optimizer"}, checkpoint_id=path, process_group=process_group, storage_reader=_safe_reader(path)
+        )
         load_full_state(model, optimizer, loaded["optimizer"])
         return
     state = {"model": model_state(model, frozen=frozen)}
@@ -195,8 +208,9 @@ def load_sharded(model: nn.Module, optimizer: Any | None, path: str, process_gro
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
         own_groups = [list(group["params"]) for group in state["optimizer"]["param_groups"]]
         aliases = _rename_state(state["optimizer"], _aliases(model))
-    dcp.load(state, checkpoint_id=path, storage_reader=_safe_reader(path), process_group=process_group,
-             no_dist=_no_dist())
+    dcp.load(
+        state, checkpoint_id=path, storage_reader=_safe_reader(path), process_group=process_group, no_dist=_no_dist()
+    )
     set_model_state_dict(model, state["model"], options=options)
     if optimizer is not None:
         _rename_state(state["optimizer"], aliases)

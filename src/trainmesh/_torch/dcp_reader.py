@@ -41,8 +41,10 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
 def refusal_detail(exc: BaseException) -> str:
     """The line of torch's weights_only refusal that says what was refused (not its advice to trust the file)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return next((line for line in lines if "GLOBAL" in line or "Unsupported" in line or "unsupported" in line),
-                lines[0] if lines else type(exc).__name__)
+    return next(
+        (line for line in lines if "GLOBAL" in line or "Unsupported" in line or "unsupported" in line),
+        lines[0] if lines else type(exc).__name__,
+    )
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -53,8 +55,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _PLAIN:
             return _PLAIN[(module, name)]
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                           torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         if module in _METADATA_MODULES:
             found = getattr(__import__(module, fromlist=[name]), name, None)
@@ -63,7 +66,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError(
             f"{self.path} asks to build {module}.{name}, which is not part of a checkpoint's metadata; "
             "trainmesh refuses to run code from a checkpoint. Received: a checkpoint that is damaged or "
-            "not written by torch.distributed.checkpoint")
+            "not written by torch.distributed.checkpoint"
+        )
 
 
 class _SafeBytes:
@@ -82,7 +86,8 @@ class _SafeBytes:
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpointError(
                 f"{self._path}: item {read_item.dest_index.fqn!r} holds objects that torch.load(weights_only=True) "
-                f"refuses; trainmesh refuses to run code from a checkpoint ({refusal_detail(exc)})") from None
+                f"refuses; trainmesh refuses to run code from a checkpoint ({refusal_detail(exc)})"
+            ) from None
         safe = io.BytesIO()
         torch.save(obj, safe)
         safe.seek(0)

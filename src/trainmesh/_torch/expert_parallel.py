@@ -75,8 +75,13 @@ class _DispatchState:
         self.reset()
 
     def reset(self) -> None:
-        self.stats = {"count_exchanges": 0, "token_exchanges_forward": 0, "token_exchanges_backward": 0,
-                      "bytes_to_others": 0, "tokens_per_expert": torch.zeros(self.num_experts, dtype=torch.int64)}
+        self.stats = {
+            "count_exchanges": 0,
+            "token_exchanges_forward": 0,
+            "token_exchanges_backward": 0,
+            "bytes_to_others": 0,
+            "tokens_per_expert": torch.zeros(self.num_experts, dtype=torch.int64),
+        }
 
 
 def _count_backward(state: _DispatchState, rows_to_others: int, row_bytes: int):
@@ -84,11 +89,13 @@ def _count_backward(state: _DispatchState, rows_to_others: int, row_bytes: int):
         state.stats["token_exchanges_backward"] += 1
         state.stats["bytes_to_others"] += rows_to_others * row_bytes
         return grad
+
     return hook
 
 
-def _dispatch_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                      top_k_weights: torch.Tensor) -> torch.Tensor:
+def _dispatch_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     state: _DispatchState = self._trainmesh_ep
     if state.inner:  # the local experts' own computation (step 4), reached through functional_call
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
@@ -105,8 +112,11 @@ def _dispatch_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index:
     received = all_to_all_single_autograd(send, recv_splits, send_splits, state.group)  # 3.
     # Rows arrive grouped by source process, then by local expert: their local expert ids.
     local_ids = state.local_ids.to(received_counts.device).repeat_interleave(received_counts)
-    local = {name: _local_experts(p, state.grad_scale) for name, p in self.named_parameters(recurse=False)
-             if isinstance(p, DTensor)}
+    local = {
+        name: _local_experts(p, state.grad_scale)
+        for name, p in self.named_parameters(recurse=False)
+        if isinstance(p, DTensor)
+    }
     state.inner = True
     saved_num = self.num_experts if hasattr(self, "num_experts") else None
     try:  # 4. the model's own experts (grouped_mm), on this process's experts only
@@ -155,8 +165,9 @@ def _expert_group(distribution, axis: str):
     return ep_mesh, ep_mesh.get_group(), ep_mesh.get_local_rank()
 
 
-def apply_expert_parallel(model: nn.Module, distribution, plan: ExpertPlan, *, zero_stage: int = 0,
-                          reduce_grads: bool = True) -> nn.Module:
+def apply_expert_parallel(
+    model: nn.Module, distribution, plan: ExpertPlan, *, zero_stage: int = 0, reduce_grads: bool = True
+) -> nn.Module:
     """Lay ``plan``'s experts out over their axis and dispatch their tokens by all-to-all (see the module
     docstring); returns ``model``, changed in place. ``reduce_grads``: average expert gradients over the
     batch axis when the expert axis is another one (stage 0 without a pipeline, as TP's own hooks do)."""
@@ -167,11 +178,13 @@ def apply_expert_parallel(model: nn.Module, distribution, plan: ExpertPlan, *, z
         raise ValueError(
             f"Experts laid out over {plan.axis!r} with zero_stage={zero_stage}: under ZeRO the experts go over the "
             f"batch axis {batch_axis!r} (expert_axis={batch_axis!r}), where no other reduction is needed. "
-            f"Received: expert axis {plan.axis!r}, zero_stage={zero_stage}")
+            f"Received: expert axis {plan.axis!r}, zero_stage={zero_stage}"
+        )
     if has_meta_tensors(model):
         raise ValueError(
             f"Expert parallelism over {plan.axis!r} needs a model with real tensors (built on a device); a meta-built "
-            f"MoE model is not filled per expert shard yet. Received: meta parameters in {type(model).__name__}")
+            f"MoE model is not filled per expert shard yet. Received: meta parameters in {type(model).__name__}"
+        )
     ep_mesh, group, index = _expert_group(distribution, plan.axis)
     dp_size = distribution.data_parallel_size
     scale = dp_size if plan.axis == batch_axis else plan.size
@@ -182,9 +195,10 @@ def apply_expert_parallel(model: nn.Module, distribution, plan: ExpertPlan, *, z
         num_local = experts.num_experts // plan.size
         for name in experts.param_names:
             full = getattr(module, name)
-            local = full.detach()[index * num_local:(index + 1) * num_local].clone()
-            param = nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False),
-                                 requires_grad=full.requires_grad)
+            local = full.detach()[index * num_local : (index + 1) * num_local].clone()
+            param = nn.Parameter(
+                DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False), requires_grad=full.requires_grad
+            )
             param._trainmesh_expert = True  # zero.apply_fsdp leaves it to us
             module._parameters[name] = param
         module._trainmesh_ep = _DispatchState(group, plan.size, index, experts.num_experts, 1.0 / scale)
@@ -195,7 +209,8 @@ def apply_expert_parallel(model: nn.Module, distribution, plan: ExpertPlan, *, z
         torch_mesh = to_torch_mesh(distribution.device_mesh)
         batch_group = torch_mesh.get_group(batch_axis)
         model._trainmesh_expert_grad_reducers = [
-            DataAxisGradReducer(model.get_submodule(m.path), batch_group, dp_size) for m in plan.modules]
+            DataAxisGradReducer(model.get_submodule(m.path), batch_group, dp_size) for m in plan.modules
+        ]
     model._trainmesh_expert_plan = plan
     return model
 
@@ -227,8 +242,9 @@ def _batch_group(distribution):
     return group, size
 
 
-def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_mask: torch.Tensor | None = None,
-                        *, distribution=None) -> torch.Tensor:
+def load_balancing_loss(
+    router_logits, num_experts: int, top_k: int, attention_mask: torch.Tensor | None = None, *, distribution=None
+) -> torch.Tensor:
     """The Switch-Transformer auxiliary loss of transformers' MoE models (``load_balancing_loss_func``:
     ``num_experts * sum_e f_e * P_e``, f the fraction of top-k assignments to expert e, P its mean router
     probability) over the **global** batch: the per-expert sums of every process of the batch axis are
@@ -245,8 +261,10 @@ def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_m
     ...     out.router_logits, config.num_experts, config.num_experts_per_tok)
     """
     if not isinstance(router_logits, (tuple, list)) or not router_logits:
-        raise ValueError("load_balancing_loss needs the model output's router_logits (a tuple of per-layer "
-                         f"(tokens, num_experts) tensors; pass output_router_logits=True). Received: {type(router_logits)}")
+        raise ValueError(
+            "load_balancing_loss needs the model output's router_logits (a tuple of per-layer "
+            f"(tokens, num_experts) tensors; pass output_router_logits=True). Received: {type(router_logits)}"
+        )
     if distribution is None:
         from trainmesh.distribution.distribution import distribution as current
 
@@ -269,7 +287,7 @@ def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_m
         total = local.clone()
         dist.all_reduce(total, group=group)
         counts, rows = total[:num_experts], total[-1]
-        others = total[num_experts:2 * num_experts] - local[num_experts:2 * num_experts]
+        others = total[num_experts : 2 * num_experts] - local[num_experts : 2 * num_experts]
         # value: the global sum; gradient: this process's share times the batch axis size (see docstring)
         probs = size * probs - (size - 1) * probs.detach() + others
     return num_experts * torch.sum((counts / rows) * (probs / rows))

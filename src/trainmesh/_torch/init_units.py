@@ -31,9 +31,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class Unit:
-    path: str                     # module path in the whole model ("" for the root)
-    shadow: nn.Module             # a meta copy taken before the layout (whole subtree, or shallow)
-    names: list[str]              # full names of the tensors it initialises
+    path: str  # module path in the whole model ("" for the root)
+    shadow: nn.Module  # a meta copy taken before the layout (whole subtree, or shallow)
+    names: list[str]  # full names of the tensors it initialises
 
 
 def _is_hf_model(module: nn.Module) -> bool:
@@ -65,8 +65,13 @@ def plan_units(model: nn.Module, plan: MaterializePlan, needed: set[str] | None)
     def visit(path: str, module: nn.Module) -> None:
         prefix = f"{path}." if path else ""
         if is_unit(path):
-            names = [prefix + n for n, _ in [*module.named_parameters(remove_duplicate=False),
-                                             *module.named_buffers(remove_duplicate=False)]]
+            names = [
+                prefix + n
+                for n, _ in [
+                    *module.named_parameters(remove_duplicate=False),
+                    *module.named_buffers(remove_duplicate=False),
+                ]
+            ]
             if names and wanted(names):
                 _add_unit(plan, path, copy.deepcopy(module), names)
             return
@@ -100,10 +105,12 @@ def checked_lora_inits(model: nn.Module) -> dict[str, dict[str, object]]:
     for path, by_adapter in inits.items():
         for adapter, init in by_adapter.items():
             if not (init is True or init is False or init == "gaussian"):
-                raise ValueError(f"The LoRA layer {path!r} (adapter {adapter!r}) asks for init_lora_weights={init!r}, "
-                                 f"which peft computes from the base weights when the adapter is created; a meta-built "
-                                 f"model has none then. Use True, False or 'gaussian', or build the model on the CPU. "
-                                 f"Received: init_lora_weights={init!r}")
+                raise ValueError(
+                    f"The LoRA layer {path!r} (adapter {adapter!r}) asks for init_lora_weights={init!r}, "
+                    f"which peft computes from the base weights when the adapter is created; a meta-built "
+                    f"model has none then. Use True, False or 'gaussian', or build the model on the CPU. "
+                    f"Received: init_lora_weights={init!r}"
+                )
     return inits
 
 
@@ -143,13 +150,18 @@ def initialise_unit(unit: Unit, plan: MaterializePlan) -> dict[str, torch.Tensor
             elif callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()
     out = {}
-    for name, tensor in [*shadow.named_parameters(remove_duplicate=False), *shadow.named_buffers(remove_duplicate=False)]:
+    for name, tensor in [
+        *shadow.named_parameters(remove_duplicate=False),
+        *shadow.named_buffers(remove_duplicate=False),
+    ]:
         full = local_prefix + name
         if full in unit.names:
             if tensor.is_floating_point() and bool(torch.isnan(tensor).any()):
-                raise ValueError(f"No initialiser sets {full!r} of this meta-built model (its module has no "
-                                 f"reset_parameters and no transformers _init_weights covers it). Give weights=, "
-                                 f"define reset_parameters, or build the model on the CPU.")
+                raise ValueError(
+                    f"No initialiser sets {full!r} of this meta-built model (its module has no "
+                    f"reset_parameters and no transformers _init_weights covers it). Give weights=, "
+                    f"define reset_parameters, or build the model on the CPU."
+                )
             out[full] = tensor.detach()
     return out
 

@@ -54,11 +54,11 @@ class MaterializePlan:
     weights: WeightFiles | None
     seed: int
     meta: bool
-    aliases: dict[str, list[str]] = field(default_factory=dict)   # name -> every name of the same tensor
+    aliases: dict[str, list[str]] = field(default_factory=dict)  # name -> every name of the same tensor
     units: list[Unit] = field(default_factory=list)
-    unit_of: dict[str, int] = field(default_factory=dict)         # first name of a tensor -> its unit
+    unit_of: dict[str, int] = field(default_factory=dict)  # first name of a tensor -> its unit
     initialiser_of: dict[str, nn.Module | None] = field(default_factory=dict)  # module path -> HF model
-    peft: bool = False                                            # names may be the base checkpoint's
+    peft: bool = False  # names may be the base checkpoint's
     lora_inits: dict[str, dict[str, object]] = field(default_factory=dict)  # LoRA layer -> adapter -> init
 
     def file_keys(self, name: str) -> list[str]:
@@ -93,14 +93,19 @@ def _check_weights(model: nn.Module, plan: MaterializePlan) -> None:
         used.add(found)
         entry = files.entries[found]
         if tuple(entry.shape) != tuple(tensor.shape):
-            problems.append(f"key {found!r} has shape {list(entry.shape)} in {entry.file}; the model's is "
-                            f"{list(tensor.shape)}")
-    problems += [f"unexpected key {k!r} in {files.entries[k].file}" for k in files.keys()
-                 if k not in used and not any(a in used for a in aliases.get(k, []))]
+            problems.append(
+                f"key {found!r} has shape {list(entry.shape)} in {entry.file}; the model's is {list(tensor.shape)}"
+            )
+    problems += [
+        f"unexpected key {k!r} in {files.entries[k].file}"
+        for k in files.keys()
+        if k not in used and not any(a in used for a in aliases.get(k, []))
+    ]
     if problems:
         more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-        raise WeightFileError(f"weights={files.source!r} do not fit {type(model).__name__}: "
-                              + "; ".join(problems[:8]) + more)
+        raise WeightFileError(
+            f"weights={files.source!r} do not fit {type(model).__name__}: " + "; ".join(problems[:8]) + more
+        )
 
 
 def open_weights(path):
@@ -111,8 +116,10 @@ def open_weights(path):
         try:
             return CheckpointWeights(path)
         except ValueError as exc:
-            raise WeightFileError(f"weights={str(path)!r} is neither a Hugging Face checkpoint directory "
-                                  f"(no .safetensors files) nor a trainmesh checkpoint: {exc}") from None
+            raise WeightFileError(
+                f"weights={str(path)!r} is neither a Hugging Face checkpoint directory "
+                f"(no .safetensors files) nor a trainmesh checkpoint: {exc}"
+            ) from None
     return WeightFiles.open(path)
 
 
@@ -124,18 +131,24 @@ def prepare(model: nn.Module, weights=None, seed: int = 0) -> MaterializePlan | 
         return None
     if meta and any(t.device.type != "meta" for t in [*model.parameters(), *model.buffers()]):
         real = next(n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "meta")
-        raise ValueError(f"The model is partly on the meta device and partly not (first real tensor: {real!r}); "
-                         f"build it wholly under `with torch.device('meta'):` or wholly on the CPU.")
+        raise ValueError(
+            f"The model is partly on the meta device and partly not (first real tensor: {real!r}); "
+            f"build it wholly under `with torch.device('meta'):` or wholly on the CPU."
+        )
     files = weights if weights is None or hasattr(weights, "fill") else open_weights(weights)
-    plan = MaterializePlan(weights=files, seed=int(seed), meta=meta, aliases=_alias_groups(model),
-                           peft=is_peft_model(model))
+    plan = MaterializePlan(
+        weights=files, seed=int(seed), meta=meta, aliases=_alias_groups(model), peft=is_peft_model(model)
+    )
     needed = None
     if files is not None:
         _check_weights(model, plan)
         # what no file holds (non-persistent buffers such as rotary tables, a base's new adapters)
         # comes from initialisers
-        needed = {n for n, _ in [*model.named_parameters(remove_duplicate=False),
-                                 *model.named_buffers(remove_duplicate=False)] if plan.in_files(n) is None}
+        needed = {
+            n
+            for n, _ in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+            if plan.in_files(n) is None
+        }
     if meta:
         if plan.peft:
             plan.lora_inits = checked_lora_inits(model)
@@ -151,14 +164,17 @@ def _empty_like(tensor: torch.Tensor, device) -> torch.Tensor:
 
     if isinstance(tensor, DTensor):
         local = torch.empty_like(tensor.to_local(), device=device)
-        return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
-                                  shape=tensor.shape, stride=tensor.stride())
+        return DTensor.from_local(
+            local, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+        )
     return torch.empty_like(tensor, device=device)
 
 
 def _targets(root: nn.Module) -> dict[str, torch.Tensor]:
-    return {canonical_name(name): t for name, t in [*root.named_parameters(remove_duplicate=False),
-                                                    *root.named_buffers(remove_duplicate=False)]}
+    return {
+        canonical_name(name): t
+        for name, t in [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]
+    }
 
 
 def _retie(root: nn.Module, plan: MaterializePlan) -> None:
@@ -212,8 +228,9 @@ def _fill_from_initialisers(pending: dict[str, torch.Tensor], plan: MaterializeP
     for name in pending:
         first = plan.aliases.get(name, [name])[0]
         if first not in plan.unit_of:
-            raise ValueError(f"{name!r} of the laid-out model is not a tensor of the model it was built as; "
-                             f"cannot initialise it")
+            raise ValueError(
+                f"{name!r} of the laid-out model is not a tensor of the model it was built as; cannot initialise it"
+            )
         by_unit.setdefault(plan.unit_of[first], []).append(name)
     for index in sorted(by_unit):
         values = initialise_unit(plan.units[index], plan)

@@ -39,17 +39,28 @@ from .compile import apply_compile
 from .materialize import MaterializePlan, materialize, prepare
 
 
-def resolve_memory_options(distribution, *, zero_stage: int | None = None, cpu_offload: bool | None = None
-                           ) -> MemoryOptions:
+def resolve_memory_options(
+    distribution, *, zero_stage: int | None = None, cpu_offload: bool | None = None
+) -> MemoryOptions:
     own = getattr(distribution, "memory", None) or MemoryOptions()
     return own.replace(zero_stage=zero_stage, cpu_offload=cpu_offload)
 
 
-def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None,
-                activation_checkpointing: Any = None, cpu_offload: bool | None = None,
-                mixed_precision: torch.dtype | None = None, ddp_options: dict | None = None,
-                compile: Any = False, compile_backend: str = "inductor",
-                compile_mode: str | None = None, weights: Any = None, init_seed: int | None = None) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    distribution,
+    *,
+    zero_stage: int | None = None,
+    activation_checkpointing: Any = None,
+    cpu_offload: bool | None = None,
+    mixed_precision: torch.dtype | None = None,
+    ddp_options: dict | None = None,
+    compile: Any = False,
+    compile_backend: str = "inductor",
+    compile_mode: str | None = None,
+    weights: Any = None,
+    init_seed: int | None = None,
+) -> nn.Module:
     """Apply ``distribution`` to ``model``; returns the module to train.
 
     ``model`` may be built on the meta device; ``weights`` (a Hugging Face checkpoint directory or a
@@ -75,16 +86,20 @@ def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None
         # A user's own Distribution subclass: its distribute_model decides, after checkpointing.
         if activation_checkpointing is not None:
             model = apply_activation_checkpointing(model, activation_checkpointing)
-        model = apply_compile(model, compile, backend=compile_backend, device_type=runtime.torch_device_type(),
-                              inductor_mode=compile_mode)
+        model = apply_compile(
+            model, compile, backend=compile_backend, device_type=runtime.torch_device_type(), inductor_mode=compile_mode
+        )
         return distribution.distribute_model(materialize(model, fill, runtime.local_torch_device()))
     is_tp = isinstance(distribution, ModelParallel)
     if is_tp and options.zero_stage == 1:
-        raise ValueError("ModelParallel shards optimizer state with its parameters at stages 2-3 (FSDP2 over the "
-                         f"batch axis); stage 1 alone is not offered there. Received: zero_stage=1")
+        raise ValueError(
+            "ModelParallel shards optimizer state with its parameters at stages 2-3 (FSDP2 over the "
+            "batch axis); stage 1 alone is not offered there. Received: zero_stage=1"
+        )
     if ddp_options and options.zero_stage >= 1:
-        raise ValueError(f"DDP options do not apply to zero_stage {options.zero_stage} (FSDP2). "
-                         f"Received: {sorted(ddp_options)}")
+        raise ValueError(
+            f"DDP options do not apply to zero_stage {options.zero_stage} (FSDP2). Received: {sorted(ddp_options)}"
+        )
     pipeline = getattr(distribution, "pipeline", None)
     if pipeline is not None and distribution.device_mesh.axis_size(pipeline.axis) > 1:
         # 0. pipeline: split first, so that every later step sees one stage's modules only (a stage
@@ -92,11 +107,36 @@ def parallelize(model: nn.Module, distribution, *, zero_stage: int | None = None
         # checkpointed and sharded exactly as a whole model would be, on its own sub-mesh.
         from .pipeline_apply import apply_pipeline
 
-        return apply_pipeline(model, distribution, options, lambda stage: _apply_layers(
-            stage, distribution, options, activation_checkpointing, mixed_precision, ddp_options, pipelined=True,
-            compile=compile, compile_backend=compile_backend, compile_mode=compile_mode, fill=fill))
-    return _apply_layers(model, distribution, options, activation_checkpointing, mixed_precision, ddp_options,
-                         compile=compile, compile_backend=compile_backend, compile_mode=compile_mode, fill=fill)
+        return apply_pipeline(
+            model,
+            distribution,
+            options,
+            lambda stage: _apply_layers(
+                stage,
+                distribution,
+                options,
+                activation_checkpointing,
+                mixed_precision,
+                ddp_options,
+                pipelined=True,
+                compile=compile,
+                compile_backend=compile_backend,
+                compile_mode=compile_mode,
+                fill=fill,
+            ),
+        )
+    return _apply_layers(
+        model,
+        distribution,
+        options,
+        activation_checkpointing,
+        mixed_precision,
+        ddp_options,
+        compile=compile,
+        compile_backend=compile_backend,
+        compile_mode=compile_mode,
+        fill=fill,
+    )
 
 
 def _agreed_seed(init_seed: int | None) -> int:
@@ -109,10 +149,20 @@ def _agreed_seed(init_seed: int | None) -> int:
     return int(seed.item())
 
 
-def _apply_layers(model: nn.Module, distribution, options: MemoryOptions, activation_checkpointing: Any,
-                  mixed_precision: torch.dtype | None, ddp_options: dict | None, *, pipelined: bool = False,
-                  compile: Any = False, compile_backend: str = "inductor",
-                  compile_mode: str | None = None, fill: MaterializePlan | None = None) -> nn.Module:
+def _apply_layers(
+    model: nn.Module,
+    distribution,
+    options: MemoryOptions,
+    activation_checkpointing: Any,
+    mixed_precision: torch.dtype | None,
+    ddp_options: dict | None,
+    *,
+    pipelined: bool = False,
+    compile: Any = False,
+    compile_backend: str = "inductor",
+    compile_mode: str | None = None,
+    fill: MaterializePlan | None = None,
+) -> nn.Module:
     """Steps 1-3 on a whole model or one pipeline stage. A stage's gradients over the batch axis are
     reduced by FSDP2 (ZeRO 2-3) or by the pipeline runner after its schedule, never by DDP or TP hooks,
     which would communicate once per microbatch."""
@@ -128,16 +178,26 @@ def _apply_layers(model: nn.Module, distribution, options: MemoryOptions, activa
     if is_tp:
         from .tensor_parallel import apply_model_parallel
 
-        model = apply_model_parallel(model, distribution, reduce_grads=options.zero_stage == 0 and not pipelined,
-                                     whole_model=not pipelined, fill=fill if options.zero_stage == 0 else None,
-                                     skip_paths=expert_plan.param_paths() if expert_plan else frozenset())
+        model = apply_model_parallel(
+            model,
+            distribution,
+            reduce_grads=options.zero_stage == 0 and not pipelined,
+            whole_model=not pipelined,
+            fill=fill if options.zero_stage == 0 else None,
+            skip_paths=expert_plan.param_paths() if expert_plan else frozenset(),
+        )
     # 1b. expert parallelism: after TP's broadcast (every process slices the same experts), before
     # checkpointing, compile and FSDP2, which must see the experts as the Shard(0) DTensors they become.
     if expert_plan is not None:
         from .expert_parallel import apply_expert_parallel
 
-        model = apply_expert_parallel(model, distribution, expert_plan, zero_stage=options.zero_stage,
-                                      reduce_grads=options.zero_stage == 0 and not pipelined)
+        model = apply_expert_parallel(
+            model,
+            distribution,
+            expert_plan,
+            zero_stage=options.zero_stage,
+            reduce_grads=options.zero_stage == 0 and not pipelined,
+        )
     # 1c. a sequence axis (context parallelism): attention over the split sequence, set before
     # checkpointing and compile, which recompute and trace the attention as it will run.
     if getattr(distribution, "sequence", None) is not None:
@@ -148,8 +208,9 @@ def _apply_layers(model: nn.Module, distribution, options: MemoryOptions, activa
     if activation_checkpointing is not None:
         model = apply_activation_checkpointing(model, activation_checkpointing, model_mechanism=not pipelined)
     # 3. compile: each repeated block (or the whole model) in place, before DDP / FSDP2 wrap them
-    model = apply_compile(model, compile, backend=compile_backend, device_type=runtime.torch_device_type(),
-                          inductor_mode=compile_mode)
+    model = apply_compile(
+        model, compile, backend=compile_backend, device_type=runtime.torch_device_type(), inductor_mode=compile_mode
+    )
     device = runtime.local_torch_device()
     if pipelined and options.zero_stage < 2:
         materialize(model, fill, device)
@@ -171,9 +232,15 @@ def _apply_layers(model: nn.Module, distribution, options: MemoryOptions, activa
             from .context_parallel import gradient_mesh
 
             dp_mesh = gradient_mesh(torch_mesh, distribution)
-        model = apply_fsdp(model, dp_mesh, zero_stage=options.zero_stage, shard_unit=options.shard_unit,
-                           compute_dtype=mixed_precision, reduce_dtype=options.reduce_dtype,
-                           cpu_offload=options.cpu_offload)
+        model = apply_fsdp(
+            model,
+            dp_mesh,
+            zero_stage=options.zero_stage,
+            shard_unit=options.shard_unit,
+            compute_dtype=mixed_precision,
+            reduce_dtype=options.reduce_dtype,
+            cpu_offload=options.cpu_offload,
+        )
         return materialize(model, fill, device)  # FSDP2's shards only
     from .data_parallel import apply_data_parallel
 

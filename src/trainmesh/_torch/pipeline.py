@@ -56,8 +56,9 @@ def plan_split(model: nn.Module, pipeline, pipe_size: int) -> tuple[str | None, 
     if isinstance(model, nn.Sequential):
         names = [n for n, _ in model.named_children()]
         if num_stages > len(names):
-            raise ValueError(f"{num_stages} pipeline stages need at least {num_stages} children; the nn.Sequential "
-                             f"has {len(names)}.")
+            raise ValueError(
+                f"{num_stages} pipeline stages need at least {num_stages} children; the nn.Sequential has {len(names)}."
+            )
         if not isinstance(pipeline.split_points, str):
             return None, split_at(names, pipeline.split_points, num_stages)
         from .pipeline_split import _balanced
@@ -67,8 +68,9 @@ def plan_split(model: nn.Module, pipeline, pipe_size: int) -> tuple[str | None, 
     return assign_blocks(model, num_stages, pipeline.split_points, pipeline.balance)
 
 
-def split_for_pipeline(model: nn.Module, pipeline, pipe_rank: int, pipe_size: int, plan=None
-                       ) -> tuple[list[int], list[nn.Module]]:
+def split_for_pipeline(
+    model: nn.Module, pipeline, pipe_rank: int, pipe_size: int, plan=None
+) -> tuple[list[int], list[nn.Module]]:
     """This process's stage indices and stage copies (parameter names those of the whole model)."""
     container, parts = plan or plan_split(model, pipeline, pipe_size)
     mine = stage_indices(pipe_rank, pipe_size, pipeline.stages_per_rank, pipeline.schedule)
@@ -80,8 +82,19 @@ def split_for_pipeline(model: nn.Module, pipeline, pipe_rank: int, pipe_size: in
 class PipelineRunner:
     """Runs training steps and forward-only passes of this process's stages."""
 
-    def __init__(self, stage_models: list[nn.Module], indices: list[int], pipeline, *, pipe_group, data_group,
-                 data_size: int, reduce_data_grads: bool, tied_groups: dict[str, Any], device: torch.device):
+    def __init__(
+        self,
+        stage_models: list[nn.Module],
+        indices: list[int],
+        pipeline,
+        *,
+        pipe_group,
+        data_group,
+        data_size: int,
+        reduce_data_grads: bool,
+        tied_groups: dict[str, Any],
+        device: torch.device,
+    ):
         self.pipeline = pipeline
         self.indices = indices
         self.num_stages = pipeline.num_stages(dist.get_world_size(pipe_group))
@@ -96,8 +109,10 @@ class PipelineRunner:
         self.root: nn.Module = stage_models[0]  # the module the Trainer holds (train/eval is set on it)
         self._context: list[Callable] = [_null_context]
         self.modules = [StageModule(m, i == 0, lambda: self._context[0]()) for m, i in zip(stage_models, indices)]
-        self.stages = [make_pipeline_stage(module, index, self.num_stages, device, pipe_group)
-                       for module, index in zip(self.modules, indices)]
+        self.stages = [
+            make_pipeline_stage(module, index, self.num_stages, device, pipe_group)
+            for module, index in zip(self.modules, indices)
+        ]
         self._loss_fn: list[Callable | None] = [None]
         self.schedule = self._build_schedule()
         self.receive_plan = ReceivePlan(self.stages) if posts_receives_ahead(self.stages, pipe_group) else None
@@ -118,17 +133,25 @@ class PipelineRunner:
     def describe(self) -> str:
         return self.pipeline.describe(self.pipe_size) + f"; this process holds stage(s) {self.indices}"
 
-    def check_batches(self, micro_batch_size: int | None, num_samples: int | None, global_batch_size: int | None,
-                      *, drop_remainder: bool) -> None:
+    def check_batches(
+        self,
+        micro_batch_size: int | None,
+        num_samples: int | None,
+        global_batch_size: int | None,
+        *,
+        drop_remainder: bool,
+    ) -> None:
         """Every step's rows per data replica must divide into the microbatches, the last one too (the
         stages' buffers are shaped by the first step)."""
         if micro_batch_size is not None:
             self.pipeline.validate(self.pipe_size, micro_batch_size)
         if num_samples and global_batch_size and num_samples % global_batch_size and not drop_remainder:
-            raise ValueError(f"A pipeline runs every step with the same microbatch shapes; the dataset's "
-                             f"{num_samples} samples leave a last batch of {num_samples % global_batch_size} rows "
-                             f"(global batch {global_batch_size}). Pass drop_remainder=True or a dataset that "
-                             f"divides. Received: {num_samples} samples")
+            raise ValueError(
+                f"A pipeline runs every step with the same microbatch shapes; the dataset's "
+                f"{num_samples} samples leave a last batch of {num_samples % global_batch_size} rows "
+                f"(global batch {global_batch_size}). Pass drop_remainder=True or a dataset that "
+                f"divides. Received: {num_samples} samples"
+            )
 
     def install_hooks(self) -> None:
         for module in self.modules:
@@ -155,7 +178,7 @@ class PipelineRunner:
         k = len(micro_batches)
         self._context[0] = precision.forward_context
         scaler = precision.scaler
-        self._loss_fn[0] = (lambda out, y: _scaled(_under(precision, loss_fn, out, y), k, scaler))
+        self._loss_fn[0] = lambda out, y: _scaled(_under(precision, loss_fn, out, y), k, scaler)
         self._follow_mode()
         for batch in micro_batches:
             inputs, targets = split_batch(precision.convert_input(batch))
@@ -165,8 +188,12 @@ class PipelineRunner:
             if self.receive_plan is not None:
                 self.receive_plan.before_step(self.schedule)
             with self._step_context():
-                outputs = self.schedule.step(*args, target=targets if self.holds_last else None, losses=step_losses,
-                                             return_outputs=on_outputs is not None and self.holds_last)
+                outputs = self.schedule.step(
+                    *args,
+                    target=targets if self.holds_last else None,
+                    losses=step_losses,
+                    return_outputs=on_outputs is not None and self.holds_last,
+                )
             if self.receive_plan is not None:
                 self.receive_plan.after_step()
             if self.holds_last:
@@ -260,8 +287,10 @@ def _under(precision, loss_fn: Callable, output, target) -> torch.Tensor:
 
 def _scaled(loss: torch.Tensor, k: int, scaler) -> torch.Tensor:
     if not torch.is_tensor(loss) or loss.dim() != 0:
-        raise ValueError(f"loss_fn must return a scalar tensor. Received: {type(loss).__name__} "
-                         f"with shape {tuple(getattr(loss, 'shape', ()))}")
+        raise ValueError(
+            f"loss_fn must return a scalar tensor. Received: {type(loss).__name__} "
+            f"with shape {tuple(getattr(loss, 'shape', ()))}"
+        )
     loss = loss.float() / k
     return scaler.scale(loss) if scaler is not None else loss
 
@@ -292,7 +321,7 @@ def _recv_tensor(group, peer: int, device) -> torch.Tensor:
     header = torch.empty(int(size.item()), dtype=torch.int64)
     dist.recv(header, src, group=group)
     dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-    out = torch.empty([int(s) for s in header[2:2 + ndim]], dtype=dtype, device=device)
+    out = torch.empty([int(s) for s in header[2 : 2 + ndim]], dtype=dtype, device=device)
     dist.recv(out, src, group=group)
     return out
 

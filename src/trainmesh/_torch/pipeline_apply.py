@@ -38,13 +38,17 @@ def _check(model: nn.Module, distribution, options) -> None:
     pipeline = distribution.pipeline
     mesh = distribution.device_mesh
     if pipeline.axis not in mesh.axis_names:
-        raise ValueError(f"The pipeline axis {pipeline.axis!r} is not an axis of the mesh {mesh.axis_names}. "
-                         f"Received: Pipeline(axis={pipeline.axis!r})")
+        raise ValueError(
+            f"The pipeline axis {pipeline.axis!r} is not an axis of the mesh {mesh.axis_names}. "
+            f"Received: Pipeline(axis={pipeline.axis!r})"
+        )
     if pipeline.axis == distribution.batch_dim_name:
         raise ValueError(f"The pipeline axis cannot also be the batch axis. Received: axis={pipeline.axis!r}")
     if options.zero_stage == 1:
-        raise ValueError("A pipeline shards optimizer state with its parameters at ZeRO stages 2-3 (FSDP2 over the "
-                         "batch axis of each stage); stage 1 alone is not offered there. Received: zero_stage=1")
+        raise ValueError(
+            "A pipeline shards optimizer state with its parameters at ZeRO stages 2-3 (FSDP2 over the "
+            "batch axis of each stage); stage 1 alone is not offered there. Received: zero_stage=1"
+        )
     layout_map = getattr(distribution, "layout_map", None)
     if layout_map is not None:
         from .tensor_parallel import _warn_unmatched_keys
@@ -53,8 +57,10 @@ def _check(model: nn.Module, distribution, options) -> None:
         for path, param in model.named_parameters():
             layout = layout_map[path]
             if layout is not None and pipeline.axis in layout.axes:
-                raise ValueError(f"Parameter {path!r} is laid out over the pipeline axis {pipeline.axis!r}; stages "
-                                 f"hold whole layers. Received: layout {layout.axes}")
+                raise ValueError(
+                    f"Parameter {path!r} is laid out over the pipeline axis {pipeline.axis!r}; stages "
+                    f"hold whole layers. Received: layout {layout.axes}"
+                )
 
 
 def _broadcast_whole_model(model: nn.Module) -> None:
@@ -75,7 +81,10 @@ def _tied_groups(stage_models: list[nn.Module], tied: list[list[str]], torch_mes
     """For each weight tied across stages: the pipe-axis group of its two holders (None when this process
     holds both) and this process's copies. Every process creates every group (new_group is collective)."""
     num_stages = pipeline.num_stages(pipe_size)
-    first, last = stage_owner(0, pipe_size, pipeline.schedule), stage_owner(num_stages - 1, pipe_size, pipeline.schedule)
+    first, last = (
+        stage_owner(0, pipe_size, pipeline.schedule),
+        stage_owner(num_stages - 1, pipe_size, pipeline.schedule),
+    )
     axis = torch_mesh.mesh_dim_names.index(pipeline.axis)
     ranks = torch_mesh.mesh.movedim(axis, -1).reshape(-1, pipe_size)  # one row per (other coordinates)
     my_group = None
@@ -98,8 +107,9 @@ def _tied_groups(stage_models: list[nn.Module], tied: list[list[str]], torch_mes
     return out
 
 
-def apply_pipeline(model: nn.Module, distribution, options, apply_layers: Callable[[nn.Module], nn.Module]
-                   ) -> nn.Module:
+def apply_pipeline(
+    model: nn.Module, distribution, options, apply_layers: Callable[[nn.Module], nn.Module]
+) -> nn.Module:
     pipeline = distribution.pipeline
     _check(model, distribution, options)  # 1.
     torch_mesh = to_torch_mesh(distribution.device_mesh)
@@ -122,9 +132,17 @@ def apply_pipeline(model: nn.Module, distribution, options, apply_layers: Callab
     data_axis = distribution.batch_dim_name
     data_group = torch_mesh.get_group(data_axis) if data_axis and torch_mesh.ndim > 1 else None
     data_size = distribution.data_parallel_size
-    runner = PipelineRunner(stage_models, indices, pipeline, pipe_group=torch_mesh.get_group(pipeline.axis),
-                            data_group=data_group, data_size=data_size,
-                            reduce_data_grads=options.zero_stage < 2, tied_groups=groups, device=device)
+    runner = PipelineRunner(
+        stage_models,
+        indices,
+        pipeline,
+        pipe_group=torch_mesh.get_group(pipeline.axis),
+        data_group=data_group,
+        data_size=data_size,
+        reduce_data_grads=options.zero_stage < 2,
+        tied_groups=groups,
+        device=device,
+    )
     runner.install_hooks()  # 5.
     _mark_replicas(runner, groups, pipe_size)
     merged = merge_stage_models(stage_models)

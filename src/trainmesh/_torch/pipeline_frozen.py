@@ -45,5 +45,4 @@ def split_points_for(model: nn.Module, points: str | Sequence[str]) -> str | Seq
     if isinstance(points, str) or not any(path.startswith(PEFT_PREFIX) for path, _ in model.named_modules()):
         return points
     paths = {path for path, _ in model.named_modules()}
-    return [PEFT_PREFIX + point if point not in paths and PEFT_PREFIX + point in paths else point
-            for point in points]
+    return [PEFT_PREFIX + point if point not in paths and PEFT_PREFIX + point in paths else point for point in points]

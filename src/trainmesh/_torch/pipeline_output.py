@@ -30,8 +30,10 @@ def split_output(out: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]
             return value, _ModelOutput(type(out), key)
     if isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]):
         return out[0], _Sequence(type(out))
-    raise TypeError(f"A pipeline stage must return a tensor, a tuple starting with one, or a model output "
-                    f"holding logits. Received: {type(out).__name__}")
+    raise TypeError(
+        f"A pipeline stage must return a tensor, a tuple starting with one, or a model output "
+        f"holding logits. Received: {type(out).__name__}"
+    )
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
@@ -48,9 +50,11 @@ class _ModelOutput:
         try:
             return self.cls(**{self.key: tensor})
         except TypeError as error:
-            raise TypeError(f"The last pipeline stage rebuilds the model's output type around its {self.key} "
-                            f"for the loss function, and {self.cls.__name__}({self.key}=...) failed: {error}. "
-                            f"Return a transformers ModelOutput, a tuple or a tensor.") from error
+            raise TypeError(
+                f"The last pipeline stage rebuilds the model's output type around its {self.key} "
+                f"for the loss function, and {self.cls.__name__}({self.key}=...) failed: {error}. "
+                f"Return a transformers ModelOutput, a tuple or a tensor."
+            ) from error
 
 
 class _Sequence:
@@ -61,4 +65,3 @@ class _Sequence:
 
     def __call__(self, tensor: torch.Tensor) -> Any:
         return self.cls([tensor])
-

@@ -100,8 +100,10 @@ class ReceivePlan:
     def before_step(self, schedule) -> None:
         leftover = sum(len(stage._posted_ops()) for stage in self.stages)
         if leftover:
-            raise RuntimeError(f"{leftover} pipeline receive(s) of the last step were never consumed; "
-                               "a step that failed part-way cannot be resumed")
+            raise RuntimeError(
+                f"{leftover} pipeline receive(s) of the last step were never consumed; "
+                "a step that failed part-way cannot be resumed"
+            )
         if self.order is not None and _initialized(schedule):
             for stage, kind, chunk in self.order:
                 stage._post(kind, chunk)

@@ -77,8 +77,10 @@ def find_blocks(model: nn.Module) -> tuple[str, list[str]]:
     """Path of the repeated-block container and its block names, in order."""
     stacks = _block_stacks(model)
     if not stacks:
-        raise ValueError(f"A pipeline splits a model's repeated blocks (an nn.ModuleList / nn.Sequential of >= 2 "
-                         f"modules of one class), and {type(model).__name__} has none.")
+        raise ValueError(
+            f"A pipeline splits a model's repeated blocks (an nn.ModuleList / nn.Sequential of >= 2 "
+            f"modules of one class), and {type(model).__name__} has none."
+        )
     stack = max(stacks, key=len)
     container = stack[0].rsplit(".", 1)[0] if "." in stack[0] else ""
     return container, [path.rsplit(".", 1)[-1] for path in stack]
@@ -99,8 +101,10 @@ def outer_modules(model: nn.Module, container: str) -> tuple[list[str], list[str
         if not direct:
             continue
         if path in ancestors:
-            raise ValueError(f"A pipeline needs parameters outside the blocks to live in modules of their own; "
-                             f"{type(module).__name__} at {path or '<root>'!r} holds {direct} directly.")
+            raise ValueError(
+                f"A pipeline needs parameters outside the blocks to live in modules of their own; "
+                f"{type(module).__name__} at {path or '<root>'!r} holds {direct} directly."
+            )
         if any(path.startswith(p + ".") for p in before + after):
             continue  # inside a module already claimed
         (after if seen_container else before).append(path)
@@ -123,13 +127,16 @@ def _block_costs(model: nn.Module, container: str, blocks: list[str], balance: s
     return costs
 
 
-def assign_blocks(model: nn.Module, num_stages: int, split_points: str | Sequence[str] = "auto",
-                  balance: str = "params", example=None) -> tuple[str, list[list[str]]]:
+def assign_blocks(
+    model: nn.Module, num_stages: int, split_points: str | Sequence[str] = "auto", balance: str = "params", example=None
+) -> tuple[str, list[list[str]]]:
     """The block names of every stage (contiguous runs, in order)."""
     container, blocks = find_blocks(model)
     if num_stages > len(blocks):
-        raise ValueError(f"{num_stages} pipeline stages need at least {num_stages} blocks; "
-                         f"{type(model).__name__} has {len(blocks)} in {container!r}.")
+        raise ValueError(
+            f"{num_stages} pipeline stages need at least {num_stages} blocks; "
+            f"{type(model).__name__} has {len(blocks)} in {container!r}."
+        )
     if not isinstance(split_points, str):
         points = split_points_for(model, split_points)  # a peft model's blocks by their base model's names too
         return container, split_at(blocks, points, num_stages, prefix=f"{container}." if container else "")
@@ -140,16 +147,19 @@ def split_at(blocks: list[str], points: Sequence[str], num_stages: int, *, prefi
     """Blocks per stage when ``points`` name the blocks (``prefix`` + name) that begin stages 1, 2, ..."""
     starts = []
     for point in points:
-        name = point[len(prefix):] if point.startswith(prefix) else point
+        name = point[len(prefix) :] if point.startswith(prefix) else point
         if name not in blocks:
-            raise ValueError(f"Split point {point!r} names no block; blocks are {prefix}{blocks[0]} .. "
-                             f"{prefix}{blocks[-1]}. Received: split_points={list(points)}")
+            raise ValueError(
+                f"Split point {point!r} names no block; blocks are {prefix}{blocks[0]} .. "
+                f"{prefix}{blocks[-1]}. Received: split_points={list(points)}"
+            )
         starts.append(blocks.index(name))
     if starts != sorted(set(starts)) or starts[0] == 0:
-        raise ValueError(f"Split points must name distinct blocks after the first, in order. "
-                         f"Received: split_points={list(points)}")
+        raise ValueError(
+            f"Split points must name distinct blocks after the first, in order. Received: split_points={list(points)}"
+        )
     bounds = [0, *starts, len(blocks)]
-    return [blocks[bounds[i]:bounds[i + 1]] for i in range(num_stages)]
+    return [blocks[bounds[i] : bounds[i + 1]] for i in range(num_stages)]
 
 
 def _balanced(blocks: list[str], costs: list[float], num_stages: int) -> list[list[str]]:
@@ -173,7 +183,7 @@ def _balanced(blocks: list[str], costs: list[float], num_stages: int) -> list[li
         end = cut[s][end]
         bounds.append(end)
     bounds.reverse()
-    return [blocks[bounds[i]:bounds[i + 1]] for i in range(num_stages)]
+    return [blocks[bounds[i] : bounds[i + 1]] for i in range(num_stages)]
 
 
 def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
@@ -181,23 +191,35 @@ def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_path) if parent_path else model, name, module)
 
 
-def build_stage_model(model: nn.Module, container: str, stage_blocks: list[list[str]], stage_index: int,
-                      *, copy_model: bool = True) -> nn.Module:
+def build_stage_model(
+    model: nn.Module, container: str, stage_blocks: list[list[str]], stage_index: int, *, copy_model: bool = True
+) -> nn.Module:
     """A copy of ``model`` holding only stage ``stage_index``'s blocks (and, on the first / last stage,
     the modules before / after the blocks). Parameter names stay those of the whole model."""
     before, after = outer_modules(model, container)
     num_stages = len(stage_blocks)
-    stage = _copy_holding_only(model, container, stage_blocks[stage_index],
-                               before if stage_index == 0 else [],
-                               after if stage_index == num_stages - 1 else []) if copy_model else model
+    stage = (
+        _copy_holding_only(
+            model,
+            container,
+            stage_blocks[stage_index],
+            before if stage_index == 0 else [],
+            after if stage_index == num_stages - 1 else [],
+        )
+        if copy_model
+        else model
+    )
     parent = stage.get_submodule(container) if container else stage
     keep = {name: parent.get_submodule(name) for name in stage_blocks[stage_index]}
     _replace(stage, container, KeyedBlocks(keep))
     if stage_index > 0:
         for path in before:
             module = stage.get_submodule(path)
-            stub = (EmbeddingStub(module.embedding_dim, module.weight.dtype) if isinstance(module, nn.Embedding)
-                    else PassThrough())
+            stub = (
+                EmbeddingStub(module.embedding_dim, module.weight.dtype)
+                if isinstance(module, nn.Embedding)
+                else PassThrough()
+            )
             _replace(stage, path, stub)
     if stage_index < num_stages - 1:
         for path in after:
@@ -206,16 +228,20 @@ def build_stage_model(model: nn.Module, container: str, stage_blocks: list[list[
     return stage
 
 
-def _copy_holding_only(model: nn.Module, container: str, blocks: list[str], before: list[str],
-                       after: list[str]) -> nn.Module:
+def _copy_holding_only(
+    model: nn.Module, container: str, blocks: list[str], before: list[str], after: list[str]
+) -> nn.Module:
     """``copy.deepcopy(model)`` that copies only the parameters this stage keeps (its blocks and the
     outer modules it holds); every other parameter becomes an empty meta placeholder, soon replaced
     by a stub. A stage copy then costs its own parameters, not the whole model's, per stage held."""
     parent = model.get_submodule(container) if container else model
     kept = [parent.get_submodule(name) for name in blocks] + [model.get_submodule(p) for p in before + after]
     keep = {id(p) for module in kept for p in module.parameters()}
-    memo = {id(p): nn.Parameter(torch.empty(0, device="meta", dtype=p.dtype), requires_grad=p.requires_grad)
-            for p in model.parameters() if id(p) not in keep}
+    memo = {
+        id(p): nn.Parameter(torch.empty(0, device="meta", dtype=p.dtype), requires_grad=p.requires_grad)
+        for p in model.parameters()
+        if id(p) not in keep
+    }
     return copy.deepcopy(model, memo)
 
 

@@ -82,16 +82,20 @@ def check_split_backward(stage_models: list[nn.Module], schedule: str) -> None:
             if is_compiled_in_place(module):
                 compiled.append(path or type(module).__name__)
     if checkpointed:
-        raise ValueError(f"Schedule {schedule!r} splits each backward into an input- and a weight-gradient pass, "
-                         f"and torch's activation checkpointing cannot recompute a block for both. Checkpointed "
-                         f"here: {_few(checkpointed)}. Use schedule 'interleaved_1f1b' (or '1f1b') with "
-                         f"activation checkpointing, or {schedule!r} without it. "
-                         f"Received: schedule={schedule!r} with activation checkpointing")
+        raise ValueError(
+            f"Schedule {schedule!r} splits each backward into an input- and a weight-gradient pass, "
+            f"and torch's activation checkpointing cannot recompute a block for both. Checkpointed "
+            f"here: {_few(checkpointed)}. Use schedule 'interleaved_1f1b' (or '1f1b') with "
+            f"activation checkpointing, or {schedule!r} without it. "
+            f"Received: schedule={schedule!r} with activation checkpointing"
+        )
     if compiled:
-        raise ValueError(f"Schedule {schedule!r} splits each backward into an input- and a weight-gradient pass, "
-                         f"which torch does not support on compiled modules. Compiled here: {_few(compiled)}. "
-                         f"Use schedule 'interleaved_1f1b' (or '1f1b') with compile, or {schedule!r} with "
-                         f"compile=False. Received: schedule={schedule!r} with compile")
+        raise ValueError(
+            f"Schedule {schedule!r} splits each backward into an input- and a weight-gradient pass, "
+            f"which torch does not support on compiled modules. Compiled here: {_few(compiled)}. "
+            f"Use schedule 'interleaved_1f1b' (or '1f1b') with compile, or {schedule!r} with "
+            f"compile=False. Received: schedule={schedule!r} with compile"
+        )
 
 
 def _few(paths: list[str], n: int = 3) -> str:

@@ -36,19 +36,33 @@ def _cpu_forward(query, key, value, *, is_causal, scale):
 
 def _cpu_backward(*, query, key, value, out, logsumexp, is_causal, grad_out, scale):
     return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, query, key, value, out, logsumexp, 0.0, is_causal, scale=scale)
+        grad_out, query, key, value, out, logsumexp, 0.0, is_causal, scale=scale
+    )
 
 
 def _cuda_forward(query, key, value, *, is_causal, scale):
     out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
-        query, key, value, None, True, 0.0, is_causal, scale=scale)
+        query, key, value, None, True, 0.0, is_causal, scale=scale
+    )
     return out, lse, seed, offset
 
 
 def _cuda_backward(*, query, key, value, out, logsumexp, is_causal, grad_out, scale, philox_seed, philox_offset):
     return aten._scaled_dot_product_efficient_attention_backward(
-        grad_out, query, key, value, None, out, logsumexp, philox_seed, philox_offset, 0.0,
-        (True, True, True, False), is_causal, scale=scale)
+        grad_out,
+        query,
+        key,
+        value,
+        None,
+        out,
+        logsumexp,
+        philox_seed,
+        philox_offset,
+        0.0,
+        (True, True, True, False),
+        is_causal,
+        scale=scale,
+    )
 
 
 class _RingAttention(torch.autograd.Function):
@@ -59,9 +73,16 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, query, key, value, group, scale):
         cuda = query.device.type == "cuda"
         repeat = query.shape[1] // key.shape[1]
-        results = cp._templated_ring_attention(group, 2, _cuda_forward if cuda else _cpu_forward, query,
-                                               _repeat(key, repeat), _repeat(value, repeat), is_causal=True,
-                                               scale=scale)
+        results = cp._templated_ring_attention(
+            group,
+            2,
+            _cuda_forward if cuda else _cpu_forward,
+            query,
+            _repeat(key, repeat),
+            _repeat(value, repeat),
+            is_causal=True,
+            scale=scale,
+        )
         out, lse, *rest = results
         ctx.save_for_backward(query, key, value, out, lse, *rest)
         ctx.group, ctx.scale, ctx.cuda, ctx.repeat = group, scale, cuda, repeat
@@ -72,9 +93,20 @@ class _RingAttention(torch.autograd.Function):
         query, key, value, out, lse, *rest = ctx.saved_tensors
         extra = {"philox_seed": rest[0], "philox_offset": rest[1]} if ctx.cuda else {}
         grads = cp._templated_ring_attention_backward(
-            ctx.group, 2, _cuda_backward if ctx.cuda else _cpu_backward, grad_out.contiguous(), "grad_out",
-            query, _repeat(key, ctx.repeat), _repeat(value, ctx.repeat), out, lse, is_causal=True,
-            scale=ctx.scale, **extra)
+            ctx.group,
+            2,
+            _cuda_backward if ctx.cuda else _cpu_backward,
+            grad_out.contiguous(),
+            "grad_out",
+            query,
+            _repeat(key, ctx.repeat),
+            _repeat(value, ctx.repeat),
+            out,
+            lse,
+            is_causal=True,
+            scale=ctx.scale,
+            **extra,
+        )
         return grads[0], _sum_groups(grads[1], ctx.repeat), _sum_groups(grads[2], ctx.repeat), None, None
 
 
@@ -90,11 +122,14 @@ def _sum_groups(grad: torch.Tensor, repeat: int) -> torch.Tensor:
     return grad.reshape(b, h // repeat, repeat, s, d).sum(2)
 
 
-def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, group,
-                   scale: float | None) -> torch.Tensor:
+def ring_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, group, scale: float | None
+) -> torch.Tensor:
     """Causal attention of this process's query chunks ``[B, H, s, D]`` over the whole sequence's keys;
     ``key``/``value`` may carry fewer (grouped) heads. Returns ``[B, H, s, D]``."""
     if not cp._cp_options.enable_load_balance:
-        raise ValueError("torch's ring templates were set to no load balancing (_cp_options elsewhere in this "
-                         "process); trainmesh's chunks are head-tail.")
+        raise ValueError(
+            "torch's ring templates were set to no load balancing (_cp_options elsewhere in this "
+            "process); trainmesh's chunks are head-tail."
+        )
     return _RingAttention.apply(query.contiguous(), key.contiguous(), value.contiguous(), group, scale)

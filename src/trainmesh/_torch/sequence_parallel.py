@@ -86,8 +86,8 @@ def apply_sequence_parallel(model: nn.Module, plans: dict, units: set[str], devi
         # a whole (unsharded) embedding: every process computed every token; keep this one's
         def cut(module, args, output):
             return DTensor.from_local(output, device_mesh, [Replicate()], run_check=False).redistribute(
-                device_mesh, [SEQ])
+                device_mesh, [SEQ]
+            )
 
         embedding.register_forward_hook(cut)
     return model
-

@@ -60,9 +60,12 @@ def _warn_unmatched_keys(model: nn.Module, distribution) -> None:
     paths += [f"{m}/output" for m, _ in model.named_modules() if m]
     for key in getattr(distribution, "layout_map", {}) or {}:
         if not any(key == path or re.fullmatch(key, path) for path in paths):
-            warnings.warn(f"The LayoutMap key {key!r} matches no parameter (or '<module>/output') of "
-                          f"{type(model).__name__}; it is ignored. Parameter paths look like {paths[:3]}.",
-                          UserWarning, stacklevel=4)
+            warnings.warn(
+                f"The LayoutMap key {key!r} matches no parameter (or '<module>/output') of "
+                f"{type(model).__name__}; it is ignored. Parameter paths look like {paths[:3]}.",
+                UserWarning,
+                stacklevel=4,
+            )
 
 
 def _warn_unused_output_layouts(model: nn.Module, distribution) -> None:
@@ -74,9 +77,13 @@ def _warn_unused_output_layouts(model: nn.Module, distribution) -> None:
         if layout is None:
             continue
         if any(axis is not None and not (dim == 0 and axis == batch) for dim, axis in enumerate(layout.axes)):
-            warnings.warn(f"The layout for '{module_path}/output' {layout.axes} is a sharding hint that trainmesh "
-                          f"does not need: activations stay local to each process (its slice of the batch), and "
-                          f"tensor-parallel layers communicate on their own. It is ignored.", UserWarning, stacklevel=4)
+            warnings.warn(
+                f"The layout for '{module_path}/output' {layout.axes} is a sharding hint that trainmesh "
+                f"does not need: activations stay local to each process (its slice of the batch), and "
+                f"tensor-parallel layers communicate on their own. It is ignored.",
+                UserWarning,
+                stacklevel=4,
+            )
 
 
 def _broadcast_from_first(model: nn.Module) -> None:
@@ -100,8 +107,15 @@ def _broadcast_from_first(model: nn.Module) -> None:
                 tensor.copy_(value)
 
 
-def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool = True,
-                         whole_model: bool = True, fill=None, skip_paths=frozenset()) -> nn.Module:
+def apply_model_parallel(
+    model: nn.Module,
+    distribution,
+    *,
+    reduce_grads: bool = True,
+    whole_model: bool = True,
+    fill=None,
+    skip_paths=frozenset(),
+) -> nn.Module:
     """Shard ``model`` in place per ``distribution``'s layout map; returns the same module.
 
     ``fill`` (``materialize.prepare``'s plan) fills a meta-built model here, after its layout and
@@ -119,11 +133,17 @@ def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool =
     batch_axis = distribution.batch_dim_name
     pipeline = getattr(distribution, "pipeline", None)
     sequence_axis = distribution.sequence.axis if distribution.sequence is not None else None
-    model_axes = [a for a in mesh.axis_names if a not in (batch_axis, sequence_axis)
-                  and (pipeline is None or a != pipeline.axis)]
+    model_axes = [
+        a for a in mesh.axis_names if a not in (batch_axis, sequence_axis) and (pipeline is None or a != pipeline.axis)
+    ]
     layouts = parameter_layouts(model, distribution, skip_paths)  # 1. everything validated, no collective yet
-    plans = build_tp_plan(model, layouts, batch_axis=batch_axis, model_axes=model_axes,
-                          axis_sizes={a: mesh.axis_size(a) for a in mesh.axis_names})
+    plans = build_tp_plan(
+        model,
+        layouts,
+        batch_axis=batch_axis,
+        model_axes=model_axes,
+        axis_sizes={a: mesh.axis_size(a) for a in mesh.axis_names},
+    )
     if whole_model:
         _warn_unmatched_keys(model, distribution)
     _warn_unused_output_layouts(model, distribution)
@@ -146,8 +166,9 @@ def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool =
             if plan.style == "colwise":
                 style = LayoutColwise(placements, shared, gather_output=plan.gather_output)
             elif plan.style == "rowwise":
-                style = LayoutRowwise(placements, shared, sharded_input=plan.sharded_input,
-                                      embedding=layer_kind(module) == "embedding")
+                style = LayoutRowwise(
+                    placements, shared, sharded_input=plan.sharded_input, embedding=layer_kind(module) == "embedding"
+                )
             else:
                 style = DTensorBoundary(placements, shared)
             if sequence_parallel:  # the residual stream sharded over the sequence (sequence_parallel.py)
@@ -172,9 +193,10 @@ def apply_model_parallel(model: nn.Module, distribution, *, reduce_grads: bool =
         group = torch_mesh.get_group(batch_axis) if torch_mesh.ndim > 1 else torch_mesh.get_group()
     if reduce_grads and dp_size > 1:  # 4.
         model._trainmesh_grad_reducer = DataAxisGradReducer(model, group, dp_size)
-    model.register_forward_pre_hook(lambda module, args, kwargs: (batch_to_local(args, distribution),
-                                                                   batch_to_local(kwargs, distribution)),
-                                    with_kwargs=True)
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: (batch_to_local(args, distribution), batch_to_local(kwargs, distribution)),
+        with_kwargs=True,
+    )
     model._trainmesh_distribution = distribution
     return model
 

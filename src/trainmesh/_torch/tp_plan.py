@@ -60,13 +60,15 @@ def layer_kind(module: nn.Module) -> str | None:
 
 
 def _out_features(module: nn.Module, kind: str) -> int:
-    return {"linear": lambda m: m.out_features, "conv1d": lambda m: m.nf,
-            "embedding": lambda m: m.embedding_dim}[kind](module)
+    return {"linear": lambda m: m.out_features, "conv1d": lambda m: m.nf, "embedding": lambda m: m.embedding_dim}[kind](
+        module
+    )
 
 
 def _in_features(module: nn.Module, kind: str) -> int:
-    return {"linear": lambda m: m.in_features, "conv1d": lambda m: m.nx,
-            "embedding": lambda m: m.num_embeddings}[kind](module)
+    return {"linear": lambda m: m.in_features, "conv1d": lambda m: m.nx, "embedding": lambda m: m.num_embeddings}[kind](
+        module
+    )
 
 
 def _style_of(kind: str | None, axes: dict[str, tuple], model_axis: str | None) -> str:
@@ -84,8 +86,14 @@ def _style_of(kind: str | None, axes: dict[str, tuple], model_axis: str | None) 
     return "dtensor"
 
 
-def build_tp_plan(model: nn.Module, layouts: dict[str, tuple], *, batch_axis: str | None,
-                  model_axes: list[str], axis_sizes: dict[str, int]) -> dict[str, ModulePlan]:
+def build_tp_plan(
+    model: nn.Module,
+    layouts: dict[str, tuple],
+    *,
+    batch_axis: str | None,
+    model_axes: list[str],
+    axis_sizes: dict[str, int],
+) -> dict[str, ModulePlan]:
     """``layouts``: parameter path -> layout axes, for every parameter the layout map shards.
 
     Raises ValueError for a parameter sharded over the batch axis (that is ZeRO's work) and for
@@ -96,12 +104,15 @@ def build_tp_plan(model: nn.Module, layouts: dict[str, tuple], *, batch_axis: st
             raise ValueError(
                 f"The layout for {path!r} shards it over the batch axis {batch_axis!r}. ModelParallel shards "
                 f"parameters over the model axes only; sharding them over the batch axis is ZeRO's work: pass "
-                f"zero_stage=3 (or 2) and lay the parameter out over the model axes. Received: {path!r}={axes!r}")
+                f"zero_stage=3 (or 2) and lay the parameter out over the model axes. Received: {path!r}={axes!r}"
+            )
     model_axis = model_axes[0] if len(model_axes) == 1 else None  # torch's styles take a 1-D mesh
     owners: dict[str, dict[str, tuple]] = {}
     for module_path, module in model.named_modules():
-        own = {name: layouts.get(f"{module_path}.{name}" if module_path else name)
-               for name, _ in module.named_parameters(recurse=False)}
+        own = {
+            name: layouts.get(f"{module_path}.{name}" if module_path else name)
+            for name, _ in module.named_parameters(recurse=False)
+        }
         if any(axes is not None for axes in own.values()):
             owners[module_path] = {n: a for n, a in own.items() if a is not None}
     plans: dict[str, ModulePlan] = {}
@@ -139,7 +150,9 @@ def _pair_siblings(model: nn.Module, plans: dict[str, ModulePlan]) -> None:
             kind = layer_kind(module)
             width = _out_features(module, kind)
             paired = kind != "embedding" and any(
-                width <= _in_features(model.get_submodule(r.path), layer_kind(model.get_submodule(r.path))) for r in rows)
+                width <= _in_features(model.get_submodule(r.path), layer_kind(model.get_submodule(r.path)))
+                for r in rows
+            )
             plan.gather_output = not paired
             if not paired:
                 plan.notes.append("output all-gathered (no row-wise sibling consumes it as it is)")
@@ -167,7 +180,8 @@ def _check_heads(model: nn.Module, plans: dict[str, ModulePlan], model_size: int
                 f"{plan.path!r} holds {heads} attention heads (width {width}, head_dim {head_dim}), which do not "
                 f"split over the model axis of size {model_size}. Use a model axis that divides {heads} (for "
                 f"grouped-query attention, the number of KV heads), or leave this projection unsharded. "
-                f"Received: model axis size={model_size}")
+                f"Received: model axis size={model_size}"
+            )
 
 
 def describe_plan(plans: dict[str, ModulePlan]) -> list[str]:

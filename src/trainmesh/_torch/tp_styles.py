@@ -40,8 +40,9 @@ def _partition_with(placements: dict[str, list], shared: dict[int, nn.Parameter]
                 module.register_parameter(param_name, shared[id(param)])
                 continue
             wanted = placements.get(param_name, [Replicate()] * mesh.ndim)
-            dparam = nn.Parameter(distribute_tensor(param.detach(), mesh, wanted, src_data_rank=None),
-                                  requires_grad=param.requires_grad)
+            dparam = nn.Parameter(
+                distribute_tensor(param.detach(), mesh, wanted, src_data_rank=None), requires_grad=param.requires_grad
+            )
             shared[id(param)] = dparam
             module.register_parameter(param_name, dparam)
 
@@ -57,7 +58,9 @@ class LayoutColwise(ColwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return distribute_module(
-            module, device_mesh, self._partition,
+            module,
+            device_mesh,
+            self._partition,
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
         )
@@ -70,10 +73,14 @@ class LayoutRowwise(RowwiseParallel):
     is whole and each process takes its slice (no communication). Embeddings take whole ids.
     """
 
-    def __init__(self, placements: dict[str, list], shared: dict[int, nn.Parameter], *, sharded_input: bool,
-                 embedding: bool):
-        super().__init__(input_layouts=Shard(-1) if sharded_input and not embedding else Replicate(),
-                         output_layouts=Replicate(), use_local_output=True)
+    def __init__(
+        self, placements: dict[str, list], shared: dict[int, nn.Parameter], *, sharded_input: bool, embedding: bool
+    ):
+        super().__init__(
+            input_layouts=Shard(-1) if sharded_input and not embedding else Replicate(),
+            output_layouts=Replicate(),
+            use_local_output=True,
+        )
         self._partition = _partition_with(placements, shared)
         self._embedding = embedding
 
@@ -82,7 +89,9 @@ class LayoutRowwise(RowwiseParallel):
         # lookup needs whole ids (each process answers for its rows of the table).
         self.desired_input_layouts = (Replicate(),) if self._embedding else (Shard(-1),)
         return distribute_module(
-            module, device_mesh, self._partition,
+            module,
+            device_mesh,
+            self._partition,
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
         )

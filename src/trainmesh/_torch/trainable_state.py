@@ -52,8 +52,9 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def manifest(model: nn.Module, save_frozen: bool, process_group=None,
-             fingerprints: dict | None = None) -> dict[str, Any]:
+def manifest(
+    model: nn.Module, save_frozen: bool, process_group=None, fingerprints: dict | None = None
+) -> dict[str, Any]:
     """What a checkpoint of ``model`` holds, for its marker: ``{"frozen_saved": True}`` when it is
     everything, else the saved keys (trainable parameters, buffers), the frozen ones left out and
     their fingerprint. Collective under a pipeline (the stages' keys are gathered) and when a
@@ -85,8 +86,12 @@ def manifest(model: nn.Module, save_frozen: bool, process_group=None,
         if fingerprints is not None:
             fingerprints.clear()
             fingerprints[tuple(left_out)] = fingerprint
-    return {"frozen_saved": False, "saved": sorted(saved), "frozen_left_out": left_out,
-            "frozen_fingerprint": fingerprint}
+    return {
+        "frozen_saved": False,
+        "saved": sorted(saved),
+        "frozen_left_out": left_out,
+        "frozen_fingerprint": fingerprint,
+    }
 
 
 # Two sums of the same float32/bf16 values in another order (another layout's regions) agree in
@@ -100,7 +105,7 @@ def _sums(local: torch.Tensor, chunk: int = 1 << 20) -> tuple[float, float]:
     flat = local.reshape(-1)
     total = squares = 0.0
     for start in range(0, flat.numel(), chunk):
-        part = flat[start:start + chunk].double()
+        part = flat[start : start + chunk].double()
         total += float(part.sum())
         squares += float(part.square().sum())
     return total, squares
@@ -146,15 +151,19 @@ def check_same_frozen(model: nn.Module, marker: dict[str, Any], path: str, proce
             continue  # frozen then, trainable or absent now: check_same_trainable names it
         total_now, squares_now, count_now = now[name]
         scale = (squares * count) ** 0.5 + 1e-30  # bounds the sum of magnitudes (Cauchy-Schwarz)
-        if (count_now != count or abs(total_now - total) > _FINGERPRINT_RTOL * scale
-                or abs(squares_now - squares) > _FINGERPRINT_RTOL * (squares + 1e-30)):
+        if (
+            count_now != count
+            or abs(total_now - total) > _FINGERPRINT_RTOL * scale
+            or abs(squares_now - squares) > _FINGERPRINT_RTOL * (squares + 1e-30)
+        ):
             differ.append(name)
     if differ:
         raise ValueError(
             f"{path} was trained on another frozen base: {_listed(differ)} differ from the tensors this "
             f"model holds (sum or sum of squares); nothing was loaded. Its adapters only make sense on "
             f"the base they were trained on: build this model from the same weights (weights=, "
-            f"from_pretrained, seed) as the run that saved it.")
+            f"from_pretrained, seed) as the run that saved it."
+        )
 
 
 def trainable_only_keys(marker: dict[str, Any]) -> list[str] | None:
@@ -196,4 +205,5 @@ def check_same_trainable(model: nn.Module, saved: list[str], path: str, process_
             f"{path} holds the trainable tensors of its run only (its frozen parameters were left out, "
             f"ShardedCheckpoint(save_frozen=False)), and this model's trainable set differs; nothing was "
             f"loaded. Tensors {'; '.join(problems)}. Freeze and unfreeze as the saving run did (the same "
-            f"peft config), or resume from a checkpoint saved with save_frozen=True.")
+            f"peft config), or resume from a checkpoint saved with save_frozen=True."
+        )

@@ -44,22 +44,34 @@ def heads_to_seq(x: torch.Tensor, group, n: int) -> torch.Tensor:
     return x.transpose(0, 1).reshape(b, n * h, s, d)
 
 
-def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, group, n: int,
-                      order: torch.Tensor, restore: torch.Tensor, scale: float | None,
-                      mask: torch.Tensor | None = None) -> torch.Tensor:
+def ulysses_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    group,
+    n: int,
+    order: torch.Tensor,
+    restore: torch.Tensor,
+    scale: float | None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention of this process's chunks (``[B, H, s, D]`` queries, ``[B, Hkv, s, D]`` keys and
     values) over the whole sequence. ``order``: the gathered layout's global positions; ``restore``: its
     argsort. ``mask``: ``[B, 1, S, S]`` boolean (True = attend) in sequence order, or ``None`` (causal).
     Returns ``[B, H, s, D]``."""
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads % n:  # this process's heads: fewer than the model's under tensor parallelism
-        raise ValueError(f"Ulysses splits this process's {heads} attention heads over the sequence axis of {n}; they "
-                         f"do not divide (tensor parallelism leaves each process heads / model axis). Use "
-                         f"context_parallel='ring'. Received: {heads} local heads, axis size {n}")
+        raise ValueError(
+            f"Ulysses splits this process's {heads} attention heads over the sequence axis of {n}; they "
+            f"do not divide (tensor parallelism leaves each process heads / model axis). Use "
+            f"context_parallel='ring'. Received: {heads} local heads, axis size {n}"
+        )
     if kv_heads % n:
         key = key.repeat_interleave(heads // kv_heads, dim=1)
         value = value.repeat_interleave(heads // kv_heads, dim=1)
     q, k, v = (seq_to_heads(t, group, n).index_select(2, restore) for t in (query, key, value))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                         enable_gqa=k.shape[1] != q.shape[1])
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
     return heads_to_seq(out.index_select(2, order), group, n)

@@ -112,8 +112,9 @@ def select_shard_units(model: nn.Module, shard_unit) -> tuple[list[nn.Module], b
 BLOCKING_BUCKET_BYTES = 25 * 2**20
 
 
-def group_for_blocking_collectives(units: list[nn.Module], max_bytes: int = BLOCKING_BUCKET_BYTES
-                                   ) -> list[nn.Module | list[nn.Module]]:
+def group_for_blocking_collectives(
+    units: list[nn.Module], max_bytes: int = BLOCKING_BUCKET_BYTES
+) -> list[nn.Module | list[nn.Module]]:
     """Consecutive units merged into groups of at most ``max_bytes`` parameter bytes (a unit larger
     than that stays alone); a group of one is the module itself, a larger one the list
     ``fully_shard`` takes as one unit.
@@ -156,8 +157,9 @@ def _no_nesting(units: list[nn.Module]) -> bool:
     return all(not any(id(m) in ids for m in u.modules() if m is not u) for u in units)
 
 
-def build_mixed_precision(compute_dtype: torch.dtype | None, reduce_dtype: str | None,
-                          model: nn.Module | None = None) -> MixedPrecisionPolicy:
+def build_mixed_precision(
+    compute_dtype: torch.dtype | None, reduce_dtype: str | None, model: nn.Module | None = None
+) -> MixedPrecisionPolicy:
     """fp32 master shards (the parameters the optimizer sees); ``compute_dtype`` copies are
     gathered for forward/backward (for ``model``: see ``gather_dtype``); gradients are reduced in
     ``reduce_dtype`` (default fp32 under mixed precision: a bf16 reduce-scatter loses low bits of
@@ -195,9 +197,11 @@ def check_uniform_trainable_dtypes(units: list, model: nn.Module) -> None:
         dtypes = sorted({str(p.dtype) for p in params if p.requires_grad})
         if len(dtypes) > 1:
             name = next((n for n, m in model.named_modules() if m is modules[0]), "") or "the root module"
-            raise ValueError(f"ZeRO reduces each shard unit's gradients in one dtype; unit {name!r} holds "
-                             f"trainable parameters in {dtypes}. Cast them to one dtype, or freeze the odd ones. "
-                             f"Received: trainable dtypes {dtypes}")
+            raise ValueError(
+                f"ZeRO reduces each shard unit's gradients in one dtype; unit {name!r} holds "
+                f"trainable parameters in {dtypes}. Cast them to one dtype, or freeze the odd ones. "
+                f"Received: trainable dtypes {dtypes}"
+            )
 
 
 def offload_policy(cpu_offload: bool) -> tuple[OffloadPolicy, str]:
@@ -209,15 +213,23 @@ def offload_policy(cpu_offload: bool) -> tuple[OffloadPolicy, str]:
     if runtime.torch_device_type() == "cuda":
         return CPUOffloadPolicy(), "on"
     if not _warned_offload[0]:
-        warnings.warn("cpu_offload=True on a CPU-only run is a no-op: model state is already in host memory.",
-                      stacklevel=3)
+        warnings.warn(
+            "cpu_offload=True on a CPU-only run is a no-op: model state is already in host memory.", stacklevel=3
+        )
         _warned_offload[0] = True
     return OffloadPolicy(), "no-op (CPU run)"
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, *, zero_stage: int, shard_unit=None,
-               compute_dtype: torch.dtype | None = None, reduce_dtype: str | None = None,
-               cpu_offload: bool = False) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh,
+    *,
+    zero_stage: int,
+    shard_unit=None,
+    compute_dtype: torch.dtype | None = None,
+    reduce_dtype: str | None = None,
+    cpu_offload: bool = False,
+) -> nn.Module:
     """Shard ``model`` over ``dp_mesh`` as ZeRO ``zero_stage`` (1, 2 or 3).
 
     ``dp_mesh`` is the 1-D batch-axis mesh. A tensor-parallel model's parameters may already be
@@ -231,8 +243,12 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, zero_stage: int, shard_unit=None,
         units = group_for_blocking_collectives(units)
     check_uniform_trainable_dtypes(units, model)
     offload, offload_state = offload_policy(cpu_offload)
-    options = dict(mesh=dp_mesh, reshard_after_forward=zero_stage == 3, offload_policy=offload,
-                   mp_policy=build_mixed_precision(compute_dtype, reduce_dtype, model))
+    options = dict(
+        mesh=dp_mesh,
+        reshard_after_forward=zero_stage == 3,
+        offload_policy=offload,
+        mp_policy=build_mixed_precision(compute_dtype, reduce_dtype, model),
+    )
     experts = {p for p in model.parameters() if getattr(p, "_trainmesh_expert", False)}
     if experts:  # already sharded over the batch axis by expert parallelism, their gradients reduced by it
         options["ignored_params"] = experts

@@ -37,16 +37,20 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, distribution) -> tor
         # so the optimizer's state is created sharded with them; nothing to wrap.
         return use_fused_adam_kernel(optimizer)
     if any(optimizer.state.values()):
-        raise ValueError("zero_stage=1 shards optimizer state from the first step; pass a fresh optimizer "
-                         f"(it has state for {len(optimizer.state)} parameters). Received: optimizer={optimizer!r}")
+        raise ValueError(
+            "zero_stage=1 shards optimizer state from the first step; pass a fresh optimizer "
+            f"(it has state for {len(optimizer.state)} parameters). Received: optimizer={optimizer!r}"
+        )
     group = to_torch_mesh(distribution.device_mesh).get_group(distribution.batch_dim_name)
     # Only the hyper-parameters the class's constructor takes: some defaults are internal (AdamW on
     # torch 2.13 records ``decoupled_weight_decay``, which AdamW.__init__ does not accept).
     accepted = set(inspect.signature(type(optimizer).__init__).parameters) - {"self", "params"}
     # Frozen parameters stay out: ZeroRedundancyOptimizer would give them a partition and broadcast
     # them from their owner after every step, though they never change.
-    groups = [{**{k: v for k, v in g.items() if k in accepted}, "params": [p for p in g["params"] if p.requires_grad]}
-              for g in optimizer.param_groups]
+    groups = [
+        {**{k: v for k, v in g.items() if k in accepted}, "params": [p for p in g["params"] if p.requires_grad]}
+        for g in optimizer.param_groups
+    ]
     groups = [g for g in groups if g["params"]]
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group, **defaults)
@@ -96,7 +100,9 @@ def full_state(model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> dict[str
 def load_full_state(model: nn.Module, optimizer: ZeroRedundancyOptimizer, state: dict[str, Any]) -> None:
     """Each process keeps the state of the parameters it owns (ZeroRedundancyOptimizer's rule)."""
     index = {name: i for i, name in enumerate(_index_to_name(model, optimizer))}
-    optimizer.load_state_dict({
-        "state": {index[name]: value for name, value in state["state"].items()},
-        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
-    })
+    optimizer.load_state_dict(
+        {
+            "state": {index[name]: value for name, value in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+        }
+    )

@@ -34,7 +34,9 @@ def export_consolidated(path: str | os.PathLike, model: nn.Module, *, metadata: 
     """
     path = os.fspath(path)
     if not path.endswith(".safetensors"):
-        raise ValueError(f"export_consolidated writes safetensors; give a path ending in .safetensors. Received: path={path!r}")
+        raise ValueError(
+            f"export_consolidated writes safetensors; give a path ending in .safetensors. Received: path={path!r}"
+        )
     st = _safetensors()
     state = _dcp.full_model_state_on_rank0(model)  # every rank takes part in the gather
     if runtime.rank() == 0:

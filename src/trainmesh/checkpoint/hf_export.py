@@ -35,16 +35,20 @@ def resolve_checkpoint(path: str | os.PathLike) -> tuple[str, str]:
     path = os.fspath(path)
     if os.path.isdir(os.path.join(path, "dcp")):
         if integrity.read_marker(path) is None:
-            raise ValueError(f"{path!r} is not a complete checkpoint (no {integrity.MARKER}): a save that "
-                             f"did not finish. Received: checkpoint={path!r}")
+            raise ValueError(
+                f"{path!r} is not a complete checkpoint (no {integrity.MARKER}): a save that "
+                f"did not finish. Received: checkpoint={path!r}"
+            )
         return os.path.join(path, "dcp"), path
     entries = retention.complete_entries(path)
     if entries:
         return os.path.join(entries[-1].path, "dcp"), entries[-1].path
     if os.path.isfile(os.path.join(path, ".metadata")):
         return path, path
-    raise ValueError(f"No trainmesh checkpoint at {path!r}: expected a step folder (dcp/ + {integrity.MARKER}), "
-                     f"a checkpoint manager's folder of step_* folders, or a DCP folder (.metadata).")
+    raise ValueError(
+        f"No trainmesh checkpoint at {path!r}: expected a step folder (dcp/ + {integrity.MARKER}), "
+        f"a checkpoint manager's folder of step_* folders, or a DCP folder (.metadata)."
+    )
 
 
 def load_config(config: str | os.PathLike | None, checkpoint_dir: str) -> tuple[Any, Any]:
@@ -89,8 +93,11 @@ def _stored_tensors(reader) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = reader.read_metadata()
-    return {key[len(_MODEL_PREFIX):]: meta for key, meta in metadata.state_dict_metadata.items()
-            if key.startswith(_MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
+    return {
+        key[len(_MODEL_PREFIX) :]: meta
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(_MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)
+    }
 
 
 def _choose(stored: dict[str, Any], template: torch.nn.Module | None, where: str) -> dict[str, str]:
@@ -110,19 +117,30 @@ def _choose(stored: dict[str, Any], template: torch.nn.Module | None, where: str
     for name in sorted(chosen, key=order.get):
         found = [n for n in chosen[name] if n in stored]
         if not found:
-            raise ValueError(f"The checkpoint {where} has no tensor {name!r}, which the model of the config needs "
-                             f"({type(template).__name__}). Is it this model's checkpoint?")
+            raise ValueError(
+                f"The checkpoint {where} has no tensor {name!r}, which the model of the config needs "
+                f"({type(template).__name__}). Is it this model's checkpoint?"
+            )
         out[name] = found[0]
     extra = sorted(set(stored) - set(expected))
     if extra:
-        warnings.warn(f"{len(extra)} checkpoint tensor(s) are not part of {type(template).__name__} and are not "
-                      f"written: {extra[:5]}{' ...' if len(extra) > 5 else ''}", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"{len(extra)} checkpoint tensor(s) are not part of {type(template).__name__} and are not "
+            f"written: {extra[:5]}{' ...' if len(extra) > 5 else ''}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return out
 
 
-def export_pretrained(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *,
-                      config: str | os.PathLike | None = None, max_shard_size: int | str = "5GB",
-                      dtype: torch.dtype | None = None) -> str:
+def export_pretrained(
+    checkpoint: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    config: str | os.PathLike | None = None,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+) -> str:
     """Convert a trainmesh checkpoint's model into the Hugging Face layout in ``out_dir``.
 
     >>> export_pretrained("runs/exp1/ckpt", "runs/exp1/hf", config="models/base")   # doctest: +SKIP
@@ -140,9 +158,12 @@ def export_pretrained(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     model_config, generation = load_config(config, checkpoint_dir)
     template = _meta_model(model_config) if model_config is not None else None
     if template is None:
-        warnings.warn("No config.json given or found next to the checkpoint: writing the weights only. Pass "
-                      "--config (a folder holding config.json) for a folder from_pretrained loads.",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            "No config.json given or found next to the checkpoint: writing the weights only. Pass "
+            "--config (a folder holding config.json) for a folder from_pretrained loads.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     sources = _choose(stored, template, checkpoint_dir)
     params = {n for n, _ in template.named_parameters(remove_duplicate=False)} if template is not None else None
     entries = []
@@ -167,8 +188,9 @@ def export_pretrained(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         for plan in files:
             hf_layout.write_file(os.path.join(staging, plan.filename), plan, fetch)
         configs = hf_layout.configs_of(template)
-        extra = hf_layout.save_configs(staging, model_config, generation or configs[1], configs[2],
-                                       dtype=hf_layout.main_dtype(entries))
+        extra = hf_layout.save_configs(
+            staging, model_config, generation or configs[1], configs[2], dtype=hf_layout.main_dtype(entries)
+        )
         hf_layout.write_index(staging, files)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -41,12 +41,34 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 STAGING_NAME = ".trainmesh-save.partial"
 _SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-           torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64"}
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+}
 
 
 def parse_size(size: int | str) -> int:
@@ -55,8 +77,10 @@ def parse_size(size: int | str) -> int:
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", size.upper()) if isinstance(size, str) else None
     if match is None or float(match.group(1)) <= 0:
-        raise ValueError(f"max_shard_size must be a positive number of bytes or a string such as '5GB' or '500MiB'. "
-                         f"Received: max_shard_size={size!r}")
+        raise ValueError(
+            f"max_shard_size must be a positive number of bytes or a string such as '5GB' or '500MiB'. "
+            f"Received: max_shard_size={size!r}"
+        )
     return int(float(match.group(1)) * _UNITS[match.group(2) or "B"])
 
 
@@ -109,18 +133,25 @@ def plan_files(entries: list[Entry], max_bytes: int) -> list[FilePlan]:
         size += entry.nbytes
     if current or not groups:
         groups.append(current)
-    names = ([WEIGHTS_NAME] if len(groups) == 1 else
-             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    names = (
+        [WEIGHTS_NAME]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
     # Wider dtypes first, as safetensors' own writer does: every tensor starts aligned to its element size.
-    return [FilePlan(name, sorted(group, key=lambda e: (-e.dtype.itemsize, e.position)))
-            for name, group in zip(names, groups)]
+    return [
+        FilePlan(name, sorted(group, key=lambda e: (-e.dtype.itemsize, e.position)))
+        for name, group in zip(names, groups)
+    ]
 
 
 def index_json(files: list[FilePlan]) -> dict[str, Any]:
     """The ``model.safetensors.index.json`` of a sharded plan (transformers' fields)."""
     total_parameters = sum(e.numel for f in files for e in f.entries if e.is_param)
-    return {"metadata": {"total_parameters": total_parameters, "total_size": sum(f.nbytes for f in files)},
-            "weight_map": {e.name: f.filename for f in files for e in f.entries}}
+    return {
+        "metadata": {"total_parameters": total_parameters, "total_size": sum(f.nbytes for f in files)},
+        "weight_map": {e.name: f.filename for f in files for e in f.entries},
+    }
 
 
 class SafetensorsWriter:
@@ -133,8 +164,11 @@ class SafetensorsWriter:
         header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
         offset = 0
         for entry in plan.entries:
-            header[entry.name] = {"dtype": _DTYPES[entry.dtype], "shape": list(entry.shape),
-                                  "data_offsets": [offset, offset + entry.nbytes]}
+            header[entry.name] = {
+                "dtype": _DTYPES[entry.dtype],
+                "shape": list(entry.shape),
+                "data_offsets": [offset, offset + entry.nbytes],
+            }
             offset += entry.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
@@ -149,8 +183,10 @@ class SafetensorsWriter:
         entry = self.plan.entries[self._next] if self._next < len(self.plan.entries) else None
         numel = tensor.numel()
         if entry is None or name != entry.name or tensor.dtype != entry.dtype or self._done + numel > entry.numel:
-            raise ValueError(f"{self.path}: expected {entry.name if entry else 'nothing'!r} "
-                             f"({entry.dtype if entry else ''}), got {name!r} {tuple(tensor.shape)} {tensor.dtype}")
+            raise ValueError(
+                f"{self.path}: expected {entry.name if entry else 'nothing'!r} "
+                f"({entry.dtype if entry else ''}), got {name!r} {tuple(tensor.shape)} {tensor.dtype}"
+            )
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         self._file.write(memoryview(data.numpy()))
         self._done += numel
@@ -191,10 +227,11 @@ def write_file(path: str, plan: FilePlan, fetch: Callable[[Entry], torch.Tensor]
 
 # --- which name a tied weight is written under ----------------------------------------------------
 
+
 def tied_target_patterns(model: nn.Module | None) -> list[str]:
     """The names transformers re-ties on load (``_tied_weights_keys`` of every submodule)."""
     patterns: list[str] = []
-    for name, module in (model.named_modules() if model is not None else ()):
+    for name, module in model.named_modules() if model is not None else ():
         tied = getattr(module, "_tied_weights_keys", None) or {}
         patterns += [f"{name}.{key}" if name else key for key in tied]  # a dict (v5) or a list: its keys
     return patterns
@@ -232,6 +269,7 @@ def kept_name(group: set[str], patterns: list[str], order: dict[str, int]) -> st
 
 # --- config.json and generation_config.json ----------------------------------------------------
 
+
 def find_pretrained(model: nn.Module | None) -> nn.Module | None:
     """The transformers model in ``model`` or under its wrappers (DDP, compile, peft), if any."""
     queue, seen = [model], set()
@@ -256,8 +294,13 @@ def configs_of(pretrained: nn.Module | None) -> tuple[Any, Any, str | None]:
     return vars(pretrained).get("config"), generation_config, type(pretrained).__name__.removeprefix("FSDP")
 
 
-def save_configs(directory: str, config: Any, generation_config: Any = None, architecture: str | None = None,
-                 dtype: torch.dtype | None = None) -> list[str]:
+def save_configs(
+    directory: str,
+    config: Any,
+    generation_config: Any = None,
+    architecture: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> list[str]:
     """Write ``config.json`` (+ ``generation_config.json``) as transformers' ``save_pretrained`` does."""
     if config is None:
         return []
@@ -286,6 +329,7 @@ def main_dtype(entries: list[Entry]) -> torch.dtype | None:
 
 
 # --- staging and commit ---------------------------------------------------------------------------
+
 
 def prepare_staging(directory: str) -> str:
     """A fresh, empty staging folder inside ``directory`` (a crashed save's one is removed)."""

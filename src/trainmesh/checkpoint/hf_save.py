@@ -50,8 +50,14 @@ class _Item:
     pieces: list[tuple[int, int, int]] | None = None  # (sender, start, numel) tiling the tensor; None: gather
 
 
-def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, max_shard_size: int | str = "5GB",
-                    dtype: torch.dtype | None = None, merge_adapters: bool = False) -> str:
+def save_pretrained(
+    model: nn.Module,
+    directory: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    merge_adapters: bool = False,
+) -> str:
     """Write ``model``'s full weights to ``directory`` in the Hugging Face layout. Collective.
 
     Works for a model from any trainmesh layout: plain, DDP, ZeRO 1-3, ModelParallel (tensor
@@ -94,8 +100,12 @@ def _save(model, directory, max_bytes, dtype, group, view=None) -> str:
     rank = dist.get_rank() if group is not None else 0
     local = _local_state(model) if view is None else view.local_state(model, _local_state(model))
     described = _all_gather(_describe(model, local), group)
-    items, files = _plan(described, max_bytes if view is None else view.max_bytes(max_bytes), dtype,
-                         hf_layout.tied_target_patterns(_unwrap(model)))
+    items, files = _plan(
+        described,
+        max_bytes if view is None else view.max_bytes(max_bytes),
+        dtype,
+        hf_layout.tied_target_patterns(_unwrap(model)),
+    )
     if view is not None:
         view.rename(items, files)
     staging, problem = None, None
@@ -134,6 +144,7 @@ def _save(model, directory, max_bytes, dtype, group, view=None) -> str:
 
 # --- what this process holds ------------------------------------------------------------------
 
+
 def _unwrap(model: nn.Module) -> nn.Module:
     from .._torch.sync import unwrap
 
@@ -159,8 +170,10 @@ def _describe(model: nn.Module, local: dict[str, torch.Tensor]) -> dict[str, Any
             for name, _ in list(stage.named_parameters(remove_duplicate=False)) + list(stage.named_buffers()):
                 stage_of.setdefault(name, index)
     params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    tensors = [(name, tuple(v.shape), str(v.dtype).split(".")[-1], flat_range(v), stage_of.get(name, 0),
-                name in params) for name, v in local.items()]
+    tensors = [
+        (name, tuple(v.shape), str(v.dtype).split(".")[-1], flat_range(v), stage_of.get(name, 0), name in params)
+        for name, v in local.items()
+    ]
     ties = hf_layout.tie_groups_of(module, local)
     aliases = dict(getattr(runner, "aliases", None) or {})  # a pipeline stage's copy of a tied weight
     ties += [[alias, canonical] for alias, canonical in aliases.items() if alias in local]
@@ -169,13 +182,23 @@ def _describe(model: nn.Module, local: dict[str, torch.Tensor]) -> dict[str, Any
 
 # --- the plan (identical on every process) ----------------------------------------------------
 
-def _plan(described: list[dict[str, Any]], max_bytes: int, dtype: torch.dtype | None, patterns: list[str]
-          ) -> tuple[list[_Item], list[FilePlan]]:
+
+def _plan(
+    described: list[dict[str, Any]], max_bytes: int, dtype: torch.dtype | None, patterns: list[str]
+) -> tuple[list[_Item], list[FilePlan]]:
     info: dict[str, dict[str, Any]] = {}  # name -> shape, dtype, order, holders' runs
     for rank, part in enumerate(described):
         for position, (name, shape, dtype_name, run, stage, is_param) in enumerate(part["tensors"]):
-            seen = info.setdefault(name, {"shape": shape, "dtype": getattr(torch, dtype_name), "ranges": {},
-                                          "order": (stage, position, rank), "is_param": is_param})
+            seen = info.setdefault(
+                name,
+                {
+                    "shape": shape,
+                    "dtype": getattr(torch, dtype_name),
+                    "ranges": {},
+                    "order": (stage, position, rank),
+                    "is_param": is_param,
+                },
+            )
             if seen["shape"] != shape:
                 raise RuntimeError(f"Processes disagree on the shape of {name!r}: {seen['shape']} vs {shape}.")
             seen["ranges"][rank] = run
@@ -239,6 +262,7 @@ def _pieces(item: _Item) -> list[tuple[int, int, int]] | None:
 
 # --- moving tensors -------------------------------------------------------------------------
 
+
 class _Sink:
     """The writer's end of one file; after a failure it keeps receiving (senders must not hang)."""
 
@@ -268,8 +292,9 @@ def _write_tensor(writer: hf_layout.SafetensorsWriter, entry: Entry, tensor: tor
     writer.write(entry.name, tensor.to(entry.dtype))
 
 
-def _gather_and_write(local, items: list[_Item], files: list[FilePlan], staging: str, rank: int, group
-                      ) -> BaseException | None:
+def _gather_and_write(
+    local, items: list[_Item], files: list[FilePlan], staging: str, rank: int, group
+) -> BaseException | None:
     """Every process walks the same list; each takes part where it holds or writes a tensor."""
     error: BaseException | None = None
     position = 0
@@ -325,6 +350,7 @@ def _put(sink: _Sink | None, entry: Entry, tensor: torch.Tensor) -> None:
 
 # --- the communication around it ---------------------------------------------------------------
 
+
 def _new_group():
     """A gloo group of every process (CPU tensors, whatever the training backend), or None alone."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -358,7 +384,11 @@ def _raise_if_any_failed(error: BaseException | None, group, rank: int, staging:
     if rank == 0 and staging is not None:
         shutil.rmtree(staging, ignore_errors=True)
     mine = f" (this process: {error!r})" if error is not None else ""
-    outcome = ("the folder may hold no loadable checkpoint" if staging is None
-               else "nothing was published; the folder is as it was")
-    raise RuntimeError(f"save_pretrained failed while {what} on {failed.item()} process(es); "
-                       f"{outcome}{mine}.") from error
+    outcome = (
+        "the folder may hold no loadable checkpoint"
+        if staging is None
+        else "nothing was published; the folder is as it was"
+    )
+    raise RuntimeError(
+        f"save_pretrained failed while {what} on {failed.item()} process(es); {outcome}{mine}."
+    ) from error

@@ -50,7 +50,9 @@ def _split(state: dict[str, Any]):
     modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
     optims = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
     if len(modules) > 1 or len(optims) > 1:
-        raise ValueError(f"A checkpoint holds one model and one optimizer. Received modules={modules}, optimizers={optims}")
+        raise ValueError(
+            f"A checkpoint holds one model and one optimizer. Received modules={modules}, optimizers={optims}"
+        )
     model = state[modules[0]] if modules else None
     optimizer = state[optims[0]] if optims else None
     if optimizer is not None and model is None:
@@ -66,13 +68,15 @@ def _split(state: dict[str, Any]):
 
 def _layout_info(model: nn.Module | None, optimizer: Any) -> dict[str, Any]:
     memory = {}
-    for module in (model.modules() if model is not None else ()):
+    for module in model.modules() if model is not None else ():
         memory = getattr(module, "_trainmesh_memory", None) or memory
         if memory:
             break
-    return {"zero_stage": memory.get("zero_stage", 1 if type(optimizer).__name__ == "ZeroRedundancyOptimizer" else 0),
-            "model_class": type(model).__name__ if model is not None else None,
-            "optimizer_class": type(optimizer).__name__ if optimizer is not None else None}
+    return {
+        "zero_stage": memory.get("zero_stage", 1 if type(optimizer).__name__ == "ZeroRedundancyOptimizer" else 0),
+        "model_class": type(model).__name__ if model is not None else None,
+        "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
+    }
 
 
 class CheckpointManager:
@@ -87,8 +91,16 @@ class CheckpointManager:
     built them, and the same parameters trainable (checked, with the tensors named).
     """
 
-    def __init__(self, directory: str | os.PathLike, *, keep_last: int = 3, keep_best: Any = None,
-                 async_save: bool = False, verify_checksums: bool = True, save_frozen: bool = False):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        keep_last: int = 3,
+        keep_best: Any = None,
+        async_save: bool = False,
+        verify_checksums: bool = True,
+        save_frozen: bool = False,
+    ):
         if not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last must be an int >= 1. Received: keep_last={keep_last!r}")
         self.directory = os.fspath(directory)
@@ -125,13 +137,23 @@ class CheckpointManager:
         extras = {"rng": rng.capture(), **{k: v.state_dict() for k, v in per_rank.items()}}
         save_plain(extras, os.path.join(tmp_dir, f"rank_{rank:05d}.pt"), what=f"per-rank extras {sorted(extras)}")
         if rank == 0:
-            save_plain({"stateful": {k: v.state_dict() for k, v in shared.items()}, "plain": plain},
-                       os.path.join(tmp_dir, "shared.pt"), what=f"shared state {sorted(shared) + sorted(plain)}")
+            save_plain(
+                {"stateful": {k: v.state_dict() for k, v in shared.items()}, "plain": plain},
+                os.path.join(tmp_dir, "shared.pt"),
+                what=f"shared state {sorted(shared) + sorted(plain)}",
+            )
             integrity.write_json_atomic(os.path.join(tmp_dir, "meta.json"), plain)
-        info = {"format": FORMAT_VERSION, "step": int(step), "world_size": world, "time": time.time(),
-                "metrics": {k: float(v) for k, v in (metrics or {}).items()},
-                "layout": _layout_info(model, optimizer), "has_optimizer": optimizer is not None,
-                "per_rank": sorted(per_rank), "shared": sorted(shared)}
+        info = {
+            "format": FORMAT_VERSION,
+            "step": int(step),
+            "world_size": world,
+            "time": time.time(),
+            "metrics": {k: float(v) for k, v in (metrics or {}).items()},
+            "layout": _layout_info(model, optimizer),
+            "has_optimizer": optimizer is not None,
+            "per_rank": sorted(per_rank),
+            "shared": sorted(shared),
+        }
         pending = PendingSave(int(step), tmp_dir, final_dir, info)
         if model is not None:
             contents = trainable_state.manifest(model, self.save_frozen, self._group, self._fingerprints)
@@ -158,8 +180,10 @@ class CheckpointManager:
             if runtime.rank() == 0:
                 retention.remove_partial(self.directory)
             self._barrier()
-            raise RuntimeError(f"Checkpoint step {pending.step} failed on at least one rank; nothing was "
-                               f"committed (this rank's error: {error!r}).") from error
+            raise RuntimeError(
+                f"Checkpoint step {pending.step} failed on at least one rank; nothing was "
+                f"committed (this rank's error: {error!r})."
+            ) from error
         if runtime.rank() == 0:
             integrity.seal(pending.tmp_dir, pending.final_dir, pending.info)
             retention.prune(self.directory, self.keep_last, self.keep_best)
@@ -212,11 +236,16 @@ class CheckpointManager:
         Rank 0 checks and tells the others, so every rank resumes from the same one, or raises
         the same error, before any training collective.
         """
+
         def look() -> Survey:
             found = survey_directory(self.directory, checksums=self.verify_checksums)
             if self._pending is not None:  # this save is in flight, not abandoned
-                found = dataclasses.replace(found, unfinished=tuple(
-                    p for p in found.unfinished if os.path.abspath(p) != os.path.abspath(self._pending.tmp_dir)))
+                found = dataclasses.replace(
+                    found,
+                    unfinished=tuple(
+                        p for p in found.unfinished if os.path.abspath(p) != os.path.abspath(self._pending.tmp_dir)
+                    ),
+                )
             found.warn(stacklevel=5)
             return found
 
@@ -225,6 +254,7 @@ class CheckpointManager:
     def set_aside(self, paths) -> list[str]:
         """Rename each of ``paths`` (rejected checkpoints) to ``<path>.rejected`` (collective; rank 0
         renames): a fresh start then neither reads nor prunes them, and nothing is deleted."""
+
         def rename() -> list[str]:
             moved = []
             for path in paths:
@@ -261,8 +291,13 @@ class CheckpointManager:
             if optimizer is not None and not marker.get("has_optimizer", True):
                 raise ValueError(f"{path} holds no optimizer state, but state has an optimizer.")
             trainable_state.check_same_frozen(model, marker, path, self._group)
-            _dcp.load_sharded(model, optimizer, os.path.join(path, "dcp"), self._group,
-                              trainable_only=trainable_state.trainable_only_keys(marker))
+            _dcp.load_sharded(
+                model,
+                optimizer,
+                os.path.join(path, "dcp"),
+                self._group,
+                trainable_only=trainable_state.trainable_only_keys(marker),
+            )
         saved_world = int(marker["world_size"])
         source = rng.source_rank(runtime.rank(), saved_world)
         # Our own files, checksummed at commit, and read with weights_only=True all the same.

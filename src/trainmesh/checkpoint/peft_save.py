@@ -43,12 +43,16 @@ def view_for(model: nn.Module, merge_adapters: bool):
     module = unwrap(model)
     if not is_peft_model(module):
         if merge_adapters:
-            raise ValueError(f"merge_adapters=True needs a peft model (peft.get_peft_model); "
-                             f"{type(module).__name__} has no LoRA adapters. Received: merge_adapters=True")
+            raise ValueError(
+                f"merge_adapters=True needs a peft model (peft.get_peft_model); "
+                f"{type(module).__name__} has no LoRA adapters. Received: merge_adapters=True"
+            )
         return None
     if not callable(getattr(module, "get_base_model", None)):
-        raise TypeError(f"A peft model is saved from its PeftModel (what peft.get_peft_model returns). "
-                        f"Received: {type(module).__name__}")
+        raise TypeError(
+            f"A peft model is saved from its PeftModel (what peft.get_peft_model returns). "
+            f"Received: {type(module).__name__}"
+        )
     if merge_adapters:
         return MergedView(module)
     return AdapterView(module, pipelined=getattr(model, "_trainmesh_pipeline", None) is not None)
@@ -127,10 +131,20 @@ class MergedView:
             _check_mergeable(path, layer, self.adapter)
             a = full_tensor(layer.lora_A[self.adapter].weight).float()
             b = full_tensor(layer.lora_B[self.adapter].weight).float()
-            deltas[f"{path}.base_layer.weight"] = (a, b, float(layer.scaling[self.adapter]),
-                                                   bool(getattr(layer, "fan_in_fan_out", False)))
-        adapter_names = {n for n in local if any(f".{attr}." in n for attr in ("lora_A", "lora_B", "lora_embedding_A",
-                                                                                 "lora_embedding_B", "lora_magnitude_vector"))}
+            deltas[f"{path}.base_layer.weight"] = (
+                a,
+                b,
+                float(layer.scaling[self.adapter]),
+                bool(getattr(layer, "fan_in_fan_out", False)),
+            )
+        adapter_names = {
+            n
+            for n in local
+            if any(
+                f".{attr}." in n
+                for attr in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+            )
+        }
         kept = {name: value for name, value in local.items() if name not in adapter_names}
         return _MergedState(kept, deltas)
 
@@ -141,11 +155,15 @@ class MergedView:
 
 def _check_mergeable(path: str, layer: nn.Module, adapter: str) -> None:
     if (getattr(layer, "use_dora", {}) or {}).get(adapter) or (getattr(layer, "lora_bias", {}) or {}).get(adapter):
-        raise ValueError(f"merge_adapters=True merges plain LoRA (B @ A); {path!r} uses DoRA or a LoRA bias. "
-                         f"Save the adapters and merge with peft's merge_and_unload. Received: adapter={adapter!r}")
+        raise ValueError(
+            f"merge_adapters=True merges plain LoRA (B @ A); {path!r} uses DoRA or a LoRA bias. "
+            f"Save the adapters and merge with peft's merge_and_unload. Received: adapter={adapter!r}"
+        )
     if not isinstance(layer.lora_A[adapter], nn.Linear):
-        raise ValueError(f"merge_adapters=True merges Linear / Conv1D LoRA layers; {path!r} is "
-                         f"{type(layer).__name__}. Received: adapter={adapter!r}")
+        raise ValueError(
+            f"merge_adapters=True merges Linear / Conv1D LoRA layers; {path!r} is "
+            f"{type(layer).__name__}. Received: adapter={adapter!r}"
+        )
 
 
 class _MergedState(dict):
@@ -164,8 +182,9 @@ class _MergedState(dict):
         return _merged(value, *self.deltas[name])
 
 
-def _merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, fan_in_fan_out: bool
-            ) -> torch.Tensor:
+def _merged(
+    weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, fan_in_fan_out: bool
+) -> torch.Tensor:
     """``weight`` (a local shard or a whole tensor) plus its region of ``scaling * B @ A``."""
     from torch.distributed.tensor import DTensor
 
@@ -178,8 +197,9 @@ def _merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: flo
     region = delta[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
     merged = (local.detach().float() + region.to(local.device)).to(local.dtype)
     if isinstance(weight, DTensor):
-        return DTensor.from_local(merged, weight.device_mesh, weight.placements, run_check=False,
-                                  shape=weight.shape, stride=weight.stride())
+        return DTensor.from_local(
+            merged, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape, stride=weight.stride()
+        )
     return merged
 
 

@@ -46,8 +46,11 @@ def best_entry(entries: list[Entry], keep_best: tuple[str, str] | None) -> Entry
     if keep_best is None:
         return None
     metric, mode = keep_best
-    scored = [(float(e.marker.get("metrics", {})[metric]), e) for e in entries
-              if isinstance(e.marker.get("metrics"), dict) and metric in e.marker["metrics"]]
+    scored = [
+        (float(e.marker.get("metrics", {})[metric]), e)
+        for e in entries
+        if isinstance(e.marker.get("metrics"), dict) and metric in e.marker["metrics"]
+    ]
     scored = [(v, e) for v, e in scored if math.isfinite(v)]
     if not scored:
         return None

@@ -23,10 +23,18 @@ def capture() -> dict[str, Any]:
     version, internal, gauss_next = random.getstate()
     state = {
         "torch": torch.get_rng_state(),
-        "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
-        "python": {"version": int(version), "internal": torch.tensor(internal, dtype=torch.int64),
-                   "gauss_next": gauss_next},
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "python": {
+            "version": int(version),
+            "internal": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -36,8 +44,15 @@ def capture() -> dict[str, Any]:
 def restore(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     saved = state["numpy"]
-    np.random.set_state((saved["kind"], saved["keys"].numpy().astype(np.uint32), saved["pos"], saved["has_gauss"],
-                         saved["cached_gaussian"]))
+    np.random.set_state(
+        (
+            saved["kind"],
+            saved["keys"].numpy().astype(np.uint32),
+            saved["pos"],
+            saved["has_gauss"],
+            saved["cached_gaussian"],
+        )
+    )
     saved = state["python"]
     random.setstate((saved["version"], tuple(int(v) for v in saved["internal"].tolist()), saved["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():

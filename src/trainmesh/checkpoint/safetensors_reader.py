@@ -31,9 +31,18 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 BLOCK_BYTES = 16 << 20  # bytes read at once when whole rows must be read to take a column slice
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
@@ -58,8 +67,9 @@ def _read_header(path: str) -> dict[str, TensorEntry]:
             raise WeightFileError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
         (header_len,) = struct.unpack("<Q", raw)
         if header_len > min(_MAX_HEADER, size - 8):
-            raise WeightFileError(f"{path}: truncated or not a safetensors file (header of {header_len} bytes "
-                                  f"in a file of {size})")
+            raise WeightFileError(
+                f"{path}: truncated or not a safetensors file (header of {header_len} bytes in a file of {size})"
+            )
         try:
             header = json.loads(f.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -70,17 +80,22 @@ def _read_header(path: str) -> dict[str, TensorEntry]:
         if name == "__metadata__":
             continue
         if info.get("dtype") not in _DTYPES:
-            raise WeightFileError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}, which trainmesh does "
-                                  f"not read (supported: {sorted(_DTYPES)})")
+            raise WeightFileError(
+                f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}, which trainmesh does "
+                f"not read (supported: {sorted(_DTYPES)})"
+            )
         dtype, shape = _DTYPES[info["dtype"]], tuple(int(d) for d in info["shape"])
         begin, end = (int(v) for v in info["data_offsets"])
         nbytes = math.prod(shape) * dtype.itemsize
         if end - begin != nbytes:
-            raise WeightFileError(f"{path}: tensor {name!r} of shape {list(shape)} {info['dtype']} should take "
-                                  f"{nbytes} bytes; its offsets give {end - begin}")
+            raise WeightFileError(
+                f"{path}: tensor {name!r} of shape {list(shape)} {info['dtype']} should take "
+                f"{nbytes} bytes; its offsets give {end - begin}"
+            )
         if data_start + end > size:
-            raise WeightFileError(f"{path}: truncated file: tensor {name!r} ends at byte {data_start + end}, "
-                                  f"the file has {size}")
+            raise WeightFileError(
+                f"{path}: truncated file: tensor {name!r} ends at byte {data_start + end}, the file has {size}"
+            )
         entries[name] = TensorEntry(path, dtype, shape, data_start + begin, nbytes)
     return entries
 
@@ -143,14 +158,17 @@ class WeightFiles:
         for name, _, local, offsets, shape in items:
             self.read_region(name, offsets, shape, out=local)
 
-    def read_region(self, name: str, offsets: Sequence[int], shape: Sequence[int],
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+    def read_region(
+        self, name: str, offsets: Sequence[int], shape: Sequence[int], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The block ``[offsets[d] : offsets[d] + shape[d]]`` of tensor ``name``, copied into ``out``
         (converted to its dtype) or returned in the file's dtype."""
         entry = self.entries[name]
         if len(offsets) != len(entry.shape) or len(shape) != len(entry.shape):
-            raise WeightFileError(f"{entry.file}: tensor {name!r} has {len(entry.shape)} dims; region "
-                                  f"{list(offsets)} + {list(shape)} has {len(shape)}")
+            raise WeightFileError(
+                f"{entry.file}: tensor {name!r} has {len(entry.shape)} dims; region "
+                f"{list(offsets)} + {list(shape)} has {len(shape)}"
+            )
         if out is None:
             out = torch.empty(tuple(shape), dtype=entry.dtype)
         if out.numel() == 0:
@@ -164,8 +182,9 @@ class WeightFiles:
         whole_rows = all(s.start == 0 and s.stop == d for s, d in zip(inner, row_shape))
         in_place = out.dtype == entry.dtype and out.is_contiguous() and out.device.type == "cpu"
         if in_place and whole_rows:  # one range, straight into place
-            self._read(entry, entry.start + offsets[0] * row_bytes, shape[0] * row_bytes,
-                       into=out.view(-1).view(torch.uint8))
+            self._read(
+                entry, entry.start + offsets[0] * row_bytes, shape[0] * row_bytes, into=out.view(-1).view(torch.uint8)
+            )
             return out
         if in_place and len(shape) == 2:  # a column slice (row-wise tensor parallel): one read per row
             self._read_columns(entry, offsets, shape, out)
@@ -175,7 +194,7 @@ class WeightFiles:
             count = min(rows_per_block, shape[0] - first)
             start = entry.start + (offsets[0] + first) * row_bytes
             block = self._read(entry, start, count * row_bytes).view(entry.dtype).view(count, *row_shape)
-            out[first:first + count].copy_(block if whole_rows else block[(slice(None), *inner)])
+            out[first : first + count].copy_(block if whole_rows else block[(slice(None), *inner)])
         return out
 
     @staticmethod
@@ -186,7 +205,7 @@ class WeightFiles:
         with open(entry.file, "rb", buffering=0) as f:
             for row in range(shape[0]):
                 at = entry.start + (offsets[0] + row) * row_bytes + offsets[1] * itemsize
-                if os.preadv(f.fileno(), [dest[row * piece:(row + 1) * piece]], at) != piece:
+                if os.preadv(f.fileno(), [dest[row * piece : (row + 1) * piece]], at) != piece:
                     raise WeightFileError(f"{entry.file}: truncated while reading (wanted {piece} bytes at {at})")
 
     @staticmethod

@@ -48,9 +48,11 @@ def save_plain(obj: Any, path: str, *, what: str) -> None:
     unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     if unsafe:
         os.remove(path)
-        raise TypeError(f"The {what} hold objects that torch.load(weights_only=True) cannot rebuild: {unsafe}. "
-                        f"{SAFE_LOADING}; keep checkpoint state to tensors and plain Python values. "
-                        f"Received: {', '.join(unsafe)} in the {what}")
+        raise TypeError(
+            f"The {what} hold objects that torch.load(weights_only=True) cannot rebuild: {unsafe}. "
+            f"{SAFE_LOADING}; keep checkpoint state to tensors and plain Python values. "
+            f"Received: {', '.join(unsafe)} in the {what}"
+        )
 
 
 def load_plain(path: str) -> Any:
@@ -58,9 +60,11 @@ def load_plain(path: str) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise pickle.UnpicklingError(f"{path} holds objects that weights_only=True refuses ({refusal_detail(exc)}). "
-                                     f"{SAFE_LOADING}; a file that needs more may run code, and is not "
-                                     "loaded") from None
+        raise pickle.UnpicklingError(
+            f"{path} holds objects that weights_only=True refuses ({refusal_detail(exc)}). "
+            f"{SAFE_LOADING}; a file that needs more may run code, and is not "
+            "loaded"
+        ) from None
 
 
 def _link_or_copy(source: str, target: str) -> None:
@@ -119,13 +123,17 @@ def check_checkpoint_file(path: str | os.PathLike) -> str | None:
         with open(checksum_path(path)) as fh:
             recorded = fh.read().split()
     except OSError:
-        return (f"{checksum_path(path)} is missing: {path} cannot be checked (an interrupted save, or a file "
-                "not written by trainmesh)")
+        return (
+            f"{checksum_path(path)} is missing: {path} cannot be checked (an interrupted save, or a file "
+            "not written by trainmesh)"
+        )
     if not recorded or len(recorded[0]) != 64:
         return f"{checksum_path(path)} is unreadable or truncated"
     if sha256_file(path) != recorded[0]:
-        return (f"{path} does not match its sha256 in {os.path.basename(checksum_path(path))} "
-                f"(corrupted or truncated; {os.path.getsize(path)} bytes)")
+        return (
+            f"{path} does not match its sha256 in {os.path.basename(checksum_path(path))} "
+            f"(corrupted or truncated; {os.path.getsize(path)} bytes)"
+        )
     return None
 
 

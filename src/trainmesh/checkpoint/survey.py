@@ -32,8 +32,11 @@ class Survey:
         for path, why in self.rejected:
             warnings.warn(f"Skipping checkpoint {path}: {why}{fallback}.", RuntimeWarning, stacklevel=stacklevel)
         for path in self.unfinished:
-            warnings.warn(f"Ignoring {path}: a save that never committed (never renamed into place); the next save "
-                          "removes it.", RuntimeWarning, stacklevel=stacklevel)
+            warnings.warn(
+                f"Ignoring {path}: a save that never committed (never renamed into place); the next save removes it.",
+                RuntimeWarning,
+                stacklevel=stacklevel,
+            )
 
 
 class NoValidCheckpointError(RuntimeError):
@@ -46,13 +49,15 @@ class NoValidCheckpointError(RuntimeError):
             f"{len(self.rejected)} checkpoint(s) in {location}, none valid; training did not start (it would have "
             f"begun again at step 0 and lost their progress):\n{lines}\nTo start over anyway, pass "
             f"fit(..., resume=True, on_invalid_checkpoint={START_OVER!r}) (the rejected files are kept, renamed "
-            "*.rejected), or move them away.")
+            "*.rejected), or move them away."
+        )
 
 
 def check_on_invalid(value: str) -> str:
     if value not in ON_INVALID:
-        raise ValueError(f"on_invalid_checkpoint must be one of {ON_INVALID}. "
-                         f"Received: on_invalid_checkpoint={value!r}")
+        raise ValueError(
+            f"on_invalid_checkpoint must be one of {ON_INVALID}. Received: on_invalid_checkpoint={value!r}"
+        )
     return value
 
 
@@ -66,8 +71,10 @@ def _marker_problem(path: str) -> str | None:
     if not isinstance(marker.get("format", 1), int) or not isinstance(marker.get("files"), dict):
         return f"{marker_path} is not a trainmesh checkpoint marker (no format number or file list)"
     if marker.get("format", 1) < integrity.FORMAT_VERSION:
-        return (f"written in checkpoint format {marker.get('format', 1)} (pickled RNG state, which "
-                f"torch.load(weights_only=True) refuses); this trainmesh reads format {integrity.FORMAT_VERSION}")
+        return (
+            f"written in checkpoint format {marker.get('format', 1)} (pickled RNG state, which "
+            f"torch.load(weights_only=True) refuses); this trainmesh reads format {integrity.FORMAT_VERSION}"
+        )
     return None
 
 

@@ -26,8 +26,22 @@ from .topology import Topology, discover, host_groups
 from .two_phase import hierarchical_compressed_all_reduce, two_phase_all_reduce, two_phase_wire_bytes
 
 __all__ = [
-    "ByteCounter", "CollectiveTimeoutError", "CommPlan", "CompressedReduceScatter", "CompressionHookState",
-    "HierarchicalState", "ProgressBeacon", "StepBytes", "Topology", "compressed_allreduce_hook", "discover",
-    "hierarchical_all_reduce_", "hierarchical_compressed_all_reduce", "hierarchical_hook", "host_groups",
-    "node_groups", "two_phase_all_reduce", "two_phase_wire_bytes",
+    "ByteCounter",
+    "CollectiveTimeoutError",
+    "CommPlan",
+    "CompressedReduceScatter",
+    "CompressionHookState",
+    "HierarchicalState",
+    "ProgressBeacon",
+    "StepBytes",
+    "Topology",
+    "compressed_allreduce_hook",
+    "discover",
+    "hierarchical_all_reduce_",
+    "hierarchical_compressed_all_reduce",
+    "hierarchical_hook",
+    "host_groups",
+    "node_groups",
+    "two_phase_all_reduce",
+    "two_phase_wire_bytes",
 ]

@@ -57,8 +57,7 @@ class StepBytes:
 
     def as_record(self) -> dict[str, float]:
         """The keys the Trainer's step records carry."""
-        record = {"comm_bytes": self.compressed, "comm_bytes_uncompressed": self.uncompressed,
-                  "comm_ratio": self.ratio}
+        record = {"comm_bytes": self.compressed, "comm_bytes_uncompressed": self.uncompressed, "comm_ratio": self.ratio}
         if self.wire:
             record.update(comm_wire_bytes=self.wire, comm_wire_bytes_fp32=self.dense_wire)
         return record
@@ -84,8 +83,9 @@ class ByteCounter:
 
     def add(self, *, sent: int, dense: int, wire: int = 0, dense_wire: int = 0) -> None:
         if min(sent, dense, wire, dense_wire) < 0:
-            raise ValueError(f"byte counts must be >= 0. Received: sent={sent}, dense={dense}, wire={wire}, "
-                             f"dense_wire={dense_wire}")
+            raise ValueError(
+                f"byte counts must be >= 0. Received: sent={sent}, dense={dense}, wire={wire}, dense_wire={dense_wire}"
+            )
         with self._lock:
             self._sent += int(sent)
             self._dense += int(dense)

@@ -45,14 +45,22 @@ class AllReduceScatter(ReduceScatter):
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op, async_op: bool = False):
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op,
+        async_op: bool = False,
+    ):
         # FSDP2 calls this synchronously (it orders work by streams, which a CPU does not have), so
         # ``async_op`` is honoured by finishing first: the returned ``None`` means "already done".
         rows = dist.get_world_size(group)
         if input_tensor.numel() != rows * output_tensor.numel():
-            raise ValueError(f"A reduce-scatter over {rows} processes needs an input {rows}x its output; "
-                             f"received {input_tensor.numel()} and {output_tensor.numel()} elements")
+            raise ValueError(
+                f"A reduce-scatter over {rows} processes needs an input {rows}x its output; "
+                f"received {input_tensor.numel()} and {output_tensor.numel()} elements"
+            )
         all_reduce_rows(output_tensor, input_tensor, group, op)
         return None
 
@@ -70,8 +78,9 @@ def all_reduce_rows(output: torch.Tensor, rows: torch.Tensor, group: dist.Proces
     output.view(-1).copy_(rows.view(-1)[start : start + row])
 
 
-def reduce_scatter_rows(output: torch.Tensor, rows: torch.Tensor, group: dist.ProcessGroup,
-                        op=dist.ReduceOp.SUM) -> None:
+def reduce_scatter_rows(
+    output: torch.Tensor, rows: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM
+) -> None:
     """A reduce-scatter of ``rows`` (may be overwritten) into ``output``, by :func:`all_reduce_rows`
     where gloo carries it, else by the backend's own reduce-scatter."""
     if carries_reduce_scatter_by_all_reduce(group, rows.device):

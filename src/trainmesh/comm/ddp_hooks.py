@@ -69,16 +69,27 @@ class CompressionHookState:
     this size before communicating (0: as DDP cuts them).
     """
 
-    def __init__(self, compressor: Compressor, process_group: Any, param_names: dict[int, str], *,
-                 counter: ByteCounter | None = None,
-                 all_reduce: Callable[[torch.Tensor], None] | None = None,
-                 intra_group: Any = None, inter_group: Any = None,
-                 overlap: bool = True, bucket_bytes: int = 0, two_phase: bool = True) -> None:
+    def __init__(
+        self,
+        compressor: Compressor,
+        process_group: Any,
+        param_names: dict[int, str],
+        *,
+        counter: ByteCounter | None = None,
+        all_reduce: Callable[[torch.Tensor], None] | None = None,
+        intra_group: Any = None,
+        inter_group: Any = None,
+        overlap: bool = True,
+        bucket_bytes: int = 0,
+        two_phase: bool = True,
+    ) -> None:
         if not isinstance(compressor, Compressor):
             raise TypeError(f"compressor must be a trainmesh Compressor. Received: {type(compressor).__name__}")
         if (intra_group is None) != (inter_group is None):
-            raise ValueError("intra_group and inter_group go together (both or neither). "
-                             f"Received: intra_group={intra_group!r}, inter_group={inter_group!r}")
+            raise ValueError(
+                "intra_group and inter_group go together (both or neither). "
+                f"Received: intra_group={intra_group!r}, inter_group={inter_group!r}"
+            )
         self.compressor = compressor
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -88,8 +99,11 @@ class CompressionHookState:
         self.intra_group, self.inter_group = intra_group, inter_group
         self.two_phase = two_phase and compressor.name == "int8"
         self.worker = BucketWorker() if overlap else None
-        self.merger = BucketMerger(self.worker, lambda parts: _reduce_parts(self, parts), bucket_bytes) \
-            if self.worker is not None else None
+        self.merger = (
+            BucketMerger(self.worker, lambda parts: _reduce_parts(self, parts), bucket_bytes)
+            if self.worker is not None
+            else None
+        )
         self._checked_layouts: set[tuple[str, ...]] = set()
 
     @property
@@ -105,8 +119,9 @@ class CompressionHookState:
         return ring_wire_bytes(nbytes, self.world_size)
 
     @classmethod
-    def for_model(cls, ddp_model: torch.nn.parallel.DistributedDataParallel, compressor: Compressor,
-                  **kwargs: Any) -> "CompressionHookState":
+    def for_model(
+        cls, ddp_model: torch.nn.parallel.DistributedDataParallel, compressor: Compressor, **kwargs: Any
+    ) -> "CompressionHookState":
         names = {id(p): name for name, p in ddp_model.module.named_parameters()}
         # DDP all-reduces the unused-parameter map from autograd's thread when it looks for unused
         # parameters: a second thread issuing collectives could then order them differently per rank.
@@ -140,9 +155,15 @@ class KeepStateIfNonFinite:
     def __init__(self, compressor: Compressor, keys: list[str], tensor: torch.Tensor) -> None:
         self.compressor = compressor
         self.finite = all_finite(tensor)
-        self.saved = {} if self.finite else {
-            field: {k: getattr(compressor, field).get(k) for k in keys}
-            for field in self.FIELDS if isinstance(getattr(compressor, field, None), dict)}
+        self.saved = (
+            {}
+            if self.finite
+            else {
+                field: {k: getattr(compressor, field).get(k) for k in keys}
+                for field in self.FIELDS
+                if isinstance(getattr(compressor, field, None), dict)
+            }
+        )
 
     def restore(self) -> None:
         for field, values in self.saved.items():
@@ -208,7 +229,8 @@ def _two_phase(state: CompressionHookState, keys: list[str], flat: torch.Tensor)
     key = _bucket_key(keys, flat.numel())
     if state.hierarchical:
         summed, payload, wire = hierarchical_compressed_all_reduce(
-            flat, state.intra_group, state.inter_group, state.compressor, key, in_place=True)
+            flat, state.intra_group, state.inter_group, state.compressor, key, in_place=True
+        )
     else:
         summed, payload, wire = two_phase_all_reduce(flat, state.process_group, state.compressor, key)
     dense = _nbytes(flat)
@@ -264,12 +286,14 @@ def _check_same_layout(state: CompressionHookState, keys: list[str], size: int) 
         raise RuntimeError(
             f"Compressor {state.compressor.name!r} produced payloads of different sizes on different ranks "
             f"({[int(s) for s in sizes]} bytes) for the same gradients: all-gather needs a payload layout that "
-            "depends only on the gradient shapes (e.g. a fixed k for top-k).")
+            "depends only on the gradient shapes (e.g. a fixed k for top-k)."
+        )
     state._checked_layouts.add(signature)
 
 
-def _gathered(state: CompressionHookState, keys: list[str], grads: list[torch.Tensor],
-              out: torch.Tensor | None = None) -> torch.Tensor:
+def _gathered(
+    state: CompressionHookState, keys: list[str], grads: list[torch.Tensor], out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The average of every rank's decompressed ``grads``, flat in their order (a bucket's layout).
 
     ``out`` (the bucket's own buffer, which ``grads`` view) receives it when its dtype is the sum's:
@@ -292,14 +316,19 @@ def _gathered(state: CompressionHookState, keys: list[str], grads: list[torch.Te
             compressor.add_to(piece, payload)
     dense = sum(_nbytes(g) for g in grads)
     # A ring all-gather: every peer's payload passes through (and on from) this rank once.
-    state.counter.add(sent=sum(p.nbytes() for p in payloads), dense=dense,
-                      wire=(state.world_size - 1) * packed.numel(), dense_wire=state.allreduce_wire(dense))
+    state.counter.add(
+        sent=sum(p.nbytes() for p in payloads),
+        dense=dense,
+        wire=(state.world_size - 1) * packed.numel(),
+        dense_wire=state.allreduce_wire(dense),
+    )
     return total.div_(state.world_size)
 
 
 # --- PowerSGD: two all-reduces (P, then Q) per bucket; across hosts only when hierarchical ------
-def _powersgd(state: CompressionHookState, keys: list[str], grads: list[torch.Tensor],
-              flat: torch.Tensor) -> torch.Tensor:
+def _powersgd(
+    state: CompressionHookState, keys: list[str], grads: list[torch.Tensor], flat: torch.Tensor
+) -> torch.Tensor:
     if state.hierarchical:
         averaged, sent, wire = powersgd_across_hosts(state, keys, grads, flat)
     else:
@@ -317,8 +346,14 @@ class DenseHookState:
     it merges buckets; the plain flat case is left to DDP's own (already overlapped) all-reduce.
     """
 
-    def __init__(self, world_size: int, all_reduce: Callable[[torch.Tensor], None], *,
-                 overlap: bool = True, bucket_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        all_reduce: Callable[[torch.Tensor], None],
+        *,
+        overlap: bool = True,
+        bucket_bytes: int = 0,
+    ) -> None:
         self.world_size, self.all_reduce = world_size, all_reduce
         self.worker = BucketWorker() if overlap else None
         self.merger = BucketMerger(self.worker, self._reduce, bucket_bytes) if self.worker is not None else None

@@ -50,8 +50,14 @@ def host_identity(environ=None) -> tuple[str, str, int]:
 class CollectiveTimeoutError(RuntimeError):
     """A collective failed; ``missing_ranks`` are the processes that did not get there."""
 
-    def __init__(self, message: str, missing_ranks: list[int], step: int, phase: str,
-                 lost_hosts: dict[str, list[int]] | None = None):
+    def __init__(
+        self,
+        message: str,
+        missing_ranks: list[int],
+        step: int,
+        phase: str,
+        lost_hosts: dict[str, list[int]] | None = None,
+    ):
         super().__init__(message)
         self.missing_ranks, self.step, self.phase = missing_ranks, step, phase
         # address -> ranks, for hosts none of whose ranks got there (a host lost, not a slow rank)
@@ -104,8 +110,9 @@ class ProgressBeacon:
         if self.store is not None and not self._closed:
             self._note = f"{step}|{phase}|{self.since:.3f}"
             if self._writer is None:
-                self._writer = threading.Thread(target=self._write_notes, name=f"trainmesh-beacon-{self.rank}",
-                                                daemon=True)
+                self._writer = threading.Thread(
+                    target=self._write_notes, name=f"trainmesh-beacon-{self.rank}", daemon=True
+                )
                 self._writer.start()
             self._noted.set()
 
@@ -164,12 +171,13 @@ class ProgressBeacon:
         by_host: dict[tuple[str, str, str], list[int]] = {}
         for rank, where in hosts.items():
             by_host.setdefault(where, []).append(rank)
-        lost = {where: ranks for where, ranks in by_host.items()
-                if len(by_host) > 1 and set(ranks) <= set(missing)}
+        lost = {where: ranks for where, ranks in by_host.items() if len(by_host) > 1 and set(ranks) <= set(missing)}
         if not lost:
             return {}, ""
-        names = "; ".join(f"host {address} (node {node}, host name {name!r}): ranks {ranks}"
-                          for (address, name, node), ranks in sorted(lost.items()))
+        names = "; ".join(
+            f"host {address} (node {node}, host name {name!r}): ranks {ranks}"
+            for (address, name, node), ranks in sorted(lost.items())
+        )
         return {where[0]: ranks for where, ranks in lost.items()}, f" Lost: {names}."
 
     def diagnose(self, error: BaseException) -> CollectiveTimeoutError | None:
@@ -185,11 +193,14 @@ class ProgressBeacon:
         if not missing:
             return None
         details = ", ".join(
-            f"rank {r}: " + ("never reported" if seen[r] is None else
-                             f"last started step {seen[r][0]} {now - seen[r][2]:.0f}s ago")
-            for r in missing)
+            f"rank {r}: "
+            + ("never reported" if seen[r] is None else f"last started step {seen[r][0]} {now - seen[r][2]:.0f}s ago")
+            for r in missing
+        )
         lost, lost_text = self._lost_hosts(missing)
-        message = (f"rank {self.rank}: '{self.phase}' at step {self.step} failed after {now - self.since:.0f}s "
-                   f"waiting for rank(s) {missing} ({details}).{lost_text} "
-                   f"Underlying error: {str(error).splitlines()[0][:300]}")
+        message = (
+            f"rank {self.rank}: '{self.phase}' at step {self.step} failed after {now - self.since:.0f}s "
+            f"waiting for rank(s) {missing} ({details}).{lost_text} "
+            f"Underlying error: {str(error).splitlines()[0][:300]}"
+        )
         return CollectiveTimeoutError(message, missing, self.step, self.phase, lost)

@@ -115,8 +115,9 @@ def _shared_layout(factors: list[_Factor], grads: list[torch.Tensor], dense: lis
     return first, sum(f.cols * f.rank for f in factors)
 
 
-def powersgd_across_hosts(state: Any, keys: list[str], grads: list[torch.Tensor],
-                          flat: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+def powersgd_across_hosts(
+    state: Any, keys: list[str], grads: list[torch.Tensor], flat: torch.Tensor
+) -> tuple[torch.Tensor, int, int]:
     """The bucket's average (flat), PowerSGD between hosts only; ``flat`` is the bucket's gradients
     concatenated in ``grads`` order (DDP's bucket buffer; it is used as scratch).
 
@@ -152,7 +153,7 @@ def powersgd_across_hosts(state: Any, keys: list[str], grads: list[torch.Tensor]
         torch.matmul(p, q.T, out=pieces[f.index].view(f.rows, f.cols))
     offset = sum(f.rows * f.rank for f in factors)
     for i in dense:
-        pieces[i].copy_(shared[offset:offset + pieces[i].numel()])
+        pieces[i].copy_(shared[offset : offset + pieces[i].numel()])
         offset += pieces[i].numel()
     return work, sent, wire
 
@@ -161,14 +162,22 @@ def _split_factors(shared: torch.Tensor, factors: list[_Factor], first_len: int)
     """Views of each ``P`` (from the start) and each ``Q`` (from ``first_len``) in the leader's message."""
     ps, qs, p_at, q_at = [], [], 0, first_len
     for f in factors:
-        ps.append(shared[p_at:p_at + f.rows * f.rank].view(f.rows, f.rank))
-        qs.append(shared[q_at:q_at + f.cols * f.rank].view(f.cols, f.rank))
+        ps.append(shared[p_at : p_at + f.rows * f.rank].view(f.rows, f.rank))
+        qs.append(shared[q_at : q_at + f.cols * f.rank].view(f.cols, f.rank))
         p_at, q_at = p_at + f.rows * f.rank, q_at + f.cols * f.rank
     return ps, qs
 
 
-def _leader_exchange(state: Any, factors: list[_Factor], dense: list[int], pieces, shapes: list[torch.Size],
-                     shared: torch.Tensor, first_len: int, local: int) -> int:
+def _leader_exchange(
+    state: Any,
+    factors: list[_Factor],
+    dense: list[int],
+    pieces,
+    shapes: list[torch.Size],
+    shared: torch.Tensor,
+    first_len: int,
+    local: int,
+) -> int:
     """PowerSGD between the hosts' leaders on the host sums in ``pieces``; fills ``shared`` with
     ``[orthonormal P's | averaged uncompressed | averaged Q's]``; returns the wire bytes sent."""
     psgd, inter, n = state.compressor, state.inter_group, state.world_size
@@ -179,12 +188,12 @@ def _leader_exchange(state: Any, factors: list[_Factor], dense: list[int], piece
         torch.matmul(matrix, _warm_q(psgd, f, matrix), out=p)
     offset = sum(f.rows * f.rank for f in factors)
     for i in dense:
-        shared[offset:offset + pieces[i].numel()].copy_(pieces[i])
+        shared[offset : offset + pieces[i].numel()].copy_(pieces[i])
         offset += pieces[i].numel()
     head, tail = shared[:first_len], shared[first_len:]
     if first_len:
         dist.all_reduce(head, group=inter)  # every P and the uncompressed tensors: one message
-    shared[sum(f.rows * f.rank for f in factors):first_len].div_(n)
+    shared[sum(f.rows * f.rank for f in factors) : first_len].div_(n)
     for f, matrix, p, q in zip(factors, matrices, ps, qs):
         p.copy_(torch.linalg.qr(p).Q)  # the same orthonormal P on every leader
         torch.matmul(matrix.T, p, out=q)

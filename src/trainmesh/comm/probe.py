@@ -64,8 +64,10 @@ class CommPlan:
 
     def describe(self) -> str:
         bucket = f"buckets merged to {self.bucket_bytes / 2**20:.1f}MB" if self.bucket_bytes else "DDP's buckets"
-        return (f"communication=auto: {'hierarchical' if self.hierarchical else 'flat'} all-reduce, "
-                f"compression {self.compression or 'none'}, {bucket}. Why: {self.reason}")
+        return (
+            f"communication=auto: {'hierarchical' if self.hierarchical else 'flat'} all-reduce, "
+            f"compression {self.compression or 'none'}, {bucket}. Why: {self.reason}"
+        )
 
 
 def _time(fn, reps: int, *, barrier: bool = True) -> float:
@@ -113,15 +115,20 @@ def _candidates(numel: int, groups):
         out["int8 flat"] = ("int8", False, lambda: two_phase_all_reduce(buffer, None, int8, "probe"))
     else:
         intra, inter = groups
-        out["fp32 hierarchical"] = (None, True, lambda: hierarchical_all_reduce_(
-            buffer.clone(), intra_group=intra, inter_group=inter))
-        out["int8 hierarchical"] = ("int8", True, lambda: hierarchical_compressed_all_reduce(
-            buffer, intra, inter, int8, "probe"))
+        out["fp32 hierarchical"] = (
+            None,
+            True,
+            lambda: hierarchical_all_reduce_(buffer.clone(), intra_group=intra, inter_group=inter),
+        )
+        out["int8 hierarchical"] = (
+            "int8",
+            True,
+            lambda: hierarchical_compressed_all_reduce(buffer, intra, inter, int8, "probe"),
+        )
     return out
 
 
-def choose(topology: Topology, groups, gradient_bytes: int, *, probe_bytes: int = 2 * 2**20,
-           reps: int = 5) -> CommPlan:
+def choose(topology: Topology, groups, gradient_bytes: int, *, probe_bytes: int = 2 * 2**20, reps: int = 5) -> CommPlan:
     """Probe (collective) and choose; the same :class:`CommPlan` on every rank."""
     key = json.dumps([list(topology.host_ids), dist.get_world_size(), int(gradient_bytes), probe_bytes])
     if key in _CACHE:
@@ -148,26 +155,44 @@ def _measure(topology: Topology, groups, gradient_bytes: int, probe_bytes: int, 
     packed = min((t, n) for n, t in timings.items() if specs[n][0] is not None)
     saving, quantise = _wire_saving_s(gradient_bytes, groups, bandwidth), _quantise_s(gradient_bytes, groups)
     if packed[0] * COMPRESSION_MARGIN <= exact[0] and saving < COMPRESSION_MARGIN * quantise:
-        best, why = exact[1], (f"{packed[1]} took {packed[0] * 1e3:.1f}ms vs {exact[1]} {exact[0] * 1e3:.1f}ms on "
-                               f"a {numel * 4 / 2**20:.1f}MB buffer, but at the measured bandwidth int8 would save "
-                               f"{saving * 1e3:.1f}ms of wire time a step for {quantise * 1e3:.1f}ms of quantisation, "
-                               "so gradients stay exact")
+        best, why = (
+            exact[1],
+            (
+                f"{packed[1]} took {packed[0] * 1e3:.1f}ms vs {exact[1]} {exact[0] * 1e3:.1f}ms on "
+                f"a {numel * 4 / 2**20:.1f}MB buffer, but at the measured bandwidth int8 would save "
+                f"{saving * 1e3:.1f}ms of wire time a step for {quantise * 1e3:.1f}ms of quantisation, "
+                "so gradients stay exact"
+            ),
+        )
     elif packed[0] * COMPRESSION_MARGIN <= exact[0]:
-        best, why = packed[1], (f"{packed[1]} took {packed[0] * 1e3:.1f}ms vs {exact[1]} {exact[0] * 1e3:.1f}ms on "
-                                f"a {numel * 4 / 2**20:.1f}MB buffer: the link is slow enough to pay for compression")
+        best, why = (
+            packed[1],
+            (
+                f"{packed[1]} took {packed[0] * 1e3:.1f}ms vs {exact[1]} {exact[0] * 1e3:.1f}ms on "
+                f"a {numel * 4 / 2**20:.1f}MB buffer: the link is slow enough to pay for compression"
+            ),
+        )
     else:
-        best, why = exact[1], (f"{exact[1]} took {exact[0] * 1e3:.1f}ms; the fastest compressed option "
-                               f"({packed[1]}, {packed[0] * 1e3:.1f}ms) is not {COMPRESSION_MARGIN}x faster, "
-                               "so gradients stay exact")
+        best, why = (
+            exact[1],
+            (
+                f"{exact[1]} took {exact[0] * 1e3:.1f}ms; the fastest compressed option "
+                f"({packed[1]}, {packed[0] * 1e3:.1f}ms) is not {COMPRESSION_MARGIN}x faster, "
+                "so gradients stay exact"
+            ),
+        )
     # Merging helps only when the gradients span several DDP buckets and a bucket's transfer is
     # short next to the latency; never past the gradients' size (one message at the end of
     # backward would lose all overlap) nor MAX_BUCKET_BYTES.
     bucket = min(int(20 * latency * bandwidth), gradient_bytes, MAX_BUCKET_BYTES)
     bucket_bytes = bucket if gradient_bytes > DDP_BUCKET_BYTES and bucket > DDP_BUCKET_BYTES else 0
-    why += (f"; {topology.describe()}, slowest link {latency * 1e6:.0f}us latency, "
-            f"{bandwidth * 8 / 1e6:.0f} Mbit/s per process")
-    decision = [CommPlan(specs[best][0], specs[best][1], bucket_bytes, latency, bandwidth, timings, why,
-                         saving, quantise)]
+    why += (
+        f"; {topology.describe()}, slowest link {latency * 1e6:.0f}us latency, "
+        f"{bandwidth * 8 / 1e6:.0f} Mbit/s per process"
+    )
+    decision = [
+        CommPlan(specs[best][0], specs[best][1], bucket_bytes, latency, bandwidth, timings, why, saving, quantise)
+    ]
     dist.broadcast_object_list(decision, src=0)  # rank 0's reading of the (max-over-ranks) timings wins
     return decision[0]
 

@@ -53,11 +53,19 @@ class CompressedReduceScatter(ReduceScatter):
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op, async_op: bool = False):
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op,
+        async_op: bool = False,
+    ):
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            raise RuntimeError(f"A compressed reduce-scatter sums or averages; FSDP asked for {op!r} "
-                               "(a custom gradient divide factor is not supported with compression).")
+            raise RuntimeError(
+                f"A compressed reduce-scatter sums or averages; FSDP asked for {op!r} "
+                "(a custom gradient divide factor is not supported with compression)."
+            )
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         rows = input_tensor.view(world, -1)
         keys = [shard_key(self.unit, j, world) for j in range(world)]
@@ -88,8 +96,10 @@ class CompressedReduceScatter(ReduceScatter):
         packed = [_pack([p]) for p in payloads]
         size = packed[rank][0].numel()
         if any(buffer.numel() != size for buffer, _ in packed):
-            raise RuntimeError(f"Compressor {self.compressor.name!r} gave rows of equal size payloads of different "
-                               "sizes; an all-to-all needs a layout that depends only on the shape.")
+            raise RuntimeError(
+                f"Compressor {self.compressor.name!r} gave rows of equal size payloads of different "
+                "sizes; an all-to-all needs a layout that depends only on the shape."
+            )
         received = torch.empty(world * size, dtype=torch.uint8, device=packed[rank][0].device)
         dist.all_to_all_single(received, torch.cat([buffer for buffer, _ in packed]), group=group)
         _, layout = packed[rank]
@@ -101,14 +111,15 @@ class CompressedReduceScatter(ReduceScatter):
         return total
 
 
-def install_compressed_reduce_scatter(model: torch.nn.Module, compressor: Compressor,
-                                      counter: ByteCounter) -> int:
+def install_compressed_reduce_scatter(model: torch.nn.Module, compressor: Compressor, counter: ByteCounter) -> int:
     """Give every FSDP unit of ``model`` a :class:`CompressedReduceScatter`; returns how many."""
     from torch.distributed.fsdp import FSDPModule
 
     if ReduceScatter is object or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
-        raise ValueError(f"Compression at ZeRO stages 2-3 needs FSDP2's custom reduce-scatter, which torch "
-                         f"{torch.__version__} lacks. Use zero_stage 0 or 1 with compression.")
+        raise ValueError(
+            f"Compression at ZeRO stages 2-3 needs FSDP2's custom reduce-scatter, which torch "
+            f"{torch.__version__} lacks. Use zero_stage 0 or 1 with compression."
+        )
     from trainmesh._torch.zero import fsdp_units
 
     units = fsdp_units(model)

@@ -101,8 +101,9 @@ def discover(group=None) -> Topology:
 def _job_timeout() -> timedelta | None:
     # new_group() without a timeout gets torch's 30-minute default rather than the job's.
     try:
-        return dist.distributed_c10d._get_default_group()._get_backend(__import__("torch").device("cpu")) \
-            .options._timeout
+        return (
+            dist.distributed_c10d._get_default_group()._get_backend(__import__("torch").device("cpu")).options._timeout
+        )
     except Exception:  # noqa: BLE001 - private in torch; the default is a safe fallback
         return None
 

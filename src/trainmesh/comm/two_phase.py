@@ -81,14 +81,16 @@ def two_phase_all_reduce(flat: torch.Tensor, group, compressor: Compressor, key:
     packed = [pack([p]) for p in payloads]
     size = packed[rank][0].numel()
     if any(buffer.numel() != size for buffer, _ in packed):
-        raise RuntimeError(f"Compressor {compressor.name!r} gave rows of one shape payloads of different sizes; "
-                           "the two-phase exchange needs a layout that depends only on the shape.")
+        raise RuntimeError(
+            f"Compressor {compressor.name!r} gave rows of one shape payloads of different sizes; "
+            "the two-phase exchange needs a layout that depends only on the shape."
+        )
     received = torch.empty(world * size, dtype=torch.uint8, device=flat.device)
     dist.all_to_all_single(received, torch.cat([buffer for buffer, _ in packed]), group=group)
     layout = packed[rank][1]
     total = torch.zeros(row, dtype=torch.float32, device=flat.device)
     for source in range(world):
-        (payload,) = unpack(received[source * size:(source + 1) * size], layout, [payloads[rank]])
+        (payload,) = unpack(received[source * size : (source + 1) * size], layout, [payloads[rank]])
         compressor.add_to(total, payload)
     # Phase 2: compress this rank's summed row again and all-gather it.
     mine = compressor.compress(total, key=f"{key}|sum/{world}")
@@ -97,8 +99,8 @@ def two_phase_all_reduce(flat: torch.Tensor, group, compressor: Compressor, key:
     all_gather_flat(gathered, own, group=group)
     out = torch.empty(world * row, dtype=torch.float32, device=flat.device)
     for source in range(world):
-        (payload,) = unpack(gathered[source * own.numel():(source + 1) * own.numel()], own_layout, [mine])
-        out[source * row:(source + 1) * row] = compressor.decompress(payload).reshape(-1).to(torch.float32)
+        (payload,) = unpack(gathered[source * own.numel() : (source + 1) * own.numel()], own_layout, [mine])
+        out[source * row : (source + 1) * row] = compressor.decompress(payload).reshape(-1).to(torch.float32)
     # Payload: what this rank hands to the reduction (its compressed rows), as a ring all-reduce's
     # payload is the tensor handed in (accounting.py). Wire: what actually leaves this rank.
     payload_bytes = sum(p.nbytes() for p in payloads)
@@ -121,14 +123,17 @@ def _gathered_all_reduce(flat: torch.Tensor, group, compressor: Compressor, key:
     own, layout = pack([mine])
     gathered = torch.empty(2 * own.numel(), dtype=torch.uint8, device=flat.device)
     all_gather_flat(gathered, own, group=group)
-    parts = [compressor.decompress(payload).reshape(-1).to(torch.float32)
-             for source in range(2)
-             for payload in unpack(gathered[source * own.numel():(source + 1) * own.numel()], layout, [mine])]
+    parts = [
+        compressor.decompress(payload).reshape(-1).to(torch.float32)
+        for source in range(2)
+        for payload in unpack(gathered[source * own.numel() : (source + 1) * own.numel()], layout, [mine])
+    ]
     return parts[0] + parts[1], mine.nbytes(), own.numel()
 
 
-def hierarchical_compressed_all_reduce(flat: torch.Tensor, intra_group, inter_group, compressor: Compressor,
-                                       key: str, *, in_place: bool = False) -> tuple[torch.Tensor, int, int]:
+def hierarchical_compressed_all_reduce(
+    flat: torch.Tensor, intra_group, inter_group, compressor: Compressor, key: str, *, in_place: bool = False
+) -> tuple[torch.Tensor, int, int]:
     """Sum of ``flat`` over intra x inter: fp32 inside hosts, two-phase compressed across them.
 
     Returns ``(sum, payload bytes, wire bytes this rank sent across hosts)``; in-host traffic is

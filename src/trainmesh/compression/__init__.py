@@ -12,6 +12,13 @@ from .registry import KNOWN_SPECS, get_compressor
 from .topk import TopKCompressor
 
 __all__ = [
-    "BF16Compressor", "Compressed", "Compressor", "FP16Compressor", "Int8Compressor", "KNOWN_SPECS",
-    "PowerSGDCompressor", "TopKCompressor", "get_compressor",
+    "BF16Compressor",
+    "Compressed",
+    "Compressor",
+    "FP16Compressor",
+    "Int8Compressor",
+    "KNOWN_SPECS",
+    "PowerSGDCompressor",
+    "TopKCompressor",
+    "get_compressor",
 ]

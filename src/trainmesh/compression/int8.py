@@ -56,8 +56,11 @@ class Int8Compressor(Compressor):
         numel, chunk = flat.numel(), self._chunk(flat.numel())
         chunks = math.ceil(numel / chunk)
         # Whole chunks are a view (no padded copy); a short last chunk is padded with zeros.
-        padded = (flat.view(chunks, chunk) if chunks * chunk == numel
-                  else torch.nn.functional.pad(flat, (0, chunks * chunk - numel)).view(chunks, chunk))
+        padded = (
+            flat.view(chunks, chunk)
+            if chunks * chunk == numel
+            else torch.nn.functional.pad(flat, (0, chunks * chunk - numel)).view(chunks, chunk)
+        )
         # max |x| per chunk without an |x| copy (amax and amin: ~4x faster than abs().amax() on CPU;
         # torch.aminmax is slower still); abs: +0 rather than -0 for a zero chunk
         scale = torch.maximum(-padded.amin(dim=1), padded.amax(dim=1)).abs().to(torch.float32) / _QMAX
@@ -101,5 +104,7 @@ class Int8Compressor(Compressor):
             self.generator.set_state(state["rng_state"])
 
     def __repr__(self) -> str:
-        return (f"Int8Compressor(chunk_size={self.chunk_size}, rounding={self.rounding!r}, "
-                f"error_feedback={self.error_feedback}, seed={self.seed})")
+        return (
+            f"Int8Compressor(chunk_size={self.chunk_size}, rounding={self.rounding!r}, "
+            f"error_feedback={self.error_feedback}, seed={self.seed})"
+        )

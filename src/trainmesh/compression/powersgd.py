@@ -42,8 +42,11 @@ class PowerSGDCompressor(Compressor):
             raise ValueError(f"powersgd: rank must be an int >= 1. Received: rank={rank!r}")
         if not isinstance(warm_start, bool):
             raise TypeError(f"powersgd: warm_start must be a bool. Received: warm_start={warm_start!r}")
-        if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, (int, float)) \
-                or min_compression_rate < 1:
+        if (
+            isinstance(min_compression_rate, bool)
+            or not isinstance(min_compression_rate, (int, float))
+            or min_compression_rate < 1
+        ):
             raise ValueError(f"powersgd: min_compression_rate must be >= 1. Received: {min_compression_rate!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"powersgd: seed must be an int. Received: seed={seed!r}")
@@ -132,5 +135,7 @@ class PowerSGDCompressor(Compressor):
         self.q_memory = {k: v.detach().clone() for k, v in state.get("q_memory", {}).items()}
 
     def __repr__(self) -> str:
-        return (f"PowerSGDCompressor(rank={self.rank}, error_feedback={self.error_feedback}, "
-                f"warm_start={self.warm_start}, min_compression_rate={self.min_compression_rate})")
+        return (
+            f"PowerSGDCompressor(rank={self.rank}, error_feedback={self.error_feedback}, "
+            f"warm_start={self.warm_start}, min_compression_rate={self.min_compression_rate})"
+        )

@@ -14,7 +14,17 @@ from .int8 import ROUNDINGS, Int8Compressor
 from .powersgd import PowerSGDCompressor
 from .topk import TopKCompressor
 
-KNOWN_SPECS = ("none", "fp16", "bf16", "int8", "int8:stochastic", "int8:nearest", "topk:<ratio>", "topk:<ratio>:fp16", "powersgd:<rank>")
+KNOWN_SPECS = (
+    "none",
+    "fp16",
+    "bf16",
+    "int8",
+    "int8:stochastic",
+    "int8:nearest",
+    "topk:<ratio>",
+    "topk:<ratio>:fp16",
+    "powersgd:<rank>",
+)
 
 
 def _unknown(spec) -> ValueError:
@@ -28,7 +38,9 @@ def _topk(spec: str, arg: str | None) -> Compressor:
     # offset + fp32 value; see topk.py), so 1% costs ~100x fewer bytes than fp32 instead of ~66.6x.
     ratio_text, _, values = arg.partition(":")
     if values not in ("", "fp16"):
-        raise ValueError(f"topk spec takes an optional ':fp16' after the ratio, like 'topk:0.01:fp16'. Received: {spec!r}")
+        raise ValueError(
+            f"topk spec takes an optional ':fp16' after the ratio, like 'topk:0.01:fp16'. Received: {spec!r}"
+        )
     try:
         ratio = float(ratio_text)
     except ValueError:
@@ -59,11 +71,17 @@ def _cast(cls):
         if arg is not None:
             raise ValueError(f"{cls.name} spec takes no argument. Received: {spec!r}")
         return cls()
+
     return build
 
 
-_BUILDERS = {"fp16": _cast(FP16Compressor), "bf16": _cast(BF16Compressor), "int8": _int8,
-             "topk": _topk, "powersgd": _powersgd}
+_BUILDERS = {
+    "fp16": _cast(FP16Compressor),
+    "bf16": _cast(BF16Compressor),
+    "int8": _int8,
+    "topk": _topk,
+    "powersgd": _powersgd,
+}
 
 
 def get_compressor(spec) -> Compressor | None:

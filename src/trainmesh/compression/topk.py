@@ -119,8 +119,10 @@ def decode_indices(tensors: dict[str, torch.Tensor], numel: int, k: int) -> torc
     if "indices" in tensors:
         indices = tensors["indices"]
         if indices.dtype not in (torch.int32, torch.int64) or indices.shape != (k,):
-            raise ValueError(f"topk: 'indices' must be int32 or int64 of shape ({k},) for {k} values. "
-                             f"Received: dtype={indices.dtype}, shape={tuple(indices.shape)}")
+            raise ValueError(
+                f"topk: 'indices' must be int32 or int64 of shape ({k},) for {k} values. "
+                f"Received: dtype={indices.dtype}, shape={tuple(indices.shape)}"
+            )
         indices = indices.to(torch.int64)
         if k and bool(((indices < 0) | (indices >= numel)).any()):
             raise ValueError(f"topk: an index of a compressed tensor lies outside [0, {numel})")
@@ -129,30 +131,39 @@ def decode_indices(tensors: dict[str, torch.Tensor], numel: int, k: int) -> torc
     if offsets is None:
         raise ValueError(f"topk: a compressed tensor has neither 'indices' nor 'offsets'. Received: {sorted(tensors)}")
     if offsets.dtype != torch.uint8 or offsets.shape != (k, 2):
-        raise ValueError(f"topk: 'offsets' must be uint8 of shape ({k}, 2) for {k} values. "
-                         f"Received: dtype={offsets.dtype}, shape={tuple(offsets.shape)}")
+        raise ValueError(
+            f"topk: 'offsets' must be uint8 of shape ({k}, 2) for {k} values. "
+            f"Received: dtype={offsets.dtype}, shape={tuple(offsets.shape)}"
+        )
     offset = offsets[:, 0].to(torch.int64) | (offsets[:, 1].to(torch.int64) << 8)
     blocks = _block_count(numel)
     counts = tensors.get("counts")
     if counts is None:
         if blocks > 1:
-            raise ValueError(f"topk: a compressed tensor of {numel} entries ({blocks} blocks of {BLOCK}) "
-                             "has 'offsets' but no 'counts'")
+            raise ValueError(
+                f"topk: a compressed tensor of {numel} entries ({blocks} blocks of {BLOCK}) "
+                "has 'offsets' but no 'counts'"
+            )
         if k and bool(offset.max() >= numel):
             raise ValueError(f"topk: an offset of a compressed tensor lies past its {numel} entries")
         return offset
     if counts.dtype != COUNT_DTYPE or counts.shape != (blocks,):
-        raise ValueError(f"topk: 'counts' must be {COUNT_DTYPE} of shape ({blocks},) for {numel} entries "
-                         f"(blocks of {BLOCK}). Received: dtype={counts.dtype}, shape={tuple(counts.shape)}")
+        raise ValueError(
+            f"topk: 'counts' must be {COUNT_DTYPE} of shape ({blocks},) for {numel} entries "
+            f"(blocks of {BLOCK}). Received: dtype={counts.dtype}, shape={tuple(counts.shape)}"
+        )
     counts = counts.to(torch.int64)
     # Entries are sorted by block, so the last block's are the last counts[-1]; only that block can
     # be shorter than BLOCK. All three checks come back in one read (one sync on a GPU).
     in_last = torch.arange(k, device=offset.device) >= k - counts[-1]
-    negative, total, past_end = torch.stack([
-        (counts < 0).any(), counts.sum(), (in_last & (offset >= numel - (blocks - 1) * BLOCK)).any()]).tolist()
+    negative, total, past_end = torch.stack(
+        [(counts < 0).any(), counts.sum(), (in_last & (offset >= numel - (blocks - 1) * BLOCK)).any()]
+    ).tolist()
     if negative or total != k:
-        raise ValueError(f"topk: the block counts of a compressed tensor must be >= 0 and add up to its {k} "
-                         f"values. Received: counts adding up to {total}{' (some negative)' if negative else ''}")
+        raise ValueError(
+            f"topk: the block counts of a compressed tensor must be >= 0 and add up to its {k} "
+            f"values. Received: counts adding up to {total}{' (some negative)' if negative else ''}"
+        )
     if past_end:
         raise ValueError(f"topk: an offset in the last block of a compressed tensor lies past its {numel} entries")
     block = torch.repeat_interleave(torch.arange(blocks, device=offset.device), counts, output_size=k)
@@ -254,8 +265,9 @@ class TopKCompressor(Compressor):
 
     def decompress(self, compressed: Compressed) -> torch.Tensor:
         meta = compressed.meta
-        dense = torch.zeros(meta["numel"], dtype=dtype_from_name(meta["dtype"]),
-                            device=compressed.tensors["values"].device)
+        dense = torch.zeros(
+            meta["numel"], dtype=dtype_from_name(meta["dtype"]), device=compressed.tensors["values"].device
+        )
         self.add_to(dense, compressed)
         return dense.reshape(meta["shape"])
 
@@ -263,8 +275,10 @@ class TopKCompressor(Compressor):
         # k entries, not a dense tensor of zeros around them (the all-gather adds one payload per rank)
         indices, values = self._sent(compressed)
         if total.numel() != int(compressed.meta["numel"]):
-            raise ValueError(f"topk: a compressed tensor of {compressed.meta['numel']} entries cannot be added to a "
-                             f"tensor of {total.numel()}")
+            raise ValueError(
+                f"topk: a compressed tensor of {compressed.meta['numel']} entries cannot be added to a "
+                f"tensor of {total.numel()}"
+            )
         values = values.to(dtype_from_name(compressed.meta["dtype"])).to(total.dtype)
         total.view(-1).index_add_(0, indices, values)
 
@@ -273,13 +287,16 @@ class TopKCompressor(Compressor):
         """(int64 indices, values) of a payload; ValueError if it is malformed."""
         values = compressed.tensors.get("values")
         if values is None or values.dim() != 1:
-            raise ValueError("topk: a compressed tensor needs a 1-D 'values' tensor. "
-                             f"Received: {None if values is None else tuple(values.shape)}")
+            raise ValueError(
+                "topk: a compressed tensor needs a 1-D 'values' tensor. "
+                f"Received: {None if values is None else tuple(values.shape)}"
+            )
         indices = decode_indices(compressed.tensors, int(compressed.meta["numel"]), values.numel())
         k = compressed.meta.get("k")  # the sender's count, when it says (every payload made here does)
         if k is not None and k != values.numel():
-            raise ValueError(f"topk: a compressed tensor says it keeps {k} entries but carries {values.numel()} "
-                             "values and indices")
+            raise ValueError(
+                f"topk: a compressed tensor says it keeps {k} entries but carries {values.numel()} values and indices"
+            )
         return indices, values
 
     def state_dict(self) -> dict:
@@ -294,5 +311,7 @@ class TopKCompressor(Compressor):
         self.steps = {k: int(v) for k, v in state.get("steps", {}).items()}
 
     def __repr__(self) -> str:
-        return (f"TopKCompressor(ratio={self.ratio}, error_feedback={self.error_feedback}, "
-                f"momentum={self.momentum}, warmup_steps={self.warmup_steps}, values={self.values!r})")
+        return (
+            f"TopKCompressor(ratio={self.ratio}, error_feedback={self.error_feedback}, "
+            f"momentum={self.momentum}, warmup_steps={self.warmup_steps}, values={self.values!r})"
+        )

@@ -7,5 +7,13 @@ from trainmesh.data.sampler import GlobalBatchSampler
 from trainmesh.data.shard_writer import write_char_shards, write_token_shards
 from trainmesh.data.shards import ShardError, TokenShardDataset
 
-__all__ = ["CorruptSampleError", "DataLoader", "GlobalBatchSampler", "LoaderStats", "ShardError",
-           "TokenShardDataset", "write_char_shards", "write_token_shards"]
+__all__ = [
+    "CorruptSampleError",
+    "DataLoader",
+    "GlobalBatchSampler",
+    "LoaderStats",
+    "ShardError",
+    "TokenShardDataset",
+    "write_char_shards",
+    "write_token_shards",
+]

@@ -29,9 +29,9 @@ class CorruptSampleError(RuntimeError):
 class FetchedBatch:
     """One micro-batch as it comes back from a worker (or from the cache)."""
 
-    batch: Any                      # collated samples; None when every sample was skipped
-    indices: list[int]              # the indices actually in ``batch``
-    samples: list | None = None     # the uncollated samples, when the loader caches them
+    batch: Any  # collated samples; None when every sample was skipped
+    indices: list[int]  # the indices actually in ``batch``
+    samples: list | None = None  # the uncollated samples, when the loader caches them
     retries: int = 0
     failures: list[tuple[int, str]] = field(default_factory=list)  # (index, "Type: message\n<traceback>")
 
@@ -47,8 +47,15 @@ class _Items(list):
 class GuardedDataset(Dataset):
     """``dataset`` with retries and failure capture; its ``__getitems__`` feeds ``GuardedCollate``."""
 
-    def __init__(self, dataset: Any, *, retry_on: tuple[type[BaseException], ...], max_retries: int,
-                 retry_delay: float, stop_at_first_failure: bool):
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        retry_on: tuple[type[BaseException], ...],
+        max_retries: int,
+        retry_delay: float,
+        stop_at_first_failure: bool,
+    ):
         self.dataset = dataset
         self.retry_on = tuple(retry_on)
         self.max_retries = int(max_retries)
@@ -87,7 +94,7 @@ class GuardedDataset(Dataset):
                 if attempt == self.max_retries:
                     return None, attempt, _describe(exc, f" after {attempt} retries")
                 # Exponential backoff: a flaky network filesystem needs longer the more it fails.
-                time.sleep(self.retry_delay * (2 ** attempt))
+                time.sleep(self.retry_delay * (2**attempt))
                 attempt += 1
             except Exception as exc:  # noqa: BLE001 - any other error of the user's dataset: corrupt sample
                 return None, attempt, _describe(exc, "")
@@ -106,5 +113,10 @@ class GuardedCollate:
 
     def __call__(self, items: _Items) -> FetchedBatch:
         batch = self.collate_fn(list(items)) if len(items) else None
-        return FetchedBatch(batch=batch, indices=list(items.indices), samples=list(items) if self.keep_samples else None,
-                            retries=items.retries, failures=list(items.failures))
+        return FetchedBatch(
+            batch=batch,
+            indices=list(items.indices),
+            samples=list(items) if self.keep_samples else None,
+            retries=items.retries,
+            failures=list(items.failures),
+        )

@@ -35,12 +35,12 @@ class LoaderStats:
     """Counters of what the training loop actually received (not what was read ahead)."""
 
     steps: int = 0
-    batches: int = 0        # micro-batches
+    batches: int = 0  # micro-batches
     samples: int = 0
-    retries: int = 0        # transient read errors that a retry fixed or that exhausted the retries
-    skipped: int = 0        # corrupt samples dropped under on_corrupt="skip"
-    cache_hits: int = 0     # samples served from the in-memory cache
-    wait_s: float = 0.0     # total time the consumer blocked waiting for a step
+    retries: int = 0  # transient read errors that a retry fixed or that exhausted the retries
+    skipped: int = 0  # corrupt samples dropped under on_corrupt="skip"
+    cache_hits: int = 0  # samples served from the in-memory cache
+    wait_s: float = 0.0  # total time the consumer blocked waiting for a step
     last_wait_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
@@ -85,9 +85,11 @@ class DataLoader:
         if on_corrupt not in ("raise", "skip"):
             raise ValueError(f"on_corrupt must be 'raise' or 'skip'. Received: on_corrupt={on_corrupt!r}")
         if num_workers < 0 or prefetch < 0 or max_retries < 0 or retry_delay < 0:
-            raise ValueError(f"num_workers, prefetch, max_retries and retry_delay must be >= 0. Received: "
-                             f"num_workers={num_workers}, prefetch={prefetch}, max_retries={max_retries}, "
-                             f"retry_delay={retry_delay}")
+            raise ValueError(
+                f"num_workers, prefetch, max_retries and retry_delay must be >= 0. Received: "
+                f"num_workers={num_workers}, prefetch={prefetch}, max_retries={max_retries}, "
+                f"retry_delay={retry_delay}"
+            )
         self.dataset = dataset
         self.sampler = sampler if isinstance(sampler, GlobalBatchSampler) else IndexBatches(sampler)
         self.prefetch = int(prefetch)
@@ -97,14 +99,22 @@ class DataLoader:
         self._collate = collate_fn or torch.utils.data.default_collate
         self._transfer = DeviceTransfer(device, pin_memory)
         self._batch_sampler = PlanBatchSampler()
-        guarded = GuardedDataset(dataset, retry_on=retry_on, max_retries=max_retries, retry_delay=retry_delay,
-                                 stop_at_first_failure=on_corrupt == "raise")
+        guarded = GuardedDataset(
+            dataset,
+            retry_on=retry_on,
+            max_retries=max_retries,
+            retry_delay=retry_delay,
+            stop_at_first_failure=on_corrupt == "raise",
+        )
         self._torch_loader = torch.utils.data.DataLoader(
-            guarded, batch_sampler=self._batch_sampler, num_workers=num_workers,
+            guarded,
+            batch_sampler=self._batch_sampler,
+            num_workers=num_workers,
             collate_fn=GuardedCollate(collate_fn, keep_samples=cache),
             persistent_workers=bool(persistent_workers and num_workers > 0),
             pin_memory=False,  # pinned in our thread, only when it pays (CUDA)
-            multiprocessing_context=multiprocessing_context, worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            worker_init_fn=worker_init_fn,
         )
         self._prefetcher: Prefetcher | None = None
         self._closed = False
@@ -127,10 +137,12 @@ class DataLoader:
             raise RuntimeError("This DataLoader is closed.")
         self._stop_prefetcher()  # an earlier pass abandoned midway: its read-ahead is discarded
         plan = self.sampler.plan()
-        cached = [[self._cache is not None and all(int(i) in self._cache for i in m) for m in micro]
-                  for _, micro in plan]
-        self._batch_sampler.batches = [m.tolist() for (_, micro), flags in zip(plan, cached)
-                                       for m, hit in zip(micro, flags) if not hit]
+        cached = [
+            [self._cache is not None and all(int(i) in self._cache for i in m) for m in micro] for _, micro in plan
+        ]
+        self._batch_sampler.batches = [
+            m.tolist() for (_, micro), flags in zip(plan, cached) for m, hit in zip(micro, flags) if not hit
+        ]
         produce = lambda: self._produce(plan, cached)  # noqa: E731
         if self.prefetch:
             self._prefetcher = prefetcher = Prefetcher(produce, self.prefetch)

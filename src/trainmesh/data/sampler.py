@@ -130,8 +130,10 @@ class GlobalBatchSampler:
         """``(start, stop)`` positions in the epoch's order of the global batches from ``cursor`` on."""
         epoch = self.epoch if epoch is None else epoch
         cursor = self.cursor if cursor is None else cursor
-        bounds = [(start, start + self.global_batch_size)
-                  for start in range(cursor, self.num_samples - self.global_batch_size + 1, self.global_batch_size)]
+        bounds = [
+            (start, start + self.global_batch_size)
+            for start in range(cursor, self.num_samples - self.global_batch_size + 1, self.global_batch_size)
+        ]
         tail_start = bounds[-1][1] if bounds else cursor
         if self._tail_is_a_step(self.num_samples - tail_start):
             bounds.append((tail_start, self.num_samples))
@@ -218,10 +220,15 @@ class GlobalBatchSampler:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly; the world size is recorded for information only."""
         return {
-            "seed": self.seed, "epoch": self.epoch, "cursor": self.cursor,
-            "global_batch_size": self.global_batch_size, "num_samples": self.num_samples,
-            "shuffle": self.shuffle, "drop_remainder": self.drop_remainder,
-            "micro_batches": self.micro_batches, "data_parallel_size": self.data_parallel_size,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "global_batch_size": self.global_batch_size,
+            "num_samples": self.num_samples,
+            "shuffle": self.shuffle,
+            "drop_remainder": self.drop_remainder,
+            "micro_batches": self.micro_batches,
+            "data_parallel_size": self.data_parallel_size,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -244,8 +251,11 @@ class GlobalBatchSampler:
         saved_batch = state.get("global_batch_size", self.global_batch_size)
         if saved_batch != self.global_batch_size:
             # Still exactly-once (the cursor counts samples, not batches), but the steps differ.
-            warnings.warn(f"The global batch changed from {saved_batch} to {self.global_batch_size} on resume; "
-                          f"continuing from sample {state['cursor']} of epoch {state['epoch']}.", stacklevel=2)
+            warnings.warn(
+                f"The global batch changed from {saved_batch} to {self.global_batch_size} on resume; "
+                f"continuing from sample {state['cursor']} of epoch {state['epoch']}.",
+                stacklevel=2,
+            )
         self.seed = int(state["seed"])
         self._check_cursor(state["cursor"])
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
@@ -257,6 +267,8 @@ class GlobalBatchSampler:
             raise ValueError(f"cursor must be in [0, {self.num_samples}]. Received: cursor={cursor}")
 
     def __repr__(self) -> str:
-        return (f"GlobalBatchSampler(num_samples={self.num_samples}, global_batch_size={self.global_batch_size}, "
-                f"data_index={self.data_index}/{self.data_parallel_size}, micro_batches={self.micro_batches}, "
-                f"seed={self.seed}, epoch={self.epoch}, cursor={self.cursor})")
+        return (
+            f"GlobalBatchSampler(num_samples={self.num_samples}, global_batch_size={self.global_batch_size}, "
+            f"data_index={self.data_index}/{self.data_parallel_size}, micro_batches={self.micro_batches}, "
+            f"seed={self.seed}, epoch={self.epoch}, cursor={self.cursor})"
+        )

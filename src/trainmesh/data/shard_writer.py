@@ -146,8 +146,10 @@ def write_token_shards(
     index_path = out / INDEX_NAME
     if index_path.exists():
         if not overwrite:
-            raise FileExistsError(f"{str(index_path)!r} exists: the directory already holds complete shards "
-                                  "(pass overwrite=True to replace them)")
+            raise FileExistsError(
+                f"{str(index_path)!r} exists: the directory already holds complete shards "
+                "(pass overwrite=True to replace them)"
+            )
         # Remove the marker first: a crash during the rewrite must leave an incomplete directory.
         index_path.unlink()
     for stale in out.glob("shard_*.*"):

@@ -74,8 +74,10 @@ class TokenShardDataset(Dataset):
             data_index = runtime.rank() if data_index is None else data_index
         self.data_parallel_size, self.data_index = int(data_parallel_size), int(data_index)
         if self.data_parallel_size < 1 or not 0 <= self.data_index < self.data_parallel_size:
-            raise ValueError(f"data_index must be in [0, data_parallel_size). Received: "
-                             f"data_index={data_index}, data_parallel_size={data_parallel_size}")
+            raise ValueError(
+                f"data_index must be in [0, data_parallel_size). Received: "
+                f"data_index={data_index}, data_parallel_size={data_parallel_size}"
+            )
         self.index = _read_index(self.directory)
         self.dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
         self._check_shards(verify_checksums)
@@ -84,8 +86,10 @@ class TokenShardDataset(Dataset):
         per_shard = np.where(counts > self.block_size, (counts - 1) // self.block_size, 0)
         self._first_window = np.concatenate([[0], np.cumsum(per_shard)])
         if self._first_window[-1] == 0:
-            raise ValueError(f"No shard of {str(self.directory)!r} holds block_size + 1 = {self.block_size + 1} "
-                             f"tokens. Received: shard sizes {counts.tolist()}")
+            raise ValueError(
+                f"No shard of {str(self.directory)!r} holds block_size + 1 = {self.block_size + 1} "
+                f"tokens. Received: shard sizes {counts.tolist()}"
+            )
         self._arrays: list[np.ndarray] | None = None  # opened lazily, again after pickling
         self.epoch, self.cursor, self.global_batch_size = 0, 0, None
 
@@ -99,15 +103,21 @@ class TokenShardDataset(Dataset):
         for i, entry in enumerate(self.index["shards"]):
             path, tokens = self._path(i), int(entry["tokens"])
             if not path.is_file():
-                raise ShardError(f"Shard {entry['file']!r} listed in {INDEX_NAME} is missing from {str(self.directory)!r}")
+                raise ShardError(
+                    f"Shard {entry['file']!r} listed in {INDEX_NAME} is missing from {str(self.directory)!r}"
+                )
             if self.index["format"] == "bin" and path.stat().st_size != tokens * self.dtype.itemsize:
-                raise ShardError(f"Shard {entry['file']!r} has {path.stat().st_size} bytes; {INDEX_NAME} says "
-                                 f"{tokens} tokens x {self.dtype.itemsize} = {tokens * self.dtype.itemsize} bytes")
+                raise ShardError(
+                    f"Shard {entry['file']!r} has {path.stat().st_size} bytes; {INDEX_NAME} says "
+                    f"{tokens} tokens x {self.dtype.itemsize} = {tokens * self.dtype.itemsize} bytes"
+                )
             if self.index["format"] == "npy":
                 array = self._open(i)  # reads the header only
                 if array.dtype != self.dtype or array.shape != (tokens,):
-                    raise ShardError(f"Shard {entry['file']!r} holds {array.dtype} {array.shape}; "
-                                     f"{INDEX_NAME} says {self.dtype} ({tokens},)")
+                    raise ShardError(
+                        f"Shard {entry['file']!r} holds {array.dtype} {array.shape}; "
+                        f"{INDEX_NAME} says {self.dtype} ({tokens},)"
+                    )
             if verify_checksums and file_sha256(path) != entry["sha256"]:
                 raise ShardError(f"Shard {entry['file']!r} fails its sha256 check: it changed after it was written")
 
@@ -194,8 +204,11 @@ class TokenShardDataset(Dataset):
         gbs = self._resolve_batch_size(global_batch_size)
         end = self._epoch_end(gbs)
         if end < len(self) and self.cursor == 0 and not self.drop_remainder:
-            warnings.warn(f"The last {len(self) - end} of {len(self)} windows are dropped each epoch: they do not "
-                          f"fill a global batch of {gbs} split over {self.data_parallel_size} processes.", stacklevel=2)
+            warnings.warn(
+                f"The last {len(self) - end} of {len(self)} windows are dropped each epoch: they do not "
+                f"fill a global batch of {gbs} split over {self.data_parallel_size} processes.",
+                stacklevel=2,
+            )
         if self.cursor >= end:  # saved after the last batch of an epoch: continue with the next one
             self.set_epoch(self.epoch + 1)
         return self._batches(gbs, end)
@@ -217,15 +230,24 @@ class TokenShardDataset(Dataset):
         if gbs is None:
             raise ValueError("global_batch_size is needed (none was given and none was loaded). Received: None")
         if gbs < 1 or gbs % self.data_parallel_size:
-            raise ValueError(f"global_batch_size must be a positive multiple of data_parallel_size="
-                             f"{self.data_parallel_size}. Received: global_batch_size={gbs}")
+            raise ValueError(
+                f"global_batch_size must be a positive multiple of data_parallel_size="
+                f"{self.data_parallel_size}. Received: global_batch_size={gbs}"
+            )
         self.global_batch_size = gbs
         return gbs
 
     def state_dict(self) -> dict[str, Any]:
         """The job's position: identical on every process, so any rank's copy resumes the job."""
-        return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor, "block_size": self.block_size,
-                "global_batch_size": self.global_batch_size, "num_windows": len(self), "shuffle": self.shuffle}
+        return {
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "block_size": self.block_size,
+            "global_batch_size": self.global_batch_size,
+            "num_windows": len(self),
+            "shuffle": self.shuffle,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state`` left off, with this dataset's number of processes."""
@@ -235,11 +257,15 @@ class TokenShardDataset(Dataset):
         if not 0 <= int(state["cursor"]) <= len(self):
             raise ValueError(f"cursor must be in [0, {len(self)}]. Received: cursor={state['cursor']}")
         if int(state["block_size"]) != self.block_size:
-            raise ValueError(f"The state was saved with block_size={state['block_size']}, which cuts different "
-                             f"windows than this dataset's block_size={self.block_size}.")
+            raise ValueError(
+                f"The state was saved with block_size={state['block_size']}, which cuts different "
+                f"windows than this dataset's block_size={self.block_size}."
+            )
         if "num_windows" in state and int(state["num_windows"]) != len(self):
-            raise ValueError(f"The state was saved over {state['num_windows']} windows; {str(self.directory)!r} "
-                             f"has {len(self)}: a different corpus cannot resume exactly-once.")
+            raise ValueError(
+                f"The state was saved over {state['num_windows']} windows; {str(self.directory)!r} "
+                f"has {len(self)}: a different corpus cannot resume exactly-once."
+            )
         self.seed, self.epoch, self.cursor = int(state["seed"]), int(state["epoch"]), int(state["cursor"])
         self.shuffle = bool(state.get("shuffle", self.shuffle))
         self.global_batch_size = state.get("global_batch_size")
@@ -249,9 +275,13 @@ def _read_index(directory: Path) -> dict[str, Any]:
     path = directory / INDEX_NAME
     if not path.is_file():
         hint = " (shards without an index: the writer did not finish)" if any(directory.glob("shard_*")) else ""
-        raise ShardError(f"No {INDEX_NAME} in {str(directory)!r}{hint}; it is written last, when every shard is complete.")
+        raise ShardError(
+            f"No {INDEX_NAME} in {str(directory)!r}{hint}; it is written last, when every shard is complete."
+        )
     index = json.loads(path.read_text(encoding="utf-8"))
     if index.get("format") not in FORMATS or index.get("dtype") not in ("uint16", "uint32"):
-        raise ShardError(f"{str(path)!r}: unsupported format/dtype. Received: format={index.get('format')!r}, "
-                         f"dtype={index.get('dtype')!r}")
+        raise ShardError(
+            f"{str(path)!r}: unsupported format/dtype. Received: format={index.get('format')!r}, "
+            f"dtype={index.get('dtype')!r}"
+        )
     return index

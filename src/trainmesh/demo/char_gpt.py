@@ -40,7 +40,9 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
-            raise ValueError(f"d_model must be divisible by n_head. Received: d_model={self.d_model}, n_head={self.n_head}")
+            raise ValueError(
+                f"d_model must be divisible by n_head. Received: d_model={self.d_model}, n_head={self.n_head}"
+            )
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "mlp_ratio"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1. Received: {getattr(self, name)}")
@@ -79,8 +81,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(config.d_model)
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.d_model)
-        self.mlp = nn.Sequential(nn.Linear(config.d_model, hidden), nn.GELU(), nn.Linear(hidden, config.d_model),
-                                 nn.Dropout(config.dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(config.d_model, hidden), nn.GELU(), nn.Linear(hidden, config.d_model), nn.Dropout(config.dropout)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))

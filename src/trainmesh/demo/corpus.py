@@ -151,8 +151,10 @@ class Corpus:
 
     def datasets(self, block_size: int) -> tuple[CharWindows, CharWindows]:
         """Non-overlapping training and held-out windows."""
-        return (CharWindows(self.vocab.encode(self.train_text), block_size),
-                CharWindows(self.vocab.encode(self.heldout_text), block_size))
+        return (
+            CharWindows(self.vocab.encode(self.train_text), block_size),
+            CharWindows(self.vocab.encode(self.heldout_text), block_size),
+        )
 
 
 def build_corpus(

@@ -76,8 +76,18 @@ class DemoSettings:
         """Seconds instead of minutes, for tests: same code path, tiny corpus and model."""
         # Small batches: enough optimizer steps (~220) to learn more than character frequencies,
         # which the test checks (a held-out loss well below the unigram model's).
-        return cls(char_budget=60_000, max_file_chars=5_000, block_size=32, n_layer=1, n_head=4, d_model=64, epochs=2,
-                   global_batch_size=16, grad_accum_steps=2, sample_chars=60)  # accumulation exercised
+        return cls(
+            char_budget=60_000,
+            max_file_chars=5_000,
+            block_size=32,
+            n_layer=1,
+            n_head=4,
+            d_model=64,
+            epochs=2,
+            global_batch_size=16,
+            grad_accum_steps=2,
+            sample_chars=60,
+        )  # accumulation exercised
 
     def global_batch_for(self, world_size: int) -> int:
         """The global batch rounded up to a multiple of accumulation x processes (the Trainer needs
@@ -91,8 +101,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="trainmesh-demo", help="output directory (default: ./trainmesh-demo)")
     parser.add_argument("--epochs", type=int, default=None, help="epochs (default: 2)")
     parser.add_argument("--quick", action="store_true", help="a tiny run that takes seconds (for tests)")
-    parser.add_argument("--precision", choices=("fp32", "bf16-mixed"), default=None,
-                        help="compute precision (default: bf16-mixed; `trainmesh demo` picks the faster one here)")
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16-mixed"),
+        default=None,
+        help="compute precision (default: bf16-mixed; `trainmesh demo` picks the faster one here)",
+    )
     args = parser.parse_args(argv)
     if args.epochs is not None and args.epochs < 1:
         parser.error(f"--epochs must be >= 1. Received: {args.epochs}")
@@ -120,12 +134,19 @@ def draw_curves(log_dir: Path, png: Path) -> str | None:
     from trainmesh.trainer.log_writer import read_log
 
     try:
-        plot.draw(read_log(log_dir, "steps"), read_log(log_dir, "epochs"), png,
-                  title="trainmesh demo: character GPT on the Python standard library")
+        plot.draw(
+            read_log(log_dir, "steps"),
+            read_log(log_dir, "epochs"),
+            png,
+            title="trainmesh demo: character GPT on the Python standard library",
+        )
     except ImportError as exc:
-        print(f"[demo] {png.name} not written: the loss curve needs matplotlib ({exc}). Install it with: "
-              f"{PLOT_INSTALL_HINT}; then `trainmesh plot {log_dir}` draws it from the logs.",
-              file=sys.stderr, flush=True)
+        print(
+            f"[demo] {png.name} not written: the loss curve needs matplotlib ({exc}). Install it with: "
+            f"{PLOT_INSTALL_HINT}; then `trainmesh plot {log_dir}` draws it from the logs.",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
     return "matplotlib"
 
@@ -140,8 +161,10 @@ def _token_shard_datasets(out: Path, corpus, settings: DemoSettings):
         for name, text in (("train", corpus.train_text), ("heldout", corpus.heldout_text)):
             write_char_shards(text, dirs[name], corpus.vocab, shard_tokens=1 << 22, overwrite=True)
     tm.barrier()
-    return tuple(TokenShardDataset(dirs[name], block_size=settings.block_size, seed=settings.seed)
-                 for name in ("train", "heldout"))
+    return tuple(
+        TokenShardDataset(dirs[name], block_size=settings.block_size, seed=settings.seed)
+        for name in ("train", "heldout")
+    )
 
 
 def train(out: Path, settings: DemoSettings) -> dict[str, Any]:
@@ -150,8 +173,13 @@ def train(out: Path, settings: DemoSettings) -> dict[str, Any]:
     tm.initialize()
     corpus = build_corpus(settings.char_budget, max_file_chars=settings.max_file_chars)
     train_ds, heldout_ds = _token_shard_datasets(out, corpus, settings)
-    config = GPTConfig(vocab_size=len(corpus.vocab), block_size=settings.block_size, n_layer=settings.n_layer,
-                       n_head=settings.n_head, d_model=settings.d_model)
+    config = GPTConfig(
+        vocab_size=len(corpus.vocab),
+        block_size=settings.block_size,
+        n_layer=settings.n_layer,
+        n_head=settings.n_head,
+        d_model=settings.d_model,
+    )
     # The same seed on every process gives the same initial weights (DDP would broadcast rank 0's
     # anyway; equal seeds also keep dropout-free runs reproducible from 1 to N processes).
     torch.manual_seed(settings.seed)
@@ -159,15 +187,21 @@ def train(out: Path, settings: DemoSettings) -> dict[str, Any]:
     global_batch = settings.global_batch_for(tm.world_size())
     total_steps = (len(train_ds) // global_batch) * settings.epochs  # drop_remainder: full batches only
     warmup = max(1, round(settings.warmup_fraction * total_steps))
-    scheduler = functools.partial(tm.warmup_cosine, warmup_steps=warmup, total_steps=max(total_steps, warmup),
-                                  min_lr_ratio=settings.min_lr_ratio)
+    scheduler = functools.partial(
+        tm.warmup_cosine, warmup_steps=warmup, total_steps=max(total_steps, warmup), min_lr_ratio=settings.min_lr_ratio
+    )
     if tm.is_main_process():
-        print(f"[demo] corpus: {len(corpus.train_text):,} training + {len(corpus.heldout_text):,} held-out characters "
-              f"from {len(corpus.train_files) + len(corpus.heldout_files)} standard-library modules; "
-              f"vocabulary {len(corpus.vocab)}; model {model.num_parameters():,} parameters; "
-              f"{tm.world_size()} process(es)", flush=True)
+        print(
+            f"[demo] corpus: {len(corpus.train_text):,} training + {len(corpus.heldout_text):,} held-out characters "
+            f"from {len(corpus.train_files) + len(corpus.heldout_files)} standard-library modules; "
+            f"vocabulary {len(corpus.vocab)}; model {model.num_parameters():,} parameters; "
+            f"{tm.world_size()} process(es)",
+            flush=True,
+        )
     trainer = tm.Trainer(
-        model, build_optimizer(model, settings), lm_loss,
+        model,
+        build_optimizer(model, settings),
+        lm_loss,
         distribution=tm.DataParallel(),
         precision=settings.precision,
         # torch's fused AdamW kernel: ~4x faster per optimizer step than the CPU default (for-loop).
@@ -195,21 +229,35 @@ def train(out: Path, settings: DemoSettings) -> dict[str, Any]:
         "optimizer_steps": trainer.global_step,
     }
     if trainer.is_main_process:
-        sample = generate(trainer.unwrapped_model, corpus.vocab, settings.prompt, settings.sample_chars,
-                          temperature=settings.temperature, top_k=settings.top_k, seed=settings.seed)
+        sample = generate(
+            trainer.unwrapped_model,
+            corpus.vocab,
+            settings.prompt,
+            settings.sample_chars,
+            temperature=settings.temperature,
+            top_k=settings.top_k,
+            seed=settings.seed,
+        )
         summary["sample"] = sample
         summary["plot"] = draw_curves(out / "logs", out / "loss_curve.png")
         (out / "sample.txt").write_text(sample + "\n", encoding="utf-8")
         # Relative names only: the output directory may be moved or shared between machines.
-        (out / "demo.json").write_text(json.dumps({
-            "model_config": config.to_dict(),
-            "vocab_chars": corpus.vocab.chars,
-            "settings": asdict(settings),
-            "train_files": list(corpus.train_files),
-            "heldout_files": list(corpus.heldout_files),
-            "checkpoints": ["checkpoints/last.pt", "checkpoints/best.pt"],
-            **{k: v for k, v in summary.items() if k != "sample"},
-        }, indent=2) + "\n", encoding="utf-8")
+        (out / "demo.json").write_text(
+            json.dumps(
+                {
+                    "model_config": config.to_dict(),
+                    "vocab_chars": corpus.vocab.chars,
+                    "settings": asdict(settings),
+                    "train_files": list(corpus.train_files),
+                    "heldout_files": list(corpus.heldout_files),
+                    "checkpoints": ["checkpoints/last.pt", "checkpoints/best.pt"],
+                    **{k: v for k, v in summary.items() if k != "sample"},
+                },
+                indent=2,
+            )
+            + "\n",
+            encoding="utf-8",
+        )
     return summary
 
 

@@ -23,9 +23,11 @@ PEFT_PREFIX = "base_model.model."
 
 def is_lora_layer(module: nn.Module) -> bool:
     """A peft LoRA layer (``peft.tuners.lora.LoraLayer``): a ``base_layer`` and adapter dicts."""
-    return (isinstance(getattr(module, "base_layer", None), nn.Module)
-            and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
-            and isinstance(getattr(module, "lora_B", None), nn.ModuleDict))
+    return (
+        isinstance(getattr(module, "base_layer", None), nn.Module)
+        and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+        and isinstance(getattr(module, "lora_B", None), nn.ModuleDict)
+    )
 
 
 def base_of(module: nn.Module) -> nn.Module:
@@ -36,7 +38,7 @@ def base_of(module: nn.Module) -> nn.Module:
 
 
 def linear_kind(module: nn.Module) -> str | None:
-    """"linear" or "conv1d" for the layers LoRA adapts (and tensor parallelism splits), else None."""
+    """ "linear" or "conv1d" for the layers LoRA adapts (and tensor parallelism splits), else None."""
     module = base_of(module)  # a peft LoRA layer is the layer it wraps
     if isinstance(module, nn.Linear):
         return "linear"
@@ -76,8 +78,7 @@ def layer_path(model: nn.Module, path: str) -> str:
 
 
 def is_peft_model(model: nn.Module) -> bool:
-    return isinstance(getattr(model, "peft_config", None), dict) and any(
-        is_lora_layer(m) for m in model.modules())
+    return isinstance(getattr(model, "peft_config", None), dict) and any(is_lora_layer(m) for m in model.modules())
 
 
 def adapter_tensor_names(model: nn.Module) -> set[str]:
@@ -96,7 +97,7 @@ def adapter_tensor_names(model: nn.Module) -> set[str]:
 def base_checkpoint_name(name: str) -> str:
     """A peft model's tensor name as a Hugging Face checkpoint of its base model spells it."""
     if name.startswith(PEFT_PREFIX):
-        name = name[len(PEFT_PREFIX):]
+        name = name[len(PEFT_PREFIX) :]
     return name.replace(".base_layer.", ".")
 
 
@@ -106,8 +107,11 @@ def lora_inits(model: nn.Module) -> dict[str, dict[str, object]]:
     for module in model.modules():
         if isinstance(getattr(module, "peft_config", None), dict):
             configs.update(module.peft_config)
-    return {path: {name: getattr(configs.get(name), "init_lora_weights", True) for name in adapter_names(module)}
-            for path, module in model.named_modules() if is_lora_layer(module)}
+    return {
+        path: {name: getattr(configs.get(name), "init_lora_weights", True) for name in adapter_names(module)}
+        for path, module in model.named_modules()
+        if is_lora_layer(module)
+    }
 
 
 def check_lora_targets(model: nn.Module) -> None:
@@ -126,10 +130,11 @@ def check_lora_targets(model: nn.Module) -> None:
         targets = getattr(config, "target_modules", None)
         if not isinstance(targets, (list, set, tuple, frozenset)):
             continue
-        missing = sorted(t for t in targets
-                         if not any(path == t or path.endswith("." + t) for path in lora_paths))
+        missing = sorted(t for t in targets if not any(path == t or path.endswith("." + t) for path in lora_paths))
         if missing:
             leaves = sorted({path.rsplit(".", 1)[-1] for path, m in model.named_modules() if linear_kind(m)})
-            raise ValueError(f"LoRA adapter {adapter!r}: target module(s) {missing} are not in the model, so no "
-                             f"adapter was made for them. Linear layers it has: {leaves}. "
-                             f"Received: target_modules={sorted(targets)}")
+            raise ValueError(
+                f"LoRA adapter {adapter!r}: target module(s) {missing} are not in the model, so no "
+                f"adapter was made for them. Linear layers it has: {leaves}. "
+                f"Received: target_modules={sorted(targets)}"
+            )

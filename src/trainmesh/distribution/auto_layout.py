@@ -127,8 +127,13 @@ def _check(model: nn.Module, pattern: str, style: str, axis: str, size: int, not
         if split % size:
             notes.append(f"{path}: {style} does not split evenly over {axis}={size} (width {split}); replicated")
             return {}
-        if (style == "colwise" and isinstance(head_dim, int) and head_dim > 0 and width % head_dim == 0
-                and (width // head_dim) % size):
+        if (
+            style == "colwise"
+            and isinstance(head_dim, int)
+            and head_dim > 0
+            and width % head_dim == 0
+            and (width // head_dim) % size
+        ):
             notes.append(f"{path}: its {width // head_dim} heads do not split over {axis}={size}; replicated")
             return {}
         if is_lora_layer(module):  # the plan names peft's layer: its base and adapters are laid out together
@@ -139,8 +144,14 @@ def _check(model: nn.Module, pattern: str, style: str, axis: str, size: int, not
     return layouts
 
 
-def auto_layout_map(model: nn.Module, device_mesh: DeviceMesh, *, model_axis: str | None = None,
-                    verbose: bool = True, expert_axis: str | None = None) -> LayoutMap:
+def auto_layout_map(
+    model: nn.Module,
+    device_mesh: DeviceMesh,
+    *,
+    model_axis: str | None = None,
+    verbose: bool = True,
+    expert_axis: str | None = None,
+) -> LayoutMap:
     """See the module docstring. ``model_axis`` defaults to the mesh's last axis (the first is the
     batch axis, Keras's convention); a 1-axis mesh gets no tensor-parallel entries (pure data
     parallelism). ``expert_axis`` adds the experts' layouts (``expert_layout.expert_layouts``)."""
@@ -160,8 +171,10 @@ def auto_layout_map(model: nn.Module, device_mesh: DeviceMesh, *, model_axis: st
     if model_axis is None:  # a 1-axis mesh with experts: expert entries only
         return _with_experts(model, layout_map, experts, expert_notes, expert_source, expert_axis, verbose)
     if model_axis not in device_mesh.axis_names:
-        raise ValueError(f"model_axis {model_axis!r} is not an axis of the mesh {device_mesh.axis_names}. "
-                         f"Received: model_axis={model_axis!r}")
+        raise ValueError(
+            f"model_axis {model_axis!r} is not an axis of the mesh {device_mesh.axis_names}. "
+            f"Received: model_axis={model_axis!r}"
+        )
     size = device_mesh.axis_size(model_axis)
     notes: list[str] = []
     shipped = _from_shipped_plan(model, model_axis, notes)
@@ -192,8 +205,15 @@ def auto_layout_map(model: nn.Module, device_mesh: DeviceMesh, *, model_axis: st
     return layout_map
 
 
-def _with_experts(model: nn.Module, layout_map: LayoutMap, experts: dict[str, tuple], notes: list[str],
-                  source: str, axis: str, verbose: bool) -> LayoutMap:
+def _with_experts(
+    model: nn.Module,
+    layout_map: LayoutMap,
+    experts: dict[str, tuple],
+    notes: list[str],
+    source: str,
+    axis: str,
+    verbose: bool,
+) -> LayoutMap:
     """``layout_map`` plus one entry per expert parameter (replacing any TP entry of the same path), printed."""
     for path, axes in experts.items():
         key = re.escape(path)

@@ -22,6 +22,7 @@ def register_engine(**functions: Callable[..., Any]) -> None:
 def engine(name: str) -> Callable[..., Any]:
     function = _ENGINE.get(name)
     if function is None:
-        raise RuntimeError(f"No engine is registered for {name!r}: import trainmesh (the package), which "
-                           f"registers torch's.")
+        raise RuntimeError(
+            f"No engine is registered for {name!r}: import trainmesh (the package), which registers torch's."
+        )
     return function

@@ -39,12 +39,23 @@ class DataParallel(Distribution):
     ('batch', (2,))
     """
 
-    def __init__(self, device_mesh: DeviceMesh | None = None, devices: Sequence[str] | None = None,
-                 auto_shard_dataset: bool = True, *, zero_stage: int = 0, shard_unit: Any = None,
-                 cpu_offload: bool = False, reduce_dtype: Any = None, pipeline: Pipeline | None = None,
-                 sequence_dim_name: str | None = None, context_parallel: str = "auto"):
-        self._memory = MemoryOptions(zero_stage=zero_stage, shard_unit=shard_unit, cpu_offload=cpu_offload,
-                                     reduce_dtype=reduce_dtype)
+    def __init__(
+        self,
+        device_mesh: DeviceMesh | None = None,
+        devices: Sequence[str] | None = None,
+        auto_shard_dataset: bool = True,
+        *,
+        zero_stage: int = 0,
+        shard_unit: Any = None,
+        cpu_offload: bool = False,
+        reduce_dtype: Any = None,
+        pipeline: Pipeline | None = None,
+        sequence_dim_name: str | None = None,
+        context_parallel: str = "auto",
+    ):
+        self._memory = MemoryOptions(
+            zero_stage=zero_stage, shard_unit=shard_unit, cpu_offload=cpu_offload, reduce_dtype=reduce_dtype
+        )
         if device_mesh is not None and devices is not None:
             raise ValueError(
                 "Pass either device_mesh or devices to DataParallel, not both. "
@@ -58,18 +69,27 @@ class DataParallel(Distribution):
         elif not isinstance(device_mesh, DeviceMesh):
             raise ValueError(f"device_mesh must be a trainmesh DeviceMesh. Received: device_mesh={device_mesh!r}")
         self._pipeline = check_pipeline_axis(pipeline, device_mesh)
-        batch_axis = next((a for a in device_mesh.axis_names if (pipeline is None or a != pipeline.axis)
-                           and a != sequence_dim_name), None)
-        self._sequence = build_sequence_split(device_mesh, sequence_dim_name, context_parallel,
-                                              batch_dim_name=batch_axis, pipeline=pipeline)
+        batch_axis = next(
+            (a for a in device_mesh.axis_names if (pipeline is None or a != pipeline.axis) and a != sequence_dim_name),
+            None,
+        )
+        self._sequence = build_sequence_split(
+            device_mesh, sequence_dim_name, context_parallel, batch_dim_name=batch_axis, pipeline=pipeline
+        )
         if pipeline is not None and len(device_mesh.axis_names) > 2:
-            raise ValueError(f"DataParallel with a pipeline takes a 2-D mesh (pipe, batch); for more axes use "
-                             f"ModelParallel. Received: axes {device_mesh.axis_names}")
+            raise ValueError(
+                f"DataParallel with a pipeline takes a 2-D mesh (pipe, batch); for more axes use "
+                f"ModelParallel. Received: axes {device_mesh.axis_names}"
+            )
         elif pipeline is None and len(device_mesh.axis_names) > 1 + (sequence_dim_name is not None):
             # Keras does the same: DataParallel is 1-D; the model is replicated over the other axes.
-            warnings.warn(f"DataParallel expects a 1-D mesh; got axes {device_mesh.axis_names}. The first axis "
-                          f"{device_mesh.axis_names[0]!r} is used as the batch axis and the model is replicated "
-                          f"over the others.", UserWarning, stacklevel=2)
+            warnings.warn(
+                f"DataParallel expects a 1-D mesh; got axes {device_mesh.axis_names}. The first axis "
+                f"{device_mesh.axis_names[0]!r} is used as the batch axis and the model is replicated "
+                f"over the others.",
+                UserWarning,
+                stacklevel=2,
+            )
         super().__init__(device_mesh, batch_dim_name=batch_axis, auto_shard_dataset=auto_shard_dataset)
 
     @property

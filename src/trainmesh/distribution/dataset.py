@@ -63,9 +63,15 @@ class DistributedBatches:
 
         self.dataset = as_dataset(dataset)
         self.sampler = GlobalBatchSampler(
-            len(self.dataset), global_batch_size=global_batch_size, data_parallel_size=data_parallel_size,
-            data_index=data_index, micro_batches=micro_batches, shuffle=shuffle, seed=seed,
-            drop_remainder=drop_remainder)
+            len(self.dataset),
+            global_batch_size=global_batch_size,
+            data_parallel_size=data_parallel_size,
+            data_index=data_index,
+            micro_batches=micro_batches,
+            shuffle=shuffle,
+            seed=seed,
+            drop_remainder=drop_remainder,
+        )
         self.epoch = 0
         self._to_global = to_global or (lambda batch: batch)
 
@@ -158,8 +164,9 @@ def fetch(dataset: Dataset, indices: np.ndarray, *, ascending_run: bool = False)
     consecutive pieces), so they are not checked: that numpy check cost ~70 us a step on CPU, run
     right after an optimizer step, when its code is out of the caches."""
     if isinstance(dataset, TensorDataset):
-        if len(indices) and (ascending_run or (indices[-1] - indices[0] == len(indices) - 1
-                                               and (np.diff(indices) == 1).all())):
+        if len(indices) and (
+            ascending_run or (indices[-1] - indices[0] == len(indices) - 1 and (np.diff(indices) == 1).all())
+        ):
             start = int(indices[0])  # a view, no copy
             return tuple(t[start : start + len(indices)] for t in dataset.tensors)
         index = torch.as_tensor(indices, dtype=torch.long)

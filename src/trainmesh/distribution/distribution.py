@@ -135,8 +135,9 @@ class Distribution(abc.ABC):
         distribution shards optimizer state (``DataParallel(zero_stage=1)``)."""
         return optimizer
 
-    def distribute_dataset(self, dataset, global_batch_size: int, *, shuffle: bool = False, seed: int = 0,
-                           drop_remainder: bool = False):
+    def distribute_dataset(
+        self, dataset, global_batch_size: int, *, shuffle: bool = False, seed: int = 0, drop_remainder: bool = False
+    ):
         """This process's iterable of local batches of ``dataset`` (global-batch semantics).
 
         Every global batch of ``global_batch_size`` samples is split over the batch axis;

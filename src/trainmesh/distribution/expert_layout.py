@@ -61,8 +61,9 @@ def _num_experts(module: nn.Module) -> int | None:
 def _stacked_params(module: nn.Module, num_experts: int) -> tuple[str, ...]:
     """Parameters stacked over the experts on dim 0, if the module holds at least one 3-D one (expert
     weights; their 2-D biases come with them). A router's 2-D (num_experts, hidden) weight alone is not."""
-    stacked = [(name, p) for name, p in module.named_parameters(recurse=False)
-               if p.dim() >= 2 and p.shape[0] == num_experts]
+    stacked = [
+        (name, p) for name, p in module.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == num_experts
+    ]
     return tuple(name for name, _ in stacked) if any(p.dim() >= 3 for _, p in stacked) else ()
 
 
@@ -123,18 +124,21 @@ def check_supported(model: nn.Module, experts: ExpertsModule, axis: str) -> None
         raise ValueError(
             f"Experts module {experts.path!r} ({type(module).__name__}) cannot be laid out over axis {axis!r}: "
             f"trainmesh dispatches experts called as forward{_EXPERTS_CALL} (transformers' experts "
-            f"interface). Received: forward parameters {tuple(params)}")
+            f"interface). Received: forward parameters {tuple(params)}"
+        )
     if experts.router_path is None:
         raise ValueError(
             f"Experts module {experts.path!r} has no router beside it ('gate' or 'router'), so its routing "
-            f"cannot be checked for expert parallelism over axis {axis!r}. Received: siblings of {experts.path!r}")
+            f"cannot be checked for expert parallelism over axis {axis!r}. Received: siblings of {experts.path!r}"
+        )
     router = model.get_submodule(experts.router_path)
     top_k = next((getattr(router, n) for n in _TOP_K_NAMES if isinstance(getattr(router, n, None), int)), None)
     if top_k is None or not 0 < top_k <= experts.num_experts:
         raise ValueError(
             f"Router {experts.router_path!r} ({type(router).__name__}) is not a supported router for expert "
             f"parallelism over axis {axis!r}: trainmesh dispatches top-k routing (a router with an int "
-            f"'top_k' between 1 and num_experts={experts.num_experts}). Received: top_k={top_k!r}")
+            f"'top_k' between 1 and num_experts={experts.num_experts}). Received: top_k={top_k!r}"
+        )
 
 
 def check_divisible(experts: ExpertsModule, axis: str, size: int) -> None:
@@ -142,7 +146,8 @@ def check_divisible(experts: ExpertsModule, axis: str, size: int) -> None:
         raise ValueError(
             f"Experts module {experts.path!r} holds {experts.num_experts} experts, which do not divide over mesh "
             f"axis {axis!r} of size {size}: expert parallelism gives every process the same number of whole "
-            f"experts. Received: num_experts={experts.num_experts}, {axis}={size}")
+            f"experts. Received: num_experts={experts.num_experts}, {axis}={size}"
+        )
 
 
 def expert_layouts(model: nn.Module, device_mesh: DeviceMesh, axis: str) -> tuple[dict[str, tuple], list[str], str]:
@@ -151,14 +156,16 @@ def expert_layouts(model: nn.Module, device_mesh: DeviceMesh, axis: str) -> tupl
     Raises ValueError when ``model`` has no experts, or when an experts module is unsupported or does
     not divide over ``axis``."""
     if axis not in device_mesh.axis_names:
-        raise ValueError(f"expert_axis {axis!r} is not an axis of the mesh {device_mesh.axis_names}. "
-                         f"Received: expert_axis={axis!r}")
+        raise ValueError(
+            f"expert_axis {axis!r} is not an axis of the mesh {device_mesh.axis_names}. Received: expert_axis={axis!r}"
+        )
     found, source = find_experts(model)
     if not found:
         raise ValueError(
             f"expert_axis={axis!r} was given but {type(model).__name__} has no experts module (a module with an "
             f"int num_experts and parameters stacked over that many experts on dim 0; transformers' MoE models). "
-            f"Received: expert_axis={axis!r}")
+            f"Received: expert_axis={axis!r}"
+        )
     size = device_mesh.axis_size(axis)
     layouts: dict[str, tuple] = {}
     for experts in found:
@@ -167,8 +174,10 @@ def expert_layouts(model: nn.Module, device_mesh: DeviceMesh, axis: str) -> tupl
         for path, name in zip(experts.param_paths(), experts.param_names):
             ndim = model.get_parameter(path).dim()
             layouts[path] = (axis,) + (None,) * (ndim - 1)
-    notes = [f"{len(found)} experts modules of {found[0].num_experts} experts: {found[0].num_experts // size} "
-             f"per process over {axis}={size}"]
+    notes = [
+        f"{len(found)} experts modules of {found[0].num_experts} experts: {found[0].num_experts // size} "
+        f"per process over {axis}={size}"
+    ]
     return layouts, notes, source
 
 
@@ -200,7 +209,8 @@ def build_expert_plan(model: nn.Module, distribution) -> ExpertPlan | None:
             raise ValueError(
                 f"The LayoutMap lays out experts ({keys[0]!r}) but {type(model).__name__} has no experts module "
                 f"(a module with an int num_experts and parameters stacked over that many experts). "
-                f"Received: {keys[0]!r}={layout_map[keys[0]].axes}")
+                f"Received: {keys[0]!r}={layout_map[keys[0]].axes}"
+            )
         return None
     axes_by_module: dict[str, set] = {}
     for experts in found:
@@ -210,7 +220,8 @@ def build_expert_plan(model: nn.Module, distribution) -> ExpertPlan | None:
             if axes is not None and any(a is not None for a in axes[1:]):
                 raise ValueError(
                     f"Expert parameter {path!r} may be laid out over a mesh axis on its expert dim (dim 0) only; "
-                    f"splitting inside an expert is not offered. Received: {path!r}={axes}")
+                    f"splitting inside an expert is not offered. Received: {path!r}={axes}"
+                )
             axes_by_module.setdefault(experts.path, set()).add(axes[0] if axes else None)
     used = {a for axes in axes_by_module.values() for a in axes}
     if used == {None}:
@@ -219,7 +230,8 @@ def build_expert_plan(model: nn.Module, distribution) -> ExpertPlan | None:
         if len(axes) > 1:
             raise ValueError(
                 f"The parameters of experts module {path!r} are laid out over different axes ({sorted(map(str, axes))}); "
-                f"all of one module's expert parameters go over the same axis. Received: {sorted(map(str, axes))}")
+                f"all of one module's expert parameters go over the same axis. Received: {sorted(map(str, axes))}"
+            )
     named = used - {None}
     if len(named) > 1:
         raise ValueError(f"All experts modules must use one expert axis. Received: {sorted(named)}")
@@ -232,7 +244,8 @@ def build_expert_plan(model: nn.Module, distribution) -> ExpertPlan | None:
         raise ValueError(
             f"Expert parallelism over {axis!r} with a pipeline over {pipeline.axis!r} is not offered yet: lay the "
             f"experts out without a pipeline axis, or keep them replicated. Received: expert axis {axis!r}, "
-            f"pipeline axis {pipeline.axis!r} of size {mesh.axis_size(pipeline.axis)}")
+            f"pipeline axis {pipeline.axis!r} of size {mesh.axis_size(pipeline.axis)}"
+        )
     modules = tuple(m for m in found if axes_by_module[m.path] == {axis})
     for experts in modules:
         check_supported(model, experts, axis)

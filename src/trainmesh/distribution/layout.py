@@ -113,8 +113,15 @@ class LayoutMap(MutableMapping):
         return self._device_mesh
 
     @classmethod
-    def auto(cls, model, device_mesh: DeviceMesh, *, model_axis: str | None = None, verbose: bool = True,
-             expert_axis: str | None = None) -> "LayoutMap":
+    def auto(
+        cls,
+        model,
+        device_mesh: DeviceMesh,
+        *,
+        model_axis: str | None = None,
+        verbose: bool = True,
+        expert_axis: str | None = None,
+    ) -> "LayoutMap":
         """A tensor-parallel layout for ``model``: its own plan if it ships one (transformers'
         ``base_model_tp_plan``), else one derived from its module tree (attention / MLP units
         column- then row-wise, embedding and head vocab-parallel, norms replicated). Printed.
@@ -134,8 +141,7 @@ class LayoutMap(MutableMapping):
         matches = [k for k in self._layouts if re.fullmatch(k, key)]
         if len(matches) > 1:
             raise ValueError(
-                f"Path {key!r} matches more than one key of the LayoutMap: {matches}. "
-                "Make the keys mutually exclusive."
+                f"Path {key!r} matches more than one key of the LayoutMap: {matches}. Make the keys mutually exclusive."
             )
         return self._layouts[matches[0]] if matches else None
 

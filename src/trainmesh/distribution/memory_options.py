@@ -25,9 +25,12 @@ from typing import Any
 ZERO_STAGES = (0, 1, 2, 3)
 # Accepted spellings of the gradient-reduction dtype; kept as strings so this module needs no torch.
 REDUCE_DTYPES = {
-    "float32": "float32", "fp32": "float32",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "fp16": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
 }
 
 
@@ -47,7 +50,9 @@ def _validate_shard_unit(value: Any) -> Any:
     if value is None:
         return None
     if isinstance(value, bool):
-        raise ValueError(f"shard_unit must be None, a module class, a tuple of classes or an int. Received: shard_unit={value!r}")
+        raise ValueError(
+            f"shard_unit must be None, a module class, a tuple of classes or an int. Received: shard_unit={value!r}"
+        )
     if isinstance(value, int):
         if value < 1:
             raise ValueError(f"shard_unit as a byte threshold must be >= 1. Received: shard_unit={value!r}")
@@ -90,7 +95,11 @@ class MemoryOptions:
 
     def replace(self, **changes: Any) -> "MemoryOptions":
         """A copy with ``changes`` (``None`` values keep the current setting)."""
-        values = {"zero_stage": self.zero_stage, "shard_unit": self.shard_unit, "cpu_offload": self.cpu_offload,
-                  "reduce_dtype": self.reduce_dtype}
+        values = {
+            "zero_stage": self.zero_stage,
+            "shard_unit": self.shard_unit,
+            "cpu_offload": self.cpu_offload,
+            "reduce_dtype": self.reduce_dtype,
+        }
         values.update({k: v for k, v in changes.items() if v is not None})
         return MemoryOptions(**values)

@@ -47,8 +47,7 @@ class DeviceMesh:
         axis_names = [str(a) for a in axis_names]
         if len(shape) != len(axis_names):
             raise ValueError(
-                "Shape and axis_names cannot have different length. "
-                f"Received: shape={shape}, axis_names={axis_names}"
+                f"Shape and axis_names cannot have different length. Received: shape={shape}, axis_names={axis_names}"
             )
         if any(s < 1 for s in shape):
             raise ValueError(f"Every mesh axis needs at least one device. Received: shape={shape}")

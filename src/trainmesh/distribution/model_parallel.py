@@ -36,18 +36,33 @@ class ModelParallel(Distribution):
     ('model', None)
     """
 
-    def __init__(self, *, layout_map: LayoutMap | None = None, batch_dim_name: str | None = None,
-                 auto_shard_dataset: bool = True, zero_stage: int = 0, shard_unit: Any = None,
-                 cpu_offload: bool = False, reduce_dtype: Any = None, device_mesh: Any = None,
-                 pipeline: Pipeline | None = None, sequence_dim_name: str | None = None,
-                 context_parallel: str = "auto", sequence_parallel: bool = False):
+    def __init__(
+        self,
+        *,
+        layout_map: LayoutMap | None = None,
+        batch_dim_name: str | None = None,
+        auto_shard_dataset: bool = True,
+        zero_stage: int = 0,
+        shard_unit: Any = None,
+        cpu_offload: bool = False,
+        reduce_dtype: Any = None,
+        device_mesh: Any = None,
+        pipeline: Pipeline | None = None,
+        sequence_dim_name: str | None = None,
+        context_parallel: str = "auto",
+        sequence_parallel: bool = False,
+    ):
         if device_mesh is not None:
             # Keras 3.0's signature took device_mesh too; later versions read it from the layout map.
-            warnings.warn("ModelParallel(device_mesh=...) is deprecated, as in Keras: the mesh is the layout "
-                          "map's (LayoutMap(device_mesh)). The device_mesh argument is ignored.",
-                          DeprecationWarning, stacklevel=2)
-        self._memory = MemoryOptions(zero_stage=zero_stage, shard_unit=shard_unit, cpu_offload=cpu_offload,
-                                     reduce_dtype=reduce_dtype)
+            warnings.warn(
+                "ModelParallel(device_mesh=...) is deprecated, as in Keras: the mesh is the layout "
+                "map's (LayoutMap(device_mesh)). The device_mesh argument is ignored.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        self._memory = MemoryOptions(
+            zero_stage=zero_stage, shard_unit=shard_unit, cpu_offload=cpu_offload, reduce_dtype=reduce_dtype
+        )
         if not isinstance(layout_map, LayoutMap):
             raise ValueError(f"ModelParallel needs a LayoutMap. Received: layout_map={layout_map!r}")
         mesh = layout_map.device_mesh
@@ -55,14 +70,18 @@ class ModelParallel(Distribution):
             raise ValueError("The LayoutMap given to ModelParallel must carry a device mesh: LayoutMap(device_mesh).")
         self._pipeline = check_pipeline_axis(pipeline, mesh)
         if batch_dim_name is None:  # Keras: the first axis; with a pipeline, the first that is not its axis
-            batch_dim_name = next((a for a in mesh.axis_names if (pipeline is None or a != pipeline.axis)
-                                   and a != sequence_dim_name), None)
+            batch_dim_name = next(
+                (a for a in mesh.axis_names if (pipeline is None or a != pipeline.axis) and a != sequence_dim_name),
+                None,
+            )
         super().__init__(mesh, batch_dim_name=batch_dim_name, auto_shard_dataset=auto_shard_dataset)
-        self._sequence = build_sequence_split(mesh, sequence_dim_name, context_parallel,
-                                              batch_dim_name=batch_dim_name, pipeline=pipeline)
+        self._sequence = build_sequence_split(
+            mesh, sequence_dim_name, context_parallel, batch_dim_name=batch_dim_name, pipeline=pipeline
+        )
         self._layout_map = layout_map
-        self._sequence_parallel = _check_sequence_parallel(sequence_parallel, mesh, batch_dim_name, self._sequence,
-                                                           pipeline)
+        self._sequence_parallel = _check_sequence_parallel(
+            sequence_parallel, mesh, batch_dim_name, self._sequence, pipeline
+        )
 
     @property
     def sequence_parallel(self) -> bool:
@@ -104,9 +123,13 @@ def _check_sequence_parallel(enabled: bool, mesh, batch_dim_name, sequence, pipe
     skip = {batch_dim_name, getattr(sequence, "axis", None), getattr(pipeline, "axis", None)}
     model_axes = [a for a in mesh.axis_names if a not in skip]
     if len(model_axes) != 1:
-        raise ValueError(f"sequence_parallel=True splits the sequence over the one model axis; the mesh has "
-                         f"{len(model_axes)}. Received: model axes {model_axes} of mesh axes {mesh.axis_names}")
+        raise ValueError(
+            f"sequence_parallel=True splits the sequence over the one model axis; the mesh has "
+            f"{len(model_axes)}. Received: model axes {model_axes} of mesh axes {mesh.axis_names}"
+        )
     if sequence is not None:
-        raise ValueError("sequence_parallel=True beside a sequence axis is not supported yet; use one of them. "
-                         f"Received: sequence_dim_name={sequence.axis!r}")
+        raise ValueError(
+            "sequence_parallel=True beside a sequence axis is not supported yet; use one of them. "
+            f"Received: sequence_dim_name={sequence.axis!r}"
+        )
     return True

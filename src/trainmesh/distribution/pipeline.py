@@ -59,16 +59,19 @@ class Pipeline:
         if not isinstance(self.axis, str) or not self.axis:
             raise ValueError(f"Pipeline axis must be a mesh axis name. Received: axis={self.axis!r}")
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"Unknown pipeline schedule. Choose one of {sorted(SCHEDULES)}. "
-                             f"Received: schedule={self.schedule!r}")
+            raise ValueError(
+                f"Unknown pipeline schedule. Choose one of {sorted(SCHEDULES)}. Received: schedule={self.schedule!r}"
+            )
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"microbatches must be a positive int. Received: microbatches={self.microbatches!r}")
         if self.balance not in BALANCE:
             raise ValueError(f"balance must be one of {BALANCE}. Received: balance={self.balance!r}")
         if isinstance(self.split_points, str):
             if self.split_points != "auto":
-                raise ValueError("split_points is 'auto' or a list of block names that begin stages 1, 2, ... "
-                                 f"Received: split_points={self.split_points!r}")
+                raise ValueError(
+                    "split_points is 'auto' or a list of block names that begin stages 1, 2, ... "
+                    f"Received: split_points={self.split_points!r}"
+                )
         else:
             points = tuple(self.split_points)
             if not all(isinstance(p, str) and p for p in points) or len(set(points)) != len(points):
@@ -78,11 +81,15 @@ class Pipeline:
             if not isinstance(self.stages_per_rank, int) or self.stages_per_rank < 1:
                 raise ValueError(f"stages_per_rank must be a positive int. Received: {self.stages_per_rank!r}")
             if SCHEDULES[self.schedule][1] == 1 and self.stages_per_rank != 1:
-                raise ValueError(f"Schedule {self.schedule!r} runs one stage per process. "
-                                 f"Received: stages_per_rank={self.stages_per_rank}")
+                raise ValueError(
+                    f"Schedule {self.schedule!r} runs one stage per process. "
+                    f"Received: stages_per_rank={self.stages_per_rank}"
+                )
             if SCHEDULES[self.schedule][1] > 1 and self.stages_per_rank < 2:
-                raise ValueError(f"Schedule {self.schedule!r} runs two or more stages per process. "
-                                 f"Received: stages_per_rank={self.stages_per_rank}")
+                raise ValueError(
+                    f"Schedule {self.schedule!r} runs two or more stages per process. "
+                    f"Received: stages_per_rank={self.stages_per_rank}"
+                )
         else:
             object.__setattr__(self, "stages_per_rank", SCHEDULES[self.schedule][1])
 
@@ -94,25 +101,38 @@ class Pipeline:
         stages = self.num_stages(pipe_size)
         needs_more = SCHEDULES[self.schedule][2]
         if needs_more and pipe_size > 1 and self.microbatches < pipe_size:
-            raise ValueError(f"Schedule {self.schedule!r} needs at least as many microbatches as pipeline ranks "
-                             f"({pipe_size}). Received: microbatches={self.microbatches}")
-        if self.schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and pipe_size > 1 \
-                and self.microbatches % pipe_size:
-            raise ValueError(f"Schedule {self.schedule!r} needs microbatches to be a multiple of the pipeline ranks "
-                             f"({pipe_size}). Received: microbatches={self.microbatches}")
+            raise ValueError(
+                f"Schedule {self.schedule!r} needs at least as many microbatches as pipeline ranks "
+                f"({pipe_size}). Received: microbatches={self.microbatches}"
+            )
+        if (
+            self.schedule in ("interleaved_1f1b", "interleaved_zero_bubble")
+            and pipe_size > 1
+            and self.microbatches % pipe_size
+        ):
+            raise ValueError(
+                f"Schedule {self.schedule!r} needs microbatches to be a multiple of the pipeline ranks "
+                f"({pipe_size}). Received: microbatches={self.microbatches}"
+            )
         if self.schedule == "zbv" and self.stages_per_rank != 2:
-            raise ValueError(f"Schedule 'zbv' runs exactly two stages per process. "
-                             f"Received: stages_per_rank={self.stages_per_rank}")
+            raise ValueError(
+                f"Schedule 'zbv' runs exactly two stages per process. Received: stages_per_rank={self.stages_per_rank}"
+            )
         if not isinstance(self.split_points, str) and len(self.split_points) != stages - 1:
-            raise ValueError(f"{stages} stages need {stages - 1} split points. "
-                             f"Received: split_points={list(self.split_points)}")
+            raise ValueError(
+                f"{stages} stages need {stages - 1} split points. Received: split_points={list(self.split_points)}"
+            )
         if local_batch is not None and local_batch % self.microbatches:
-            raise ValueError(f"Each data replica's batch ({local_batch} rows) must divide into {self.microbatches} "
-                             f"microbatches. Received: local batch {local_batch}, microbatches={self.microbatches}")
+            raise ValueError(
+                f"Each data replica's batch ({local_batch} rows) must divide into {self.microbatches} "
+                f"microbatches. Received: local batch {local_batch}, microbatches={self.microbatches}"
+            )
 
     def describe(self, pipe_size: int) -> str:
-        return (f"pipeline over {self.axis!r}: {self.num_stages(pipe_size)} stages on {pipe_size} processes, "
-                f"schedule {self.schedule}, {self.microbatches} microbatches")
+        return (
+            f"pipeline over {self.axis!r}: {self.num_stages(pipe_size)} stages on {pipe_size} processes, "
+            f"schedule {self.schedule}, {self.microbatches} microbatches"
+        )
 
 
 def check_pipeline_axis(pipeline: "Pipeline | None", mesh) -> "Pipeline | None":
@@ -122,9 +142,13 @@ def check_pipeline_axis(pipeline: "Pipeline | None", mesh) -> "Pipeline | None":
     if not isinstance(pipeline, Pipeline):
         raise TypeError(f"pipeline must be a trainmesh Pipeline. Received: pipeline={pipeline!r}")
     if pipeline.axis not in mesh.axis_names:
-        raise ValueError(f"The pipeline axis {pipeline.axis!r} is not an axis of the mesh {mesh.axis_names}. "
-                         f"Received: Pipeline(axis={pipeline.axis!r})")
+        raise ValueError(
+            f"The pipeline axis {pipeline.axis!r} is not an axis of the mesh {mesh.axis_names}. "
+            f"Received: Pipeline(axis={pipeline.axis!r})"
+        )
     if len(mesh.axis_names) < 2:
-        raise ValueError(f"A pipeline needs a mesh with its own axis plus a batch axis (size 1 is fine), e.g. "
-                         f"DeviceMesh((2, 1), ['pipe', 'data']). Received: axes {mesh.axis_names}")
+        raise ValueError(
+            f"A pipeline needs a mesh with its own axis plus a batch axis (size 1 is fine), e.g. "
+            f"DeviceMesh((2, 1), ['pipe', 'data']). Received: axes {mesh.axis_names}"
+        )
     return pipeline

@@ -67,10 +67,14 @@ class SequenceSplit:
     def check_length(self, seq_len: int) -> None:
         """A ``ValueError`` naming the rule, raised by every process alike before any collective."""
         if seq_len % self.num_chunks:
-            rule = f"2 x the axis size ({self.num_chunks})" if self.load_balance else f"the axis size ({self.num_chunks})"
-            raise ValueError(f"A sequence split over the {self.axis!r} axis of {self.axis_size} processes must have a "
-                             f"length divisible by {rule}, for head-tail load balancing. Pad the sequences (labels "
-                             f"-100), or pick a length that divides. Received: sequence length {seq_len}")
+            rule = (
+                f"2 x the axis size ({self.num_chunks})" if self.load_balance else f"the axis size ({self.num_chunks})"
+            )
+            raise ValueError(
+                f"A sequence split over the {self.axis!r} axis of {self.axis_size} processes must have a "
+                f"length divisible by {rule}, for head-tail load balancing. Pad the sequences (labels "
+                f"-100), or pick a length that divides. Received: sequence length {seq_len}"
+            )
 
     def chunk_positions(self, seq_len: int, index: int) -> torch.Tensor:
         """Global positions (0..seq_len-1) of the tokens that process ``index`` of the axis keeps, in the
@@ -111,18 +115,23 @@ class SequenceSplit:
             return _take(inputs, keep, seq_len, "inputs")
         if isinstance(inputs, dict):
             if inputs.get("position_ids") is not None:
-                raise ValueError("Packed sequences (position_ids given with the inputs) are not supported over a "
-                                 "sequence axis yet: the positions are made global by trainmesh. Received: position_ids")
+                raise ValueError(
+                    "Packed sequences (position_ids given with the inputs) are not supported over a "
+                    "sequence axis yet: the positions are made global by trainmesh. Received: position_ids"
+                )
             if "labels" in inputs:
-                raise ValueError("Pass labels as the targets of an (inputs, targets) batch, shifted by one, not inside "
-                                 "the inputs: the model would shift each process's chunk on its own. Received: labels")
+                raise ValueError(
+                    "Pass labels as the targets of an (inputs, targets) batch, shifted by one, not inside "
+                    "the inputs: the model would shift each process's chunk on its own. Received: labels"
+                )
             out = {}
             for key, value in inputs.items():
                 # the padding mask stays whole: attention needs every key's, and it is B x S bits
                 out[key] = value if key == "attention_mask" else _take(value, keep, seq_len, key)
             return out
-        raise TypeError(f"Inputs split over a sequence axis are a token tensor or a dict of them. "
-                        f"Received: {type(inputs).__name__}")
+        raise TypeError(
+            f"Inputs split over a sequence axis are a token tensor or a dict of them. Received: {type(inputs).__name__}"
+        )
 
 
 def _sequence_length(inputs: Any) -> int:
@@ -131,8 +140,10 @@ def _sequence_length(inputs: Any) -> int:
     if isinstance(inputs, dict):
         inputs = inputs.get("input_ids", inputs.get("inputs_embeds"))
     if not torch.is_tensor(inputs) or inputs.dim() < 2:
-        raise ValueError("A batch split over a sequence axis needs [batch, seq, ...] inputs (or a dict with "
-                         f"input_ids). Received: {type(inputs).__name__} of shape {tuple(getattr(inputs, 'shape', ()))}")
+        raise ValueError(
+            "A batch split over a sequence axis needs [batch, seq, ...] inputs (or a dict with "
+            f"input_ids). Received: {type(inputs).__name__} of shape {tuple(getattr(inputs, 'shape', ()))}"
+        )
     return int(inputs.shape[1])
 
 
@@ -140,25 +151,34 @@ def _take(value: Any, keep: torch.Tensor, seq_len: int | None, name: str) -> Any
     if not torch.is_tensor(value) or value.dim() < 2:
         return value
     if seq_len is not None and value.shape[1] != seq_len:
-        raise ValueError(f"Every split tensor must have the inputs' sequence length {seq_len} in dim 1. "
-                         f"Received: {name} of shape {tuple(value.shape)}")
+        raise ValueError(
+            f"Every split tensor must have the inputs' sequence length {seq_len} in dim 1. "
+            f"Received: {name} of shape {tuple(value.shape)}"
+        )
     return value.index_select(1, keep.to(value.device))
 
 
-def build_sequence_split(mesh, sequence_dim_name: str | None, context_parallel: str, *,
-                         batch_dim_name: str | None, pipeline=None) -> SequenceSplit | None:
+def build_sequence_split(
+    mesh, sequence_dim_name: str | None, context_parallel: str, *, batch_dim_name: str | None, pipeline=None
+) -> SequenceSplit | None:
     """The distributions' constructor check: ``None`` without a sequence axis, else its ``SequenceSplit``."""
     if sequence_dim_name is None:
         if context_parallel != "auto":
-            raise ValueError(f"context_parallel={context_parallel!r} needs a sequence axis: pass "
-                             f"sequence_dim_name=. Received: sequence_dim_name=None")
+            raise ValueError(
+                f"context_parallel={context_parallel!r} needs a sequence axis: pass "
+                f"sequence_dim_name=. Received: sequence_dim_name=None"
+            )
         return None
     if sequence_dim_name not in mesh.axis_names:
-        raise ValueError(f"sequence_dim_name {sequence_dim_name!r} is not an axis of the mesh {mesh.axis_names}. "
-                         f"Received: sequence_dim_name={sequence_dim_name!r}")
+        raise ValueError(
+            f"sequence_dim_name {sequence_dim_name!r} is not an axis of the mesh {mesh.axis_names}. "
+            f"Received: sequence_dim_name={sequence_dim_name!r}"
+        )
     if sequence_dim_name == batch_dim_name:
         raise ValueError(f"The sequence axis must differ from the batch axis. Received: both {sequence_dim_name!r}")
     if pipeline is not None and mesh.axis_size(pipeline.axis) > 1:
-        raise ValueError("A sequence axis beside a pipeline axis is not supported yet. Received: "
-                         f"sequence_dim_name={sequence_dim_name!r}, pipeline axis {pipeline.axis!r}")
+        raise ValueError(
+            "A sequence axis beside a pipeline axis is not supported yet. Received: "
+            f"sequence_dim_name={sequence_dim_name!r}, pipeline axis {pipeline.axis!r}"
+        )
     return SequenceSplit(axis=sequence_dim_name, axis_size=mesh.axis_size(sequence_dim_name), method=context_parallel)

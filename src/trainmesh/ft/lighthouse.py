@@ -15,10 +15,15 @@ import threading
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--bind", default="127.0.0.1:29510", help="host:port to listen on (port 0: any free one)")
     parser.add_argument("--min-replicas", type=int, default=1, help="groups needed before a quorum forms")
-    parser.add_argument("--join-timeout-ms", type=int, default=1000,
-                        help="how long a quorum waits for groups it knew before forming without them")
-    parser.add_argument("--heartbeat-timeout-ms", type=int, default=2000,
-                        help="a group silent this long is dropped from the quorum")
+    parser.add_argument(
+        "--join-timeout-ms",
+        type=int,
+        default=1000,
+        help="how long a quorum waits for groups it knew before forming without them",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout-ms", type=int, default=2000, help="a group silent this long is dropped from the quorum"
+    )
     return parser
 
 
@@ -28,8 +33,12 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--min-replicas must be >= 1. Received: --min-replicas={args.min_replicas}")
     from torchft.coordination import LighthouseServer
 
-    server = LighthouseServer(bind=args.bind, min_replicas=args.min_replicas, join_timeout_ms=args.join_timeout_ms,
-                              heartbeat_timeout_ms=args.heartbeat_timeout_ms)
+    server = LighthouseServer(
+        bind=args.bind,
+        min_replicas=args.min_replicas,
+        join_timeout_ms=args.join_timeout_ms,
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+    )
     port = server.address().rsplit(":", 1)[1]
     host = args.bind.rsplit(":", 1)[0].strip("[]")
     print(f"[trainmesh] lighthouse listening: http://{host}:{port}", flush=True)

@@ -81,23 +81,27 @@ class ReplicaGroups:
         if self.lighthouse is None:
             self.lighthouse = os.environ.get(LIGHTHOUSE_ENV)
         if not self.lighthouse:
-            raise ValueError(f"ReplicaGroups needs the Lighthouse's URL: lighthouse=... or ${LIGHTHOUSE_ENV}. "
-                             f"Received: lighthouse={self.lighthouse!r}")
+            raise ValueError(
+                f"ReplicaGroups needs the Lighthouse's URL: lighthouse=... or ${LIGHTHOUSE_ENV}. "
+                f"Received: lighthouse={self.lighthouse!r}"
+            )
         if self.replica_group is None and os.environ.get(REPLICA_GROUP_ENV):
             self.replica_group = int(os.environ[REPLICA_GROUP_ENV])
         if not isinstance(self.replica_group, int) or self.replica_group < 0:
-            raise ValueError(f"replica_group must be an int >= 0 (or ${REPLICA_GROUP_ENV}). "
-                             f"Received: replica_group={self.replica_group!r}")
+            raise ValueError(
+                f"replica_group must be an int >= 0 (or ${REPLICA_GROUP_ENV}). "
+                f"Received: replica_group={self.replica_group!r}"
+            )
 
 
 @dataclass(frozen=True)
 class StepInfo:
     """What ``begin_step`` tells the step: which committed step this is, and this group's share of it."""
 
-    step: int           # committed steps so far (every live group agrees after begin_step)
-    replica_rank: int   # this group's rank among the groups in this step's quorum
-    num_replicas: int   # groups in this step's quorum
-    healed: bool        # this group just received the live state from a peer
+    step: int  # committed steps so far (every live group agrees after begin_step)
+    replica_rank: int  # this group's rank among the groups in this step's quorum
+    num_replicas: int  # groups in this step's quorum
+    healed: bool  # this group just received the live state from a peer
 
 
 def _build_transport_class():
@@ -154,15 +158,24 @@ def SafeStateTransport(pg: Any, timeout: timedelta) -> Any:  # noqa: N802 (a cla
 class ReplicaGroupSync:
     """One replica group's side of the fault-tolerant step (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: ReplicaGroups, *,
-                 scheduler: Any = None, extra_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: ReplicaGroups,
+        *,
+        scheduler: Any = None,
+        extra_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+    ):
         if not isinstance(config, ReplicaGroups):
             raise TypeError(f"config must be a ReplicaGroups. Received: {type(config).__name__}")
         group_world = int(os.environ.get("WORLD_SIZE", "1"))
         if group_world != 1:
-            raise ValueError(f"ReplicaGroupSync runs one process per replica group: groups of several processes "
-                             f"(ZeRO, TP or a pipeline inside a group) are not supported. Start each group as one "
-                             f"process. Received: WORLD_SIZE={group_world}")
+            raise ValueError(
+                f"ReplicaGroupSync runs one process per replica group: groups of several processes "
+                f"(ZeRO, TP or a pipeline inside a group) are not supported. Start each group as one "
+                f"process. Received: WORLD_SIZE={group_world}"
+            )
         if not torchft_available():
             raise ImportError("ReplicaGroups needs torchft: pip install 'trainmesh[ft]'")
         from torch.distributed import TCPStore
@@ -177,15 +190,26 @@ class ReplicaGroupSync:
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         self._pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
-            pg=self._pg, load_state_dict=self._load_state, state_dict=self._state, min_replica_size=config.min_replicas,
+            pg=self._pg,
+            load_state_dict=self._load_state,
+            state_dict=self._state,
+            min_replica_size=config.min_replicas,
             use_async_quorum=False,  # synchronous: a healed group has the live state before its forward
-            timeout=timeout, quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
-            connect_timeout=timedelta(seconds=config.connect_timeout_s), rank=0, world_size=1,
-            store_addr=host, store_port=self._store.port, lighthouse_addr=config.lighthouse,
-            replica_id=f"trainmesh_group_{config.replica_group}", hostname=host,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=config.connect_timeout_s),
+            rank=0,
+            world_size=1,
+            store_addr=host,
+            store_port=self._store.port,
+            lighthouse_addr=config.lighthouse,
+            replica_id=f"trainmesh_group_{config.replica_group}",
+            hostname=host,
             heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s),
-            checkpoint_transport=SafeStateTransport(self._pg, timeout), init_sync=True,
-            quorum_retries=config.quorum_retries)
+            checkpoint_transport=SafeStateTransport(self._pg, timeout),
+            init_sync=True,
+            quorum_retries=config.quorum_retries,
+        )
         self._healed = False
         self.uncommitted_steps = 0
 
@@ -222,8 +246,12 @@ class ReplicaGroupSync:
         self._healed = False
         self.manager.start_quorum()  # synchronous: returns with the quorum formed and any healing applied
         rank = self.manager.participating_rank()
-        return StepInfo(step=self.manager.current_step(), replica_rank=0 if rank is None else rank,
-                        num_replicas=max(1, self.manager.num_participants()), healed=self._healed)
+        return StepInfo(
+            step=self.manager.current_step(),
+            replica_rank=0 if rank is None else rank,
+            num_replicas=max(1, self.manager.num_participants()),
+            healed=self._healed,
+        )
 
     def allreduce_gradients(self) -> None:
         """Average every gradient over this step's groups: one flat bucket per dtype, one
@@ -239,7 +267,7 @@ class ReplicaGroupSync:
             self.manager.allreduce(flat).wait()
             offset = 0
             for p in group:
-                p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
+                p.grad.copy_(flat[offset : offset + p.grad.numel()].view_as(p.grad))
                 offset += p.grad.numel()
 
     def finish_step(self) -> bool:

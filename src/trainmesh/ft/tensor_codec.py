@@ -25,9 +25,23 @@ __all__ = ["encode_state", "decode_state", "parse_header", "tensor_specs", "HEAD
 
 # First bytes of every header: a pickle starts with b"\x80", torch.save's zip with b"PK".
 HEADER_MAGIC = b"TMFT1"
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    )
+}
 _MAX_HEADER_BYTES = 256 << 20
 
 
@@ -40,8 +54,10 @@ def _encode(value: Any, tensors: list[torch.Tensor]) -> Any:
         return {"v": value}
     if isinstance(value, torch.Tensor):
         if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
-            raise TypeError(f"only plain tensors travel in a recovery state (DTensor and subclasses are not "
-                            f"supported yet). Received: {type(value).__name__}")
+            raise TypeError(
+                f"only plain tensors travel in a recovery state (DTensor and subclasses are not "
+                f"supported yet). Received: {type(value).__name__}"
+            )
         name = str(value.dtype).removeprefix("torch.")
         if name not in _DTYPES:
             raise TypeError(f"tensor dtype not supported in a recovery state. Received: {value.dtype}")
@@ -51,8 +67,9 @@ def _encode(value: Any, tensors: list[torch.Tensor]) -> Any:
         return {"d": [[_encode(k, tensors), _encode(v, tensors)] for k, v in value.items()]}
     if isinstance(value, (list, tuple)):
         return {"l" if isinstance(value, list) else "u": [_encode(v, tensors) for v in value]}
-    raise TypeError(f"a recovery state holds tensors, dicts, lists, tuples and plain scalars only. "
-                    f"Received: {type(value).__name__}")
+    raise TypeError(
+        f"a recovery state holds tensors, dicts, lists, tuples and plain scalars only. Received: {type(value).__name__}"
+    )
 
 
 def encode_state(state: Any) -> tuple[bytes, list[torch.Tensor]]:
@@ -68,10 +85,12 @@ def parse_header(header: bytes) -> dict[str, Any]:
     if len(header) > _MAX_HEADER_BYTES:
         raise UnsafeStateError(f"recovery header too large. Received: {len(header)} bytes")
     if not header.startswith(HEADER_MAGIC):
-        raise UnsafeStateError(f"recovery stream refused: not a trainmesh JSON header (a pickle or another "
-                               f"format?). Received first bytes: {bytes(header[:8])!r}")
+        raise UnsafeStateError(
+            f"recovery stream refused: not a trainmesh JSON header (a pickle or another "
+            f"format?). Received first bytes: {bytes(header[:8])!r}"
+        )
     try:
-        parsed = json.loads(header[len(HEADER_MAGIC):].decode("utf-8"))
+        parsed = json.loads(header[len(HEADER_MAGIC) :].decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise UnsafeStateError(f"recovery header is not valid JSON: {error}") from error
     if not isinstance(parsed, dict) or not isinstance(parsed.get("num_tensors"), int) or "tree" not in parsed:
@@ -88,8 +107,13 @@ def tensor_specs(parsed: dict[str, Any]) -> list[tuple[torch.dtype, list[int]]]:
             raise UnsafeStateError(f"malformed recovery header node. Received: {str(node)[:80]}")
         if "t" in node:
             index, dtype, shape = node["t"], node.get("dtype"), node.get("shape")
-            if (not isinstance(index, int) or not 0 <= index < len(specs) or dtype not in _DTYPES
-                    or not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape)):
+            if (
+                not isinstance(index, int)
+                or not 0 <= index < len(specs)
+                or dtype not in _DTYPES
+                or not isinstance(shape, list)
+                or not all(isinstance(s, int) and s >= 0 for s in shape)
+            ):
                 raise UnsafeStateError(f"malformed tensor entry in recovery header. Received: {str(node)[:80]}")
             specs[index] = (_DTYPES[dtype], shape)
         elif "d" in node:
@@ -130,6 +154,8 @@ def decode_state(header: bytes, tensors: list[torch.Tensor]) -> Any:
         raise UnsafeStateError(f"expected {len(specs)} tensors. Received: {len(tensors)}")
     for tensor, (dtype, shape) in zip(tensors, specs):
         if tensor.dtype != dtype or list(tensor.shape) != shape:
-            raise UnsafeStateError(f"tensor does not match its header. Received: {tensor.dtype} {list(tensor.shape)}, "
-                                   f"expected {dtype} {shape}")
+            raise UnsafeStateError(
+                f"tensor does not match its header. Received: {tensor.dtype} {list(tensor.shape)}, "
+                f"expected {dtype} {shape}"
+            )
     return _decode(parsed["tree"], tensors)

@@ -27,18 +27,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "machine's bf16 matmuls are fast (fp32 otherwise); write a checkpoint, logs and a loss-curve PNG to --out and print a generated "
         "sample. 1-3 minutes with 4 processes on a 2-core CPU (fp32 on a CPU without native bf16 is the slower end).",
     )
-    parser.add_argument("-n", "--nproc-per-node", type=run.positive_int, default=None, metavar="N",
-                        help="worker processes (default: one per GPU where there are GPUs, else 4)")
-    parser.add_argument("--out", default="trainmesh-demo", metavar="DIR",
-                        help="output directory (default: ./trainmesh-demo)")
-    parser.add_argument("--epochs", type=run.positive_int, default=None, metavar="E",
-                        help="training epochs (default: 2)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a tiny corpus and model that finish in seconds (for tests and smoke checks)")
-    parser.add_argument("--precision", choices=("auto", "fp32", "bf16-mixed"), default="auto",
-                        help="compute precision (default auto: bf16-mixed on a CPU with AMX, fp32 on one with AVX2 "
-                        "only; elsewhere bf16-mixed where bf16 matmuls run >= 1.5x fp32's speed, as with "
-                        "AVX512-BF16, fp32 otherwise)")
+    parser.add_argument(
+        "-n",
+        "--nproc-per-node",
+        type=run.positive_int,
+        default=None,
+        metavar="N",
+        help="worker processes (default: one per GPU where there are GPUs, else 4)",
+    )
+    parser.add_argument(
+        "--out", default="trainmesh-demo", metavar="DIR", help="output directory (default: ./trainmesh-demo)"
+    )
+    parser.add_argument(
+        "--epochs", type=run.positive_int, default=None, metavar="E", help="training epochs (default: 2)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny corpus and model that finish in seconds (for tests and smoke checks)",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16-mixed"),
+        default="auto",
+        help="compute precision (default auto: bf16-mixed on a CPU with AMX, fp32 on one with AVX2 "
+        "only; elsewhere bf16-mixed where bf16 matmuls run >= 1.5x fp32's speed, as with "
+        "AVX512-BF16, fp32 otherwise)",
+    )
     return parser
 
 
@@ -119,5 +134,8 @@ def _ensure_peak_probe(precision: str) -> None:
         return
     peak = measure_peak_flops(dtype, seconds=2.0)
     name = dtype_short_name(dtype)
-    print(f"[demo] {name} matmul peak of this node: {peak / 1e9:.0f} GFLOP/s (trainmesh env --peak {name}; "
-          "cached for MFU)", flush=True)
+    print(
+        f"[demo] {name} matmul peak of this node: {peak / 1e9:.0f} GFLOP/s (trainmesh env --peak {name}; "
+        "cached for MFU)",
+        flush=True,
+    )

@@ -30,9 +30,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "Opens no connection.",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    parser.add_argument("--peak", nargs="?", const="bf16", choices=("bf16", "fp16", "fp32"), default=None,
-                        help="measure this machine's matmul FLOP/s ceiling in the given dtype (default bf16; "
-                        "on CPU with every core, the node's), cache it for the Trainer's MFU, and print it")
+    parser.add_argument(
+        "--peak",
+        nargs="?",
+        const="bf16",
+        choices=("bf16", "fp16", "fp32"),
+        default=None,
+        help="measure this machine's matmul FLOP/s ceiling in the given dtype (default bf16; "
+        "on CPU with every core, the node's), cache it for the Trainer's MFU, and print it",
+    )
     parser.add_argument("--peak-seconds", type=float, default=3.0, help="how long the --peak probe runs")
     return parser
 
@@ -45,8 +51,7 @@ def _measure_peak(dtype_name: str, seconds: float) -> dict[str, Any]:
         raise ValueError(f"--peak-seconds must be > 0. Received: {seconds}")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     flops = measure_peak_flops(DTYPES_BY_SHORT_NAME[dtype_name], device_type=device_type, seconds=seconds)
-    return {"peak_dtype": dtype_name, "peak_flops": flops, "peak_device": device_type,
-            "peak_cache": str(_cache_file())}
+    return {"peak_dtype": dtype_name, "peak_flops": flops, "peak_device": device_type, "peak_cache": str(_cache_file())}
 
 
 def collect() -> dict[str, Any]:
@@ -108,7 +113,9 @@ def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 1
     text = format_text(report)
     if args.peak:
-        text += (f"\npeak ({report['peak_dtype']}):      {report['peak_flops'] / 1e9:.1f} GFLOP/s "
-                 f"(matmul probe, {report['peak_device']}; cached in {report['peak_cache']})")
+        text += (
+            f"\npeak ({report['peak_dtype']}):      {report['peak_flops'] / 1e9:.1f} GFLOP/s "
+            f"(matmul probe, {report['peak_device']}; cached in {report['peak_cache']})"
+        )
     print(json.dumps(report, indent=2) if args.json else text)
     return 0

@@ -27,13 +27,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument("checkpoint", metavar="CKPT_DIR", help="a trainmesh checkpoint (step folder or its parent)")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (created; a previous export is replaced)")
-    parser.add_argument("--config", metavar="DIR_OR_JSON", default=None,
-                        help="optional: a folder holding the model's config.json (e.g. the Hugging Face folder "
-                        "training started from), or that JSON file")
-    parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
-                        help="largest output file, e.g. 5GB or 500MiB (default: 5GB)")
-    parser.add_argument("--dtype", choices=_DTYPES, default=None,
-                        help="cast floating tensors to this dtype (default: as saved)")
+    parser.add_argument(
+        "--config",
+        metavar="DIR_OR_JSON",
+        default=None,
+        help="optional: a folder holding the model's config.json (e.g. the Hugging Face folder "
+        "training started from), or that JSON file",
+    )
+    parser.add_argument(
+        "--max-shard-size", default="5GB", metavar="SIZE", help="largest output file, e.g. 5GB or 500MiB (default: 5GB)"
+    )
+    parser.add_argument(
+        "--dtype", choices=_DTYPES, default=None, help="cast floating tensors to this dtype (default: as saved)"
+    )
     return parser
 
 
@@ -43,9 +49,13 @@ def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from trainmesh.checkpoint.hf_export import export_pretrained
 
     try:
-        out = export_pretrained(args.checkpoint, args.out_dir, config=args.config,
-                                max_shard_size=args.max_shard_size,
-                                dtype=getattr(torch, args.dtype) if args.dtype else None)
+        out = export_pretrained(
+            args.checkpoint,
+            args.out_dir,
+            config=args.config,
+            max_shard_size=args.max_shard_size,
+            dtype=getattr(torch, args.dtype) if args.dtype else None,
+        )
     except ValueError as exc:
         parser.error(str(exc))
     print(f"wrote {out}", file=sys.stdout)

@@ -12,10 +12,14 @@ import argparse
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from trainmesh.ft.lighthouse import add_arguments
 
-    return add_arguments(subparsers.add_parser(
-        "lighthouse", help="run torchft's Lighthouse (the quorum of fault-tolerant replica groups)",
-        description="Run torchft's Lighthouse until SIGTERM/SIGINT; it prints its URL once listening. Replica "
-                    "groups reach it through ReplicaGroups(lighthouse=URL) or $TORCHFT_LIGHTHOUSE."))
+    return add_arguments(
+        subparsers.add_parser(
+            "lighthouse",
+            help="run torchft's Lighthouse (the quorum of fault-tolerant replica groups)",
+            description="Run torchft's Lighthouse until SIGTERM/SIGINT; it prints its URL once listening. Replica "
+            "groups reach it through ReplicaGroups(lighthouse=URL) or $TORCHFT_LIGHTHOUSE.",
+        )
+    )
 
 
 def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -30,8 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         f"{_INSTALL_HINT}.",
     )
     parser.add_argument("log_dir", metavar="LOG_DIR", help="directory a trainmesh LogWriter wrote")
-    parser.add_argument("--out", metavar="PATH", default=None,
-                        help="PNG file to write (default: LOG_DIR/curves.png)")
+    parser.add_argument("--out", metavar="PATH", default=None, help="PNG file to write (default: LOG_DIR/curves.png)")
     return parser
 
 
@@ -65,7 +64,7 @@ def _moving_average(ys: list[float], window: int) -> list[float]:
     """Trailing mean over the finite values of the last ``window`` points (NaN if none)."""
     out = []
     for i in range(len(ys)):
-        chunk = [y for y in ys[max(0, i - window + 1): i + 1] if math.isfinite(y)]
+        chunk = [y for y in ys[max(0, i - window + 1) : i + 1] if math.isfinite(y)]
         out.append(sum(chunk) / len(chunk) if chunk else math.nan)
     return out
 
@@ -98,12 +97,12 @@ def draw(steps: list[dict[str, Any]], epochs: list[dict[str, Any]], out: Path, t
     x, y = _series(steps, "loss", "global_step")
     if x:
         smooth = len(y) >= _SMOOTH_FROM
-        ax_loss.plot(x, y, color="tab:blue", alpha=0.35 if smooth else 1.0, linewidth=1,
-                     label="loss (step)")
+        ax_loss.plot(x, y, color="tab:blue", alpha=0.35 if smooth else 1.0, linewidth=1, label="loss (step)")
         if smooth:
             window = max(5, len(y) // 50)
-            ax_loss.plot(x, _moving_average(y, window), color="tab:blue", linewidth=1.8,
-                         label=f"loss (step, mean of {window})")
+            ax_loss.plot(
+                x, _moving_average(y, window), color="tab:blue", linewidth=1.8, label=f"loss (step, mean of {window})"
+            )
     ends = _epoch_end_steps(steps)
     for key, color in (("loss", "tab:orange"), ("val_loss", "tab:green")):
         ex, ey = _series(epochs, key, "epoch")
@@ -158,16 +157,20 @@ def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"trainmesh plot: error: cannot read the logs in {log_dir}: {exc}", file=sys.stderr)
         return 2
     if not steps and not epochs:
-        print(f"trainmesh plot: error: no training logs in {log_dir} (expected steps.jsonl or "
-              "epochs.jsonl, written by a Trainer with log_dir set)", file=sys.stderr)
+        print(
+            f"trainmesh plot: error: no training logs in {log_dir} (expected steps.jsonl or "
+            "epochs.jsonl, written by a Trainer with log_dir set)",
+            file=sys.stderr,
+        )
         return 2
     out = Path(args.out) if args.out else log_dir / "curves.png"
     try:
         draw(steps, epochs, out, title=str(log_dir))
     except ImportError as exc:
-        print(f"trainmesh plot: error: plotting needs matplotlib ({exc}); install it with: "
-              f"{_INSTALL_HINT}", file=sys.stderr)
+        print(
+            f"trainmesh plot: error: plotting needs matplotlib ({exc}); install it with: {_INSTALL_HINT}",
+            file=sys.stderr,
+        )
         return 1
     print(f"wrote {out}")
     return 0
-

@@ -78,36 +78,75 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description="Launch SCRIPT on N processes per node with torchrun's elastic agent "
         "and c10d rendezvous. Arguments after SCRIPT are passed to it untouched.",
     )
-    parser.add_argument("-n", "--nproc-per-node", type=positive_int, required=True, metavar="N",
-                        help="worker processes on this node")
-    parser.add_argument("--nnodes", type=node_range, default="1", metavar="N|MIN:MAX",
-                        help="number of nodes, or MIN:MAX for an elastic job that goes on with as few as "
-                        "MIN nodes when others are lost (default: 1)")
-    parser.add_argument("--node-rank", type=_non_negative_int, default=None, metavar="R",
-                        help="this node's index; node 0 hosts the rendezvous store at --rdzv-endpoint")
-    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                        help="rendezvous address, required when --nnodes > 1 "
-                        "(default on one node: a free local port)")
-    parser.add_argument("--local-addr", default=None, metavar="ADDR",
-                        help="address of this node that the other nodes can reach (default with "
-                        "--nnodes > 1: the address of the interface that routes to the rendezvous host)")
-    parser.add_argument("--rdzv-id", default=None, metavar="ID",
-                        help="job id shared by all nodes of one job (ignored on a standalone node)")
-    parser.add_argument("--rdzv-conf", default=None, metavar="KEY=VALUE,...",
-                        help="extra c10d rendezvous settings, as torchrun takes them (e.g. "
-                        "join_timeout=600,last_call_timeout=30,close_timeout=30)")
-    parser.add_argument("--max-restarts", type=_non_negative_int, default=None, metavar="K",
-                        help="restart the worker group up to K times after a failure (default: 0)")
-    parser.add_argument("--monitor-interval", type=_positive_float, default=None, metavar="S",
-                        help="seconds between worker health checks")
-    parser.add_argument("--servers", type=positive_int, default=None, metavar="K",
-                        help="also start K local parameter servers for tm.ParameterServerStrategy "
-                        "(addresses passed to the workers in TRAINMESH_PS_SERVERS; one node only)")
-    parser.add_argument("-m", "--module", action="store_true",
-                        help="treat SCRIPT as a module name, like `python -m`")
+    parser.add_argument(
+        "-n", "--nproc-per-node", type=positive_int, required=True, metavar="N", help="worker processes on this node"
+    )
+    parser.add_argument(
+        "--nnodes",
+        type=node_range,
+        default="1",
+        metavar="N|MIN:MAX",
+        help="number of nodes, or MIN:MAX for an elastic job that goes on with as few as "
+        "MIN nodes when others are lost (default: 1)",
+    )
+    parser.add_argument(
+        "--node-rank",
+        type=_non_negative_int,
+        default=None,
+        metavar="R",
+        help="this node's index; node 0 hosts the rendezvous store at --rdzv-endpoint",
+    )
+    parser.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="rendezvous address, required when --nnodes > 1 (default on one node: a free local port)",
+    )
+    parser.add_argument(
+        "--local-addr",
+        default=None,
+        metavar="ADDR",
+        help="address of this node that the other nodes can reach (default with "
+        "--nnodes > 1: the address of the interface that routes to the rendezvous host)",
+    )
+    parser.add_argument(
+        "--rdzv-id",
+        default=None,
+        metavar="ID",
+        help="job id shared by all nodes of one job (ignored on a standalone node)",
+    )
+    parser.add_argument(
+        "--rdzv-conf",
+        default=None,
+        metavar="KEY=VALUE,...",
+        help="extra c10d rendezvous settings, as torchrun takes them (e.g. "
+        "join_timeout=600,last_call_timeout=30,close_timeout=30)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=_non_negative_int,
+        default=None,
+        metavar="K",
+        help="restart the worker group up to K times after a failure (default: 0)",
+    )
+    parser.add_argument(
+        "--monitor-interval",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="seconds between worker health checks",
+    )
+    parser.add_argument(
+        "--servers",
+        type=positive_int,
+        default=None,
+        metavar="K",
+        help="also start K local parameter servers for tm.ParameterServerStrategy "
+        "(addresses passed to the workers in TRAINMESH_PS_SERVERS; one node only)",
+    )
+    parser.add_argument("-m", "--module", action="store_true", help="treat SCRIPT as a module name, like `python -m`")
     parser.add_argument("script", metavar="SCRIPT", help="training script path (or module with -m)")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
-                        help="arguments for SCRIPT")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments for SCRIPT")
     return parser
 
 
@@ -191,8 +230,9 @@ def choose_local_addr(rdzv_endpoint: str) -> str:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
     except socket.gaierror as exc:
-        raise ValueError(f"cannot resolve the rendezvous host {host!r} ({exc}). "
-                         f"Received: --rdzv-endpoint {rdzv_endpoint}") from None
+        raise ValueError(
+            f"cannot resolve the rendezvous host {host!r} ({exc}). Received: --rdzv-endpoint {rdzv_endpoint}"
+        ) from None
     errors = []
     for family, kind, proto, _, sockaddr in infos:
         with socket.socket(family, kind, proto) as probe:
@@ -202,8 +242,10 @@ def choose_local_addr(rdzv_endpoint: str) -> str:
                 errors.append(f"{sockaddr[0]}: {exc}")
                 continue
             return probe.getsockname()[0]
-    raise ValueError(f"no route from this machine to the rendezvous host ({'; '.join(errors)}). "
-                     f"Received: --rdzv-endpoint {rdzv_endpoint}")
+    raise ValueError(
+        f"no route from this machine to the rendezvous host ({'; '.join(errors)}). "
+        f"Received: --rdzv-endpoint {rdzv_endpoint}"
+    )
 
 
 def interface_of(address: str) -> str | None:
@@ -242,8 +284,12 @@ def resolve_local_addr(args: argparse.Namespace) -> str | None:
     return choose_local_addr(args.rdzv_endpoint)
 
 
-def worker_env(nproc_per_node: int, environ: Mapping[str, str] | None = None,
-               local_addr: str | None = None, multi_node: bool = False) -> dict[str, str]:
+def worker_env(
+    nproc_per_node: int,
+    environ: Mapping[str, str] | None = None,
+    local_addr: str | None = None,
+    multi_node: bool = False,
+) -> dict[str, str]:
     """Variables to add to the workers' environment (none of them overrides the user's)."""
     environ = os.environ if environ is None else environ
     extra = {}
@@ -293,9 +339,11 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     if args.rdzv_conf is not None and not all("=" in item for item in args.rdzv_conf.split(",")):
         parser.error(f"--rdzv-conf must be KEY=VALUE[,KEY=VALUE...]. Received: --rdzv-conf {args.rdzv_conf}")
     if args.servers is not None and max_nodes > 1:
-        parser.error("--servers starts servers on this machine, bound to 127.0.0.1, which other nodes cannot "
-                     "reach; on several nodes start them with `trainmesh ps-server` and set TRAINMESH_PS_SERVERS. "
-                     f"Received: --servers {args.servers} --nnodes {args.nnodes}")
+        parser.error(
+            "--servers starts servers on this machine, bound to 127.0.0.1, which other nodes cannot "
+            "reach; on several nodes start them with `trainmesh ps-server` and set TRAINMESH_PS_SERVERS. "
+            f"Received: --servers {args.servers} --nnodes {args.nnodes}"
+        )
     if not args.module and not Path(args.script).is_file():
         parser.error(f"script not found: {args.script!r}")
     if args.rdzv_endpoint is not None:
@@ -349,8 +397,10 @@ def _check_local_addr(address: str, parser: argparse.ArgumentParser) -> None:
                 return
             except OSError:
                 continue
-    parser.error(f"--local-addr must be an address of this machine (no local interface holds it). "
-                 f"Received: --local-addr {address}")
+    parser.error(
+        f"--local-addr must be an address of this machine (no local interface holds it). "
+        f"Received: --local-addr {address}"
+    )
 
 
 def _exit_status(exitcode: int) -> int:
@@ -363,8 +413,10 @@ def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         from_pytorchjob = apply_pytorchjob_env(args)
     except (argparse.ArgumentTypeError, ValueError) as exc:
-        parser.error(f"bad PyTorchJob variable ({exc}). Received: "
-                     + ", ".join(f"{k}={os.environ[k]}" for k in _PET if k in os.environ))
+        parser.error(
+            f"bad PyTorchJob variable ({exc}). Received: "
+            + ", ".join(f"{k}={os.environ[k]}" for k in _PET if k in os.environ)
+        )
     if from_pytorchjob:
         print(f"[trainmesh] from the PyTorchJob environment: {' '.join(from_pytorchjob)}", file=sys.stderr, flush=True)
     _validate(args, parser)
@@ -379,8 +431,14 @@ def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if nodes_min_max(args.nnodes)[1] > 1:
         print(f"[trainmesh] this node advertises {args.local_addr} to the other nodes", file=sys.stderr, flush=True)
     with _parameter_servers(args.servers, num_workers=args.nproc_per_node * nodes_min_max(args.nnodes)[1]) as ps_env:
-        with _environ_added({**worker_env(args.nproc_per_node, local_addr=args.local_addr,
-                                      multi_node=nodes_min_max(args.nnodes)[1] > 1), **ps_env}):
+        with _environ_added(
+            {
+                **worker_env(
+                    args.nproc_per_node, local_addr=args.local_addr, multi_node=nodes_min_max(args.nnodes)[1] > 1
+                ),
+                **ps_env,
+            }
+        ):
             try:
                 torchrun.main(torchrun_argv(args))
             except ChildFailedError as failed:

@@ -18,5 +18,18 @@ from .parallel import ParallelPlan, plan_parallel
 from .report import PlanReport, PlanRow, format_bytes, parse_bytes
 from .search import SearchResult, search
 
-__all__ = ["plan", "plan_parallel", "search", "ParallelPlan", "SearchResult", "MeshSpec", "Hardware", "Link",
-           "HARDWARE", "PlanReport", "PlanRow", "format_bytes", "parse_bytes"]
+__all__ = [
+    "plan",
+    "plan_parallel",
+    "search",
+    "ParallelPlan",
+    "SearchResult",
+    "MeshSpec",
+    "Hardware",
+    "Link",
+    "HARDWARE",
+    "PlanReport",
+    "PlanRow",
+    "format_bytes",
+    "parse_bytes",
+]

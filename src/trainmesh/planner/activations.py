@@ -67,8 +67,14 @@ def _to_fake_input(value: Any, mode, device: str, precision: str) -> Any:
         return torch.utils._pytree.tree_map(convert, value)
 
 
-def measure_activations(meta_model: nn.Module, example_input: Any, precision: str, *,
-                        checkpoint_paths: list[str] | None = None, device: str = "cpu") -> ActivationProfile:
+def measure_activations(
+    meta_model: nn.Module,
+    example_input: Any,
+    precision: str,
+    *,
+    checkpoint_paths: list[str] | None = None,
+    device: str = "cpu",
+) -> ActivationProfile:
     """Run one fake forward of ``meta_model`` on ``example_input`` (real, meta or fake tensors; a tuple
     is unpacked into positional arguments) and record what is saved for backward."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -103,6 +109,7 @@ def measure_activations(meta_model: nn.Module, example_input: Any, precision: st
 
     handles = []
     for path in checkpoint_paths or []:
+
         def pre(module, inputs, path=path):
             stack.append(path)
             profile.inputs[path] = dict(key_of(t) for t in tree_leaves(inputs) if isinstance(t, torch.Tensor))
@@ -158,7 +165,9 @@ def _fallback_paths(meta_model: nn.Module, policy: str) -> list[str]:
             raise ValueError(f"every:K needs K >= 1. Received: activation_checkpointing={policy!r}")
         return blocks[::k]  # blocks 0, K, 2K, ... as the checkpointing module picks them
     if policy == "selective":
-        raise ValueError("activation_checkpointing='selective' needs trainmesh._torch.activation_checkpointing, "
-                         "which this installation lacks")
+        raise ValueError(
+            "activation_checkpointing='selective' needs trainmesh._torch.activation_checkpointing, "
+            "which this installation lacks"
+        )
     pattern = re.compile(policy)
     return [path for path, _ in meta_model.named_modules() if path and pattern.fullmatch(path)]

@@ -120,8 +120,7 @@ def calibrate_link(repeats: int = 7, sizes: list[int] | None = None) -> Link:
     return calibrate_collectives(repeats, sizes, kinds=("all_reduce",))[0]
 
 
-def calibrate_collectives(repeats: int = 7, sizes: list[int] | None = None,
-                          kinds: tuple = KINDS) -> tuple[Link, tuple]:
+def calibrate_collectives(repeats: int = 7, sizes: list[int] | None = None, kinds: tuple = KINDS) -> tuple[Link, tuple]:
     """The loopback link (all-reduce's alpha/beta) and ``((kind, alpha, beta), ...)`` of every kind in
     ``kinds``, each fitted to its own times against the wire bytes gloo's algorithm sends for it."""
     from trainmesh.testing import run_distributed
@@ -137,7 +136,8 @@ def calibrate_collectives(repeats: int = 7, sizes: list[int] | None = None,
 def cache_path() -> Path:
     """Where ``calibrate`` keeps its figures (beside ``trainmesh env --peak``'s cache)."""
     root = os.environ.get("TRAINMESH_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "trainmesh")
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "trainmesh"
+    )
     return Path(root) / "plan_calibration.json"
 
 
@@ -146,8 +146,15 @@ def _key() -> str:
     return f"{platform.node()}|{platform.machine()}|torch {torch.__version__}|threads={torch.get_num_threads()}"
 
 
-def calibrate(n: int = 1024, *, link: bool = True, save: bool = True, contention: bool = True,
-              host_link: str | None = None, processes_per_host: int = 1) -> "CalibratedHardware":
+def calibrate(
+    n: int = 1024,
+    *,
+    link: bool = True,
+    save: bool = True,
+    contention: bool = True,
+    host_link: str | None = None,
+    processes_per_host: int = 1,
+) -> "CalibratedHardware":
     """Measure this machine (about a minute): per-op cost curves and overheads (``calibrate_ops``) on the
     threads this process has, the loopback link's alpha/beta between two gloo processes, and how much
     slower each of 1-8 processes runs at once (``calibrate_cores``; ``contention=False`` skips it).
@@ -158,12 +165,19 @@ def calibrate(n: int = 1024, *, link: bool = True, save: bool = True, contention
     loop, costs = calibrate_collectives() if link else (Link("loopback", 0.0, float("inf")), ())
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     hardware = CalibratedHardware(
-        name="calibrated", source=f"calibrated on {platform.node() or 'this machine'} ({cores} cores, "
+        name="calibrated",
+        source=f"calibrated on {platform.node() or 'this machine'} ({cores} cores, "
         f"{torch.get_num_threads()} thread(s) per process, torch {torch.__version__}): matmul and add curves, "
         "attention and arithmetic-bound element-wise ops, "
         "op overheads of a tiny model's step, gloo all-reduce on loopback, 1-8 processes sharing the cores",
-        flops=0.0, devices_per_node=1 << 30, intra=loop, inter=loop, cores=cores, backend="gloo",
-        collective_costs=costs)
+        flops=0.0,
+        devices_per_node=1 << 30,
+        intra=loop,
+        inter=loop,
+        cores=cores,
+        backend="gloo",
+        collective_costs=costs,
+    )
     hardware = measure_compute(hardware)
     hardware = replace(hardware, dtensor_op_overhead=measure_dtensor_overhead(hardware) or 0.0)
     hardware = replace(hardware, fsdp_call_overhead=measure_fsdp_overhead(hardware) or 0.0)
@@ -205,23 +219,40 @@ def cached_calibration() -> "CalibratedHardware | None":
 class CalibratedHardware(Hardware):
     def describe(self) -> str:
         curve = lambda points, unit: ", ".join(f"{s:.0e}: {r / 1e9:.1f}" for s, r in points) + f" {unit}"  # noqa: E731
-        return (f"{self.source}\n  FLOP rate   {self.flops / 1e9:.1f} GFLOP/s (best matmul)\n"
-                f"  matmuls     {curve(self.flops_curve, 'GFLOP/s')} (by FLOPs)\n"
-                f"  bandwidth   {curve(self.bandwidth_curve, 'GB/s')} (by bytes moved)\n"
-                + ("  op kinds    "
-                   + "; ".join(f"{kind} {points[-1][1] / 1e9:.1f}" for kind, points in self.op_kind_curves)
-                   + " (G per s at the largest probe: FLOP/s for attention, bytes/s for the rest)\n"
-                   if self.op_kind_curves else "")
-                + f"  per op      {self.op_overhead * 1e6:.1f} us; on DTensors +{self.dtensor_op_overhead * 1e6:.1f} us; "
-                f"per FSDP2 gather or reduce-scatter call +{self.fsdp_call_overhead * 1e6:.1f} us\n"
-                f"  cores       {self.cores} (others' runnable processes while measured: {self.external_load:.1f})\n"
-                + ("  processes   " + ", ".join(f"{p}: {s:.2f}x" for p, s in self.contention_curve)
-                   + " slower each than one alone (run at once)\n" if self.contention_curve else "")
-                + f"  {self.intra.name:<11} alpha {self.intra.alpha * 1e6:.1f} us, beta {self.intra.beta / 1e9:.2f} GB/s"
-                + "".join(f"\n  {kind:<15} alpha {alpha * 1e6:.1f} us, beta {beta / 1e9:.2f} GB/s (of wire bytes)"
-                          for kind, alpha, beta in self.collective_costs)
-                + (f"\n  {self.inter.name:<11} alpha {self.inter.alpha * 1e6:.1f} us, beta {self.inter.beta / 1e9:.3f} GB/s "
-                   f"(between namespace hosts of {self.devices_per_node} process(es))"
-                   + "".join(f"\n    {kind:<13} alpha {alpha * 1e6:.1f} us, beta {beta / 1e9:.3f} GB/s (of wire bytes)"
-                             for kind, alpha, beta in self.inter_collective_costs)
-                   if self.inter != self.intra else ""))
+        return (
+            f"{self.source}\n  FLOP rate   {self.flops / 1e9:.1f} GFLOP/s (best matmul)\n"
+            f"  matmuls     {curve(self.flops_curve, 'GFLOP/s')} (by FLOPs)\n"
+            f"  bandwidth   {curve(self.bandwidth_curve, 'GB/s')} (by bytes moved)\n"
+            + (
+                "  op kinds    "
+                + "; ".join(f"{kind} {points[-1][1] / 1e9:.1f}" for kind, points in self.op_kind_curves)
+                + " (G per s at the largest probe: FLOP/s for attention, bytes/s for the rest)\n"
+                if self.op_kind_curves
+                else ""
+            )
+            + f"  per op      {self.op_overhead * 1e6:.1f} us; on DTensors +{self.dtensor_op_overhead * 1e6:.1f} us; "
+            f"per FSDP2 gather or reduce-scatter call +{self.fsdp_call_overhead * 1e6:.1f} us\n"
+            f"  cores       {self.cores} (others' runnable processes while measured: {self.external_load:.1f})\n"
+            + (
+                "  processes   "
+                + ", ".join(f"{p}: {s:.2f}x" for p, s in self.contention_curve)
+                + " slower each than one alone (run at once)\n"
+                if self.contention_curve
+                else ""
+            )
+            + f"  {self.intra.name:<11} alpha {self.intra.alpha * 1e6:.1f} us, beta {self.intra.beta / 1e9:.2f} GB/s"
+            + "".join(
+                f"\n  {kind:<15} alpha {alpha * 1e6:.1f} us, beta {beta / 1e9:.2f} GB/s (of wire bytes)"
+                for kind, alpha, beta in self.collective_costs
+            )
+            + (
+                f"\n  {self.inter.name:<11} alpha {self.inter.alpha * 1e6:.1f} us, beta {self.inter.beta / 1e9:.3f} GB/s "
+                f"(between namespace hosts of {self.devices_per_node} process(es))"
+                + "".join(
+                    f"\n    {kind:<13} alpha {alpha * 1e6:.1f} us, beta {beta / 1e9:.3f} GB/s (of wire bytes)"
+                    for kind, alpha, beta in self.inter_collective_costs
+                )
+                if self.inter != self.intra
+                else ""
+            )
+        )

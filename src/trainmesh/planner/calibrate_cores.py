@@ -97,8 +97,10 @@ def measure_contention(processes: tuple[int, ...] = PROCESSES, window: float = W
     most = max(processes)
     plan = [1, *sorted(set(processes) - {1}), 1]
     barrier, queue = ctx.Barrier(most), ctx.Queue()
-    children = [ctx.Process(target=_child, args=(i, torch.get_num_threads(), plan, window, barrier, queue), daemon=True)
-                for i in range(most)]
+    children = [
+        ctx.Process(target=_child, args=(i, torch.get_num_threads(), plan, window, barrier, queue), daemon=True)
+        for i in range(most)
+    ]
     for child in children:
         child.start()
     results: dict[int, list[float]] = {}

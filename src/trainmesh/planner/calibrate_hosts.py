@@ -31,8 +31,9 @@ HOST_SIZES = SIZES + [2**25]
 BULK = 2**20
 
 
-def measure_host_link(rate: str = "1gbit", *, repeats: int = 5, sizes: list[int] | None = None,
-                      kinds: tuple = KINDS, timeout: float = 300) -> tuple[Link, tuple, tuple]:
+def measure_host_link(
+    rate: str = "1gbit", *, repeats: int = 5, sizes: list[int] | None = None, kinds: tuple = KINDS, timeout: float = 300
+) -> tuple[Link, tuple, tuple]:
     """``(Link, ((kind, alpha, beta), ...), ((kind, ((wire bytes, seconds), ...)), ...))`` of two namespace
     hosts whose links are shaped to ``rate``: the summary line, each kind's fit, each kind's measured curve."""
     times = time_host_link(rate, repeats=repeats, sizes=sizes, kinds=kinds, timeout=timeout)
@@ -43,8 +44,10 @@ def curves(times: dict[str, dict[int, float]]) -> tuple:
     """Each kind's measured seconds per call against the wire bytes of the call (what the plan prices by)."""
     from .collectives import wire_bytes
 
-    return tuple((kind, tuple((wire_bytes(kind, float(s), 2, "gloo"), t) for s, t in sorted(by.items())))
-                 for kind, by in times.items())
+    return tuple(
+        (kind, tuple((wire_bytes(kind, float(s), 2, "gloo"), t) for s, t in sorted(by.items())))
+        for kind, by in times.items()
+    )
 
 
 def fit_shaped(times: dict[int, float], wire_factor: float = 1.0) -> tuple[float, float]:
@@ -61,8 +64,9 @@ def fit_shaped(times: dict[int, float], wire_factor: float = 1.0) -> tuple[float
     bulk = {s: t for s, t in times.items() if s >= BULK} or times
     xs = {s: wire_factor * s for s in bulk}
     # least squares of (alpha + x / beta - t) / t over the bulk sizes, alpha fixed: closed form in 1 / beta
-    per_byte = (sum(xs[s] * (t - alpha) / t**2 for s, t in bulk.items())
-                / sum(xs[s] ** 2 / t**2 for s, t in bulk.items()))
+    per_byte = sum(xs[s] * (t - alpha) / t**2 for s, t in bulk.items()) / sum(
+        xs[s] ** 2 / t**2 for s, t in bulk.items()
+    )
     return alpha, 1.0 / max(per_byte, 1e-15)
 
 
@@ -75,14 +79,20 @@ def fit_host_link(rate: str, times: dict[str, dict[int, float]]) -> tuple[Link, 
     return Link(f"hosts at {rate}", alpha, beta), costs
 
 
-def time_host_link(rate: str, *, repeats: int = 5, sizes: list[int] | None = None, kinds: tuple = KINDS,
-                   timeout: float = 300) -> dict[str, dict[int, float]]:
+def time_host_link(
+    rate: str, *, repeats: int = 5, sizes: list[int] | None = None, kinds: tuple = KINDS, timeout: float = 300
+) -> dict[str, dict[int, float]]:
     """Median seconds of one call of each kind per full-buffer size, between two namespace hosts at ``rate``
     (one process in each, ``testing.host_jobs.run_on_hosts``)."""
     from trainmesh.testing.host_jobs import run_on_hosts
 
-    return run_on_hosts("trainmesh.planner.calibrate:_collective_times", (sizes or HOST_SIZES, repeats, kinds), 2,
-                        rate=rate, timeout=timeout)[0]
+    return run_on_hosts(
+        "trainmesh.planner.calibrate:_collective_times",
+        (sizes or HOST_SIZES, repeats, kinds),
+        2,
+        rate=rate,
+        timeout=timeout,
+    )[0]
 
 
 def with_host_link(hardware: Hardware, link: Link, costs: tuple, measured: tuple, processes_per_host: int) -> Hardware:
@@ -90,8 +100,15 @@ def with_host_link(hardware: Hardware, link: Link, costs: tuple, measured: tuple
     the inter-node link, each kind's fit and measured curve (``measured``, which prices the calls), with
     every host's processes sharing this machine's cores."""
     per_kind = "; ".join(f"{kind} alpha {a * 1e6:.0f} us, beta {b / 1e6:.0f} MB/s" for kind, a, b in costs)
-    return replace(hardware, inter=link, inter_collective_costs=costs, inter_collective_curves=measured,
-                   devices_per_node=processes_per_host, nodes_share_cores=True, inter_link_per_node=True,
-                   source=f"{hardware.source}; between hosts: network-namespace hosts of this machine, "
-                   f"{processes_per_host} process(es) each, {link.name} (measured: {per_kind}; calls priced on each "
-                   "kind's measured curve)")
+    return replace(
+        hardware,
+        inter=link,
+        inter_collective_costs=costs,
+        inter_collective_curves=measured,
+        devices_per_node=processes_per_host,
+        nodes_share_cores=True,
+        inter_link_per_node=True,
+        source=f"{hardware.source}; between hosts: network-namespace hosts of this machine, "
+        f"{processes_per_host} process(es) each, {link.name} (measured: {per_kind}; calls priced on each "
+        "kind's measured curve)",
+    )

@@ -30,7 +30,7 @@ import torch
 
 from .op_costs import ARITHMETIC_OPS, OpProfile
 
-NUMELS = (2**14, 2**18, 2**21)                            # 64 KiB .. 8 MiB per fp32 operand
+NUMELS = (2**14, 2**18, 2**21)  # 64 KiB .. 8 MiB per fp32 operand
 ATTENTION_SHAPES = ((1, 4, 64, 64), (2, 8, 128, 64), (2, 8, 256, 64))  # (batch, heads, seq, head dim)
 _ROW = 1024  # softmax rows: between an attention row and a vocabulary row
 
@@ -43,13 +43,21 @@ def _elementwise_probes(numel: int) -> dict:
     rows, grows = x.view(-1, min(_ROW, numel)), g.view(-1, min(_ROW, numel))
     probs, logp = torch.softmax(rows, -1), torch.log_softmax(rows, -1)
     return {
-        "exp": lambda: torch.exp(x), "log": lambda: torch.log(x), "sqrt": lambda: torch.sqrt(x),
-        "rsqrt": lambda: torch.rsqrt(x), "tanh": lambda: torch.tanh(x), "sigmoid": lambda: torch.sigmoid(x),
-        "silu": lambda: torch.nn.functional.silu(x), "gelu": lambda: torch.nn.functional.gelu(x),
-        "erf": lambda: torch.erf(x), "_softmax": lambda: torch.softmax(rows, -1),
+        "exp": lambda: torch.exp(x),
+        "log": lambda: torch.log(x),
+        "sqrt": lambda: torch.sqrt(x),
+        "rsqrt": lambda: torch.rsqrt(x),
+        "tanh": lambda: torch.tanh(x),
+        "sigmoid": lambda: torch.sigmoid(x),
+        "silu": lambda: torch.nn.functional.silu(x),
+        "gelu": lambda: torch.nn.functional.gelu(x),
+        "erf": lambda: torch.erf(x),
+        "_softmax": lambda: torch.softmax(rows, -1),
         "_log_softmax": lambda: torch.log_softmax(rows, -1),
-        "silu_backward": lambda: aten.silu_backward(g, x), "gelu_backward": lambda: aten.gelu_backward(g, x),
-        "sigmoid_backward": lambda: aten.sigmoid_backward(g, x), "tanh_backward": lambda: aten.tanh_backward(g, x),
+        "silu_backward": lambda: aten.silu_backward(g, x),
+        "gelu_backward": lambda: aten.gelu_backward(g, x),
+        "sigmoid_backward": lambda: aten.sigmoid_backward(g, x),
+        "tanh_backward": lambda: aten.tanh_backward(g, x),
         "_softmax_backward_data": lambda: aten._softmax_backward_data(grows, probs, -1, torch.float32),
         "_log_softmax_backward_data": lambda: aten._log_softmax_backward_data(grows, logp, -1, torch.float32),
     }
@@ -59,8 +67,7 @@ def _attention_probes(shape: tuple) -> dict:
     q, k, v = (torch.randn(*shape, requires_grad=True) for _ in range(3))
     forward = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
     grad = torch.randn(*shape)
-    return {"attention": forward,
-            "attention_backward": lambda: torch.autograd.grad(forward(), (q, k, v), grad)}
+    return {"attention": forward, "attention_backward": lambda: torch.autograd.grad(forward(), (q, k, v), grad)}
 
 
 def _work(kind: str, fn) -> float:
@@ -71,8 +78,9 @@ def _work(kind: str, fn) -> float:
     return float(sum((key[2] if kind.startswith("attention") else key[3]) * n for key, n in keys))
 
 
-def measure_op_kind_curves(floor: float, repeats: int = 7, numels: tuple = NUMELS,
-                           attention_shapes: tuple = ATTENTION_SHAPES) -> tuple:
+def measure_op_kind_curves(
+    floor: float, repeats: int = 7, numels: tuple = NUMELS, attention_shapes: tuple = ATTENTION_SHAPES
+) -> tuple:
     """``((kind, ((work, rate), ...)), ...)`` for attention (FLOPs, FLOP/s) and every element-wise kind
     (bytes moved, bytes/s), ascending in work; ``floor`` is the dispatch time of the cheapest op."""
     from .calibrate_ops import _median_time
@@ -93,8 +101,11 @@ def measure_op_kind_curves(floor: float, repeats: int = 7, numels: tuple = NUMEL
         forward = _median_time(probes["attention"], repeats)
         add("attention", probes["attention"], forward)
         # the backward alone: the probe runs a forward first (a fresh graph each time)
-        add("attention_backward", probes["attention_backward"],
-            max(_median_time(probes["attention_backward"], repeats) - forward, forward * 0.05))
+        add(
+            "attention_backward",
+            probes["attention_backward"],
+            max(_median_time(probes["attention_backward"], repeats) - forward, forward * 0.05),
+        )
     assert set(points) <= set(ARITHMETIC_OPS) | {"attention", "attention_backward"}
     return tuple((kind, tuple(sorted(curve))) for kind, curve in sorted(points.items()))
 

@@ -65,8 +65,9 @@ def measure_flops_curve(floor: float, repeats: int = 7) -> tuple:
     for n in MATMUL_SIZES:
         a, b = torch.randn(n, n), torch.randn(n, n)
         inner = max(1, 2**20 // n**2)
-        t = statistics.mean(_median_time(fn, repeats, inner) for fn in
-                            (lambda: a @ b.t(), lambda: a @ b, lambda: a.t() @ b))
+        t = statistics.mean(
+            _median_time(fn, repeats, inner) for fn in (lambda: a @ b.t(), lambda: a @ b, lambda: a.t() @ b)
+        )
         points.append((2 * n**3, 2 * n**3 / max(t - floor, t * 0.05)))
     return tuple(points)
 
@@ -102,9 +103,15 @@ def measure_compute(hardware, repeats: int = 7):
     floor = measure_floor()
     flops_curve = measure_flops_curve(floor, repeats)
     bandwidth_curve = measure_bandwidth_curve(floor, repeats)
-    out = replace(hardware, flops=max(r for _, r in flops_curve), flops_curve=flops_curve,
-                  bandwidth_curve=bandwidth_curve, memory_bandwidth=bandwidth_curve[-1][1], op_overhead=0.0,
-                  op_kind_curves=measure_op_kind_curves(floor, repeats))  # before the overhead: its model has gelu
+    out = replace(
+        hardware,
+        flops=max(r for _, r in flops_curve),
+        flops_curve=flops_curve,
+        bandwidth_curve=bandwidth_curve,
+        memory_bandwidth=bandwidth_curve[-1][1],
+        op_overhead=0.0,
+        op_kind_curves=measure_op_kind_curves(floor, repeats),
+    )  # before the overhead: its model has gelu
     overhead, _ = measure_op_overhead(out, repeats=2 * repeats + 1)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     return replace(out, op_overhead=overhead, external_load=_external_load(hardware.cores, wall, cpu, host))
@@ -250,5 +257,12 @@ def _fake_group(world_size: int):
         _clear_sharding_prop_cache()
 
 
-__all__ = ["measure_floor", "measure_flops_curve", "measure_bandwidth_curve", "measure_op_overhead",
-           "measure_dtensor_overhead", "measure_fsdp_overhead", "measure_compute"]
+__all__ = [
+    "measure_floor",
+    "measure_flops_curve",
+    "measure_bandwidth_curve",
+    "measure_op_overhead",
+    "measure_dtensor_overhead",
+    "measure_fsdp_overhead",
+    "measure_compute",
+]

@@ -30,21 +30,40 @@ from trainmesh.comm.allreduce_scatter import carrying_reduce_scatter
 
 # op name (without namespace/overload) -> (kind, index of the "full buffer" argument or "out"/"in" rule)
 _KINDS = {
-    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
-    "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce", "all_reduce_coalesced_": "all_reduce",
-    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_coalesced_": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_out": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
     "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "broadcast_": "broadcast", "broadcast": "broadcast",
-    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all",
+    "broadcast_": "broadcast",
+    "broadcast": "broadcast",
+    "alltoall_": "all_to_all",
+    "alltoall_base_": "all_to_all",
+    "all_to_all_single": "all_to_all",
     "send": "send_recv",  # point-to-point counted once, at the sender (a recv is its partner's send)
-    "reduce_": "reduce", "gather_": "gather", "scatter_": "scatter",
+    "reduce_": "reduce",
+    "gather_": "gather",
+    "scatter_": "scatter",
 }
-_WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-         "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
+_WIRE = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+}
 
 
 # gloo (torch 2.14's ProcessGroupGloo on CPU) differs from the ring table in one place, seen in the
@@ -101,9 +120,16 @@ class CollectiveLog:
         return sum(t.bytes for t in self.traffic.values())
 
     def rows(self) -> list[dict]:
-        return [{"axis": axis, "kind": kind, "count": t.count, "bytes": t.bytes,
-                 "group_size": self.group_sizes.get(axis, 0)}
-                for (axis, kind), t in sorted(self.traffic.items())]
+        return [
+            {
+                "axis": axis,
+                "kind": kind,
+                "count": t.count,
+                "bytes": t.bytes,
+                "group_size": self.group_sizes.get(axis, 0),
+            }
+            for (axis, kind), t in sorted(self.traffic.items())
+        ]
 
 
 def group_axes(torch_mesh) -> dict[str, str]:

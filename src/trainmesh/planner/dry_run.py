@@ -58,8 +58,10 @@ _MIXED = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 # * FSDP2 warns when the root module returns a view (a transformers model's logits under fake
 #   tensors), because an in-place op on it would skip the all-gather; the dry run's loss
 #   (``_loss``, or the model's own) is out of place.
-_FALSE_ALARMS = (r"Accessing the data pointer of FakeTensor is deprecated",
-                 r"FSDP2-wrapped module \(.*\) returned a view tensor")
+_FALSE_ALARMS = (
+    r"Accessing the data pointer of FakeTensor is deprecated",
+    r"FSDP2-wrapped module \(.*\) returned a view tensor",
+)
 
 
 @dataclass
@@ -78,21 +80,33 @@ class RankResult:
     num_parameters_local: int
     seconds: float
     notes: list[str] = field(default_factory=list)
-    microbatches: int = 1          # a pipeline step's microbatches (compute and per-microbatch traffic x this)
-    in_flight: int = 1             # microbatches whose activations a pipeline stage holds at once
+    microbatches: int = 1  # a pipeline step's microbatches (compute and per-microbatch traffic x this)
+    in_flight: int = 1  # microbatches whose activations a pipeline stage holds at once
     boundary: tuple | None = None  # (shape, dtype) of the activation a pipeline stage sends on
-    ops: OpProfile | None = None   # every op of the step with its FLOPs and bytes (op_costs.price prices it)
+    ops: OpProfile | None = None  # every op of the step with its FLOPs and bytes (op_costs.price prices it)
     # building on the meta device and loading weights= (see _torch/materialize.py): this rank's shards plus
     # one tensor in flight (FSDP2's padded copy of an uneven shard, or a read converting the file's dtype)
     load_peak: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "coords": self.coords, "params": self.params, "grads": self.grads,
-                "optimizer": self.optimizer, "activations": self.activations, "buffers": self.buffers,
-                "flops": self.flops, "collectives": self.collectives.rows(),
-                "num_parameters_local": self.num_parameters_local, "seconds": round(self.seconds, 3),
-                "notes": self.notes, "microbatches": self.microbatches, "in_flight": self.in_flight,
-                "ops": self.ops.rows() if self.ops is not None else None, "load_peak": self.load_peak}
+        return {
+            "rank": self.rank,
+            "coords": self.coords,
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "buffers": self.buffers,
+            "flops": self.flops,
+            "collectives": self.collectives.rows(),
+            "num_parameters_local": self.num_parameters_local,
+            "seconds": round(self.seconds, 3),
+            "notes": self.notes,
+            "microbatches": self.microbatches,
+            "in_flight": self.in_flight,
+            "ops": self.ops.rows() if self.ops is not None else None,
+            "load_peak": self.load_peak,
+        }
 
 
 def _storage_bytes(tensors) -> int:
@@ -115,8 +129,10 @@ def _default_batch(model: nn.Module, micro_batch: int, seq_len: int | None, mode
     """Token ids for a model that starts with an embedding (``labels=`` too for a transformers model)."""
     vocab = next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if vocab is None or seq_len is None:
-        raise ValueError("The dry run feeds token ids: the model needs an nn.Embedding and seq_len must be given. "
-                         f"Received: seq_len={seq_len!r}, embedding={'yes' if vocab else 'none'}")
+        raise ValueError(
+            "The dry run feeds token ids: the model needs an nn.Embedding and seq_len must be given. "
+            f"Received: seq_len={seq_len!r}, embedding={'yes' if vocab else 'none'}"
+        )
     with mode:
         ids = torch.zeros((micro_batch, seq_len), dtype=torch.long)
     if _is_hf(model):
@@ -159,8 +175,9 @@ def _unsharded_buffers(model: nn.Module, zero_stage: int, accumulating: bool = F
             numels = [p._sharded_param_data.numel() * p.mesh_info.shard_mesh_size for p in group.fsdp_params]
             size = sum(n * (p.param_dtype or p.orig_dtype).itemsize for n, p in zip(numels, group.fsdp_params))
             # a frozen parameter (requires_grad=False: a LoRA base) is gathered but gets no gradient
-            grad = sum(n * p.orig_dtype.itemsize for n, p in zip(numels, group.fsdp_params)
-                       if p.sharded_param.requires_grad)
+            grad = sum(
+                n * p.orig_dtype.itemsize for n, p in zip(numels, group.fsdp_params) if p.sharded_param.requires_grad
+            )
             groups.append((module is model, size, grad))
     if groups:
         if accumulating:
@@ -198,10 +215,22 @@ def _ddp_all_reduces(model: nn.Module, log: CollectiveLog, axis: str, size: int)
     log.group_sizes[axis] = size
 
 
-def run_rank(meta_model: nn.Module, spec: MeshSpec, rank: int, *, zero_stage: int, activation_checkpointing: Any,
-             precision: str, micro_batch: int, seq_len: int | None, optimizer: Any = "adam",
-             example_input: Any = None, microbatches: int = 1, schedule: str = "1f1b",
-             boundary: tuple | None = None) -> RankResult:
+def run_rank(
+    meta_model: nn.Module,
+    spec: MeshSpec,
+    rank: int,
+    *,
+    zero_stage: int,
+    activation_checkpointing: Any,
+    precision: str,
+    micro_batch: int,
+    seq_len: int | None,
+    optimizer: Any = "adam",
+    example_input: Any = None,
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    boundary: tuple | None = None,
+) -> RankResult:
     """Dry-run ``parallelize`` for ``rank`` of ``spec``; see the module docstring. ``boundary`` is the
     (shape, dtype) a pipeline stage receives (from the first stage's dry run)."""
     import torch.distributed as dist
@@ -230,10 +259,21 @@ def run_rank(meta_model: nn.Module, spec: MeshSpec, rank: int, *, zero_stage: in
         with warnings.catch_warnings():
             for message in _FALSE_ALARMS:
                 warnings.filterwarnings("ignore", message=message, category=UserWarning)
-            result = measure_step(model, spec, rank, args, kwargs, zero_stage=zero_stage,
-                                  activation_checkpointing=activation_checkpointing, precision=precision,
-                                  optimizer=optimizer, microbatches=microbatches, schedule=schedule, mode=mode,
-                                  boundary=boundary)
+            result = measure_step(
+                model,
+                spec,
+                rank,
+                args,
+                kwargs,
+                zero_stage=zero_stage,
+                activation_checkpointing=activation_checkpointing,
+                precision=precision,
+                optimizer=optimizer,
+                microbatches=microbatches,
+                schedule=schedule,
+                mode=mode,
+                boundary=boundary,
+            )
         result.seconds = time.perf_counter() - start
         return result
     finally:
@@ -247,10 +287,23 @@ def run_rank(meta_model: nn.Module, spec: MeshSpec, rank: int, *, zero_stage: in
         _clear_sharding_prop_cache()
 
 
-def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwargs: dict, *, zero_stage: int,
-                 activation_checkpointing: Any, precision: str, optimizer: Any = "adam", microbatches: int = 1,
-                 schedule: str = "1f1b", mode: Any = None, boundary: tuple | None = None,
-                 keep: dict | None = None) -> RankResult:
+def measure_step(
+    model: nn.Module,
+    spec: MeshSpec,
+    rank: int,
+    args: tuple,
+    kwargs: dict,
+    *,
+    zero_stage: int,
+    activation_checkpointing: Any,
+    precision: str,
+    optimizer: Any = "adam",
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    mode: Any = None,
+    boundary: tuple | None = None,
+    keep: dict | None = None,
+) -> RankResult:
     """Parallelize ``model`` as training does and run one step, measuring it. With ``mode`` (a
     ``FakeTensorMode``) on the fake process group: the dry run; without, on a real group and real
     tensors: the same measurement of a real step (``benchmarks/plan_accuracy.py``)."""
@@ -265,14 +318,20 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
     torch_mesh = to_torch_mesh(distribution.device_mesh)  # built outside the fake mode (real rank tensors)
     axis_of = group_axes(torch_mesh)
     regions = checkpointed_modules(model, activation_checkpointing)
-    model = parallelize(model, distribution, zero_stage=zero_stage, activation_checkpointing=activation_checkpointing,
-                        mixed_precision=_MIXED.get(precision) if zero_stage >= 1 else None)
+    model = parallelize(
+        model,
+        distribution,
+        zero_stage=zero_stage,
+        activation_checkpointing=activation_checkpointing,
+        mixed_precision=_MIXED.get(precision) if zero_stage >= 1 else None,
+    )
     model.train()
     params = [p for p in model.parameters()]
     param_bytes = _storage_bytes(params) + _storage_bytes(model.buffers())
     num_local = sum(getattr(p, "_local_tensor", p).numel() for p in params)
-    largest_tensor = max((getattr(t, "_local_tensor", t).untyped_storage().nbytes()
-                          for t in [*params, *model.buffers()]), default=0)
+    largest_tensor = max(
+        (getattr(t, "_local_tensor", t).untyped_storage().nbytes() for t in [*params, *model.buffers()]), default=0
+    )
     opt = resolve_optimizer(optimizer)([p for p in params if p.requires_grad])
     opt = distribution.prepare_optimizer(opt, model)
     counter = CollectiveCounter(axis_of)
@@ -289,12 +348,16 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
         return t
 
     for module in model.modules():  # a module's parameters as it runs (FSDP2's gathered ones included)
-        hooks.append(module.register_forward_pre_hook(
-            lambda m, _: weights.update(getattr(p, "_local_tensor", p).untyped_storage()._cdata
-                                        for p in m.parameters(recurse=False))))
+        hooks.append(
+            module.register_forward_pre_hook(
+                lambda m, _: weights.update(
+                    getattr(p, "_local_tensor", p).untyped_storage()._cdata for p in m.parameters(recurse=False)
+                )
+            )
+        )
     is_ddp = hasattr(model, "_get_ddp_logging_data")
     sync = model.no_sync() if is_ddp and fake else contextlib.nullcontext()
-    autocast = (torch.autocast("cpu", dtype=_MIXED[precision]) if precision in _MIXED else contextlib.nullcontext())
+    autocast = torch.autocast("cpu", dtype=_MIXED[precision]) if precision in _MIXED else contextlib.nullcontext()
     ops = OpProfile()
     recompute = RecomputeBytes(regions, saved)
     runner = getattr(model, "_trainmesh_pipeline", None)
@@ -335,12 +398,16 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
         counter.log = counter.log.merged(per_step)
         in_flight = microbatches if schedule == "gpipe" else min(microbatches, runner.pipe_size - runner.pipe_rank)
         activation_bytes *= in_flight
-        measured = (f"all {microbatches} microbatches run per stage in the schedule's order (FSDP as torch's stage "
-                    "drives it)") if fsdp is not None else (f"one microbatch measured per stage; compute and stage "
-                                                           f"traffic x {microbatches}")
-        notes.append(f"pipeline ({schedule}, {microbatches} microbatches): {measured}; activations x the microbatches a "
-                     f"stage holds in flight "
-                     f"(1F1B: pipe size - stage; GPipe: all); send/recv counted from the measured boundary shapes")
+        measured = (
+            (f"all {microbatches} microbatches run per stage in the schedule's order (FSDP as torch's stage drives it)")
+            if fsdp is not None
+            else (f"one microbatch measured per stage; compute and stage traffic x {microbatches}")
+        )
+        notes.append(
+            f"pipeline ({schedule}, {microbatches} microbatches): {measured}; activations x the microbatches a "
+            f"stage holds in flight "
+            f"(1F1B: pipe size - stage; GPipe: all); send/recv counted from the measured boundary shapes"
+        )
     activation_bytes += recompute.peak
     if is_ddp and fake:
         batch_axis = distribution.batch_dim_name
@@ -350,18 +417,29 @@ def measure_step(model: nn.Module, spec: MeshSpec, rank: int, args: tuple, kwarg
     with mode, counter, ops:
         opt.step()
     optim_state = getattr(opt, "optim", opt).state  # ZeroRedundancyOptimizer keeps its shard's in .optim
-    optimizer_bytes = _storage_bytes(v for s in optim_state.values() for v in s.values()
-                                     if isinstance(v, torch.Tensor))
+    optimizer_bytes = _storage_bytes(v for s in optim_state.values() for v in s.values() if isinstance(v, torch.Tensor))
     if keep is not None:
         keep.update(model=model, optimizer=opt)
     buffers, buffer_notes = _unsharded_buffers(model, zero_stage, accumulating=runner is not None and fsdp is not None)
     notes += buffer_notes
-    return RankResult(rank=rank, coords=spec.coords(rank), params=param_bytes, grads=grad_bytes,
-                      optimizer=optimizer_bytes, activations=activation_bytes, buffers=buffers,
-                      # the same formulas as ``flops.LocalFlops`` on the same local shards, counted by the op
-                      # profile already (a second dispatch mode over every op cost a tenth of the dry run)
-                      flops=ops.flops("forward") + ops.flops("backward"),
-                      collectives=counter.log, num_parameters_local=num_local, seconds=0.0, notes=notes,
-                      microbatches=microbatches if runner is not None else 1,
-                      in_flight=in_flight if runner is not None else 1,
-                      boundary=boundary if runner is not None else None, ops=ops, load_peak=param_bytes + largest_tensor)
+    return RankResult(
+        rank=rank,
+        coords=spec.coords(rank),
+        params=param_bytes,
+        grads=grad_bytes,
+        optimizer=optimizer_bytes,
+        activations=activation_bytes,
+        buffers=buffers,
+        # the same formulas as ``flops.LocalFlops`` on the same local shards, counted by the op
+        # profile already (a second dispatch mode over every op cost a tenth of the dry run)
+        flops=ops.flops("forward") + ops.flops("backward"),
+        collectives=counter.log,
+        num_parameters_local=num_local,
+        seconds=0.0,
+        notes=notes,
+        microbatches=microbatches if runner is not None else 1,
+        in_flight=in_flight if runner is not None else 1,
+        boundary=boundary if runner is not None else None,
+        ops=ops,
+        load_peak=param_bytes + largest_tensor,
+    )

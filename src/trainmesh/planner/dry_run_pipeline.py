@@ -27,8 +27,10 @@ def stage_forwards(runner, args: tuple, kwargs: dict, boundary: tuple | None):
             x = ids
         else:
             if boundary is None:
-                raise ValueError("A later pipeline stage needs the activation shape the first stage sends; "
-                                 "dry-run the first stage's rank first.")
+                raise ValueError(
+                    "A later pipeline stage needs the activation shape the first stage sends; "
+                    "dry-run the first stage's rank first."
+                )
             shape, dtype = boundary
             x = torch.zeros(shape, dtype=dtype, requires_grad=True)
         inputs.append(x)
@@ -105,8 +107,9 @@ def schedule_order(stage_index: int, num_stages: int, microbatches: int, schedul
     return order
 
 
-def run_fsdp_schedule(runner, stage, first_output, args: tuple, kwargs: dict, boundary, microbatches: int,
-                      schedule: str, autocast, ops) -> None:
+def run_fsdp_schedule(
+    runner, stage, first_output, args: tuple, kwargs: dict, boundary, microbatches: int, schedule: str, autocast, ops
+) -> None:
     """Run the rest of a step's microbatches on an FSDP stage in the schedule's order, with the FSDP
     settings torch's stage applies (the first microbatch's forward has run: ``first_output``). ``ops``
     (an ``op_costs.OpProfile``) files each microbatch's ops under its own phase, forward or backward,

@@ -46,9 +46,11 @@ PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 def _default_input(meta_model: nn.Module, micro_batch: int, seq_len: int | None) -> torch.Tensor:
     first = next((m for m in meta_model.modules() if next(m.parameters(recurse=False), None) is not None), None)
     if not isinstance(first, nn.Embedding):
-        raise ValueError("example_input is required unless the model's first layer is an nn.Embedding "
-                         f"(then (micro_batch, seq_len) token ids are used). Received: first layer "
-                         f"{type(first).__name__}, example_input=None")
+        raise ValueError(
+            "example_input is required unless the model's first layer is an nn.Embedding "
+            f"(then (micro_batch, seq_len) token ids are used). Received: first layer "
+            f"{type(first).__name__}, example_input=None"
+        )
     if seq_len is None:
         raise ValueError("seq_len is required for a model that starts with an nn.Embedding. Received: seq_len=None")
     return torch.zeros((micro_batch, seq_len), dtype=torch.long, device="meta")
@@ -62,8 +64,16 @@ def _has_full(meta_model: nn.Module) -> bool:
         return False
 
 
-def _stage_row(rank: RankResult, stage: int, *, cpu_offload: bool, policy: str | None, activations: int,
-               budget: int | None, accumulate: bool) -> PlanRow:
+def _stage_row(
+    rank: RankResult,
+    stage: int,
+    *,
+    cpu_offload: bool,
+    policy: str | None,
+    activations: int,
+    budget: int | None,
+    accumulate: bool,
+) -> PlanRow:
     params, grads, optimizer, buffers = rank.params, rank.grads, rank.optimizer, rank.buffers
     notes: list[str] = []
     host = 0
@@ -73,16 +83,37 @@ def _stage_row(rank: RankResult, stage: int, *, cpu_offload: bool, policy: str |
         notes.append("sharded states offloaded to host memory (a no-op on a CPU-only run)")
     elif cpu_offload:
         notes.append("cpu_offload needs stage 2 or 3; not applied")
-    return PlanRow(zero_stage=stage, activation_checkpointing=policy, params=params, grads=grads,
-                   optimizer=optimizer, activations=activations, buffers=buffers, host=host, budget=budget,
-                   grads_with_activations=accumulate, notes=tuple(notes))
+    return PlanRow(
+        zero_stage=stage,
+        activation_checkpointing=policy,
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        activations=activations,
+        buffers=buffers,
+        host=host,
+        budget=budget,
+        grads_with_activations=accumulate,
+        notes=tuple(notes),
+    )
 
 
-def plan(model_or_factory: nn.Module | Callable[[], nn.Module], *, world_size: int, zero_stage: int | None = None,
-         precision: str = "fp32", micro_batch: int, seq_len: int | None = None, example_input: Any = None,
-         activation_checkpointing: str | None = None, cpu_offload: bool = False,
-         budget_bytes: int | str | None = None, optimizer: Any = "adam", grad_accum_steps: int = 1,
-         device: str = "cpu") -> PlanReport:
+def plan(
+    model_or_factory: nn.Module | Callable[[], nn.Module],
+    *,
+    world_size: int,
+    zero_stage: int | None = None,
+    precision: str = "fp32",
+    micro_batch: int,
+    seq_len: int | None = None,
+    example_input: Any = None,
+    activation_checkpointing: str | None = None,
+    cpu_offload: bool = False,
+    budget_bytes: int | str | None = None,
+    optimizer: Any = "adam",
+    grad_accum_steps: int = 1,
+    device: str = "cpu",
+) -> PlanReport:
     """Plan per-rank memory without allocating the model (it is built on the meta device).
 
     ``example_input`` is one micro-batch (leading dimension ``micro_batch``; a tuple is passed as
@@ -115,36 +146,80 @@ def plan(model_or_factory: nn.Module | Callable[[], nn.Module], *, world_size: i
     if example_input is None:
         example_input = _default_input(meta_model, micro_batch, seq_len)
     elif isinstance(example_input, torch.Tensor) and example_input.dim() and example_input.shape[0] != micro_batch:
-        raise ValueError(f"example_input must be one micro-batch (leading dim {micro_batch}). "
-                         f"Received: shape {tuple(example_input.shape)}")
-    policies = [None, activation_checkpointing] if activation_checkpointing else [None] + ["full"] * _has_full(meta_model)
+        raise ValueError(
+            f"example_input must be one micro-batch (leading dim {micro_batch}). "
+            f"Received: shape {tuple(example_input.shape)}"
+        )
+    policies = (
+        [None, activation_checkpointing] if activation_checkpointing else [None] + ["full"] * _has_full(meta_model)
+    )
     activations: dict[str | None, int] = {}
     for policy in policies:
         paths = checkpoint_paths(meta_model, policy)
-        profile: ActivationProfile = measure_activations(meta_model, example_input, precision,
-                                                         checkpoint_paths=paths, device=device)
+        profile: ActivationProfile = measure_activations(
+            meta_model, example_input, precision, checkpoint_paths=paths, device=device
+        )
         kept, transient = profile.with_checkpointing(paths) if policy else (profile.total_bytes, 0)
         activations[policy] = kept + transient
     stages = [zero_stage] if zero_stage is not None else [0, 1, 2, 3]
     spec = MeshSpec.parse(None, world_size)
-    measured = {stage: run_rank(meta_model, spec, 0, zero_stage=stage, activation_checkpointing=None,
-                                precision=precision, micro_batch=micro_batch,
-                                seq_len=seq_len, optimizer=optimizer, example_input=example_input)
-                for stage in stages}
-    rows = [_stage_row(measured[stage], stage, cpu_offload=cpu_offload, policy=policy,
-                       activations=activations[policy], budget=budget, accumulate=grad_accum_steps > 1)
-            for stage in stages for policy in policies]
+    measured = {
+        stage: run_rank(
+            meta_model,
+            spec,
+            0,
+            zero_stage=stage,
+            activation_checkpointing=None,
+            precision=precision,
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            optimizer=optimizer,
+            example_input=example_input,
+        )
+        for stage in stages
+    }
+    rows = [
+        _stage_row(
+            measured[stage],
+            stage,
+            cpu_offload=cpu_offload,
+            policy=policy,
+            activations=activations[policy],
+            budget=budget,
+            accumulate=grad_accum_steps > 1,
+        )
+        for stage in stages
+        for policy in policies
+    ]
     num_parameters = sum(p.numel() for p in meta_model.parameters())
     num_trainable = sum(p.numel() for p in meta_model.parameters() if p.requires_grad)
-    notes = ["total = params + optimizer + buffers + " + ("grads + activations (accumulation keeps gradients alive)"
-             if grad_accum_steps > 1 else "max(grads, activations) (gradients are freed after each step)")]
+    notes = [
+        "total = params + optimizer + buffers + "
+        + (
+            "grads + activations (accumulation keeps gradients alive)"
+            if grad_accum_steps > 1
+            else "max(grads, activations) (gradients are freed after each step)"
+        )
+    ]
     if num_trainable < num_parameters:
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in meta_model.parameters() if not p.requires_grad})
-        notes.append(f"{num_parameters - num_trainable:,} frozen parameters ({', '.join(dtypes)}) are counted at "
-                     "their own dtype, with no gradient and no optimizer state")
+        notes.append(
+            f"{num_parameters - num_trainable:,} frozen parameters ({', '.join(dtypes)}) are counted at "
+            "their own dtype, with no gradient and no optimizer state"
+        )
     if activation_checkpointing == "selective":
-        notes.append("selective checkpointing is planned as full checkpointing of the same blocks: the "
-                     "saved matmul outputs it keeps are not counted (activations are under-stated)")
-    return PlanReport(rows=rows, world_size=world_size, precision=precision, micro_batch=micro_batch,
-                      grad_accum_steps=grad_accum_steps, num_parameters=num_parameters, budget=budget, notes=notes,
-                      num_trainable=num_trainable)
+        notes.append(
+            "selective checkpointing is planned as full checkpointing of the same blocks: the "
+            "saved matmul outputs it keeps are not counted (activations are under-stated)"
+        )
+    return PlanReport(
+        rows=rows,
+        world_size=world_size,
+        precision=precision,
+        micro_batch=micro_batch,
+        grad_accum_steps=grad_accum_steps,
+        num_parameters=num_parameters,
+        budget=budget,
+        notes=notes,
+        num_trainable=num_trainable,
+    )

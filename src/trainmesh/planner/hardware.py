@@ -32,25 +32,25 @@ from .collectives import CollectiveLog, wire_bytes
 @dataclass(frozen=True)
 class Link:
     name: str
-    alpha: float       # seconds per call
-    beta: float        # bytes per second, one direction, per device
+    alpha: float  # seconds per call
+    beta: float  # bytes per second, one direction, per device
 
 
 @dataclass(frozen=True)
 class Hardware:
     name: str
-    source: str        # "published: ..." or "calibrated on <host> ..."
-    flops: float       # FLOP/s per device at the planned precision
+    source: str  # "published: ..." or "calibrated on <host> ..."
+    flops: float  # FLOP/s per device at the planned precision
     devices_per_node: int
     intra: Link
     inter: Link
     memory: int | None = None
     # Per-op pricing (``op_costs.price``): an op costs max(flops / rate, bytes / bandwidth) + overhead.
-    memory_bandwidth: float | None = None   # bytes/s a memory-bound op moves (None: not priced)
-    flops_curve: tuple = ()                 # ((flops of one matmul, FLOP/s it gets), ...), ascending
-    bandwidth_curve: tuple = ()             # ((bytes one op moves, bytes/s it gets), ...), ascending
-    op_overhead: float = 0.0                # seconds every dispatched op costs besides its work
-    dtensor_op_overhead: float = 0.0        # extra seconds of an op on DTensors (sharding propagation)
+    memory_bandwidth: float | None = None  # bytes/s a memory-bound op moves (None: not priced)
+    flops_curve: tuple = ()  # ((flops of one matmul, FLOP/s it gets), ...), ascending
+    bandwidth_curve: tuple = ()  # ((bytes one op moves, bytes/s it gets), ...), ascending
+    op_overhead: float = 0.0  # seconds every dispatched op costs besides its work
+    dtensor_op_overhead: float = 0.0  # extra seconds of an op on DTensors (sharding propagation)
     # A CPU host: the cores its processes share (None: each device computes on its own). With more
     # processes than cores each runs at cores/processes of its rate, and communication (memory copies
     # on the same cores) cannot hide behind compute.
@@ -61,7 +61,7 @@ class Hardware:
     # Measured (calibrate_cores): ((P, slowdown), ...), how much slower each of P processes of one job
     # runs at once on this host than one alone. When present it replaces the core-count formula.
     contention_curve: tuple = ()
-    backend: str = "nccl"                   # which collective algorithms price the wire (collectives.wire_bytes)
+    backend: str = "nccl"  # which collective algorithms price the wire (collectives.wire_bytes)
     # Measured (calibrate.calibrate_collectives): ((kind, alpha, beta), ...) of each collective kind on the
     # intra-node link, where one kind's figures do not price another (gloo's all-gather and reduce-scatter
     # copy and set up more than its all-reduce). A kind not in it uses its link's alpha and beta.
@@ -162,11 +162,17 @@ class Hardware:
 
 HARDWARE = {
     "h100": Hardware(
-        name="h100", source="published: NVIDIA H100 SXM5 datasheet (989 TFLOP/s dense bf16, NVLink 900 GB/s "
+        name="h100",
+        source="published: NVIDIA H100 SXM5 datasheet (989 TFLOP/s dense bf16, NVLink 900 GB/s "
         "bidirectional, HBM3 3.35 TB/s), 400 Gb/s NDR InfiniBand per GPU; alphas assumed (5 us / 10 us); "
         "kernel launches assumed hidden by asynchronous execution (no per-op overhead)",
-        flops=989e12, devices_per_node=8, intra=Link("nvlink", 5e-6, 450e9), inter=Link("infiniband", 10e-6, 50e9),
-        memory=80 * 10**9, memory_bandwidth=3.35e12),
+        flops=989e12,
+        devices_per_node=8,
+        intra=Link("nvlink", 5e-6, 450e9),
+        inter=Link("infiniband", 10e-6, 50e9),
+        memory=80 * 10**9,
+        memory_bandwidth=3.35e12,
+    ),
 }
 
 
@@ -180,8 +186,10 @@ def resolve_hardware(value: str | Hardware | None) -> Hardware:
 
         cached = cached_calibration()
         if cached is None:
-            raise ValueError("hardware='calibrated' reads the figures `trainmesh plan --calibrate` saved for this "
-                             "machine, torch and thread count; none are saved yet. Received: hardware='calibrated'")
+            raise ValueError(
+                "hardware='calibrated' reads the figures `trainmesh plan --calibrate` saved for this "
+                "machine, torch and thread count; none are saved yet. Received: hardware='calibrated'"
+            )
         return cached
     if value in HARDWARE:
         return HARDWARE[value]
@@ -190,8 +198,10 @@ def resolve_hardware(value: str | Hardware | None) -> Hardware:
             return Hardware.load(value)
         except (OSError, ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"Cannot read hardware figures from {value!r}: {exc}") from exc
-    raise ValueError(f"hardware is one of {sorted(HARDWARE)}, 'calibrated' or a JSON file written by --calibrate. "
-                     f"Received: hardware={value!r}")
+    raise ValueError(
+        f"hardware is one of {sorted(HARDWARE)}, 'calibrated' or a JSON file written by --calibrate. "
+        f"Received: hardware={value!r}"
+    )
 
 
 def link_sharers(hardware: Hardware, stride: int) -> int:
@@ -201,8 +211,9 @@ def link_sharers(hardware: Hardware, stride: int) -> int:
     return max(1, min(stride, hardware.devices_per_node)) if hardware.inter_link_per_node else 1
 
 
-def axis_seconds(log: CollectiveLog, hardware: Hardware, strides: dict[str, int], *,
-                 all_intra: bool = False) -> dict[str, float]:
+def axis_seconds(
+    log: CollectiveLog, hardware: Hardware, strides: dict[str, int], *, all_intra: bool = False
+) -> dict[str, float]:
     """Seconds each axis's collectives take on ``hardware`` (``strides``: axis -> rank stride).
 
     ``all_intra``: every axis priced on the intra-node link, as if its group sat in one node. On a CPU host

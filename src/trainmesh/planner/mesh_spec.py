@@ -39,16 +39,19 @@ class MeshSpec:
         for part in str(text).split(","):
             match = re.fullmatch(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(\d+)\s*", part)
             if match is None:
-                raise ValueError(f"A mesh is written axis=size,axis=size (e.g. pipe=8,data=16,model=8). "
-                                 f"Received: mesh={text!r}")
+                raise ValueError(
+                    f"A mesh is written axis=size,axis=size (e.g. pipe=8,data=16,model=8). Received: mesh={text!r}"
+                )
             axes.append((match.group(1), int(match.group(2))))
         names = [a for a, _ in axes]
         if len(set(names)) != len(names) or any(s < 1 for _, s in axes):
             raise ValueError(f"Mesh axes must be distinct and of size >= 1. Received: mesh={text!r}")
         size = math.prod(s for _, s in axes)
         if size != world_size:
-            raise ValueError(f"The mesh {text!r} multiplies to {size} ranks, not the world size {world_size}. "
-                             f"Received: mesh={text!r}, world_size={world_size}")
+            raise ValueError(
+                f"The mesh {text!r} multiplies to {size} ranks, not the world size {world_size}. "
+                f"Received: mesh={text!r}, world_size={world_size}"
+            )
         spec = cls(tuple(axes), world_size)
         if len([a for a in names if a in MODEL_AXES]) > 1 or len([a for a in names if a in PIPE_AXES]) > 1:
             raise ValueError(f"At most one model axis {MODEL_AXES} and one pipe axis {PIPE_AXES}. Received: {text!r}")
@@ -94,7 +97,7 @@ class MeshSpec:
     def stride(self, axis: str) -> int:
         """Rank distance between neighbours on ``axis`` (1 for the last axis)."""
         sizes = [s for _, s in self.axes]
-        return math.prod(sizes[self.names.index(axis) + 1:])
+        return math.prod(sizes[self.names.index(axis) + 1 :])
 
     def distribution(self, model, *, zero_stage: int, microbatches: int = 1, schedule: str = "1f1b"):
         """The front-end distribution a script would write for this mesh (public API only)."""
@@ -111,11 +114,14 @@ class MeshSpec:
             mesh = DeviceMesh([s for _, s in self.axes], self.names, devices=devices)
             layout_map = LayoutMap.auto(model, mesh, model_axis=model_axis, verbose=False)
             if not len(layout_map):
-                raise ValueError(f"{type(model).__name__} has no layer that splits over {model_axis}="
-                                 f"{self.size(model_axis)} (LayoutMap.auto found none); use a smaller model axis. "
-                                 f"Received: mesh={self.text()!r}")
-            return ModelParallel(layout_map=layout_map, batch_dim_name=self.batch_axis, zero_stage=zero_stage,
-                                 pipeline=pipeline)
+                raise ValueError(
+                    f"{type(model).__name__} has no layer that splits over {model_axis}="
+                    f"{self.size(model_axis)} (LayoutMap.auto found none); use a smaller model axis. "
+                    f"Received: mesh={self.text()!r}"
+                )
+            return ModelParallel(
+                layout_map=layout_map, batch_dim_name=self.batch_axis, zero_stage=zero_stage, pipeline=pipeline
+            )
         kept = [(a, s) for a, s in self.axes if a != model_axis]
         if pipeline is not None:
             mesh = DeviceMesh([s for _, s in kept], [a for a, _ in kept], devices=devices)

@@ -32,24 +32,31 @@ def _swap_copy(model: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -
         if id(tensor) in memo:
             continue
         new = make(tensor)
-        memo[id(tensor)] = nn.Parameter(new, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else new
+        memo[id(tensor)] = (
+            nn.Parameter(new, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else new
+        )
     return copy.deepcopy(model, memo)
 
 
 def build_meta_model(model_or_factory: nn.Module | Callable[[], nn.Module]) -> nn.Module:
     """A meta-device model from a module instance (left untouched) or a zero-argument factory."""
     if isinstance(model_or_factory, nn.Module):
-        return _swap_copy(model_or_factory, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
-                                                                          device="meta"))
+        return _swap_copy(
+            model_or_factory, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        )
     if not callable(model_or_factory):
-        raise TypeError("model_or_factory must be a torch.nn.Module or a callable returning one. "
-                        f"Received: {type(model_or_factory).__name__}")
+        raise TypeError(
+            "model_or_factory must be a torch.nn.Module or a callable returning one. "
+            f"Received: {type(model_or_factory).__name__}"
+        )
     try:
         with torch.device("meta"):
             model = model_or_factory()
     except Exception as exc:  # noqa: BLE001 - say what the planner needs, keep the cause
-        raise ValueError("The model factory failed on the meta device (it must not load weights or read tensor "
-                         f"values while constructing). Received error: {exc!r}") from exc
+        raise ValueError(
+            "The model factory failed on the meta device (it must not load weights or read tensor "
+            f"values while constructing). Received error: {exc!r}"
+        ) from exc
     if not isinstance(model, nn.Module):
         raise TypeError(f"The factory must return a torch.nn.Module. Received: {type(model).__name__}")
     # A factory may have pinned some tensors to a real device despite the default; copy those too.
@@ -75,8 +82,7 @@ def find_blocks(model: nn.Module) -> list[str]:
     for path, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
-        children = [(name, child) for name, child in module.named_children()
-                    if any(True for _ in child.parameters())]
+        children = [(name, child) for name, child in module.named_children() if any(True for _ in child.parameters())]
         if len(children) < 2:
             continue
         numel = sum(p.numel() for _, child in children for p in child.parameters())

@@ -23,8 +23,10 @@ def resolve_optimizer(optimizer: Any) -> Callable[[list[nn.Parameter]], torch.op
     if isinstance(optimizer, str):
         key = optimizer.lower()
         if key not in _OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {sorted(_OPTIMIZERS)}, an optimizer class or a callable. "
-                             f"Received: optimizer={optimizer!r}")
+            raise ValueError(
+                f"optimizer must be one of {sorted(_OPTIMIZERS)}, an optimizer class or a callable. "
+                f"Received: optimizer={optimizer!r}"
+            )
         if key == "sgd":
             return lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
         return lambda params: _OPTIMIZERS[key](params)

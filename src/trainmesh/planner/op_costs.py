@@ -55,9 +55,25 @@ _INDEXING = {"embedding", "index_select", "gather", "index", "take", "_embedding
 # Element-wise ops whose arithmetic (transcendentals, a row's reduction and rescaling) takes longer
 # than moving their bytes on a CPU core; each is priced on its own probed curve where calibrated
 # (in-place and foreach forms as the plain op: the same arithmetic per element).
-ARITHMETIC_OPS = ("exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "silu", "gelu", "erf", "_softmax",
-                  "_log_softmax", "silu_backward", "gelu_backward", "sigmoid_backward", "tanh_backward",
-                  "_softmax_backward_data", "_log_softmax_backward_data")
+ARITHMETIC_OPS = (
+    "exp",
+    "log",
+    "sqrt",
+    "rsqrt",
+    "tanh",
+    "sigmoid",
+    "silu",
+    "gelu",
+    "erf",
+    "_softmax",
+    "_log_softmax",
+    "silu_backward",
+    "gelu_backward",
+    "sigmoid_backward",
+    "tanh_backward",
+    "_softmax_backward_data",
+    "_log_softmax_backward_data",
+)
 
 
 def op_kind(func) -> str:
@@ -67,7 +83,7 @@ def op_kind(func) -> str:
     if "scaled_dot_product" in name and "attention" in name:
         return "attention_backward" if name.endswith("backward") else "attention"
     if name.startswith("_foreach_"):
-        name = name[len("_foreach_"):]
+        name = name[len("_foreach_") :]
     if name.endswith("_") and name[:-1] in ARITHMETIC_OPS:  # in place: the same arithmetic
         name = name[:-1]
     return name if name in ARITHMETIC_OPS else ""
@@ -98,7 +114,9 @@ class OpProfile(TorchDispatchMode):
         dtensor = any(hasattr(t, "_local_tensor") for t in leaves)
         flops, moved, kind = 0, 0, ""
         if not func.is_view and func._opname not in _ALIASING:  # a view (detach, transpose) moves nothing
-            local_args, local_kwargs, local_out = tree_map(lambda v: getattr(v, "_local_tensor", v), (args, kwargs, out))
+            local_args, local_kwargs, local_out = tree_map(
+                lambda v: getattr(v, "_local_tensor", v), (args, kwargs, out)
+            )
             flops = op_flops(func, local_args, local_kwargs, local_out)
             written = sum(_nbytes(t) for t in tree_leaves(out))
             read = written if func._opname in _INDEXING else sum(_nbytes(t) for t in leaves)
@@ -162,8 +180,11 @@ def price(profile: OpProfile, hardware) -> dict[str, float]:
         flops_curve = own if own and kind.startswith("attention") else hardware.flops_curve
         bandwidth_curve = own if own and not kind.startswith("attention") else hardware.bandwidth_curve
         compute = flops / rate_at(flops_curve, flops, hardware.flops) if flops else 0.0
-        memory = moved / rate_at(bandwidth_curve, moved, hardware.memory_bandwidth) \
-            if moved and hardware.memory_bandwidth else 0.0
+        memory = (
+            moved / rate_at(bandwidth_curve, moved, hardware.memory_bandwidth)
+            if moved and hardware.memory_bandwidth
+            else 0.0
+        )
         overhead = hardware.op_overhead + (hardware.dtensor_op_overhead if dtensor else 0.0)
         out[phase] = out.get(phase, 0.0) + n * (max(compute, memory) + overhead)
     return out

@@ -51,11 +51,11 @@ CHECKPOINTING = (None, "none", "full", "selective")
 @dataclass
 class StepEstimate:
     compute: float
-    axes: dict[str, float]          # seconds per axis
-    exposed: dict[str, float]       # seconds per axis that compute does not hide
+    axes: dict[str, float]  # seconds per axis
+    exposed: dict[str, float]  # seconds per axis that compute does not hide
     seconds: float
     mfu: float | None
-    phases: dict[str, float] = field(default_factory=dict)   # forward / backward / optimizer seconds
+    phases: dict[str, float] = field(default_factory=dict)  # forward / backward / optimizer seconds
 
     @property
     def comm_share(self) -> float:
@@ -85,8 +85,8 @@ class ParallelPlan:
     device_memory: int | None
     grad_accum_steps: int = 1
     notes: list[str] = field(default_factory=list)
-    num_trainable: int | None = None     # requires_grad parameters (fewer under LoRA: the base is frozen)
-    parameter_bytes: int | None = None   # the whole model's parameters at their stored dtypes
+    num_trainable: int | None = None  # requires_grad parameters (fewer under LoRA: the base is frozen)
+    parameter_bytes: int | None = None  # the whole model's parameters at their stored dtypes
 
     def peak(self, r: RankResult) -> int:
         together = self.grad_accum_steps > 1
@@ -106,57 +106,106 @@ class ParallelPlan:
         return None if self.device_memory is None else self.peak_bytes <= self.device_memory
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "mesh": self.mesh.text(), "world_size": self.mesh.world_size,
-                "zero_stage": self.zero_stage, "activation_checkpointing": self.activation_checkpointing,
-                "precision": self.precision, "micro_batch": self.micro_batch, "seq_len": self.seq_len,
-                "num_parameters": self.num_parameters, "num_trainable": self.num_trainable,
-                "parameter_bytes": self.parameter_bytes, "grad_accum_steps": self.grad_accum_steps,
-                "ranks": [{**r.to_dict(), "peak": self.peak(r)} for r in self.ranks],
-                "peak_bytes": self.peak_bytes, "device_memory": self.device_memory, "fits": self.fits,
-                "step": {"compute_s": self.step.compute, "phases_s": self.step.phases, "axes_s": self.step.axes,
-                         "exposed_s": self.step.exposed,
-                         "seconds": self.step.seconds, "mfu": self.step.mfu, "comm_share": self.step.comm_share,
-                         "scaling_efficiency": self.step.scaling_efficiency},
-                "hardware": self.hardware.to_dict(), "notes": self.notes}
+        return {
+            "model": self.model,
+            "mesh": self.mesh.text(),
+            "world_size": self.mesh.world_size,
+            "zero_stage": self.zero_stage,
+            "activation_checkpointing": self.activation_checkpointing,
+            "precision": self.precision,
+            "micro_batch": self.micro_batch,
+            "seq_len": self.seq_len,
+            "num_parameters": self.num_parameters,
+            "num_trainable": self.num_trainable,
+            "parameter_bytes": self.parameter_bytes,
+            "grad_accum_steps": self.grad_accum_steps,
+            "ranks": [{**r.to_dict(), "peak": self.peak(r)} for r in self.ranks],
+            "peak_bytes": self.peak_bytes,
+            "device_memory": self.device_memory,
+            "fits": self.fits,
+            "step": {
+                "compute_s": self.step.compute,
+                "phases_s": self.step.phases,
+                "axes_s": self.step.axes,
+                "exposed_s": self.step.exposed,
+                "seconds": self.step.seconds,
+                "mfu": self.step.mfu,
+                "comm_share": self.step.comm_share,
+                "scaling_efficiency": self.step.scaling_efficiency,
+            },
+            "hardware": self.hardware.to_dict(),
+            "notes": self.notes,
+        }
 
     def table(self) -> str:
-        lines = [f"PLAN (dry run of trainmesh's parallelize on a fake process group; not a measurement)",
-                 f"model {self.model}: {_count(self.num_parameters)} parameters"
-                 + (f" ({_count(self.num_trainable)} trainable)"
-                    if self.num_trainable not in (None, self.num_parameters) else "")
-                 + f", world size {self.mesh.world_size}, "
-                 f"mesh {self.mesh.text()}, ZeRO {self.zero_stage}, checkpointing "
-                 f"{self.activation_checkpointing or 'none'}, {self.precision}, micro-batch {self.micro_batch}"
-                 + (f" x {self.seq_len} tokens" if self.seq_len else ""),
-                 "", "per rank          params      grads  optimizer  activations    buffers       peak"]
+        lines = [
+            "PLAN (dry run of trainmesh's parallelize on a fake process group; not a measurement)",
+            f"model {self.model}: {_count(self.num_parameters)} parameters"
+            + (
+                f" ({_count(self.num_trainable)} trainable)"
+                if self.num_trainable not in (None, self.num_parameters)
+                else ""
+            )
+            + f", world size {self.mesh.world_size}, "
+            f"mesh {self.mesh.text()}, ZeRO {self.zero_stage}, checkpointing "
+            f"{self.activation_checkpointing or 'none'}, {self.precision}, micro-batch {self.micro_batch}"
+            + (f" x {self.seq_len} tokens" if self.seq_len else ""),
+            "",
+            "per rank          params      grads  optimizer  activations    buffers       peak",
+        ]
         for r in self.ranks:
             where = ",".join(f"{a}={i}" for a, i in r.coords.items())
             lines.append(f"rank {r.rank:<5} ({where})")
-            lines.append("                " + " ".join(format_bytes(v).rjust(10) for v in (
-                r.params, r.grads, r.optimizer, r.activations, r.buffers, self.peak(r))))
+            lines.append(
+                "                "
+                + " ".join(
+                    format_bytes(v).rjust(10)
+                    for v in (r.params, r.grads, r.optimizer, r.activations, r.buffers, self.peak(r))
+                )
+            )
         worst_load = max(self.ranks, key=lambda r: r.load_peak)
-        lines.append(f"loading (meta build + weights=, each rank reading its own shards): peak "
-                     f"{format_bytes(worst_load.load_peak)} on rank {worst_load.rank}, against "
-                     + (f"{format_bytes(self.parameter_bytes)} for the whole model at its stored dtypes"
-                        if self.parameter_bytes is not None else
-                        f"{format_bytes(self.num_parameters * 4)} for the whole model in fp32"))
+        lines.append(
+            f"loading (meta build + weights=, each rank reading its own shards): peak "
+            f"{format_bytes(worst_load.load_peak)} on rank {worst_load.rank}, against "
+            + (
+                f"{format_bytes(self.parameter_bytes)} for the whole model at its stored dtypes"
+                if self.parameter_bytes is not None
+                else f"{format_bytes(self.num_parameters * 4)} for the whole model in fp32"
+            )
+        )
         if self.device_memory is not None:
-            lines.append(f"device memory {format_bytes(self.device_memory)}: "
-                         + ("fits" if self.fits else f"does NOT fit (over by {format_bytes(self.peak_bytes - self.device_memory)})"))
-        lines += ["", "collectives per step (rank " + str(self.worst.rank) + ")",
-                  "  axis      group  kind             calls        bytes"]
+            lines.append(
+                f"device memory {format_bytes(self.device_memory)}: "
+                + (
+                    "fits"
+                    if self.fits
+                    else f"does NOT fit (over by {format_bytes(self.peak_bytes - self.device_memory)})"
+                )
+            )
+        lines += [
+            "",
+            "collectives per step (rank " + str(self.worst.rank) + ")",
+            "  axis      group  kind             calls        bytes",
+        ]
         for row in self.worst.collectives.rows():
-            lines.append(f"  {row['axis']:<9} {row['group_size']:>5}  {row['kind']:<15} {row['count']:>6} "
-                         f"{format_bytes(row['bytes']):>12}")
+            lines.append(
+                f"  {row['axis']:<9} {row['group_size']:>5}  {row['kind']:<15} {row['count']:>6} "
+                f"{format_bytes(row['bytes']):>12}"
+            )
         s = self.step
-        lines += ["", f"step time on {self.hardware.name} ({self.hardware.source})",
-                  f"  compute {s.compute * 1e3:.1f} ms (" + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in s.phases.items())
-                  + "); " + "; ".join(
-                      f"{a} {t * 1e3:.1f} ms ({s.exposed.get(a, 0) * 1e3:.1f} exposed)" for a, t in s.axes.items())
-                  + "".join(f"; {a} {t * 1e3:.1f} ms" for a, t in s.exposed.items()
-                            if a.endswith(" bubble") or a == "cores shared"),
-                  f"  step {s.seconds * 1e3:.1f} ms, communication share {s.comm_share:.1%}, scaling efficiency "
-                  f"{s.scaling_efficiency:.1%}" + (f", MFU {s.mfu:.1%}" if s.mfu is not None else "")]
+        lines += [
+            "",
+            f"step time on {self.hardware.name} ({self.hardware.source})",
+            f"  compute {s.compute * 1e3:.1f} ms ("
+            + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in s.phases.items())
+            + "); "
+            + "; ".join(f"{a} {t * 1e3:.1f} ms ({s.exposed.get(a, 0) * 1e3:.1f} exposed)" for a, t in s.axes.items())
+            + "".join(
+                f"; {a} {t * 1e3:.1f} ms" for a, t in s.exposed.items() if a.endswith(" bubble") or a == "cores shared"
+            ),
+            f"  step {s.seconds * 1e3:.1f} ms, communication share {s.comm_share:.1%}, scaling efficiency "
+            f"{s.scaling_efficiency:.1%}" + (f", MFU {s.mfu:.1%}" if s.mfu is not None else ""),
+        ]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -174,19 +223,32 @@ def _phases(r: RankResult, hardware: Hardware, accum: int, batch_axis: str | Non
     if r.ops is not None and (hardware.memory_bandwidth or hardware.op_overhead or hardware.flops_curve):
         phases = price(r.ops, hardware)
     else:  # forward : backward FLOPs are about 1 : 2
-        phases = {"forward": r.flops / 3 / hardware.flops, "backward": 2 * r.flops / 3 / hardware.flops,
-                  "optimizer": 0.0}
+        phases = {
+            "forward": r.flops / 3 / hardware.flops,
+            "backward": 2 * r.flops / 3 / hardware.flops,
+            "optimizer": 0.0,
+        }
     if hardware.fsdp_call_overhead:
         # FSDP2's hooks around each unit's gather and reduce-scatter (batch axis), on the rank's own thread
-        calls = sum(row["count"] for row in r.collectives.rows()
-                    if row["axis"] == batch_axis and row["kind"] in ("all_gather", "reduce_scatter"))
+        calls = sum(
+            row["count"]
+            for row in r.collectives.rows()
+            if row["axis"] == batch_axis and row["kind"] in ("all_gather", "reduce_scatter")
+        )
         if calls:
             phases["fsdp hooks"] = calls * hardware.fsdp_call_overhead
     return {p: t * (accum if p != "optimizer" else 1) for p, t in phases.items()}
 
 
-def estimate_step(ranks: list[RankResult], spec: MeshSpec, hardware: Hardware, *, tokens_per_rank: float | None,
-                  shape: dict, accum: int = 1) -> StepEstimate:
+def estimate_step(
+    ranks: list[RankResult],
+    spec: MeshSpec,
+    hardware: Hardware,
+    *,
+    tokens_per_rank: float | None,
+    shape: dict,
+    accum: int = 1,
+) -> StepEstimate:
     """The slowest representative rank's step on ``hardware``; see the module docstring."""
     strides = {a: spec.stride(a) for a in spec.names}
     overlap = hardware.overlaps(spec.world_size)
@@ -205,8 +267,12 @@ def estimate_step(ranks: list[RankResult], spec: MeshSpec, hardware: Hardware, *
         if r.microbatches > 1 and spec.pipe_axis:
             # 1F1B / GPipe: p - 1 extra microbatch slots of the stage's critical path (the bubble)
             p = spec.size(spec.pipe_axis)
-            critical = phases["forward"] + phases["backward"] + phases.get("fsdp hooks", 0.0) + sum(
-                t for a, t in exposed.items() if a != spec.batch_axis)
+            critical = (
+                phases["forward"]
+                + phases["backward"]
+                + phases.get("fsdp hooks", 0.0)
+                + sum(t for a, t in exposed.items() if a != spec.batch_axis)
+            )
             exposed[spec.pipe_axis + " bubble"] = critical * (p - 1) / r.microbatches
             path += exposed[spec.pipe_axis + " bubble"]
         seconds = path
@@ -233,8 +299,11 @@ def estimate_step(ranks: list[RankResult], spec: MeshSpec, hardware: Hardware, *
                 # bubble hides behind the others' work.
                 p = spec.size(spec.pipe_axis)
                 fewer = hardware.contention(spec.world_size * (p - 1) // p)
-                busy = (max(compute - bubble, 0.0) * slowdown + 2 * bubble * fewer
-                        + sum(cpu_axes.values()) * max(comm_slowdown, 1.0))
+                busy = (
+                    max(compute - bubble, 0.0) * slowdown
+                    + 2 * bubble * fewer
+                    + sum(cpu_axes.values()) * max(comm_slowdown, 1.0)
+                )
             busy += link_wait
             if hardware.shares_cores(spec.world_size) and busy > path:
                 exposed["cores shared"] = busy - path
@@ -247,12 +316,24 @@ def estimate_step(ranks: list[RankResult], spec: MeshSpec, hardware: Hardware, *
     return worst
 
 
-def plan_parallel(model: str | nn.Module | Callable[[], nn.Module], *, world_size: int, mesh: str | None = None,
-                  zero_stage: int = 0, activation_checkpointing: str | None = None, precision: str = "bf16-mixed",
-                  micro_batch: int = 1, seq_len: int | None = None, example_input: Any = None,
-                  optimizer: Any = "adam", device_memory: int | str | None = None,
-                  hardware: str | Hardware | None = "h100", grad_accum_steps: int = 1,
-                  microbatches: int | None = None, schedule: str = "1f1b") -> ParallelPlan:
+def plan_parallel(
+    model: str | nn.Module | Callable[[], nn.Module],
+    *,
+    world_size: int,
+    mesh: str | None = None,
+    zero_stage: int = 0,
+    activation_checkpointing: str | None = None,
+    precision: str = "bf16-mixed",
+    micro_batch: int = 1,
+    seq_len: int | None = None,
+    example_input: Any = None,
+    optimizer: Any = "adam",
+    device_memory: int | str | None = None,
+    hardware: str | Hardware | None = "h100",
+    grad_accum_steps: int = 1,
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
+) -> ParallelPlan:
     """Dry-run ``model`` on an N-rank ``mesh`` and price it; see the module docstring."""
     spec = MeshSpec.parse(mesh, world_size)  # bad meshes fail here, before anything is built
     if zero_stage not in (0, 1, 2, 3):
@@ -271,27 +352,53 @@ def plan_parallel(model: str | nn.Module | Callable[[], nn.Module], *, world_siz
     ranks: list[RankResult] = []
     boundary = None
     for rank in spec.representative_ranks():  # pipe order: the first stage tells the others what they receive
-        result = run_rank(meta, spec, rank, zero_stage=zero_stage, activation_checkpointing=activation_checkpointing,
-                          precision=precision, micro_batch=micro_batch, seq_len=seq_len, optimizer=optimizer,
-                          example_input=example_input, microbatches=microbatches, schedule=schedule,
-                          boundary=boundary)
+        result = run_rank(
+            meta,
+            spec,
+            rank,
+            zero_stage=zero_stage,
+            activation_checkpointing=activation_checkpointing,
+            precision=precision,
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            optimizer=optimizer,
+            example_input=example_input,
+            microbatches=microbatches,
+            schedule=schedule,
+            boundary=boundary,
+        )
         boundary = boundary or result.boundary
         ranks.append(result)
     dp = spec.size(spec.batch_axis)
     tokens = micro_batch * (seq_len or 0) * dp * (microbatches if pipe > 1 else 1) / world_size if seq_len else None
     step = estimate_step(ranks, spec, hw, tokens_per_rank=tokens, shape=shape, accum=grad_accum_steps)
-    plan = ParallelPlan(model=str(name), mesh=spec, zero_stage=zero_stage,
-                        activation_checkpointing=activation_checkpointing, precision=precision,
-                        micro_batch=micro_batch, seq_len=seq_len, num_parameters=shape["num_parameters"],
-                        ranks=ranks, step=step, hardware=hw, device_memory=budget, grad_accum_steps=grad_accum_steps,
-                        num_trainable=sum(p.numel() for p in meta.parameters() if p.requires_grad),
-                        # bf16-true casts every parameter (the dry run does too); otherwise each keeps its own dtype
-                        parameter_bytes=sum(p.numel() * (2 if precision == "bf16-true" else p.element_size())
-                                            for p in meta.parameters()))
+    plan = ParallelPlan(
+        model=str(name),
+        mesh=spec,
+        zero_stage=zero_stage,
+        activation_checkpointing=activation_checkpointing,
+        precision=precision,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        num_parameters=shape["num_parameters"],
+        ranks=ranks,
+        step=step,
+        hardware=hw,
+        device_memory=budget,
+        grad_accum_steps=grad_accum_steps,
+        num_trainable=sum(p.numel() for p in meta.parameters() if p.requires_grad),
+        # bf16-true casts every parameter (the dry run does too); otherwise each keeps its own dtype
+        parameter_bytes=sum(
+            p.numel() * (2 if precision == "bf16-true" else p.element_size()) for p in meta.parameters()
+        ),
+    )
     plan.notes += sorted({n for r in ranks for n in r.notes})
     plan.notes.append(figures_used(hw, spec))
-    plan.notes.append("ranks dry-run: " + ", ".join(f"{r.rank} ({r.seconds:.1f} s)" for r in ranks)
-                      + "; other ranks hold the same or smaller shards")
+    plan.notes.append(
+        "ranks dry-run: "
+        + ", ".join(f"{r.rank} ({r.seconds:.1f} s)" for r in ranks)
+        + "; other ranks hold the same or smaller shards"
+    )
     if plan.fits is False:
         plan.notes.append(advice(plan))
     return plan
@@ -299,13 +406,22 @@ def plan_parallel(model: str | nn.Module | Callable[[], nn.Module], *, world_siz
 
 def figures_used(hw: Hardware, spec: MeshSpec) -> str:
     """Which of ``hw``'s figures priced the step, and where they come from (calibrated or published)."""
-    kind = "calibrated" if hw.source.startswith("calibrated") else "published" if hw.source.startswith(
-        "published") else "given"
-    parts = [f"best matmul {hw.flops / 1e9:,.1f} GFLOP/s" + (f" ({len(hw.flops_curve)}-point curve by size)"
-                                                              if hw.flops_curve else "")]
+    kind = (
+        "calibrated"
+        if hw.source.startswith("calibrated")
+        else "published"
+        if hw.source.startswith("published")
+        else "given"
+    )
+    parts = [
+        f"best matmul {hw.flops / 1e9:,.1f} GFLOP/s"
+        + (f" ({len(hw.flops_curve)}-point curve by size)" if hw.flops_curve else "")
+    ]
     if hw.memory_bandwidth:
-        parts.append(f"memory {hw.memory_bandwidth / 1e9:,.1f} GB/s" + (
-            f" ({len(hw.bandwidth_curve)}-point curve)" if hw.bandwidth_curve else ""))
+        parts.append(
+            f"memory {hw.memory_bandwidth / 1e9:,.1f} GB/s"
+            + (f" ({len(hw.bandwidth_curve)}-point curve)" if hw.bandwidth_curve else "")
+        )
     if hw.op_overhead or hw.dtensor_op_overhead:
         parts.append(f"per op {hw.op_overhead * 1e6:.1f} us, per DTensor op +{hw.dtensor_op_overhead * 1e6:.1f} us")
     links = {hw.link_for(stride=spec.stride(a), size=spec.size(a)) for a in spec.names if spec.size(a) > 1}
@@ -314,8 +430,10 @@ def figures_used(hw: Hardware, spec: MeshSpec) -> str:
         p = hw.processes_per_node(spec.world_size)
         how = "measured: that many processes running at once" if hw.contention_curve else "core count's fair share"
         where = "on this machine (its namespace hosts share them)" if hw.nodes_share_cores else "per node"
-        parts.append(f"{p} processes {where} on {hw.cores} cores: each {hw.contention(spec.world_size):.2f}x slower "
-                     f"than one alone ({how})")
+        parts.append(
+            f"{p} processes {where} on {hw.cores} cores: each {hw.contention(spec.world_size):.2f}x slower "
+            f"than one alone ({how})"
+        )
     return f"figures used ({kind}): " + "; ".join(parts)
 
 
@@ -335,8 +453,10 @@ def advice(plan: ParallelPlan) -> str:
         options.append((r.activations * (1 - 1 / plan.micro_batch), "--micro-batch 1"))
     options.append(((r.params + r.grads + r.optimizer) / 2, "a model axis twice as large (model=2x)"))
     saved, knob = max(options)
-    return (f"over the device memory by {format_bytes(over)} on rank {r.rank}; the knob that helps most: {knob}, "
-            f"about {format_bytes(saved)} less")
+    return (
+        f"over the device memory by {format_bytes(over)} on rank {r.rank}; the knob that helps most: {knob}, "
+        f"about {format_bytes(saved)} less"
+    )
 
 
 __all__ = ["plan_parallel", "ParallelPlan", "StepEstimate", "estimate_step", "figures_used"]

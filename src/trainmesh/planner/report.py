@@ -15,8 +15,22 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def format_bytes(n: int | float) -> str:
@@ -74,8 +88,13 @@ class PlanRow:
         return None if self.budget is None else self.total <= self.budget
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "notes": list(self.notes), "model_states": self.model_states,
-                "total": self.total, "fits": self.fits}
+        return {
+            **asdict(self),
+            "notes": list(self.notes),
+            "model_states": self.model_states,
+            "total": self.total,
+            "fits": self.fits,
+        }
 
 
 @dataclass
@@ -102,8 +121,7 @@ class PlanReport:
         if limit is None:
             return min(self.rows, key=lambda r: r.total, default=None)
         fitting = [r for r in self.rows if r.total <= limit]
-        return min(fitting, key=lambda r: (r.zero_stage, r.activation_checkpointing is not None, r.total),
-                   default=None)
+        return min(fitting, key=lambda r: (r.zero_stage, r.activation_checkpointing is not None, r.total), default=None)
 
     def table(self) -> str:
         """A fixed-width table, one line per row."""
@@ -114,25 +132,43 @@ class PlanReport:
         for r in self.rows:
             line = [str(r.zero_stage), r.activation_checkpointing or "none"]
             line += [format_bytes(v) for v in (r.params, r.grads, r.optimizer, r.activations, r.buffers, r.total)]
-            line += [format_bytes(r.host)] * show_host + (["yes" if r.fits else "no"] if self.budget is not None else [])
+            line += [format_bytes(r.host)] * show_host + (
+                ["yes" if r.fits else "no"] if self.budget is not None else []
+            )
             lines.append(line)
         widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-        text = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
-                for line in lines]
-        trainable = (f" ({self.num_trainable:,} trainable)" if self.num_trainable is not None
-                     and self.num_trainable != self.num_parameters else "")
-        title = (f"per-rank memory: {self.num_parameters:,} parameters{trainable}, world size {self.world_size}, "
-                 f"{self.precision}, micro-batch {self.micro_batch}")
+        text = [
+            "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+            for line in lines
+        ]
+        trainable = (
+            f" ({self.num_trainable:,} trainable)"
+            if self.num_trainable is not None and self.num_trainable != self.num_parameters
+            else ""
+        )
+        title = (
+            f"per-rank memory: {self.num_parameters:,} parameters{trainable}, world size {self.world_size}, "
+            f"{self.precision}, micro-batch {self.micro_batch}"
+        )
         if self.budget is not None:
             title += f", budget {format_bytes(self.budget)}"
         return "\n".join([title, *text, *(f"note: {n}" for n in self.notes)])
 
     def to_json(self) -> str:
-        return json.dumps({"world_size": self.world_size, "precision": self.precision,
-                           "micro_batch": self.micro_batch, "grad_accum_steps": self.grad_accum_steps,
-                           "num_parameters": self.num_parameters, "num_trainable": self.num_trainable,
-                           "budget": self.budget, "notes": self.notes,
-                           "rows": [r.to_dict() for r in self.rows]}, indent=2)
+        return json.dumps(
+            {
+                "world_size": self.world_size,
+                "precision": self.precision,
+                "micro_batch": self.micro_batch,
+                "grad_accum_steps": self.grad_accum_steps,
+                "num_parameters": self.num_parameters,
+                "num_trainable": self.num_trainable,
+                "budget": self.budget,
+                "notes": self.notes,
+                "rows": [r.to_dict() for r in self.rows],
+            },
+            indent=2,
+        )
 
     def __str__(self) -> str:
         return self.table()

@@ -19,15 +19,28 @@ from .report import format_bytes
 # (model, ranks, mesh): the data axis alone while a rank's shards fit; a model axis of one node's 8
 # where they would not (70B) or where the data axis alone leaves too few tokens per collective (1,024)
 ROWS = (
-    ("llama-7b", 8, "data=8"), ("llama-7b", 64, "data=64"), ("llama-7b", 256, "data=256"),
+    ("llama-7b", 8, "data=8"),
+    ("llama-7b", 64, "data=64"),
+    ("llama-7b", 256, "data=256"),
     ("llama-7b", 1024, "data=128,model=8"),
-    ("llama-70b", 8, "data=1,model=8"), ("llama-70b", 64, "data=8,model=8"), ("llama-70b", 256, "data=32,model=8"),
+    ("llama-70b", 8, "data=1,model=8"),
+    ("llama-70b", 64, "data=8,model=8"),
+    ("llama-70b", 256, "data=32,model=8"),
     ("llama-70b", 1024, "data=128,model=8"),
 )
-SETTINGS = dict(zero_stage=3, activation_checkpointing="full", micro_batch=2, seq_len=4096,
-                device_memory="80GB", hardware="h100", precision="bf16-mixed")
-HEADER = ("| model | ranks | mesh | per-rank peak | fits 80 GB | communication share | scaling efficiency "
-          "| MFU (peak kernels) | step |\n| --- | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: |")
+SETTINGS = dict(
+    zero_stage=3,
+    activation_checkpointing="full",
+    micro_batch=2,
+    seq_len=4096,
+    device_memory="80GB",
+    hardware="h100",
+    precision="bf16-mixed",
+)
+HEADER = (
+    "| model | ranks | mesh | per-rank peak | fits 80 GB | communication share | scaling efficiency "
+    "| MFU (peak kernels) | step |\n| --- | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: |"
+)
 
 
 def plan_row(model: str, ranks: int, mesh: str) -> dict:
@@ -36,19 +49,31 @@ def plan_row(model: str, ranks: int, mesh: str) -> dict:
     start = time.perf_counter()
     plan = plan_parallel(model, world_size=ranks, mesh=mesh, **SETTINGS)
     s = plan.step
-    return {"model": model, "ranks": ranks, "mesh": mesh, "peak_bytes": plan.peak_bytes, "fits": plan.fits,
-            "comm_share": s.comm_share, "scaling_efficiency": s.scaling_efficiency, "mfu": s.mfu,
-            "step_s": s.seconds, "phases_s": s.phases, "exposed_s": s.exposed,
-            "plan_seconds": time.perf_counter() - start}
+    return {
+        "model": model,
+        "ranks": ranks,
+        "mesh": mesh,
+        "peak_bytes": plan.peak_bytes,
+        "fits": plan.fits,
+        "comm_share": s.comm_share,
+        "scaling_efficiency": s.scaling_efficiency,
+        "mfu": s.mfu,
+        "step_s": s.seconds,
+        "phases_s": s.phases,
+        "exposed_s": s.exposed,
+        "plan_seconds": time.perf_counter() - start,
+    }
 
 
 def markdown(rows: list[dict]) -> str:
     lines = [HEADER]
     for r in rows:
         mfu = f"{r['mfu']:.0%}" if r["mfu"] is not None else "-"
-        lines.append(f"| {r['model']} | {r['ranks']:,} | `{r['mesh']}` | {format_bytes(r['peak_bytes'])} | "
-                     f"{'yes' if r['fits'] else 'no'} | {r['comm_share']:.0%} | {r['scaling_efficiency']:.0%} | "
-                     f"{mfu} | {r['step_s'] * 1e3:.0f} ms |")
+        lines.append(
+            f"| {r['model']} | {r['ranks']:,} | `{r['mesh']}` | {format_bytes(r['peak_bytes'])} | "
+            f"{'yes' if r['fits'] else 'no'} | {r['comm_share']:.0%} | {r['scaling_efficiency']:.0%} | "
+            f"{mfu} | {r['step_s'] * 1e3:.0f} ms |"
+        )
     return "\n".join(lines)
 
 

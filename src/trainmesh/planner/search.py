@@ -39,32 +39,59 @@ class SearchResult:
         return self.ranked[0] if self.ranked else None
 
     def table(self) -> str:
-        lines = [f"PLAN search (dry runs on a fake process group; not a measurement), device memory "
-                 f"{format_bytes(self.device_memory)}",
-                 "  #  mesh                       zero  checkpointing        peak  fits   step ms  comm    MFU"]
+        lines = [
+            f"PLAN search (dry runs on a fake process group; not a measurement), device memory "
+            f"{format_bytes(self.device_memory)}",
+            "  #  mesh                       zero  checkpointing        peak  fits   step ms  comm    MFU",
+        ]
         order = self.ranked + [p for p in self.plans if not p.fits]
         for i, p in enumerate(order, 1):
             mfu = f"{p.step.mfu:.1%}" if p.step.mfu is not None else "-"
-            lines.append(f"{i:>3}  {p.mesh.text():<26} {p.zero_stage:>4}  {p.activation_checkpointing or 'none':<13}"
-                         f"{format_bytes(p.peak_bytes):>11}  {'yes' if p.fits else 'no':<4} {p.step.seconds * 1e3:>8.1f}"
-                         f"  {p.step.comm_share:>5.1%} {mfu:>6}")
+            lines.append(
+                f"{i:>3}  {p.mesh.text():<26} {p.zero_stage:>4}  {p.activation_checkpointing or 'none':<13}"
+                f"{format_bytes(p.peak_bytes):>11}  {'yes' if p.fits else 'no':<4} {p.step.seconds * 1e3:>8.1f}"
+                f"  {p.step.comm_share:>5.1%} {mfu:>6}"
+            )
         if not self.ranked:
-            lines.append("nothing fits: " + (min(self.plans, key=lambda p: p.peak_bytes).notes[-1]
-                                             if self.plans else "no candidate could be planned"))
+            lines.append(
+                "nothing fits: "
+                + (
+                    min(self.plans, key=lambda p: p.peak_bytes).notes[-1]
+                    if self.plans
+                    else "no candidate could be planned"
+                )
+            )
         lines += [f"skipped: {s}" for s in self.skipped]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"device_memory": self.device_memory, "skipped": self.skipped,
-                "best": self.best.to_dict() if self.best else None,
-                "ranked": [{"mesh": p.mesh.text(), "zero_stage": p.zero_stage,
-                            "activation_checkpointing": p.activation_checkpointing, "peak_bytes": p.peak_bytes,
-                            "fits": p.fits, "step_seconds": p.step.seconds, "comm_share": p.step.comm_share,
-                            "mfu": p.step.mfu} for p in self.ranked + [p for p in self.plans if not p.fits]]}
+        return {
+            "device_memory": self.device_memory,
+            "skipped": self.skipped,
+            "best": self.best.to_dict() if self.best else None,
+            "ranked": [
+                {
+                    "mesh": p.mesh.text(),
+                    "zero_stage": p.zero_stage,
+                    "activation_checkpointing": p.activation_checkpointing,
+                    "peak_bytes": p.peak_bytes,
+                    "fits": p.fits,
+                    "step_seconds": p.step.seconds,
+                    "comm_share": p.step.comm_share,
+                    "mfu": p.step.mfu,
+                }
+                for p in self.ranked + [p for p in self.plans if not p.fits]
+            ],
+        }
 
 
-def candidates(world_size: int, max_model: int = 8, zero_stages=(0, 1, 2, 3),
-               checkpointing_choices=(None, "full"), max_pipe: int = 8) -> list[tuple[str, int, str | None]]:
+def candidates(
+    world_size: int,
+    max_model: int = 8,
+    zero_stages=(0, 1, 2, 3),
+    checkpointing_choices=(None, "full"),
+    max_pipe: int = 8,
+) -> list[tuple[str, int, str | None]]:
     """``(mesh, zero stage, checkpointing)`` for every pipe x data x model split of ``world_size`` with a
     pipe axis of 1, 2, 4 or 8 (at most ``max_pipe``) and a model axis of 1, 2, 4 or 8 (at most
     ``max_model``); ZeRO-1 only without a model or pipe axis (ModelParallel and pipelines shard with
@@ -78,8 +105,11 @@ def candidates(world_size: int, max_model: int = 8, zero_stages=(0, 1, 2, 3),
         for model in (1, 2, 4, 8):
             if pipe > max_pipe or model > max_model or world_size % (pipe * model):
                 continue
-            mesh = (f"pipe={pipe}," if pipe > 1 else "") + f"data={world_size // (pipe * model)}" \
+            mesh = (
+                (f"pipe={pipe}," if pipe > 1 else "")
+                + f"data={world_size // (pipe * model)}"
                 + (f",model={model}" if model > 1 else "")
+            )
             for zero in zero_stages:
                 if zero == 1 and (model > 1 or pipe > 1):
                     continue
@@ -88,23 +118,41 @@ def candidates(world_size: int, max_model: int = 8, zero_stages=(0, 1, 2, 3),
     return out
 
 
-def search(model: str | nn.Module | Callable[[], nn.Module], *, world_size: int, device_memory: int,
-           progress: Callable[[str], None] | None = None, zero_stages=(0, 1, 2, 3),
-           checkpointing_choices=(None, "full"), max_model: int = 8, max_pipe: int = 8, **kwargs) -> SearchResult:
+def search(
+    model: str | nn.Module | Callable[[], nn.Module],
+    *,
+    world_size: int,
+    device_memory: int,
+    progress: Callable[[str], None] | None = None,
+    zero_stages=(0, 1, 2, 3),
+    checkpointing_choices=(None, "full"),
+    max_model: int = 8,
+    max_pipe: int = 8,
+    **kwargs,
+) -> SearchResult:
     """Dry-run and price every candidate (``candidates``); a pipe mesh gets ``microbatches`` (default
     2 x its pipe axis) and ``schedule`` from ``kwargs`` like ``plan_parallel``."""
     meta = build_meta_model(model if isinstance(model, nn.Module) else model_factory(model))
     result = SearchResult([], device_memory)
     for mesh, zero, checkpointing in candidates(world_size, max_model, zero_stages, checkpointing_choices, max_pipe):
         try:
-            plan = plan_parallel(meta, world_size=world_size, mesh=mesh, zero_stage=zero,
-                                 activation_checkpointing=checkpointing, device_memory=device_memory, **kwargs)
+            plan = plan_parallel(
+                meta,
+                world_size=world_size,
+                mesh=mesh,
+                zero_stage=zero,
+                activation_checkpointing=checkpointing,
+                device_memory=device_memory,
+                **kwargs,
+            )
         except ValueError as exc:
             result.skipped.append(f"{mesh} zero {zero}: {exc}")
             continue
         plan.model = model if isinstance(model, str) else plan.model
         result.plans.append(plan)
         if progress:
-            progress(f"  planned {mesh} zero {zero} checkpointing {checkpointing or 'none'}: peak "
-                     f"{format_bytes(plan.peak_bytes)}, step {plan.step.seconds * 1e3:.1f} ms")
+            progress(
+                f"  planned {mesh} zero {zero} checkpointing {checkpointing or 'none'}: peak "
+                f"{format_bytes(plan.peak_bytes)}, step {plan.step.seconds * 1e3:.1f} ms"
+            )
     return result

@@ -15,13 +15,24 @@ import hmac
 import json
 import re
 
-from .protocol import (_PREFIX, FLAG_HMAC, FORMAT_VERSION, HMAC_SIZE, MAGIC, Message, MessageType, _check_secret,
-                       _pad_header)
+from .protocol import (
+    _PREFIX,
+    FLAG_HMAC,
+    FORMAT_VERSION,
+    HMAC_SIZE,
+    MAGIC,
+    Message,
+    MessageType,
+    _check_secret,
+    _pad_header,
+)
 
 # The header AckWriter writes, for a plain sender name (server ids are like "ps-0" or
 # "127.0.0.1:5555"); acks from any other sender are read by the general decoder.
-_ACK_HEADER = re.compile(rb'\{"type":"ack","sender":"([A-Za-z0-9_.:@#/-]{0,200})","seq":(0|[1-9][0-9]{0,17}),'
-                         rb'"version":0,"tensors":\[\],"meta":\{"seq":(0|[1-9][0-9]{0,17})\}\} *\Z')
+_ACK_HEADER = re.compile(
+    rb'\{"type":"ack","sender":"([A-Za-z0-9_.:@#/-]{0,200})","seq":(0|[1-9][0-9]{0,17}),'
+    rb'"version":0,"tensors":\[\],"meta":\{"seq":(0|[1-9][0-9]{0,17})\}\} *\Z'
+)
 
 
 class AckWriter:
@@ -49,15 +60,19 @@ def read_ack(frame, key: bytes | None) -> Message | None:
         return None
     magic, version, flags, header_len = _PREFIX.unpack_from(frame, 0)
     body_end = _PREFIX.size + header_len
-    if (magic != MAGIC or version != FORMAT_VERSION or flags != (FLAG_HMAC if key else 0)
-            or len(frame) != body_end + (HMAC_SIZE if key else 0)):
+    if (
+        magic != MAGIC
+        or version != FORMAT_VERSION
+        or flags != (FLAG_HMAC if key else 0)
+        or len(frame) != body_end + (HMAC_SIZE if key else 0)
+    ):
         return None
-    if key and not hmac.compare_digest(hmac.new(key, memoryview(frame)[:body_end], hashlib.sha256).digest(),
-                                       frame[body_end:]):
+    if key and not hmac.compare_digest(
+        hmac.new(key, memoryview(frame)[:body_end], hashlib.sha256).digest(), frame[body_end:]
+    ):
         return None
     match = _ACK_HEADER.match(frame, _PREFIX.size, body_end)
     if match is None or match.group(2) != match.group(3):
         return None
     seq = int(match.group(2))
     return Message(MessageType.ACK, match.group(1).decode("ascii"), seq, meta={"seq": seq})
-

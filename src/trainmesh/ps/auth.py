@@ -64,8 +64,10 @@ def as_text(secret: bytes | str) -> str:
     try:
         return bytes(secret).decode("utf-8")
     except UnicodeDecodeError:
-        raise ValueError("a secret handed to other processes must be UTF-8 text "
-                         "(use trainmesh.ps.auth.new_secret()). Received: undecodable bytes") from None
+        raise ValueError(
+            "a secret handed to other processes must be UTF-8 text "
+            "(use trainmesh.ps.auth.new_secret()). Received: undecodable bytes"
+        ) from None
 
 
 def read_secret_file(path: str | os.PathLike) -> bytes:
@@ -74,17 +76,22 @@ def read_secret_file(path: str | os.PathLike) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError as error:
-        raise ValueError(f"cannot read the parameter-server secret file ({error}). Received: {SECRET_FILE_ENV}={path}") from None
+        raise ValueError(
+            f"cannot read the parameter-server secret file ({error}). Received: {SECRET_FILE_ENV}={path}"
+        ) from None
     with os.fdopen(fd, "rb") as fh:
         info = os.fstat(fh.fileno())
         if not stat.S_ISREG(info.st_mode):
             raise ValueError(f"the parameter-server secret file must be a regular file. Received: {path}")
         if hasattr(os, "getuid") and info.st_uid != os.getuid():
-            raise ValueError(f"the parameter-server secret file belongs to another user (uid {info.st_uid}). "
-                             f"Received: {path}")
+            raise ValueError(
+                f"the parameter-server secret file belongs to another user (uid {info.st_uid}). Received: {path}"
+            )
         if info.st_mode & 0o077:
-            raise ValueError(f"the parameter-server secret file is open to other users (mode "
-                             f"{stat.S_IMODE(info.st_mode):04o}); run `chmod 600 {path}`. Received: {path}")
+            raise ValueError(
+                f"the parameter-server secret file is open to other users (mode "
+                f"{stat.S_IMODE(info.st_mode):04o}); run `chmod 600 {path}`. Received: {path}"
+            )
         value = fh.read().strip()
     if not value:
         raise ValueError(f"the parameter-server secret file is empty. Received: {path}")
@@ -105,11 +112,15 @@ def write_secret_file(secret: bytes | str, path: str | os.PathLike | None = None
 
 # -- the rejection answer -------------------------------------------------------------------
 
+
 def rejection_frame(server_id: str, code: str) -> bytes:
     """The unsigned answer to a frame that failed authentication (``code`` UNAUTHENTICATED) or
     was not a frame (MALFORMED). Nothing of the refused frame is echoed."""
-    text = ("frame refused: it did not authenticate with this server's secret" if code == UNAUTHENTICATED
-            else "frame refused: not a valid trainmesh parameter-server frame")
+    text = (
+        "frame refused: it did not authenticate with this server's secret"
+        if code == UNAUTHENTICATED
+        else "frame refused: not a valid trainmesh parameter-server frame"
+    )
     return bytes(encode(Message(MessageType.ERROR, server_id, 0, meta={"error": text, "code": code})))
 
 
@@ -138,14 +149,19 @@ def rejection_in(msg: Message) -> str | None:
 def refusal_text(code: str, server: str) -> str:
     """What a client tells its caller when ``server`` rejected its frames."""
     if code == UNAUTHENTICATED:
-        return (f"authentication failed: parameter server {server} rejected this client's frames (their HMAC "
-                f"is missing or made with another secret). Give every process of the job the servers' secret: "
-                f"secret=, {SECRET_ENV} or {SECRET_FILE_ENV}")
-    return (f"parameter server {server} rejected this client's frames as malformed (not authenticated "
-            f"trainmesh frames: another protocol version, or another program?)")
+        return (
+            f"authentication failed: parameter server {server} rejected this client's frames (their HMAC "
+            f"is missing or made with another secret). Give every process of the job the servers' secret: "
+            f"secret=, {SECRET_ENV} or {SECRET_FILE_ENV}"
+        )
+    return (
+        f"parameter server {server} rejected this client's frames as malformed (not authenticated "
+        f"trainmesh frames: another protocol version, or another program?)"
+    )
 
 
 # -- the server's side: counting, answering and logging strangers ----------------------------
+
 
 @dataclass
 class _Peer:
@@ -158,9 +174,17 @@ class _Peer:
 class RejectGuard:
     """Decides, per rejected frame, whether to answer it now, and logs rejections sparingly."""
 
-    def __init__(self, server_id: str, logger: logging.Logger, *, log_interval_s: float = 60.0,
-                 reply_interval_s: float = 0.25, max_log_lines: int = 4, max_peers: int = 4096,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        server_id: str,
+        logger: logging.Logger,
+        *,
+        log_interval_s: float = 60.0,
+        reply_interval_s: float = 0.25,
+        max_log_lines: int = 4,
+        max_peers: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.server_id, self.log = server_id, logger
         self.log_interval_s, self.reply_interval_s = log_interval_s, reply_interval_s
         self.max_log_lines, self.max_peers, self.clock = max_log_lines, max_peers, clock
@@ -193,10 +217,16 @@ class RejectGuard:
             return  # counted in entry.unlogged: reported in a later interval or by flush()
         self._lines += 1
         dropped, self._dropped = self._dropped, 0
-        self.log.warning("ps %s: rejected %d unauthenticated frame(s) from peer %r (last: %s); further rejections "
-                         "from it are logged at most every %.0fs%s", self.server_id, entry.unlogged, key[:40],
-                         entry.reason, self.log_interval_s,
-                         f"; {dropped} more from peers not tracked" if dropped else "")
+        self.log.warning(
+            "ps %s: rejected %d unauthenticated frame(s) from peer %r (last: %s); further rejections "
+            "from it are logged at most every %.0fs%s",
+            self.server_id,
+            entry.unlogged,
+            key[:40],
+            entry.reason,
+            self.log_interval_s,
+            f"; {dropped} more from peers not tracked" if dropped else "",
+        )
         entry.logged_at, entry.unlogged = now, 0
 
     def _forget(self) -> None:
@@ -210,8 +240,12 @@ class RejectGuard:
         unlogged = self._dropped + sum(e.unlogged for e in self._peers.values())
         if unlogged:
             peers = sum(1 for e in self._peers.values() if e.unlogged)
-            self.log.warning("ps %s: %d more unauthenticated frame(s) were rejected without a log line of their "
-                             "own (%d peer(s))", self.server_id, unlogged, peers)
+            self.log.warning(
+                "ps %s: %d more unauthenticated frame(s) were rejected without a log line of their own (%d peer(s))",
+                self.server_id,
+                unlogged,
+                peers,
+            )
         self._dropped = 0
         for entry in self._peers.values():
             entry.unlogged = 0

@@ -39,20 +39,40 @@ class PSClient:
     wrong or missing one fails requests with ``PSAuthError`` at once (see auth.py).
     """
 
-    def __init__(self, servers: Sequence[str] | None = None, *, transports: Sequence[Any] | None = None,
-                 worker_id: int | str = 0, num_workers: int | None = None, secret: bytes | str | None = None,
-                 compression: Any = None, retry_after_s: float = 1.0, heartbeat_s: float = 1.0,
-                 request_timeout_s: float = 120.0, server_ids: Sequence[str] | None = None,
-                 part_numel: int = 262144, rows_per_shard: int = 4096, virtual_nodes: int = 64,
-                 batch_bytes: int = 4 << 20, seed: int = 0):
+    def __init__(
+        self,
+        servers: Sequence[str] | None = None,
+        *,
+        transports: Sequence[Any] | None = None,
+        worker_id: int | str = 0,
+        num_workers: int | None = None,
+        secret: bytes | str | None = None,
+        compression: Any = None,
+        retry_after_s: float = 1.0,
+        heartbeat_s: float = 1.0,
+        request_timeout_s: float = 120.0,
+        server_ids: Sequence[str] | None = None,
+        part_numel: int = 262144,
+        rows_per_shard: int = 4096,
+        virtual_nodes: int = 64,
+        batch_bytes: int = 4 << 20,
+        seed: int = 0,
+    ):
         if (servers is None) == (transports is None):
-            raise ValueError("PSClient needs exactly one of servers=[addresses] or transports=[...], "
-                             f"got servers={servers!r}, transports={transports!r}")
+            raise ValueError(
+                "PSClient needs exactly one of servers=[addresses] or transports=[...], "
+                f"got servers={servers!r}, transports={transports!r}"
+            )
         endpoints = list(servers if servers is not None else transports)
         if not endpoints or isinstance(servers, str):
-            raise ValueError(f"PSClient needs a non-empty list of servers, got {servers if servers is not None else transports!r}")
-        for label, value in (("retry_after_s", retry_after_s), ("heartbeat_s", heartbeat_s),
-                             ("request_timeout_s", request_timeout_s)):
+            raise ValueError(
+                f"PSClient needs a non-empty list of servers, got {servers if servers is not None else transports!r}"
+            )
+        for label, value in (
+            ("retry_after_s", retry_after_s),
+            ("heartbeat_s", heartbeat_s),
+            ("request_timeout_s", request_timeout_s),
+        ):
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{label} must be a number > 0, got {value!r}")
         if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 1):
@@ -84,10 +104,18 @@ class PSClient:
         self._shard_cache: dict[tuple[str, int], list] = {}  # (name, numel) -> partitioner parts
         self._range_owners: dict[str, torch.Tensor] = {}  # table -> server index per row range (-1: not hashed yet)
         identity = f"w{self.worker_id}-{uuid.uuid4().hex[:10]}".encode()
-        self.io = ClientIO(endpoints, from_addresses=servers is not None, identity=identity, sender=self.worker_id,
-                           secret=secret, retry_after_s=retry_after_s, heartbeat_s=heartbeat_s,
-                           request_timeout_s=request_timeout_s, server_names=self.server_ids,
-                           clock=lambda: self.confirmed_clock)
+        self.io = ClientIO(
+            endpoints,
+            from_addresses=servers is not None,
+            identity=identity,
+            sender=self.worker_id,
+            secret=secret,
+            retry_after_s=retry_after_s,
+            heartbeat_s=heartbeat_s,
+            request_timeout_s=request_timeout_s,
+            server_names=self.server_ids,
+            clock=lambda: self.confirmed_clock,
+        )
         try:
             self.register().result(timeout=request_timeout_s + 5)
         except BaseException:
@@ -99,12 +127,21 @@ class PSClient:
     def register(self) -> Future:
         # The job's worker count lets a server started without one (``--num-workers 0``) wait for
         # every worker before its first sync round closes, not only for those that registered.
-        meta = {"worker": self.worker_id} if self.num_workers is None else \
-            {"worker": self.worker_id, "num_workers": self.num_workers}
+        meta = (
+            {"worker": self.worker_id}
+            if self.num_workers is None
+            else {"worker": self.worker_id, "num_workers": self.num_workers}
+        )
         return self._to_all(MessageType.REGISTER, meta)
 
-    def init(self, params: Iterable[Mapping[str, Any]] | Mapping[str, Any], *, optimizer: dict | None = None,
-             mode: str = "async", staleness: int | None = None) -> Future:
+    def init(
+        self,
+        params: Iterable[Mapping[str, Any]] | Mapping[str, Any],
+        *,
+        optimizer: dict | None = None,
+        mode: str = "async",
+        staleness: int | None = None,
+    ) -> Future:
         """Create parameters on the servers (the first init of a name wins; later ones are acked).
 
         ``params``: entries ``{"name", "kind": "dense", "value": Tensor, "optimizer", "mode", "staleness"}``
@@ -112,24 +149,38 @@ class PSClient:
         or a mapping ``{name: Tensor}``. Missing optimizer/mode/staleness come from the keywords.
         Waits until every server acknowledged, then returns the (done) future.
         """
-        entries = [{"name": k, "kind": "dense", "value": v} for k, v in params.items()] \
-            if isinstance(params, Mapping) else list(params)
+        entries = (
+            [{"name": k, "kind": "dense", "value": v} for k, v in params.items()]
+            if isinstance(params, Mapping)
+            else list(params)
+        )
         specs, parts = [], []
         for entry in entries:
-            spec, value = normalize_entry(entry, optimizer or DEFAULT_OPTIMIZER, mode, staleness,
-                                          self.partitioner.rows_per_shard, self.seed)
+            spec, value = normalize_entry(
+                entry, optimizer or DEFAULT_OPTIMIZER, mode, staleness, self.partitioner.rows_per_shard, self.seed
+            )
             specs.append(spec)
             if value is not None:
                 for part in self.partitioner.dense_shards(spec["name"], value.numel()):
-                    parts.append((part.shard_id, value.reshape(-1)[part.start:part.stop].contiguous()))
+                    parts.append((part.shard_id, value.reshape(-1)[part.start : part.stop].contiguous()))
         # Every server gets every spec (tables create their row ranges lazily, wherever they
         # land); the dense parts go to their owners, batched like pushes.
         batches = self._batches([(self._owner(sid), {sid: tensor}, {}) for sid, tensor in parts])
         with_parts = {server for server, _ in batches}
         batches += [(i, []) for i in range(len(self.server_ids)) if i not in with_parts]
-        messages = [(server, Message(MessageType.INIT, self.worker_id, 0, meta={"params": specs},
-                                     tensors={k: v for _, t, _ in batch for k, v in t.items()}))
-                    for server, batch in batches]
+        messages = [
+            (
+                server,
+                Message(
+                    MessageType.INIT,
+                    self.worker_id,
+                    0,
+                    meta={"params": specs},
+                    tensors={k: v for _, t, _ in batch for k, v in t.items()},
+                ),
+            )
+            for server, batch in batches
+        ]
         future = self.io.submit(messages)
         future.result()
         for spec in specs:
@@ -152,14 +203,18 @@ class PSClient:
             for part in parts:
                 by_server.setdefault(self._owner(part.shard_id), []).append(part.shard_id)
         clock = self.clock_value
-        messages = [(i, Message(MessageType.PULL, self.worker_id, 0, meta={"clock": clock, "shards": sids, "rows": {}}))
-                    for i, sids in by_server.items()]
+        messages = [
+            (i, Message(MessageType.PULL, self.worker_id, 0, meta={"clock": clock, "shards": sids, "rows": {}}))
+            for i, sids in by_server.items()
+        ]
 
         def assemble(replies: list[Message]) -> Any:
             self._note_pull(clock)
             got = {sid: t for reply in replies for sid, t in reply.tensors.items()}
-            values = {name: torch.cat([got[p.shard_id] for p in parts]).reshape(self.params[name]["shape"])
-                      for name, parts in plan.items()}
+            values = {
+                name: torch.cat([got[p.shard_id] for p in parts]).reshape(self.params[name]["shape"])
+                for name, parts in plan.items()
+            }
             if not with_clock:
                 return values
             fresh = [reply.meta.get("min_clock") for reply in replies]
@@ -180,20 +235,29 @@ class PSClient:
             if not isinstance(grad, torch.Tensor):
                 raise TypeError(f"gradient for {name!r} must be a torch.Tensor, got {type(grad).__name__}")
             if spec is None or spec["kind"] != "dense" or tuple(grad.shape) != tuple(spec["shape"]):
-                raise ValueError(f"push of {name!r} with shape {tuple(grad.shape)}: expected a dense parameter "
-                                 f"passed to init, got {spec and (spec['kind'], spec['shape'])}")
+                raise ValueError(
+                    f"push of {name!r} with shape {tuple(grad.shape)}: expected a dense parameter "
+                    f"passed to init, got {spec and (spec['kind'], spec['shape'])}"
+                )
             flat = _flat_float32(grad)
             for part in self._dense_shards(name, flat.numel()):
                 # A shard that is the whole gradient is sent from the gradient itself (the usual
                 # case for tensors up to part_numel): no slice, no copy.
-                piece = flat if part.stop - part.start == flat.numel() else flat[part.start:part.stop]
+                piece = flat if part.stop - part.start == flat.numel() else flat[part.start : part.stop]
                 if self.compressor is None:
-                    items.append((self._owner(part.shard_id),
-                                  {part.shard_id: piece if piece.is_contiguous() else piece.contiguous()}, {}))
+                    items.append(
+                        (
+                            self._owner(part.shard_id),
+                            {part.shard_id: piece if piece.is_contiguous() else piece.contiguous()},
+                            {},
+                        )
+                    )
                     continue
                 packed = self.compressor.compress(piece, key=part.shard_id)
                 tensors = {f"{part.shard_id}|{k}": v.contiguous() for k, v in packed.tensors.items()}
-                info = {part.shard_id: {"spec": self.compressor.name, "meta": packed.meta, "keys": list(packed.tensors)}}
+                info = {
+                    part.shard_id: {"spec": self.compressor.name, "meta": packed.meta, "keys": list(packed.tensors)}
+                }
                 items.append((self._owner(part.shard_id), tensors, info))
         messages = []
         for server, batch in self._batches(items):
@@ -204,8 +268,18 @@ class PSClient:
                 meta["compression"] = {k: v for _, _, info in batch for k, v in info.items()}
             if lr is not None:
                 meta["lr"] = float(lr)
-            messages.append((server, Message(MessageType.PUSH, self.worker_id, 0,
-                                             tensors={k: v for _, t, _ in batch for k, v in t.items()}, meta=meta)))
+            messages.append(
+                (
+                    server,
+                    Message(
+                        MessageType.PUSH,
+                        self.worker_id,
+                        0,
+                        tensors={k: v for _, t, _ in batch for k, v in t.items()},
+                        meta=meta,
+                    ),
+                )
+            )
         return self._track_push(self.io.submit(messages))
 
     # -- sparse rows ------------------------------------------------------------------------
@@ -217,8 +291,18 @@ class PSClient:
         clock = self.clock_value
         messages, placed = [], []
         for server, positions in self._rows_by_server(name, spec, unique):
-            messages.append((server, Message(MessageType.PULL, self.worker_id, 0, tensors={"ids": unique[positions]},
-                                             meta={"clock": clock, "shards": [], "rows": {name: "ids"}})))
+            messages.append(
+                (
+                    server,
+                    Message(
+                        MessageType.PULL,
+                        self.worker_id,
+                        0,
+                        tensors={"ids": unique[positions]},
+                        meta={"clock": clock, "shards": [], "rows": {name: "ids"}},
+                    ),
+                )
+            )
             placed.append(positions)
 
         def assemble(replies: list[Message]) -> torch.Tensor:
@@ -236,8 +320,10 @@ class PSClient:
         ids = _check_ids(name, ids)
         dim = spec["shape"][1]
         if not isinstance(grads, torch.Tensor) or tuple(grads.shape) != (ids.numel(), dim):
-            raise ValueError(f"push_rows({name!r}): grads must have shape {(ids.numel(), dim)}, "
-                             f"got {tuple(grads.shape) if isinstance(grads, torch.Tensor) else type(grads).__name__}")
+            raise ValueError(
+                f"push_rows({name!r}): grads must have shape {(ids.numel(), dim)}, "
+                f"got {tuple(grads.shape) if isinstance(grads, torch.Tensor) else type(grads).__name__}"
+            )
         unique, inverse = torch.unique(ids, return_inverse=True)
         summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, grads.detach().to("cpu", torch.float32))
         messages = []
@@ -245,8 +331,18 @@ class PSClient:
             meta: dict[str, Any] = {"shards": [], "rows": {name: ["ids", "grads"]}, "round": self.clock_value}
             if lr is not None:
                 meta["lr"] = float(lr)
-            messages.append((server, Message(MessageType.PUSH, self.worker_id, 0, meta=meta,
-                                             tensors={"ids": unique[positions], "grads": summed[positions]})))
+            messages.append(
+                (
+                    server,
+                    Message(
+                        MessageType.PUSH,
+                        self.worker_id,
+                        0,
+                        meta=meta,
+                        tensors={"ids": unique[positions], "grads": summed[positions]},
+                    ),
+                )
+            )
         return self._track_push(self.io.submit(messages))
 
     # -- clocks, stats, shutdown ----------------------------------------------------------------
@@ -266,13 +362,20 @@ class PSClient:
 
         def confirmed(_replies: list[Message]) -> None:
             self.confirmed_clock = max(self.confirmed_clock, value)
+
         return self._to_all(MessageType.CLOCK, {"clock": value}, confirmed)
 
     def stats(self) -> Future:
         """Future of ``{"worker", "clock", "bytes_sent", "bytes_received", "resends", "servers": [...]}``."""
+
         def assemble(replies: list[Message]) -> dict[str, Any]:
-            return {**self.io.counters(), "worker": self.worker_id, "clock": self.clock_value,
-                    "servers": [reply.meta for reply in replies]}
+            return {
+                **self.io.counters(),
+                "worker": self.worker_id,
+                "clock": self.clock_value,
+                "servers": [reply.meta for reply in replies],
+            }
+
         return self._to_all(MessageType.STATS, {}, assemble)
 
     @property
@@ -283,8 +386,7 @@ class PSClient:
     def bytes_received(self) -> int:
         return self.io.counters()["bytes_received"]
 
-    def request(self, server: int, kind: MessageType, meta: dict | None = None,
-                tensors: dict | None = None) -> Future:
+    def request(self, server: int, kind: MessageType, meta: dict | None = None, tensors: dict | None = None) -> Future:
         """Send one request to server ``server`` (index); future of the reply ``Message`` (admin use)."""
         msg = Message(kind, self.worker_id, 0, tensors=tensors or {}, meta=meta or {})
         return self.io.submit([(server, msg)], lambda replies: replies[0])
@@ -315,8 +417,9 @@ class PSClient:
         return parts
 
     def _to_all(self, kind: MessageType, meta: dict, assemble=None) -> Future:
-        return self.io.submit([(i, Message(kind, self.worker_id, 0, meta=dict(meta))) for i in range(len(self.server_ids))],
-                              assemble)
+        return self.io.submit(
+            [(i, Message(kind, self.worker_id, 0, meta=dict(meta))) for i in range(len(self.server_ids))], assemble
+        )
 
     def _dense_parts(self, name: str):
         spec = self.params.get(name)
@@ -394,9 +497,11 @@ def _make_compressor(compression: Any):
 
     compressor = get_compressor(compression)
     if compressor is not None and compressor.name == "powersgd":
-        raise ValueError("PSClient compression: powersgd needs an all-reduce of its factors and cannot be "
-                         "decompressed by a server; use 'fp16', 'bf16', 'int8' or 'topk:<ratio>'. "
-                         f"Received: {compression!r}")
+        raise ValueError(
+            "PSClient compression: powersgd needs an all-reduce of its factors and cannot be "
+            "decompressed by a server; use 'fp16', 'bf16', 'int8' or 'topk:<ratio>'. "
+            f"Received: {compression!r}"
+        )
     return compressor
 
 

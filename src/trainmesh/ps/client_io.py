@@ -82,9 +82,20 @@ class _Server:
 class ClientIO:
     """The thread behind ``PSClient``; ``endpoints`` are addresses (created on the thread) or transports."""
 
-    def __init__(self, endpoints, *, from_addresses: bool, identity: bytes, sender: str, secret,
-                 retry_after_s: float, heartbeat_s: float, request_timeout_s: float, server_names: list[str],
-                 clock: Callable[[], int]):
+    def __init__(
+        self,
+        endpoints,
+        *,
+        from_addresses: bool,
+        identity: bytes,
+        sender: str,
+        secret,
+        retry_after_s: float,
+        heartbeat_s: float,
+        request_timeout_s: float,
+        server_names: list[str],
+        clock: Callable[[], int],
+    ):
         # The secret (given, else from the environment; see auth.py) checked and as bytes once,
         # not at every encode and decode.
         self.sender, self.key, self.identity = sender, resolve_secret(secret), identity
@@ -115,8 +126,11 @@ class ClientIO:
     def submit(self, messages: list[tuple[int, Message]], assemble: Callable | None = None) -> Future:
         gather = Gather(len(messages), assemble)
         if self._closed or self._failure is not None:
-            gather.fail(PSError(f"PS client of worker {self.sender} is closed"
-                                + (f": {self._failure}" if self._failure else "")))
+            gather.fail(
+                PSError(
+                    f"PS client of worker {self.sender} is closed" + (f": {self._failure}" if self._failure else "")
+                )
+            )
         elif messages:
             self._commands.append((gather, messages))
             if self._sleeping:  # (read after the append: a thread going to sleep sees the command)
@@ -131,8 +145,11 @@ class ClientIO:
 
     def counters(self) -> dict[str, int]:
         transports = [s.transport for s in self._servers if s.transport is not None]
-        return {**self._stats, "bytes_sent": sum(t.bytes_sent for t in transports),
-                "bytes_received": sum(t.bytes_received for t in transports)}
+        return {
+            **self._stats,
+            "bytes_sent": sum(t.bytes_sent for t in transports),
+            "bytes_received": sum(t.bytes_received for t in transports),
+        }
 
     def close(self) -> None:
         if not self._closed:
@@ -285,8 +302,9 @@ class ClientIO:
             text = str(reply.meta.get("error", "unknown error"))
             code = str(reply.meta.get("code", "error"))
             if code == "dead_worker":
-                error = PSTimeoutError(f"{pending.kind} to server {server.name}: {text}", code,
-                                       worker=reply.meta.get("worker"))
+                error = PSTimeoutError(
+                    f"{pending.kind} to server {server.name}: {text}", code, worker=reply.meta.get("worker")
+                )
             else:
                 error = PSError(f"{pending.kind} to server {server.name} failed: {text}", code)
             pending.gather.fail(error)
@@ -299,8 +317,11 @@ class ClientIO:
         self._stats["refusals"] += 1
         for seq, pending in list(server.pending.items()):
             del server.pending[seq]
-            pending.gather.fail(PSAuthError(f"{pending.kind} (seq {seq}) to server {server.name}: "
-                                            f"{refusal_text(code, server.name)}", code))
+            pending.gather.fail(
+                PSAuthError(
+                    f"{pending.kind} (seq {seq}) to server {server.name}: {refusal_text(code, server.name)}", code
+                )
+            )
 
     def _resend_due(self, now: float) -> None:
         for server in self._servers:
@@ -309,9 +330,12 @@ class ClientIO:
                     del server.pending[seq]
                 elif now - pending.first_sent > self.request_timeout_s:
                     del server.pending[seq]
-                    pending.gather.fail(PSTimeoutError(
-                        f"{pending.kind} (seq {seq}) to server {server.name}: no reply for "
-                        f"{now - pending.first_sent:.1f}s (request_timeout_s={self.request_timeout_s})"))
+                    pending.gather.fail(
+                        PSTimeoutError(
+                            f"{pending.kind} (seq {seq}) to server {server.name}: no reply for "
+                            f"{now - pending.first_sent:.1f}s (request_timeout_s={self.request_timeout_s})"
+                        )
+                    )
                 elif now - pending.sent >= pending.interval:
                     pending.sent = now
                     pending.interval = min(pending.interval * 2, 4 * self.retry_after_s)

@@ -33,8 +33,7 @@ class GateDecision:
 class ClockTable:
     """Clocks and heartbeats of the workers of one server."""
 
-    def __init__(self, num_workers: int = 0, dead_after_s: float = 10.0,
-                 time_fn: Callable[[], float] = time.monotonic):
+    def __init__(self, num_workers: int = 0, dead_after_s: float = 10.0, time_fn: Callable[[], float] = time.monotonic):
         if not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
         if not dead_after_s > 0:
@@ -95,9 +94,12 @@ class ClockTable:
             for worker, state in sorted(self.workers.items()):
                 if state.clock < needed and not self.is_live(worker):
                     silent = self.silent_for(worker)
-                    return GateDecision(False, f"sync: worker {worker} sent no heartbeat for {silent:.1f}s "
-                                               f"(it is at clock {state.clock}, this pull needs {needed})",
-                                        worker)
+                    return GateDecision(
+                        False,
+                        f"sync: worker {worker} sent no heartbeat for {silent:.1f}s "
+                        f"(it is at clock {state.clock}, this pull needs {needed})",
+                        worker,
+                    )
         if self.min_live_clock() >= needed:
             return GateDecision(ready=True)
         return GateDecision(ready=False)
@@ -110,5 +112,7 @@ class ClockTable:
 
     def snapshot(self) -> dict:
         now = self._now()
-        return {w: {"clock": s.clock, "live": now - s.last_seen <= self.dead_after_s}
-                for w, s in sorted(self.workers.items())}
+        return {
+            w: {"clock": s.clock, "live": now - s.last_seen <= self.dead_after_s}
+            for w, s in sorted(self.workers.items())
+        }

@@ -35,9 +35,18 @@ class AdminConnection:
     def __init__(self, addresses: Sequence[str], secret: bytes | str | None = None, timeout_s: float = 60.0):
         self.addresses = list(addresses)
         self.timeout_s = timeout_s
-        self.io = ClientIO(self.addresses, from_addresses=True, identity=f"admin-{os.getpid()}-{time.monotonic_ns()}".encode(),
-                           sender="admin", secret=secret, retry_after_s=0.5, heartbeat_s=None,
-                           request_timeout_s=timeout_s, server_names=self.addresses, clock=lambda: 0)
+        self.io = ClientIO(
+            self.addresses,
+            from_addresses=True,
+            identity=f"admin-{os.getpid()}-{time.monotonic_ns()}".encode(),
+            sender="admin",
+            secret=secret,
+            retry_after_s=0.5,
+            heartbeat_s=None,
+            request_timeout_s=timeout_s,
+            server_names=self.addresses,
+            clock=lambda: 0,
+        )
 
     def ask(self, index: int, kind: MessageType, meta: dict | None = None, tensors: dict | None = None) -> Message:
         msg = Message(kind, "admin", 0, tensors=tensors or {}, meta=meta or {})
@@ -53,8 +62,14 @@ class AdminConnection:
         self.close()
 
 
-def rebalance(old_servers: Sequence[str], new_servers: Sequence[str], *, secret: bytes | str | None = None,
-              virtual_nodes: int = 64, timeout_s: float = 60.0) -> dict[str, tuple[str, str]]:
+def rebalance(
+    old_servers: Sequence[str],
+    new_servers: Sequence[str],
+    *,
+    secret: bytes | str | None = None,
+    virtual_nodes: int = 64,
+    timeout_s: float = 60.0,
+) -> dict[str, tuple[str, str]]:
     """Move the shards whose owner changes from the ring of ``old_servers`` to that of
     ``new_servers`` (server ids = addresses, as ``PSClient`` uses them), with values, optimizer
     state and versions. Run it while workers are paused; afterwards workers connect with
@@ -109,10 +124,21 @@ class LocalCluster:
     environment only; clients need ``cluster.secret``.
     """
 
-    def __init__(self, num_servers: int, num_workers: int = 0, *, durability: str = "none",
-                 directory: str | os.PathLike | None = None, secret: bytes | str | None = None,
-                 dead_after_s: float = 10.0, drop_dead_workers: bool = False, snapshot_every: int = 1000,
-                 host: str = "127.0.0.1", startup_timeout_s: float = 60.0, extra_args: Sequence[str] = ()):
+    def __init__(
+        self,
+        num_servers: int,
+        num_workers: int = 0,
+        *,
+        durability: str = "none",
+        directory: str | os.PathLike | None = None,
+        secret: bytes | str | None = None,
+        dead_after_s: float = 10.0,
+        drop_dead_workers: bool = False,
+        snapshot_every: int = 1000,
+        host: str = "127.0.0.1",
+        startup_timeout_s: float = 60.0,
+        extra_args: Sequence[str] = (),
+    ):
         if not isinstance(num_servers, int) or num_servers < 1:
             raise ValueError(f"num_servers must be an int >= 1, got {num_servers!r}")
         if durability not in DURABILITY:
@@ -123,9 +149,18 @@ class LocalCluster:
         self.startup_timeout_s = startup_timeout_s
         self._tmp = tempfile.TemporaryDirectory(prefix="trainmesh-ps-") if directory is None else None
         self.directory = os.fspath(directory) if directory is not None else self._tmp.name
-        self.common_args = ["--num-workers", str(num_workers), "--durability", durability,
-                            "--dead-after-s", str(dead_after_s), "--snapshot-every", str(snapshot_every),
-                            *(["--drop-dead-workers"] if drop_dead_workers else []), *extra_args]
+        self.common_args = [
+            "--num-workers",
+            str(num_workers),
+            "--durability",
+            durability,
+            "--dead-after-s",
+            str(dead_after_s),
+            "--snapshot-every",
+            str(snapshot_every),
+            *(["--drop-dead-workers"] if drop_dead_workers else []),
+            *extra_args,
+        ]
         self.addresses: list[str] = []
         self.processes: list[subprocess.Popen | None] = []
         try:
@@ -167,9 +202,20 @@ class LocalCluster:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         env.pop(SECRET_FILE_ENV, None)
         env[SECRET_ENV] = self.secret  # (a child's environment is readable by this user only)
-        command = [sys.executable, "-m", "trainmesh.ps", "--bind", self.addresses[i], "--server-id",
-                   self.addresses[i], "--dir", self.server_dir(i), "--parent-pid", str(os.getpid()),
-                   *self.common_args]
+        command = [
+            sys.executable,
+            "-m",
+            "trainmesh.ps",
+            "--bind",
+            self.addresses[i],
+            "--server-id",
+            self.addresses[i],
+            "--dir",
+            self.server_dir(i),
+            "--parent-pid",
+            str(os.getpid()),
+            *self.common_args,
+        ]
         with open(os.path.join(self.directory, f"server{i}.log"), "ab") as log_file:
             self.processes[i] = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT)
 
@@ -179,11 +225,15 @@ class LocalCluster:
             future = admin.io.submit([(0, Message(MessageType.STATS, "admin", 0))])
             while not future.done():
                 if self.processes[i].poll() is not None:
-                    raise OSError(f"parameter server {i} at {self.addresses[i]} exited with code "
-                                  f"{self.processes[i].returncode}; log:\n{self.log(i)[-2000:]}")
+                    raise OSError(
+                        f"parameter server {i} at {self.addresses[i]} exited with code "
+                        f"{self.processes[i].returncode}; log:\n{self.log(i)[-2000:]}"
+                    )
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"parameter server {i} at {self.addresses[i]} did not answer within "
-                                       f"{self.startup_timeout_s}s; log:\n{self.log(i)[-2000:]}")
+                    raise TimeoutError(
+                        f"parameter server {i} at {self.addresses[i]} did not answer within "
+                        f"{self.startup_timeout_s}s; log:\n{self.log(i)[-2000:]}"
+                    )
                 time.sleep(0.05)
             future.result()
 

@@ -47,16 +47,25 @@ class DurableStore:
     def snapshot_due(self) -> bool:
         if self.updates_since_snapshot == 0 or time.monotonic() < self.retry_at:
             return False
-        return (self.updates_since_snapshot >= self.snapshot_every
-                or time.monotonic() - self.last_snapshot >= self.snapshot_every_s)
+        return (
+            self.updates_since_snapshot >= self.snapshot_every
+            or time.monotonic() - self.last_snapshot >= self.snapshot_every_s
+        )
 
     def write_snapshot(self, meta: dict, shards: dict[str, tuple[dict[str, torch.Tensor], dict]]) -> None:
         """``meta``: the server's JSON state; ``shards``: ``{id: (tensors, shard meta)}``. One
         frame per shard, so no header outgrows the protocol's limit however many shards."""
         frames = [encode(Message(MessageType.IMPORT, "snapshot", 0, meta=meta), None, _SNAPSHOT_MAX_BYTES)]
         for sid, (tensors, shard_meta) in shards.items():
-            frames.append(encode(Message(MessageType.IMPORT, "snapshot", 0, tensors=tensors,
-                                         meta={"shard_id": sid, "shard": shard_meta}), None, _SNAPSHOT_MAX_BYTES))
+            frames.append(
+                encode(
+                    Message(
+                        MessageType.IMPORT, "snapshot", 0, tensors=tensors, meta={"shard_id": sid, "shard": shard_meta}
+                    ),
+                    None,
+                    _SNAPSHOT_MAX_BYTES,
+                )
+            )
         write_snapshot(self.directory, b"".join(part for f in frames for part in (_LENGTH.pack(len(f)), f)))
         if self.wal is not None:
             self.wal.reset()  # only after the snapshot covering its records is on disk
@@ -72,7 +81,9 @@ class DurableStore:
         view, frames, offset = memoryview(data), [], 0
         while offset < len(view):
             (length,) = _LENGTH.unpack_from(view, offset)
-            frames.append(decode(view[offset + _LENGTH.size:offset + _LENGTH.size + length], None, _SNAPSHOT_MAX_BYTES))
+            frames.append(
+                decode(view[offset + _LENGTH.size : offset + _LENGTH.size + length], None, _SNAPSHOT_MAX_BYTES)
+            )
             offset += _LENGTH.size + length
         shards = {f.meta["shard_id"]: (f.tensors, f.meta["shard"]) for f in frames[1:]}
         return frames[0].meta, shards
@@ -86,8 +97,10 @@ class DurableStore:
             try:
                 msg = decode(record, self.secret, _SNAPSHOT_MAX_BYTES)
             except ProtocolError as error:
-                raise RuntimeError(f"write-ahead log {self.wal.path}: record {index} does not decode "
-                                   f"(was the server restarted with another secret?): {error}") from error
+                raise RuntimeError(
+                    f"write-ahead log {self.wal.path}: record {index} does not decode "
+                    f"(was the server restarted with another secret?): {error}"
+                ) from error
             mutate(msg)
             count += 1
         if count:

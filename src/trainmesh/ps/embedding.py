@@ -33,15 +33,26 @@ class PSEmbedding(nn.Module):
     >>> vectors = emb(torch.tensor([[3, 7], [7, 9]]))  # pulls rows 3, 7, 9 only  # doctest: +SKIP
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, name: str, client: Any = None,
-                 init_std: float = 0.01, mode: str | None = None, staleness: int | None = None,
-                 optimizer: dict | None = None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        name: str,
+        client: Any = None,
+        init_std: float = 0.01,
+        mode: str | None = None,
+        staleness: int | None = None,
+        optimizer: dict | None = None,
+    ):
         super().__init__()
         for label, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PSEmbedding {label} must be a positive int. Received: {label}={value!r}")
         if not isinstance(name, str) or not name:
-            raise ValueError(f"PSEmbedding needs a non-empty string name (its key on the servers). Received: name={name!r}")
+            raise ValueError(
+                f"PSEmbedding needs a non-empty string name (its key on the servers). Received: name={name!r}"
+            )
         if not isinstance(init_std, (int, float)) or not math.isfinite(init_std) or init_std < 0:
             raise ValueError(f"PSEmbedding init_std must be a finite number >= 0. Received: init_std={init_std!r}")
         if mode is not None and mode not in MODES:
@@ -74,7 +85,8 @@ class PSEmbedding(nn.Module):
         if self._client is None:
             raise RuntimeError(
                 f"PSEmbedding {self.name!r} has no parameter-server client: pass client=..., build it inside "
-                "ParameterServerStrategy.scope(), or distribute its model with the strategy.")
+                "ParameterServerStrategy.scope(), or distribute its model with the strategy."
+            )
         if not self._registered:
             register_table(self._client, self)
             self._registered = True
@@ -87,14 +99,18 @@ class PSEmbedding(nn.Module):
     # --- forward -------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            raise TypeError(f"PSEmbedding {self.name!r} takes an integer tensor of ids. "
-                            f"Received: {type(ids).__name__}{'' if not torch.is_tensor(ids) else ' of ' + str(ids.dtype)}")
+            raise TypeError(
+                f"PSEmbedding {self.name!r} takes an integer tensor of ids. "
+                f"Received: {type(ids).__name__}{'' if not torch.is_tensor(ids) else ' of ' + str(ids.dtype)}"
+            )
         unique, inverse = torch.unique(ids.reshape(-1).to(torch.int64), return_inverse=True)  # sorted
         if unique.numel():
             low, high = int(unique[0]), int(unique[-1])
             if low < 0 or high >= self.num_embeddings:
-                raise ValueError(f"PSEmbedding {self.name!r} has {self.num_embeddings} rows; ids must be in "
-                                 f"[0, {self.num_embeddings}). Received: ids in [{low}, {high}]")
+                raise ValueError(
+                    f"PSEmbedding {self.name!r} has {self.num_embeddings} rows; ids must be in "
+                    f"[0, {self.num_embeddings}). Received: ids in [{low}, {high}]"
+                )
         rows = self.client.pull_rows(self.name, unique).result()
         rows = rows.to(torch.float32).reshape(len(unique), self.embedding_dim)
         if self.training and torch.is_grad_enabled():

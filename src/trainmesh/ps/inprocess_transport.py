@@ -117,9 +117,15 @@ class FaultInjectingTransport(ClientTransport):
     `dropped_sends`, `dropped_recvs`, `duplicated_sends` count what it did; the byte counters
     are the inner transport's (what really went over the wire)."""
 
-    def __init__(self, inner: ClientTransport, drop_send: float = 0.0, drop_recv: float = 0.0,
-                 duplicate_send: float = 0.0, delay_s: tuple[float, float] = (0.0, 0.0),
-                 seed: int | None = None) -> None:
+    def __init__(
+        self,
+        inner: ClientTransport,
+        drop_send: float = 0.0,
+        drop_recv: float = 0.0,
+        duplicate_send: float = 0.0,
+        delay_s: tuple[float, float] = (0.0, 0.0),
+        seed: int | None = None,
+    ) -> None:
         if not isinstance(inner, ClientTransport):
             raise TypeError(f"inner must be a ClientTransport, got {type(inner).__name__}")
         self.inner, self.address = inner, getattr(inner, "address", None)

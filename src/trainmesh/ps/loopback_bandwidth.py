@@ -15,8 +15,9 @@ def loopback_bandwidth(nbytes: int, repeats: int = 10, warmup: int = 2, window: 
     ack back for each message, `repeats` times (after `warmup` rounds), with up to `window`
     messages in flight. The PS benchmark compares dense push throughput with this ceiling."""
     if nbytes < 1 or repeats < 1 or warmup < 0 or window < 1:
-        raise ValueError(f"need nbytes >= 1, repeats >= 1, warmup >= 0, window >= 1; "
-                         f"got {nbytes}, {repeats}, {warmup}, {window}")
+        raise ValueError(
+            f"need nbytes >= 1, repeats >= 1, warmup >= 0, window >= 1; got {nbytes}, {repeats}, {warmup}, {window}"
+        )
     ready: queue.Queue = queue.Queue()
 
     def echo_ack() -> None:
@@ -58,5 +59,12 @@ def loopback_bandwidth(nbytes: int, repeats: int = 10, warmup: int = 2, window: 
     finally:
         client.close()
         thread.join(timeout=30.0)
-    return {"nbytes": nbytes, "repeats": repeats, "window": window, "seconds": seconds, "acked": acked - warmup,
-            "seconds_per_message": seconds / repeats, "bytes_per_s": nbytes * repeats / seconds}
+    return {
+        "nbytes": nbytes,
+        "repeats": repeats,
+        "window": window,
+        "seconds": seconds,
+        "acked": acked - warmup,
+        "seconds_per_message": seconds / repeats,
+        "bytes_per_s": nbytes * repeats / seconds,
+    }

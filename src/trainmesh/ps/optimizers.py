@@ -28,13 +28,13 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
     "sgd": {"lr": None, "momentum": 0.0, "weight_decay": 0.0, "nesterov": False, "dampening": 0.0},
     "adam": {"lr": None, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
     "adamw": {"lr": None, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},  # decoupled decay
-    "adagrad": {"lr": None, "eps": 1e-10, "initial_accumulator_value": 0.0, "lr_decay": 0.0,
-                "weight_decay": 0.0},
+    "adagrad": {"lr": None, "eps": 1e-10, "initial_accumulator_value": 0.0, "lr_decay": 0.0, "weight_decay": 0.0},
 }
 
 
-def _number(spec_name: str, key: str, value: Any, *, low: float = 0.0, high: float | None = None,
-            open_high: bool = False) -> float:
+def _number(
+    spec_name: str, key: str, value: Any, *, low: float = 0.0, high: float | None = None, open_high: bool = False
+) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{spec_name} optimizer: {key} must be a finite number, got {value!r}")
     value = float(value)
@@ -69,15 +69,19 @@ def _normalize(spec: Any) -> dict[str, Any]:
         elif key == "betas":
             if not isinstance(value, (list, tuple)) or len(value) != 2:
                 raise ValueError(f"adam optimizer: betas must be a pair of numbers, got {value!r}")
-            out[key] = [_number(name, "betas[0]", value[0], high=1.0, open_high=True),
-                        _number(name, "betas[1]", value[1], high=1.0, open_high=True)]
+            out[key] = [
+                _number(name, "betas[0]", value[0], high=1.0, open_high=True),
+                _number(name, "betas[1]", value[1], high=1.0, open_high=True),
+            ]
         elif key in ("momentum", "dampening"):
             out[key] = _number(name, key, value, high=1.0)
         else:
             out[key] = _number(name, key, value)
     if name == "sgd" and out["nesterov"] and (out["momentum"] <= 0 or out["dampening"] != 0):
-        raise ValueError("sgd optimizer: nesterov requires momentum > 0 and dampening == 0, "
-                         f"got momentum={out['momentum']}, dampening={out['dampening']}")
+        raise ValueError(
+            "sgd optimizer: nesterov requires momentum > 0 and dampening == 0, "
+            f"got momentum={out['momentum']}, dampening={out['dampening']}"
+        )
     return out
 
 
@@ -120,8 +124,9 @@ class ServerOptimizer:
 
     # -- updates -----------------------------------------------------------------------
 
-    def step(self, value: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
-             lr: float | None = None) -> None:
+    def step(
+        self, value: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], lr: float | None = None
+    ) -> None:
         """Update a dense 1-D part in place."""
         _check_value(value, dims=1)
         if not isinstance(grad, torch.Tensor) or grad.shape != value.shape:
@@ -142,8 +147,14 @@ class ServerOptimizer:
         else:
             self._adagrad(value, grad, state, lr, step)
 
-    def step_rows(self, value: torch.Tensor, local_rows: torch.Tensor, grads: torch.Tensor,
-                  state: dict[str, torch.Tensor], lr: float | None = None) -> None:
+    def step_rows(
+        self,
+        value: torch.Tensor,
+        local_rows: torch.Tensor,
+        grads: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        lr: float | None = None,
+    ) -> None:
         """Update rows ``local_rows`` of the 2-D ``value`` (and their state) in place."""
         _check_value(value, dims=2)
         rows, dim = value.shape

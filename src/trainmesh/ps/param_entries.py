@@ -25,8 +25,9 @@ def parse_mode(value: Any, staleness: int | None) -> tuple[str, int | None]:
         raise ValueError(f"mode must be one of {MODES} (or 'ssp:K'). Received: mode={value!r}")
     if value == "ssp":
         if staleness is None:
-            raise ValueError("mode='ssp' needs a staleness bound: staleness=K or mode='ssp:K'. "
-                             "Received: staleness=None")
+            raise ValueError(
+                "mode='ssp' needs a staleness bound: staleness=K or mode='ssp:K'. Received: staleness=None"
+            )
         return value, _parse_staleness(staleness, staleness)
     return value, (0 if value == "sync" else None)
 
@@ -41,8 +42,9 @@ def _parse_staleness(raw: Any, shown: Any) -> int:
     return value
 
 
-def normalize_entry(entry: Mapping[str, Any], optimizer: dict, mode: str, staleness: int | None,
-                     rows_per_shard: int, seed: int) -> tuple[dict, torch.Tensor | None]:
+def normalize_entry(
+    entry: Mapping[str, Any], optimizer: dict, mode: str, staleness: int | None, rows_per_shard: int, seed: int
+) -> tuple[dict, torch.Tensor | None]:
     """The JSON spec of one init entry, and its dense value (None for tables)."""
     name, kind = entry.get("name"), entry.get("kind", "dense")
     if not isinstance(name, str) or not name:
@@ -57,8 +59,13 @@ def normalize_entry(entry: Mapping[str, Any], optimizer: dict, mode: str, stalen
         staleness = None
     elif not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
         raise ValueError(f"init {name!r}: mode 'ssp' needs an int staleness >= 0, got {staleness!r}")
-    spec = {"name": name, "kind": kind, "optimizer": dict(entry.get("optimizer") or optimizer),
-            "mode": mode, "staleness": staleness}
+    spec = {
+        "name": name,
+        "kind": kind,
+        "optimizer": dict(entry.get("optimizer") or optimizer),
+        "mode": mode,
+        "staleness": staleness,
+    }
     if kind == "dense":
         value = entry.get("value")
         if not isinstance(value, torch.Tensor) or not value.is_floating_point():
@@ -68,11 +75,17 @@ def normalize_entry(entry: Mapping[str, Any], optimizer: dict, mode: str, stalen
     if kind != "sparse":
         raise ValueError(f"init {name!r}: kind must be 'dense' or 'sparse', got {kind!r}")
     shape = entry.get("shape")
-    if (not isinstance(shape, (list, tuple)) or len(shape) != 2
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape)):
+    if (
+        not isinstance(shape, (list, tuple))
+        or len(shape) != 2
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape)
+    ):
         raise ValueError(f"init {name!r}: a sparse table needs shape (rows, dim) of ints >= 1, got {shape!r}")
-    spec.update(shape=list(shape), init=table_init(entry.get("init"), int(entry.get("seed", seed))),
-                rows_per_shard=rows_per_shard)
+    spec.update(
+        shape=list(shape),
+        init=table_init(entry.get("init"), int(entry.get("seed", seed))),
+        rows_per_shard=rows_per_shard,
+    )
     return spec, None
 
 
@@ -89,8 +102,15 @@ def table_init(init: Any, seed: int) -> dict:
 
 def dense_param(name: str, value: torch.Tensor, optimizer: dict, mode: str, staleness: int | None) -> dict:
     """The ``init`` entry of a dense parameter."""
-    return {"name": name, "kind": "dense", "shape": list(value.shape), "value": value.float().contiguous(),
-            "optimizer": optimizer, "mode": mode, "staleness": staleness}
+    return {
+        "name": name,
+        "kind": "dense",
+        "shape": list(value.shape),
+        "value": value.float().contiguous(),
+        "optimizer": optimizer,
+        "mode": mode,
+        "staleness": staleness,
+    }
 
 
 def table_param(table: PSEmbedding, strategy: ParameterServerStrategy | None) -> dict:
@@ -102,8 +122,15 @@ def table_param(table: PSEmbedding, strategy: ParameterServerStrategy | None) ->
     else:
         mode, staleness = "async", None
     init = {"std": table.init_std} if table.init_std > 0 else {"zeros": True}
-    return {"name": table.name, "kind": "sparse", "shape": [table.num_embeddings, table.embedding_dim],
-            "optimizer": table.server_optimizer, "init": init, "mode": mode, "staleness": staleness}
+    return {
+        "name": table.name,
+        "kind": "sparse",
+        "shape": [table.num_embeddings, table.embedding_dim],
+        "optimizer": table.server_optimizer,
+        "init": init,
+        "mode": mode,
+        "staleness": staleness,
+    }
 
 
 def register_table(client: Any, table: PSEmbedding) -> None:

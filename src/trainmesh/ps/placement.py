@@ -74,9 +74,7 @@ class HashRing:
         # Sorting on (hash, server) breaks the (astronomically unlikely) hash ties the same way
         # in every process, whatever order the servers were listed in.
         points = sorted(
-            (ring_hash(f"{server}#vn{i}"), server)
-            for server in servers
-            for i in range(self._virtual_nodes)
+            (ring_hash(f"{server}#vn{i}"), server) for server in servers for i in range(self._virtual_nodes)
         )
         self._hashes = [h for h, _ in points]
         self._owners = [s for _, s in points]
@@ -116,9 +114,7 @@ class HashRing:
         return f"HashRing({list(self._servers)!r}, virtual_nodes={self._virtual_nodes})"
 
 
-def moved_shards(
-    old_ring: HashRing, new_ring: HashRing, shard_ids: Iterable[str]
-) -> dict[str, tuple[str, str]]:
+def moved_shards(old_ring: HashRing, new_ring: HashRing, shard_ids: Iterable[str]) -> dict[str, tuple[str, str]]:
     """``{shard_id: (old_owner, new_owner)}`` for the shards whose owner changed."""
     moved = {}
     for s in shard_ids:

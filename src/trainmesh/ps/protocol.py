@@ -94,8 +94,9 @@ class Message:
         try:
             self.type = MessageType(self.type)
         except ValueError:
-            raise ValueError(f"unknown message type {self.type!r}; expected one of "
-                             f"{[t.value for t in MessageType]}") from None
+            raise ValueError(
+                f"unknown message type {self.type!r}; expected one of {[t.value for t in MessageType]}"
+            ) from None
 
 
 def payload_nbytes(msg: Message) -> int:
@@ -168,23 +169,29 @@ def _layout(msg: Message, key: bytes | None, max_bytes: int) -> tuple[bytes, lis
         if not isinstance(name, str):
             raise TypeError(f"tensor names must be str, got {name!r}")
         dtype_name, shape, raw = _tensor_bytes(name, tensor)
-        specs.append({"name": name, "dtype": dtype_name, "shape": list(shape),
-                      "offset": offset, "nbytes": raw.nbytes})
+        specs.append({"name": name, "dtype": dtype_name, "shape": list(shape), "offset": offset, "nbytes": raw.nbytes})
         segments.append((offset, raw))
         offset += _align(raw.nbytes)
 
     kind = msg.type if type(msg.type) is MessageType else MessageType(msg.type)
-    header_obj = {"type": kind.value, "sender": msg.sender, "seq": msg.seq,
-                  "version": msg.version, "tensors": specs, "meta": msg.meta}
+    header_obj = {
+        "type": kind.value,
+        "sender": msg.sender,
+        "seq": msg.seq,
+        "version": msg.version,
+        "tensors": specs,
+        "meta": msg.meta,
+    }
     try:
         header = _JSON_ENCODER.encode(header_obj).encode("utf-8")
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"Message.meta must be plain JSON (str/int/float/bool/None/list/dict, "
-                         f"no NaN): {exc}") from exc
+        raise ValueError(f"Message.meta must be plain JSON (str/int/float/bool/None/list/dict, no NaN): {exc}") from exc
     header = _pad_header(header)
     if len(header) > MAX_HEADER_BYTES:
-        raise ValueError(f"message header is {len(header)} bytes, over the {MAX_HEADER_BYTES} limit "
-                         f"(too many tensors or too large a meta)")
+        raise ValueError(
+            f"message header is {len(header)} bytes, over the {MAX_HEADER_BYTES} limit "
+            f"(too many tensors or too large a meta)"
+        )
     total = _PREFIX.size + len(header) + offset + (HMAC_SIZE if key else 0)
     if total > max_bytes:
         raise ValueError(f"encoded message would be {total} bytes, over max_bytes={max_bytes}")
@@ -200,17 +207,21 @@ def encode(msg: Message, secret: bytes | str | None = None, max_bytes: int = DEF
     # One preallocated frame; each tensor's bytes are copied into it once (the padding stays zero).
     frame = bytearray(body_end + (HMAC_SIZE if key else 0))
     view = memoryview(frame)
-    view[:len(head)] = head
+    view[: len(head)] = head
     for start, raw in segments:
-        view[len(head) + start:len(head) + start + raw.nbytes] = raw
+        view[len(head) + start : len(head) + start + raw.nbytes] = raw
     if key:
         view[body_end:] = hmac.new(key, view[:body_end], hashlib.sha256).digest()
     view.release()
     return frame
 
 
-def encode_parts(msg: Message, secret: bytes | str | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
-                 zero_copy_min_bytes: int = 65536) -> list:
+def encode_parts(
+    msg: Message,
+    secret: bytes | str | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    zero_copy_min_bytes: int = 65536,
+) -> list:
     """`msg` as a list of buffers whose concatenation is exactly ``encode(msg, secret)``.
 
     Each tensor of at least ``zero_copy_min_bytes`` is its own part, a view of the tensor's
@@ -262,22 +273,23 @@ class _Parts:
         """Bytes [start, stop) and whether they are a view of one part (else a copy)."""
         for begin, view in zip(self.starts, self.views):
             if begin <= start and stop <= begin + view.nbytes:
-                return view[start - begin:stop - begin], True
+                return view[start - begin : stop - begin], True
         out, position = bytearray(), start
         for begin, view in zip(self.starts, self.views):
             end = begin + view.nbytes
             if end > position and begin < stop:
-                out += view[max(position, begin) - begin:min(stop, end) - begin]
+                out += view[max(position, begin) - begin : min(stop, end) - begin]
         return memoryview(out), False
 
     def feed(self, mac, stop: int) -> None:
         for begin, view in zip(self.starts, self.views):
             if begin < stop:
-                mac.update(view[:min(view.nbytes, stop - begin)])
+                mac.update(view[: min(view.nbytes, stop - begin)])
 
 
-def decode(data, secret: bytes | str | None = None,
-           max_bytes: int = DEFAULT_MAX_BYTES, *, copy: bool = True) -> Message:
+def decode(
+    data, secret: bytes | str | None = None, max_bytes: int = DEFAULT_MAX_BYTES, *, copy: bool = True
+) -> Message:
     """Parse and validate one frame (bytes-like), or a message sent as several parts (a list of
     bytes-like, see ``encode_parts``). Raises ProtocolError for anything malformed or forged.
 
@@ -319,8 +331,14 @@ def decode(data, secret: bytes | str | None = None,
     header = _parse_header(parts.read(_PREFIX.size, payload_start)[0])
     tensors = _decode_tensors(header["tensors"], parts, payload_start, body_end, copy)
     # (_parse_header checked the type is a known value: the member is looked up, not called for)
-    return Message(type=_MESSAGE_TYPES[header["type"]], sender=header["sender"], seq=header["seq"],
-                   version=header["version"], tensors=tensors, meta=header["meta"])
+    return Message(
+        type=_MESSAGE_TYPES[header["type"]],
+        sender=header["sender"],
+        seq=header["seq"],
+        version=header["version"],
+        tensors=tensors,
+        meta=header["meta"],
+    )
 
 
 def _reject_constant(name: str) -> None:
@@ -380,13 +398,15 @@ def _check_spec(spec: Any, expected_offset: int, payload_len: int) -> tuple[str,
     if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
         raise ProtocolError(f"tensor {name!r}: dtype {dtype_name!r:.100} not in {sorted(DTYPES)}")
     if not isinstance(shape, list) or len(shape) > MAX_NDIM:
-        raise ProtocolError(f"tensor {name!r}: shape must be a list of at most {MAX_NDIM} ints >= 0, "
-                            f"got {shape!r:.200}")
+        raise ProtocolError(
+            f"tensor {name!r}: shape must be a list of at most {MAX_NDIM} ints >= 0, got {shape!r:.200}"
+        )
     numel = bound = 1  # one loop over the dims, no generator (this runs for every tensor received)
     for d in shape:
         if not _is_int(d) or d < 0:
-            raise ProtocolError(f"tensor {name!r}: shape must be a list of at most {MAX_NDIM} ints >= 0, "
-                                f"got {shape!r:.200}")
+            raise ProtocolError(
+                f"tensor {name!r}: shape must be a list of at most {MAX_NDIM} ints >= 0, got {shape!r:.200}"
+            )
         numel *= d
         if d > 1:
             bound *= d
@@ -402,13 +422,15 @@ def _check_spec(spec: Any, expected_offset: int, payload_len: int) -> tuple[str,
     if offset != expected_offset:
         raise ProtocolError(f"tensor {name!r}: offset {offset}, expected {expected_offset}")
     if offset + nbytes > payload_len:
-        raise ProtocolError(f"tensor {name!r}: bytes [{offset}, {offset + nbytes}) beyond the "
-                            f"{payload_len}-byte payload")
+        raise ProtocolError(
+            f"tensor {name!r}: bytes [{offset}, {offset + nbytes}) beyond the {payload_len}-byte payload"
+        )
     return name, dtype, shape, nbytes
 
 
-def _decode_tensors(specs: list[Any], parts: _Parts, payload_start: int, body_end: int,
-                    copy: bool) -> dict[str, torch.Tensor]:
+def _decode_tensors(
+    specs: list[Any], parts: _Parts, payload_start: int, body_end: int, copy: bool
+) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     placed: list[tuple[str, torch.dtype, list[int], int, int]] = []
     offset, payload_len = 0, body_end - payload_start
@@ -423,8 +445,7 @@ def _decode_tensors(specs: list[Any], parts: _Parts, payload_start: int, body_en
         placed.append((name, dtype, shape, offset, nbytes))
         offset = _align(end)
     if offset != payload_len:
-        raise ProtocolError(f"payload is {payload_len} bytes but its tensors (padded to 8 bytes) "
-                            f"take {offset}")
+        raise ProtocolError(f"payload is {payload_len} bytes but its tensors (padded to 8 bytes) take {offset}")
     if not payload_len:
         return {name: torch.empty(shape, dtype=dtype) for name, dtype, shape, _, _ in placed}
     if copy or len(parts.views) == 1:
@@ -436,7 +457,7 @@ def _decode_tensors(specs: list[Any], parts: _Parts, payload_start: int, body_en
         if base is None:
             base = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         for name, dtype, shape, offset, nbytes in placed:
-            tensors[name] = _typed(base[offset:offset + nbytes], dtype, shape)
+            tensors[name] = _typed(base[offset : offset + nbytes], dtype, shape)
         return tensors
     # Several parts, no copy: a tensor that is one part (how encode_parts sends a large one) is a
     # view of it; anything else (small tensors sharing a part, an odd split) is copied alone.

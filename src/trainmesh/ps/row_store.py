@@ -54,8 +54,9 @@ class RowStore:
 
     # -- reads and updates ---------------------------------------------------------------
 
-    def apply(self, ids: torch.Tensor, grads: torch.Tensor, shard_of: Callable[[int], Shard],
-              lr: float | None = None) -> None:
+    def apply(
+        self, ids: torch.Tensor, grads: torch.Tensor, shard_of: Callable[[int], Shard], lr: float | None = None
+    ) -> None:
         """Update rows ``ids`` (unique, in range) with ``grads`` (one row each): one optimizer step
         per page touched; each touched range's version advances once."""
         rows, touched = self._rows(ids, shard_of)
@@ -133,8 +134,10 @@ class RowStore:
     def _pack(self, slot: int, shard: Shard) -> None:
         page = self.pages[slot // self.slots_per_page]
         if shard.state.keys() != page.state.keys() or shard.value.shape[1:] != page.value.shape[1:]:
-            raise ValueError(f"range {shard.shard_id!r} does not fit table {self.table!r}'s other ranges "
-                             f"(state {sorted(shard.state)} vs {sorted(page.state)})")
+            raise ValueError(
+                f"range {shard.shard_id!r} does not fit table {self.table!r}'s other ranges "
+                f"(state {sorted(shard.state)} vs {sorted(page.state)})"
+            )
         start = (slot % self.slots_per_page) * self.rows_per_shard
         stop = start + shard.value.shape[0]  # the table's last range may be shorter
         value, state = page.value[start:stop], {k: t[start:stop] for k, t in page.state.items()}

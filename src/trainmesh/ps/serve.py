@@ -24,29 +24,47 @@ from .durability import DURABILITY
 from .server import ParameterServer
 
 
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m trainmesh.ps",
-                                     description="Run one trainmesh parameter server (see docs/parameter_server.md).")
-    parser.add_argument("--bind", default="tcp://127.0.0.1:0",
-                        help="address to listen on (default: loopback, a free port; see READY line)")
+    parser = argparse.ArgumentParser(
+        prog="python -m trainmesh.ps", description="Run one trainmesh parameter server (see docs/parameter_server.md)."
+    )
+    parser.add_argument(
+        "--bind",
+        default="tcp://127.0.0.1:0",
+        help="address to listen on (default: loopback, a free port; see READY line)",
+    )
     parser.add_argument("--server-id", default=None, help="name in logs and replies (default: the address)")
-    parser.add_argument("--num-workers", type=_non_negative, default=0,
-                        help="workers expected in the clock table before they register (default 0)")
+    parser.add_argument(
+        "--num-workers",
+        type=_non_negative,
+        default=0,
+        help="workers expected in the clock table before they register (default 0)",
+    )
     parser.add_argument("--durability", choices=DURABILITY, default="none")
     parser.add_argument("--dir", default=None, help="snapshot and write-ahead log directory")
     parser.add_argument("--snapshot-every", type=_positive, default=1000, help="updates between snapshots")
     parser.add_argument("--snapshot-every-s", type=float, default=30.0, help="seconds between snapshots")
-    parser.add_argument("--secret-env", default=SECRET_ENV,
-                        help=f"environment variable holding the shared secret (default {SECRET_ENV})")
-    parser.add_argument("--secret-file", default=None,
-                        help=f"0600 file holding the secret when the variable is unset (default: ${SECRET_FILE_ENV}, "
-                        "else DIR/secret with --dir); on loopback a missing file is created with a new secret")
+    parser.add_argument(
+        "--secret-env",
+        default=SECRET_ENV,
+        help=f"environment variable holding the shared secret (default {SECRET_ENV})",
+    )
+    parser.add_argument(
+        "--secret-file",
+        default=None,
+        help=f"0600 file holding the secret when the variable is unset (default: ${SECRET_FILE_ENV}, "
+        "else DIR/secret with --dir); on loopback a missing file is created with a new secret",
+    )
     parser.add_argument("--dead-after-s", type=float, default=10.0, help="silence after which a worker is dead")
-    parser.add_argument("--drop-dead-workers", action="store_true",
-                        help="sync pulls stop waiting for dead workers instead of failing")
-    parser.add_argument("--parent-pid", type=_positive, default=None,
-                        help="stop (gracefully) once this process is gone, so a killed launcher leaves no orphans")
+    parser.add_argument(
+        "--drop-dead-workers", action="store_true", help="sync pulls stop waiting for dead workers instead of failing"
+    )
+    parser.add_argument(
+        "--parent-pid",
+        type=_positive,
+        default=None,
+        help="stop (gracefully) once this process is gone, so a killed launcher leaves no orphans",
+    )
     parser.add_argument("--log-level", default="WARNING")
     return parser
 
@@ -103,7 +121,9 @@ def _secret(args: argparse.Namespace) -> bytes:
 
     if os.environ.get(args.secret_env):
         return os.environ[args.secret_env].encode("utf-8")
-    path = args.secret_file or os.environ.get(SECRET_FILE_ENV) or (os.path.join(args.dir, "secret") if args.dir else None)
+    path = (
+        args.secret_file or os.environ.get(SECRET_FILE_ENV) or (os.path.join(args.dir, "secret") if args.dir else None)
+    )
     if path and os.path.lexists(path):
         return read_secret_file(path)
     check_bind_address(args.bind, None)  # off loopback the user must give the secret (clients elsewhere need it)
@@ -111,15 +131,21 @@ def _secret(args: argparse.Namespace) -> bytes:
     if path and os.path.dirname(path):
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     path = write_secret_file(secret, path)
-    logging.getLogger(__name__).warning("no secret in %s: made one for this server, in %s (mode 0600); give it to "
-                                        "the job's processes as %s=%s", args.secret_env, path, SECRET_FILE_ENV, path)
+    logging.getLogger(__name__).warning(
+        "no secret in %s: made one for this server, in %s (mode 0600); give it to the job's processes as %s=%s",
+        args.secret_env,
+        path,
+        SECRET_FILE_ENV,
+        path,
+    )
     return secret.encode("utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s ps %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s ps %(levelname)s %(message)s"
+    )
     if args.durability != "none" and not args.dir:
         raise SystemExit(f"--durability {args.durability} needs --dir")
     from .transport import ZmqServerTransport
@@ -131,10 +157,17 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"trainmesh ps: {error}") from None
     try:
         server = ParameterServer(
-            transport, server_id=args.server_id or transport.address, num_workers=args.num_workers,
-            durability=args.durability, directory=args.dir, secret=secret, dead_after_s=args.dead_after_s,
-            drop_dead_workers=args.drop_dead_workers, snapshot_every=args.snapshot_every,
-            snapshot_every_s=args.snapshot_every_s)
+            transport,
+            server_id=args.server_id or transport.address,
+            num_workers=args.num_workers,
+            durability=args.durability,
+            directory=args.dir,
+            secret=secret,
+            dead_after_s=args.dead_after_s,
+            drop_dead_workers=args.drop_dead_workers,
+            snapshot_every=args.snapshot_every,
+            snapshot_every_s=args.snapshot_every_s,
+        )
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: server.stop())
         if args.parent_pid is not None:

@@ -54,10 +54,22 @@ class ParameterServer:
     frame; only an in-process transport may go without (see auth.py).
     """
 
-    def __init__(self, transport, *, server_id: str = "ps", num_workers: int = 0, durability: str = "none",
-                 directory: str | os.PathLike | None = None, secret: bytes | str | None = None,
-                 dead_after_s: float = 10.0, drop_dead_workers: bool = False, snapshot_every: int = 1000,
-                 snapshot_every_s: float = 30.0, max_message_bytes: int = DEFAULT_MAX_BYTES, poll_s: float = 0.05):
+    def __init__(
+        self,
+        transport,
+        *,
+        server_id: str = "ps",
+        num_workers: int = 0,
+        durability: str = "none",
+        directory: str | os.PathLike | None = None,
+        secret: bytes | str | None = None,
+        dead_after_s: float = 10.0,
+        drop_dead_workers: bool = False,
+        snapshot_every: int = 1000,
+        snapshot_every_s: float = 30.0,
+        max_message_bytes: int = DEFAULT_MAX_BYTES,
+        poll_s: float = 0.05,
+    ):
         if durability not in DURABILITY:
             raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
         if durability != "none" and directory is None:
@@ -66,9 +78,11 @@ class ParameterServer:
             raise ValueError(f"snapshot_every must be an int >= 1, got {snapshot_every!r}")
         secret = resolve_secret(secret)
         if secret is None and not getattr(transport, "in_process", False):
-            raise ValueError(f"a parameter server on {getattr(transport, 'address', transport)!r} needs a secret: "
-                             f"every peer must authenticate, on loopback too. Pass secret= or set {SECRET_ENV} "
-                             f"(trainmesh.ps.auth.new_secret() makes one). Received: secret=None")
+            raise ValueError(
+                f"a parameter server on {getattr(transport, 'address', transport)!r} needs a secret: "
+                f"every peer must authenticate, on loopback too. Pass secret= or set {SECRET_ENV} "
+                f"(trainmesh.ps.auth.new_secret() makes one). Received: secret=None"
+            )
         self.transport = transport
         self.server_id = server_id
         self.num_workers = num_workers
@@ -84,9 +98,19 @@ class ParameterServer:
         self.failed_pushes: set[tuple[str, int]] = set()  # refused pushes: answered, never applied
         # Only what was served counts in bytes_in, requests, pulls and applied_pushes; "rejected"
         # counts refusals, "unauthenticated" the part of them that never authenticated.
-        self.counters = {"bytes_in": 0, "bytes_out": 0, "requests": 0, "applied_pushes": 0, "duplicates": 0,
-                         "rejected": 0, "unauthenticated": 0, "pulls": 0, "errors_sent": 0, "replayed": 0,
-                         "rounds_applied": 0}
+        self.counters = {
+            "bytes_in": 0,
+            "bytes_out": 0,
+            "requests": 0,
+            "applied_pushes": 0,
+            "duplicates": 0,
+            "rejected": 0,
+            "unauthenticated": 0,
+            "pulls": 0,
+            "errors_sent": 0,
+            "replayed": 0,
+            "rounds_applied": 0,
+        }
         self.strangers = RejectGuard(server_id, log)
         self._running = False
         self.counters["replayed"] = self.state.recover(self._mutate)
@@ -199,8 +223,10 @@ class ParameterServer:
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise BadRequest(f"register: num_workers must be an int >= 1, got {count!r}")
         if self.num_workers and count != self.num_workers:
-            raise BadRequest(f"worker {msg.sender} says the job has {count} workers; this server was started "
-                             f"with --num-workers {self.num_workers}")
+            raise BadRequest(
+                f"worker {msg.sender} says the job has {count} workers; this server was started "
+                f"with --num-workers {self.num_workers}"
+            )
         self.clocks.expect(count)
 
     def _check_sync_has_workers(self, msg: Message) -> None:
@@ -209,9 +235,11 @@ class ParameterServer:
         specs = msg.meta.get("params") or []
         sync = [s.get("name") for s in specs if isinstance(s, dict) and s.get("mode") == "sync"]
         if sync and not self.clocks.expected:
-            raise BadRequest(f"sync mode for {sync} needs the number of workers before the first round: start "
-                             f"the server with --num-workers N, or pass num_workers= to PSClient "
-                             f"(ParameterServerStrategy does). Received: num_workers=0 on server {self.server_id}")
+            raise BadRequest(
+                f"sync mode for {sync} needs the number of workers before the first round: start "
+                f"the server with --num-workers N, or pass num_workers= to PSClient "
+                f"(ParameterServerStrategy does). Received: num_workers=0 on server {self.server_id}"
+            )
 
     def _prepare(self, msg: Message):
         """Check a mutation completely (raising for a bad one) and return the call applying it.
@@ -226,6 +254,7 @@ class ParameterServer:
             for update in updates:
                 update()
             self.state.dedup.mark(_session(msg), msg.seq)
+
         return apply_push
 
     def _mutate(self, msg: Message) -> None:
@@ -272,8 +301,9 @@ class ParameterServer:
             for peer, msg in self.pending_clocks:
                 if self._ordered(msg):
                     self.clocks.seen(msg.sender, _clock_of(msg))
-                    self._reply(peer, msg, MessageType.OK,
-                                meta={"num_workers": self.num_workers, "server_id": self.server_id})
+                    self._reply(
+                        peer, msg, MessageType.OK, meta={"num_workers": self.num_workers, "server_id": self.server_id}
+                    )
                 else:
                     still_waiting.append((peer, msg))
             self.pending_clocks = still_waiting
@@ -292,14 +322,24 @@ class ParameterServer:
         closing = range(rounds.closed_below, int(slowest))
         missing = sorted(w for w, s in self.clocks.workers.items() if s.clock < slowest and not self.clocks.is_live(w))
         if missing and rounds.rounds.keys() & set(closing):
-            log.warning("ps %s: sync rounds %d-%d close without worker(s) %s (declared dead); their late pushes "
-                        "for these rounds will be refused", self.server_id, closing.start, closing.stop - 1, missing)
+            log.warning(
+                "ps %s: sync rounds %d-%d close without worker(s) %s (declared dead); their late pushes "
+                "for these rounds will be refused",
+                self.server_id,
+                closing.start,
+                closing.stop - 1,
+                missing,
+            )
         due = rounds.close_below(slowest)
         if not due:  # nothing to apply: no marker (a clock must not cost a log write, an fsync with
-            return   # "wal"); closed_below reaches the log with the next marker or snapshot, and a
-                     # replay, lower until then, still accepts every push the live server accepted
-        marker = encode(Message(MessageType.CLOCK, self.server_id, 0,
-                                meta={"apply_rounds": due, "closed_below": rounds.closed_below}), self.secret)
+            return  # "wal"); closed_below reaches the log with the next marker or snapshot, and a
+            # replay, lower until then, still accepts every push the live server accepted
+        marker = encode(
+            Message(
+                MessageType.CLOCK, self.server_id, 0, meta={"apply_rounds": due, "closed_below": rounds.closed_below}
+            ),
+            self.secret,
+        )
         self.state.log_then(marker, lambda: [self.state.apply_round(r) for r in due])
         self.counters["rounds_applied"] += len(due)
 
@@ -331,8 +371,13 @@ class ParameterServer:
                 slowest = self.clocks.min_live_clock()
                 try:  # reading or encoding (e.g. a reply over max_message_bytes) fails this pull only
                     tensors, versions = self.state.read(msg)
-                    self._reply(peer, msg, MessageType.PULL_REPLY, tensors,
-                                {"versions": versions, "min_clock": None if math.isinf(slowest) else int(slowest)})
+                    self._reply(
+                        peer,
+                        msg,
+                        MessageType.PULL_REPLY,
+                        tensors,
+                        {"versions": versions, "min_clock": None if math.isinf(slowest) else int(slowest)},
+                    )
                 except Exception as error:  # noqa: BLE001 - answered, not fatal
                     self.counters["rejected"] += 1
                     self._error(peer, msg, f"{type(error).__name__}: {error}", "bad_request")
@@ -342,8 +387,9 @@ class ParameterServer:
 
     # -- replies ----------------------------------------------------------------------------
 
-    def _reply(self, peer, request: Message, kind: MessageType, tensors: dict | None = None,
-               meta: dict | None = None) -> None:
+    def _reply(
+        self, peer, request: Message, kind: MessageType, tensors: dict | None = None, meta: dict | None = None
+    ) -> None:
         reply = Message(kind, self.server_id, request.seq, tensors=tensors or {}, meta=meta or {})
         self._send(peer, encode(reply, self.secret, self.max_message_bytes))
 
@@ -356,11 +402,19 @@ class ParameterServer:
         self._reply(peer, request, MessageType.ERROR, meta={"error": text, "code": code, **extra})
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counters, "server_id": self.server_id, "max_staleness_observed": self.clocks.max_lead,
-                "clocks": self.clocks.snapshot(), "waiting_pulls": len(self.pending_pulls),
-                "waiting_clocks": len(self.pending_clocks), "open_round_pushes": self.state.rounds.pending_pushes,
-                "shards": len(self.state.shards), "params": sorted(self.state.params),
-                "durability": self.state.durability, "time": time.time()}
+        return {
+            **self.counters,
+            "server_id": self.server_id,
+            "max_staleness_observed": self.clocks.max_lead,
+            "clocks": self.clocks.snapshot(),
+            "waiting_pulls": len(self.pending_pulls),
+            "waiting_clocks": len(self.pending_clocks),
+            "open_round_pushes": self.state.rounds.pending_pushes,
+            "shards": len(self.state.shards),
+            "params": sorted(self.state.params),
+            "durability": self.state.durability,
+            "time": time.time(),
+        }
 
 
 def _clock_of(msg: Message) -> int | None:

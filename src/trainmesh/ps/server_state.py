@@ -45,8 +45,10 @@ class DedupTable:
         self.applied.setdefault(worker, set()).add(seq)
 
     def to_json(self) -> dict:
-        return {w: {"floor": self.floor.get(w, 0), "applied": sorted(self.applied.get(w, ()))}
-                for w in sorted(set(self.floor) | set(self.applied))}
+        return {
+            w: {"floor": self.floor.get(w, 0), "applied": sorted(self.applied.get(w, ()))}
+            for w in sorted(set(self.floor) | set(self.applied))
+        }
 
     def load_json(self, data: dict) -> None:
         self.floor = {w: int(v["floor"]) for w, v in data.items()}
@@ -63,7 +65,9 @@ def _check_spec(spec: dict) -> None:
     if spec.get("mode") not in ("sync", "ssp", "async"):
         raise ValueError(f"parameter {name!r}: mode must be sync, ssp or async, got {spec.get('mode')!r}")
     staleness = spec.get("staleness")
-    if spec["mode"] != "async" and not (isinstance(staleness, int) and not isinstance(staleness, bool) and staleness >= 0):
+    if spec["mode"] != "async" and not (
+        isinstance(staleness, int) and not isinstance(staleness, bool) and staleness >= 0
+    ):
         raise ValueError(f"parameter {name!r}: mode {spec['mode']!r} needs an int staleness >= 0, got {staleness!r}")
     make_optimizer(spec.get("optimizer"))  # raises naming what is wrong
     shape = spec.get("shape")
@@ -71,8 +75,10 @@ def _check_spec(spec: dict) -> None:
         if not (isinstance(shape, list) and len(shape) == 2 and all(_positive_int(d) for d in shape)):
             raise ValueError(f"table {name!r}: shape must be [rows, dim] of ints >= 1, got {shape!r}")
         if not _positive_int(spec.get("rows_per_shard")) or not isinstance(spec.get("init"), dict):
-            raise ValueError(f"table {name!r}: needs an int rows_per_shard >= 1 and an init dict, got "
-                             f"{spec.get('rows_per_shard')!r}, {spec.get('init')!r}")
+            raise ValueError(
+                f"table {name!r}: needs an int rows_per_shard >= 1 and an init dict, got "
+                f"{spec.get('rows_per_shard')!r}, {spec.get('init')!r}"
+            )
         Shard.sparse(f"{name}#0", 1, shape[1], spec["optimizer"], spec["init"])  # checks the init spec
     elif spec.get("kind") != "dense" or not isinstance(shape, list):
         raise ValueError(f"parameter {name!r}: kind must be 'dense' (with a shape list) or 'sparse', got {spec!r:.200}")
@@ -98,8 +104,13 @@ class ServerState:
         if durability != "none":
             from .durability import DurableStore
 
-            self.store = DurableStore(os.fspath(directory), secret, log_pushes=durability == "wal",
-                                      snapshot_every=snapshot_every, snapshot_every_s=snapshot_every_s)
+            self.store = DurableStore(
+                os.fspath(directory),
+                secret,
+                log_pushes=durability == "wal",
+                snapshot_every=snapshot_every,
+                snapshot_every_s=snapshot_every_s,
+            )
 
     # -- durability -------------------------------------------------------------------------
 
@@ -134,8 +145,15 @@ class ServerState:
             shards = {sid: shard.state_dict() for sid, shard in self.shards.items()}
             if self.rounds:  # acknowledged pushes of open rounds: the log is truncated after this
                 shards.update({f"{SNAPSHOT_KEY}{i}": chunk for i, chunk in enumerate(self.rounds.state_chunks())})
-            self.store.write_snapshot({"params": self.params, "dedup": self.dedup.to_json(), "time": time.time(),
-                                       "closed_below": self.rounds.closed_below}, shards)
+            self.store.write_snapshot(
+                {
+                    "params": self.params,
+                    "dedup": self.dedup.to_json(),
+                    "time": time.time(),
+                    "closed_below": self.rounds.closed_below,
+                },
+                shards,
+            )
         except OSError as error:  # e.g. disk full: the WAL (kept until a snapshot succeeds) still holds everything
             log.error("snapshot to %s failed, will retry: %s", self.store.directory, error)
             self.store.retry_at = time.monotonic() + 5.0
@@ -150,14 +168,17 @@ class ServerState:
     def prepare_init(self, msg: Message) -> Callable[[], None]:
         """Check an init completely; the returned call creates what is new (first init wins)."""
         specs = msg.meta.get("params")
-        if not isinstance(specs, list) or not all(isinstance(s, dict) and isinstance(s.get("name"), str) for s in specs):
+        if not isinstance(specs, list) or not all(
+            isinstance(s, dict) and isinstance(s.get("name"), str) for s in specs
+        ):
             raise ValueError(f"init meta 'params' must be a list of specs with names, got {specs!r:.200}")
         for spec in specs:
             _check_spec(spec)
             known = self.params.get(spec["name"])
             if known is not None and known != spec:
-                raise ValueError(f"parameter {spec['name']!r} was already created with a different spec: "
-                                 f"{known} != {spec}")
+                raise ValueError(
+                    f"parameter {spec['name']!r} was already created with a different spec: {known} != {spec}"
+                )
         new_shards = {}
         for sid, value in msg.tensors.items():
             name = split_shard_id(sid)[0]
@@ -172,6 +193,7 @@ class ServerState:
                 self.params.setdefault(spec["name"], spec)
             for sid, shard in new_shards.items():
                 self.shards.setdefault(sid, shard)
+
         return apply
 
     def spec_of(self, shard_or_table: str) -> dict:
@@ -210,6 +232,7 @@ class ServerState:
                 count = min(rows_per_shard, rows - index * rows_per_shard)
                 shard = self.shards[sid] = Shard.sparse(sid, count, dim, spec["optimizer"], spec["init"])
             return shard
+
         return store, shard_of
 
     # -- push and pull -----------------------------------------------------------------------
@@ -241,8 +264,9 @@ class ServerState:
             ids, grads = msg.tensors[names[0]], msg.tensors[names[1]]
             dim = self.spec_of(table)["shape"][1]
             if grads.dim() != 2 or grads.shape != (ids.numel(), dim):
-                raise ValueError(f"row gradients for {table!r} have shape {tuple(grads.shape)}, expected "
-                                 f"{(ids.numel(), dim)}")
+                raise ValueError(
+                    f"row gradients for {table!r} have shape {tuple(grads.shape)}, expected {(ids.numel(), dim)}"
+                )
             if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
                 raise TypeError(f"row ids for {table!r} must be an int64 tensor")
             # Sum duplicate ids once for the whole push, then update every touched range in one
@@ -253,10 +277,13 @@ class ServerState:
             if unique.numel() and round_ is not None and self.spec_of(table)["mode"] == "sync":
                 self.rounds.check_open(round_, msg.sender)
                 joins = True
-                updates.append(lambda table=table, ids=unique, g=summed: self.rounds.add_rows(round_, table, ids, g, lr))
+                updates.append(
+                    lambda table=table, ids=unique, g=summed: self.rounds.add_rows(round_, table, ids, g, lr)
+                )
             elif unique.numel():
-                updates.append(lambda store=store, shard_of=shard_of, ids=unique, g=summed:
-                               store.apply(ids, g, shard_of, lr=lr))
+                updates.append(
+                    lambda store=store, shard_of=shard_of, ids=unique, g=summed: store.apply(ids, g, shard_of, lr=lr)
+                )
         if joins:
             updates.append(lambda: self.rounds.count_push(round_))
         return updates
@@ -333,16 +360,19 @@ class ServerState:
     def prepare_import(self, msg: Message) -> Callable[[], None]:
         """Check moved-in shards (and specs); the returned call installs them."""
         params = msg.meta.get("params") or {}
-        if not isinstance(params, dict) or not all(isinstance(s, dict) and s.get("name") == n for n, s in params.items()):
+        if not isinstance(params, dict) or not all(
+            isinstance(s, dict) and s.get("name") == n for n, s in params.items()
+        ):
             raise ValueError(f"import meta 'params' must map names to their specs, got {params!r:.200}")
         built = {}
         for sid, shard_meta in (msg.meta.get("shards") or {}).items():
             prefix = f"{sid}|"
-            own = {k[len(prefix):]: t for k, t in msg.tensors.items() if k.startswith(prefix)}
+            own = {k[len(prefix) :]: t for k, t in msg.tensors.items() if k.startswith(prefix)}
             built[sid] = Shard.from_state(own, shard_meta)
 
         def apply() -> None:
             for name, spec in params.items():
                 self.params.setdefault(name, spec)
             self.shards.update(built)
+
         return apply

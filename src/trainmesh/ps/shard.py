@@ -20,8 +20,7 @@ __all__ = ["Shard", "DEFAULT_INIT", "init_rows"]
 
 DEFAULT_INIT = {"kind": "normal", "std": 0.01, "seed": 0}
 _META_KEYS = {"shard_id", "kind", "version", "optimizer", "shape", "dtype", "init"}
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-           "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _normalize_init(init: Any) -> dict:
@@ -65,8 +64,16 @@ def init_rows(rows: int, dim: int, init: dict, name: str, index: int) -> torch.T
 class Shard:
     """One key range. Build with ``Shard.dense``, ``Shard.sparse`` or ``Shard.from_state``."""
 
-    def __init__(self, shard_id: str, kind: str, value: torch.Tensor, optimizer: ServerOptimizer,
-                 state: dict[str, torch.Tensor], version: int = 0, init: dict | None = None):
+    def __init__(
+        self,
+        shard_id: str,
+        kind: str,
+        value: torch.Tensor,
+        optimizer: ServerOptimizer,
+        state: dict[str, torch.Tensor],
+        version: int = 0,
+        init: dict | None = None,
+    ):
         self.shard_id = shard_id
         self.kind = kind  # "dense" or "sparse"
         self.value = value
@@ -82,16 +89,25 @@ class Shard:
         """A dense part; ``value`` (1-D) is copied so the caller's tensor is never aliased."""
         _check_shard_id(shard_id)
         if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() != 1:
-            raise ValueError(f"dense shard {shard_id!r}: value must be a 1-D floating-point tensor, "
-                             f"got {_describe(value)}")
+            raise ValueError(
+                f"dense shard {shard_id!r}: value must be a 1-D floating-point tensor, got {_describe(value)}"
+            )
         optimizer = make_optimizer(optimizer_spec)
         value = value.detach().to("cpu", copy=True).contiguous()
         return cls(shard_id, "dense", value, optimizer, optimizer.init_state(value))
 
     @classmethod
-    def sparse(cls, shard_id: str, rows: int, dim: int, optimizer_spec: dict,
-               init: dict | None = None, *, name: str | None = None,
-               index: int | None = None) -> "Shard":
+    def sparse(
+        cls,
+        shard_id: str,
+        rows: int,
+        dim: int,
+        optimizer_spec: dict,
+        init: dict | None = None,
+        *,
+        name: str | None = None,
+        index: int | None = None,
+    ) -> "Shard":
         """A row range of a table, initialised from ``(init["seed"], name, index)``.
 
         ``name`` and ``index`` default to the parts of ``shard_id`` = ``f"{name}#{index}"``.
@@ -134,12 +150,14 @@ class Shard:
         self._require("sparse", "read")
         rows = self.value.shape[0]
         if not isinstance(local_rows, torch.Tensor) or local_rows.dtype != torch.int64 or local_rows.dim() != 1:
-            raise ValueError(f"shard {self.shard_id!r}: local_rows must be a 1-D int64 tensor, "
-                             f"got {_describe(local_rows)}")
+            raise ValueError(
+                f"shard {self.shard_id!r}: local_rows must be a 1-D int64 tensor, got {_describe(local_rows)}"
+            )
         bad = (local_rows < 0) | (local_rows >= rows)
         if bool(bad.any()):
-            raise ValueError(f"shard {self.shard_id!r}: local row {int(local_rows[bad][0])} out of range "
-                             f"for {rows} rows")
+            raise ValueError(
+                f"shard {self.shard_id!r}: local row {int(local_rows[bad][0])} out of range for {rows} rows"
+            )
         return self.value[local_rows]
 
     @property
@@ -208,8 +226,10 @@ class Shard:
             t = tensors[f"state.{key}"]
             want_dtype, want_shape = (torch.int64, shape[:-1]) if key == "step" else (value.dtype, shape)
             if t.dtype != want_dtype or tuple(t.shape) != want_shape:
-                raise ValueError(f"{where}: state {key!r} is {_describe(t)}, expected dtype {want_dtype} "
-                                 f"and shape {tuple(want_shape)}")
+                raise ValueError(
+                    f"{where}: state {key!r} is {_describe(t)}, expected dtype {want_dtype} "
+                    f"and shape {tuple(want_shape)}"
+                )
             state[key] = t.contiguous()
         return cls(shard_id, kind, value.contiguous(), optimizer, state, version, init)
 
@@ -218,8 +238,10 @@ class Shard:
             raise ValueError(f"shard {self.shard_id!r} is {self.kind}; use {instead}() instead")
 
     def __repr__(self) -> str:
-        return (f"Shard({self.shard_id!r}, {self.kind}, shape={list(self.value.shape)}, "
-                f"version={self.version}, optimizer={self.optimizer.name})")
+        return (
+            f"Shard({self.shard_id!r}, {self.kind}, shape={list(self.value.shape)}, "
+            f"version={self.version}, optimizer={self.optimizer.name})"
+        )
 
 
 def _check_shard_id(shard_id: Any) -> None:

@@ -108,12 +108,22 @@ class ParameterServerStrategy:
     strategy starts the servers itself.
     """
 
-    def __init__(self, num_servers: int | None = None, servers: Sequence[str] | None = None,
-                 mode: str | dict[str, str] = "async", staleness: int | None = None, durability: str = "none",
-                 compression: str | None = None, *, secret: bytes | str | None = None,
-                 client_options: dict[str, Any] | None = None, **server_options: Any):
-        if num_servers is not None and (isinstance(num_servers, bool) or not isinstance(num_servers, int)
-                                        or num_servers < 1):
+    def __init__(
+        self,
+        num_servers: int | None = None,
+        servers: Sequence[str] | None = None,
+        mode: str | dict[str, str] = "async",
+        staleness: int | None = None,
+        durability: str = "none",
+        compression: str | None = None,
+        *,
+        secret: bytes | str | None = None,
+        client_options: dict[str, Any] | None = None,
+        **server_options: Any,
+    ):
+        if num_servers is not None and (
+            isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1
+        ):
             raise ValueError(f"num_servers must be a positive int. Received: num_servers={num_servers!r}")
         if isinstance(servers, str):
             raise ValueError(f"servers must be a list of addresses, not a string. Received: servers={servers!r}")
@@ -163,16 +173,23 @@ class ParameterServerStrategy:
         for pattern, resolved in self._resolved.items():
             if fnmatch.fnmatchcase(name, pattern):
                 return resolved
-        raise ValueError(f"No mode pattern matches parameter {name!r}; add a catch-all '*'. "
-                         f"Received: mode={self._modes!r}")
+        raise ValueError(
+            f"No mode pattern matches parameter {name!r}; add a catch-all '*'. Received: mode={self._modes!r}"
+        )
 
     # --- servers ------------------------------------------------------------------------------
     def _connect(self) -> None:
         from .client import PSClient
 
         addresses = self._server_addresses()
-        self._client = PSClient(servers=addresses, worker_id=self.worker_id, num_workers=self.num_workers,
-                                secret=self._secret_bytes(), compression=self.compression, **self.client_options)
+        self._client = PSClient(
+            servers=addresses,
+            worker_id=self.worker_id,
+            num_workers=self.num_workers,
+            secret=self._secret_bytes(),
+            compression=self.compression,
+            **self.client_options,
+        )
 
     def _secret_bytes(self) -> bytes | None:
         """``secret=``, else the job's (``TRAINMESH_PS_SECRET``, set by ``trainmesh run --servers``,
@@ -208,9 +225,13 @@ class ParameterServerStrategy:
     def _start_local_servers(self) -> tuple[list[str], str]:
         from .cluster import LocalCluster
 
-        self._cluster = LocalCluster(self.num_servers or 1, num_workers=self.num_workers,
-                                     durability=self.durability, secret=resolve_secret(self.secret),
-                                     **self.server_options)
+        self._cluster = LocalCluster(
+            self.num_servers or 1,
+            num_workers=self.num_workers,
+            durability=self.durability,
+            secret=resolve_secret(self.secret),
+            **self.server_options,
+        )
         atexit.register(self._stop_cluster)
         return list(self._cluster.addresses), self._cluster.secret
 
@@ -252,8 +273,10 @@ class ParameterServerStrategy:
         for group in optimizer.param_groups:
             unknown = [p for p in group["params"] if id(p) not in names_by_id and p.requires_grad]
             if unknown:
-                raise ValueError("The optimizer holds parameters that are not the distributed model's; build it "
-                                 f"from model.parameters(). Received: {len(unknown)} unknown parameter(s)")
+                raise ValueError(
+                    "The optimizer holds parameters that are not the distributed model's; build it "
+                    f"from model.parameters(). Received: {len(unknown)} unknown parameter(s)"
+                )
             spec = server_optimizer_spec(optimizer, group)  # weight decay per mode: see _register
             groups.append((spec, [names_by_id[id(p)] for p in group["params"] if id(p) in names_by_id]))
         table_spec = groups[0][0] if groups else server_optimizer_spec(optimizer, optimizer.param_groups[0])
@@ -270,11 +293,16 @@ class ParameterServerStrategy:
         for spec, names in groups:
             for name in names:
                 mode, staleness = self.mode_of(name)
-                params.append(dense_param(name, self._dense[name].detach(),
-                                          spec_for_mode(spec, mode, self.num_workers), mode, staleness))
+                params.append(
+                    dense_param(
+                        name, self._dense[name].detach(), spec_for_mode(spec, mode, self.num_workers), mode, staleness
+                    )
+                )
         for table in self._tables.values():
             entry = table_param(table, self)
-            table.server_optimizer = entry["optimizer"] = spec_for_mode(table_optimizer, entry["mode"], self.num_workers)
+            table.server_optimizer = entry["optimizer"] = spec_for_mode(
+                table_optimizer, entry["mode"], self.num_workers
+            )
             params.append(entry)
         client = self.client  # connecting may be a collective: before the barriers below
         if self.worker_id != 0:
@@ -379,5 +407,7 @@ class ParameterServerStrategy:
         self._close(raise_errors=exc[0] is None)  # never mask the error that is leaving the block
 
     def __repr__(self) -> str:
-        return (f"<ParameterServerStrategy workers={self.num_workers}, mode={self._modes!r}, "
-                f"servers={self.servers or self.num_servers}>")
+        return (
+            f"<ParameterServerStrategy workers={self.num_workers}, mode={self._modes!r}, "
+            f"servers={self.servers or self.num_servers}>"
+        )

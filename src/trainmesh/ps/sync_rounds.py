@@ -66,9 +66,11 @@ class OpenRounds:
     def check_open(self, round_: int, worker: str) -> None:
         """Raise ``RoundClosed`` for a push of ``worker`` to a round that already closed."""
         if round_ < self.closed_below:
-            raise RoundClosed(f"sync push of worker {worker} for round {round_} refused: rounds < "
-                              f"{self.closed_below} are closed (applied without this worker, which was "
-                              f"declared dead); its later rounds are accepted")
+            raise RoundClosed(
+                f"sync push of worker {worker} for round {round_} refused: rounds < "
+                f"{self.closed_below} are closed (applied without this worker, which was "
+                f"declared dead); its later rounds are accepted"
+            )
 
     def close_below(self, slowest: float) -> list[int]:
         """Close every round below ``slowest`` (the smallest live clock); returns the open ones among
@@ -115,9 +117,13 @@ class OpenRounds:
             for table, parts in entry.rows.items():
                 for k, (ids, grads) in enumerate(parts):
                     items += [(f"{r}|r|{k}|ids|{table}", ids), (f"{r}|r|{k}|grads|{table}", grads)]
-            meta[str(r)] = {"dense": sorted(entry.dense), "rows": {t: len(p) for t, p in entry.rows.items()},
-                            "lr": entry.lr, "pushes": entry.pushes}
-        chunks = [dict(items[i:i + per_chunk]) for i in range(0, len(items), per_chunk)] or [{}]
+            meta[str(r)] = {
+                "dense": sorted(entry.dense),
+                "rows": {t: len(p) for t, p in entry.rows.items()},
+                "lr": entry.lr,
+                "pushes": entry.pushes,
+            }
+        chunks = [dict(items[i : i + per_chunk]) for i in range(0, len(items), per_chunk)] or [{}]
         return [(chunk, {"rounds": meta} if i == 0 else {}) for i, chunk in enumerate(chunks)]
 
     def load_chunks(self, chunks: list[tuple[dict[str, torch.Tensor], dict]]) -> None:
@@ -129,5 +135,10 @@ class OpenRounds:
             r = int(key)
             entry = self.rounds[r] = Round(lr=dict(info["lr"]), pushes=int(info["pushes"]))
             entry.dense = {sid: tensors[f"{r}|d|{sid}"].clone() for sid in info["dense"]}
-            entry.rows = {table: [(tensors[f"{r}|r|{k}|ids|{table}"].clone(), tensors[f"{r}|r|{k}|grads|{table}"].clone())
-                                  for k in range(count)] for table, count in info["rows"].items()}
+            entry.rows = {
+                table: [
+                    (tensors[f"{r}|r|{k}|ids|{table}"].clone(), tensors[f"{r}|r|{k}|grads|{table}"].clone())
+                    for k in range(count)
+                ]
+                for table, count in info["rows"].items()
+            }

@@ -115,7 +115,7 @@ def normalize_address(address: str) -> str:
 
 
 def _tcp_host_port(address: str) -> tuple[str, str, str]:
-    return address[len("tcp://"):].rpartition(":")
+    return address[len("tcp://") :].rpartition(":")
 
 
 def check_bind_address(address: str, secret: bytes | str | None) -> str:
@@ -130,9 +130,11 @@ def check_bind_address(address: str, secret: bytes | str | None) -> str:
         except ValueError:
             loopback = False  # a hostname or interface name: might be reachable from outside
         if not loopback:
-            raise ValueError(f"refusing to bind the parameter server to {address!r} without a secret: only "
-                             f"loopback addresses (127.0.0.0/8, ::1, localhost) may run unauthenticated; "
-                             f"set {SECRET_ENV} or pass secret=")
+            raise ValueError(
+                f"refusing to bind the parameter server to {address!r} without a secret: only "
+                f"loopback addresses (127.0.0.0/8, ::1, localhost) may run unauthenticated; "
+                f"set {SECRET_ENV} or pass secret="
+            )
     return address
 
 
@@ -162,8 +164,14 @@ class _Flags(NamedTuple):
 def _flags(zmq) -> _Flags:
     """pyzmq's flags as plain ints: its enum members build a new enum object at every ``|`` and
     ``&``, microseconds per message on the hot path."""
-    return _Flags(int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE), int(zmq.SNDMORE),
-                  int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.NOBLOCK))
+    return _Flags(
+        int(zmq.EVENTS),
+        int(zmq.POLLIN),
+        int(zmq.RCVMORE),
+        int(zmq.SNDMORE),
+        int(zmq.NOBLOCK | zmq.SNDMORE),
+        int(zmq.NOBLOCK),
+    )
 
 
 def _poll_ms(timeout_s: float | None) -> int | None:
@@ -190,12 +198,13 @@ class ZmqServerTransport(ServerTransport):
     `secret` is only used to allow non-loopback binds; frames are authenticated by protocol.py.
     A taken port is retried for `bind_timeout_s` (a restarted server's old listener may linger)."""
 
-    def __init__(self, bind: str = "tcp://127.0.0.1:0", secret: bytes | str | None = None,
-                 bind_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, bind: str = "tcp://127.0.0.1:0", secret: bytes | str | None = None, bind_timeout_s: float = 2.0
+    ) -> None:
         super().__init__()
         bind = check_bind_address(bind, secret)
         if bind.startswith("tcp://") and _tcp_host_port(bind)[2] == "0":
-            bind = bind[:bind.rindex(":")] + ":*"  # ZeroMQ's "any free port"
+            bind = bind[: bind.rindex(":")] + ":*"  # ZeroMQ's "any free port"
         # ROUTER_HANDOVER: a restarted worker reconnecting with the same identity takes over the
         # old route instead of being ignored while the dead connection lingers.
         self._zmq, self._socket = _zmq_socket("ROUTER", bind, ROUTER_HANDOVER=1)
@@ -272,8 +281,9 @@ class ZmqClientTransport(ClientTransport):
             # ZeroMQ reserves identities starting with a zero byte.
             raise ValueError(f"identity must be non-empty bytes not starting with b'\\x00', got {identity!r}")
         self.address, self.identity = normalize_address(address), identity
-        self._zmq, self._socket = _zmq_socket("DEALER", self.address, IDENTITY=identity,
-                                              RECONNECT_IVL=50, RECONNECT_IVL_MAX=1000)
+        self._zmq, self._socket = _zmq_socket(
+            "DEALER", self.address, IDENTITY=identity, RECONNECT_IVL=50, RECONNECT_IVL_MAX=1000
+        )
         self._socket.connect(self.address)
         self.dropped_queue_full = 0
 

@@ -27,8 +27,7 @@ try:  # POSIX only; on other systems the single-writer rule is not enforced.
 except ImportError:  # pragma: no cover
     fcntl = None
 
-__all__ = ["WriteAheadLog", "write_snapshot", "read_snapshot", "CorruptSnapshotError",
-           "WAL_FILE", "SNAPSHOT_FILE"]
+__all__ = ["WriteAheadLog", "write_snapshot", "read_snapshot", "CorruptSnapshotError", "WAL_FILE", "SNAPSHOT_FILE"]
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ def _fsync_dir(directory: str) -> None:
 def _write_all(fd: int, data) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _scan(path: str, limit: int | None = None) -> Iterator[tuple[int, bytes]]:
@@ -100,8 +99,10 @@ class WriteAheadLog:
                 try:
                     fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    raise RuntimeError(f"write-ahead log {self.path} is already open in another "
-                                       "WriteAheadLog (one writer per directory)") from None
+                    raise RuntimeError(
+                        f"write-ahead log {self.path} is already open in another "
+                        "WriteAheadLog (one writer per directory)"
+                    ) from None
             if created:
                 _fsync_dir(self.directory)
             self._count, valid_end = 0, 0
@@ -111,8 +112,13 @@ class WriteAheadLog:
             if size > valid_end:
                 # A crash mid-append (or a corrupt frame): drop everything from the first bad
                 # frame on, so new records are not appended after garbage.
-                log.warning("write-ahead log %s: dropping %d bytes of torn or corrupt tail after "
-                            "%d valid records (offset %d)", self.path, size - valid_end, self._count, valid_end)
+                log.warning(
+                    "write-ahead log %s: dropping %d bytes of torn or corrupt tail after %d valid records (offset %d)",
+                    self.path,
+                    size - valid_end,
+                    self._count,
+                    valid_end,
+                )
                 os.ftruncate(self._fd, valid_end)
                 os.fsync(self._fd)
         except BaseException:
@@ -216,12 +222,13 @@ def read_snapshot(directory: str | os.PathLike) -> bytes | None:
     except FileNotFoundError:
         return None
     if len(blob) < _SNAP_HEADER.size:
-        raise CorruptSnapshotError(f"snapshot {path} is truncated: {len(blob)} bytes, "
-                                   f"shorter than its {_SNAP_HEADER.size}-byte header")
+        raise CorruptSnapshotError(
+            f"snapshot {path} is truncated: {len(blob)} bytes, shorter than its {_SNAP_HEADER.size}-byte header"
+        )
     magic, length, crc = _SNAP_HEADER.unpack_from(blob)
     if magic != _SNAP_MAGIC:
         raise CorruptSnapshotError(f"snapshot {path} has magic {magic!r}, expected {_SNAP_MAGIC!r}")
-    data = blob[_SNAP_HEADER.size:]
+    data = blob[_SNAP_HEADER.size :]
     if len(data) != length:
         raise CorruptSnapshotError(f"snapshot {path} holds {len(data)} data bytes, its header says {length}")
     if zlib.crc32(data) != crc:

@@ -31,23 +31,40 @@ def server_optimizer_spec(optimizer: torch.optim.Optimizer, group: dict, num_wor
     updated once per round (``sync_rounds.py``) and takes it whole (``num_workers=1``)."""
     kind = type(optimizer).__name__
     if kind not in SUPPORTED or not isinstance(optimizer, getattr(torch.optim, kind)):
-        raise ValueError(f"ParameterServerStrategy mirrors torch.optim.SGD, Adam, AdamW and Adagrad on the servers. "
-                         f"Received: optimizer class {type(optimizer).__module__}.{type(optimizer).__qualname__}")
+        raise ValueError(
+            f"ParameterServerStrategy mirrors torch.optim.SGD, Adam, AdamW and Adagrad on the servers. "
+            f"Received: optimizer class {type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        )
     _refuse(group, kind, maximize=False, foreach=None, differentiable=False, capturable=False, fused=None)
     lr = float(group["lr"])
     weight_decay = float(group.get("weight_decay", 0.0)) / num_workers
     if kind == "SGD":
-        return {"name": "sgd", "lr": lr, "momentum": float(group.get("momentum", 0.0)),
-                "dampening": float(group.get("dampening", 0.0)), "weight_decay": weight_decay,
-                "nesterov": bool(group.get("nesterov", False))}
+        return {
+            "name": "sgd",
+            "lr": lr,
+            "momentum": float(group.get("momentum", 0.0)),
+            "dampening": float(group.get("dampening", 0.0)),
+            "weight_decay": weight_decay,
+            "nesterov": bool(group.get("nesterov", False)),
+        }
     if kind in ("Adam", "AdamW"):
         _refuse(group, kind, amsgrad=False)
         decoupled = kind == "AdamW" or bool(group.get("decoupled_weight_decay", False))
-        return {"name": "adamw" if decoupled else "adam", "lr": lr, "betas": [float(b) for b in group["betas"]],
-                "eps": float(group["eps"]), "weight_decay": weight_decay}
+        return {
+            "name": "adamw" if decoupled else "adam",
+            "lr": lr,
+            "betas": [float(b) for b in group["betas"]],
+            "eps": float(group["eps"]),
+            "weight_decay": weight_decay,
+        }
     _refuse(group, kind, lr_decay=0)  # torch counts steps per worker; the servers count pushes
-    return {"name": "adagrad", "lr": lr, "eps": float(group["eps"]), "weight_decay": weight_decay,
-            "initial_accumulator_value": float(group.get("initial_accumulator_value", 0.0))}
+    return {
+        "name": "adagrad",
+        "lr": lr,
+        "eps": float(group["eps"]),
+        "weight_decay": weight_decay,
+        "initial_accumulator_value": float(group.get("initial_accumulator_value", 0.0)),
+    }
 
 
 def spec_for_mode(spec: dict[str, Any], mode: str, num_workers: int) -> dict[str, Any]:
@@ -62,16 +79,19 @@ def _refuse(group: dict, kind: str, **supported: Any) -> None:
     """Options the servers do not implement must keep their default, or we say so."""
     for option, default in supported.items():
         if option in group and group[option] not in (default, None) and group[option] != default:
-            raise ValueError(f"{kind}({option}={group[option]!r}) is not supported by the parameter servers "
-                             f"(only {option}={default!r}). Received: {option}={group[option]!r}")
+            raise ValueError(
+                f"{kind}({option}={group[option]!r}) is not supported by the parameter servers "
+                f"(only {option}={default!r}). Received: {option}={group[option]!r}"
+            )
 
 
 class PSOptimizer(torch.optim.Optimizer):
     """Push gradients with the current lr, ``clock()``, pull fresh values (see module docstring).
     ``flush()`` waits for the steps still in flight (SSP/async)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, strategy: Any, groups: list[tuple[dict, list[str]]],
-                 tables: list):
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, strategy: Any, groups: list[tuple[dict, list[str]]], tables: list
+    ):
         # Own copies of the user's groups (same params and hyperparameters): a scheduler moves
         # this optimizer's lr, and step() sends it with every push.
         super().__init__(optimizer.param_groups, optimizer.defaults)

@@ -62,8 +62,10 @@ def check_distinct(entries: Iterable[tuple[str, tuple[str, int]]], *, name: str,
     seen: dict[tuple[str, int], str] = {}
     for label, pair in entries:
         if pair in seen:
-            raise ValueError(f"{seen[pair]} and {label} are the same address {pair[0]}:{pair[1]}; every "
-                             f"process needs its own. Received: {name}={value!r}")
+            raise ValueError(
+                f"{seen[pair]} and {label} are the same address {pair[0]}:{pair[1]}; every "
+                f"process needs its own. Received: {name}={value!r}"
+            )
         seen[pair] = label
 
 
@@ -99,6 +101,7 @@ def env_port(env: Mapping[str, str], names: Sequence[str]) -> int | None:
 def expand_slurm_nodelist(nodelist: str, *, name: str) -> list[str]:
     """``node[003-004,9],gpu1`` -> ``['node003', 'node004', 'node9', 'gpu1']``; empty hosts, bad
     ranges and duplicates are errors naming ``name``."""
+
     def fail(why: str) -> ValueError:
         return ValueError(f"{name} {why}. Received: {name}={nodelist!r}")
 
@@ -154,8 +157,9 @@ def parse_server_list(raw: str, *, name: str) -> list[str]:
             pairs.append((f"entry {i} ({address})", (f"{scheme}://{rest}", 0)))
             continue
         if scheme != "tcp":
-            raise ValueError(f"{name} entry {i} uses {scheme}://; use tcp://, ipc:// or inproc://. "
-                             f"Received: {name}={raw!r}")
+            raise ValueError(
+                f"{name} entry {i} uses {scheme}://; use tcp://, ipc:// or inproc://. Received: {name}={raw!r}"
+            )
         try:
             pairs.append((f"entry {i} ({address})", split_host_port(rest, None)))
         except ValueError as exc:

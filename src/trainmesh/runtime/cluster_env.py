@@ -321,6 +321,12 @@ def detect_cluster_env(
         if cluster is not None:
             return cluster
     return ClusterEnv(
-        rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
-        master_addr="127.0.0.1", master_port=DEFAULT_PORT, source="single",
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        master_addr="127.0.0.1",
+        master_port=DEFAULT_PORT,
+        source="single",
     )

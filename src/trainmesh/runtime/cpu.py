@@ -16,11 +16,20 @@ import torch
 
 # Best first: a CPU with AMX also has AVX512-BF16, and one with AVX512-BF16 has AVX512.
 CPU_KINDS = ("amx", "avx512_bf16", "avx512", "avx2", "other")
-_NAMES = {"amx": "AMX", "avx512_bf16": "AVX512-BF16", "avx512": "AVX512 without BF16", "avx2": "AVX2 only",
-          "other": "no x86 vector extension torch reports"}
+_NAMES = {
+    "amx": "AMX",
+    "avx512_bf16": "AVX512-BF16",
+    "avx512": "AVX512 without BF16",
+    "avx2": "AVX2 only",
+    "other": "no x86 vector extension torch reports",
+}
 # torch.cpu's detectors (private, present since torch 2.1): feature name -> function name.
-_DETECTORS = {"amx": "_is_amx_tile_supported", "avx512_bf16": "_is_avx512_bf16_supported",
-              "avx512": "_is_avx512_supported", "avx2": "_is_avx2_supported"}
+_DETECTORS = {
+    "amx": "_is_amx_tile_supported",
+    "avx512_bf16": "_is_avx512_bf16_supported",
+    "avx512": "_is_avx512_supported",
+    "avx2": "_is_avx2_supported",
+}
 
 
 def cpu_features() -> frozenset[str]:

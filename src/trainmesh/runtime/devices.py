@@ -26,7 +26,9 @@ def list_devices(device_type: str | None = None) -> list[str]:
     if device_type is not None:
         device_type = device_type.lower()
         if device_type not in _KNOWN_TYPES:
-            raise ValueError(f"device_type must be one of {_KNOWN_TYPES} or None. Received: device_type={device_type!r}")
+            raise ValueError(
+                f"device_type must be one of {_KNOWN_TYPES} or None. Received: device_type={device_type!r}"
+            )
         if device_type == "cuda":
             device_type = "gpu"
     kind = device_type or accelerator_type()

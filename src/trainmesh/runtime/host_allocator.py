@@ -54,13 +54,19 @@ def keep_freed_host_memory() -> bool:
         return _applied[0]
     setting = os.environ.get(ENV_SWITCH, "tuned").strip().lower()
     if setting not in ("tuned", "default"):
-        raise ValueError(f"{ENV_SWITCH} must be 'tuned' (the default) or 'default' (glibc's own settings). "
-                         f"Received: {ENV_SWITCH}={setting!r}")
+        raise ValueError(
+            f"{ENV_SWITCH} must be 'tuned' (the default) or 'default' (glibc's own settings). "
+            f"Received: {ENV_SWITCH}={setting!r}"
+        )
     libc = _glibc() if setting == "tuned" else None
     done = libc is not None and all(
         libc.mallopt(option, value) == 1
-        for option, value in ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
-                              (_M_TOP_PAD, TOP_PAD)))
+        for option, value in (
+            (_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+            (_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+            (_M_TOP_PAD, TOP_PAD),
+        )
+    )
     _applied.append(done)
     return done
 
@@ -69,5 +75,9 @@ def host_malloc_setting() -> str:
     """For reports: what this process's allocator runs with."""
     if not _applied:
         return "glibc defaults"
-    return (f"glibc mallopt: mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim threshold {TRIM_THRESHOLD >> 20} MiB, "
-            f"top pad {TOP_PAD >> 20} MiB" if _applied[0] else "glibc defaults")
+    return (
+        f"glibc mallopt: mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim threshold {TRIM_THRESHOLD >> 20} MiB, "
+        f"top pad {TOP_PAD >> 20} MiB"
+        if _applied[0]
+        else "glibc defaults"
+    )

@@ -100,11 +100,21 @@ def initialize(
         else:
             elastic = cluster.source == "torchrun" and "TORCHELASTIC_RUN_ID" in os.environ
             if elastic:
-                dist.init_process_group(chosen_backend, store=_elastic_store(cluster, td), rank=cluster.rank,
-                                        world_size=cluster.world_size, timeout=td)
+                dist.init_process_group(
+                    chosen_backend,
+                    store=_elastic_store(cluster, td),
+                    rank=cluster.rank,
+                    world_size=cluster.world_size,
+                    timeout=td,
+                )
             else:
-                dist.init_process_group(chosen_backend, init_method=cluster.init_method, rank=cluster.rank,
-                                        world_size=cluster.world_size, timeout=td)
+                dist.init_process_group(
+                    chosen_backend,
+                    init_method=cluster.init_method,
+                    rank=cluster.rank,
+                    world_size=cluster.world_size,
+                    timeout=td,
+                )
         _state.update(cluster=cluster, timeout=td, owned=True)
         _tune_host_allocator()
         if not _state.get("exit_hook"):  # once per process: initialize() may run again after shutdown()
@@ -128,7 +138,8 @@ def _check_gpu_per_process(backend: str, cluster: ClusterEnv) -> None:
             f"{cluster.local_world_size} processes on this node share {gpus} GPU(s), and NCCL needs a GPU per "
             f"process: launch {gpus} per node (trainmesh run -n {gpus}, torchrun --nproc-per-node {gpus}), or "
             f"hide the GPUs (CUDA_VISIBLE_DEVICES='') to train on CPUs with gloo. Received: "
-            f"local_world_size={cluster.local_world_size}, backend={backend!r}")
+            f"local_world_size={cluster.local_world_size}, backend={backend!r}"
+        )
 
 
 def _elastic_store(cluster: ClusterEnv, timeout: _dt.timedelta):

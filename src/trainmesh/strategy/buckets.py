@@ -61,7 +61,7 @@ def all_reduce_gradients(params: list[torch.Tensor], cap_bytes: int) -> None:
         offset = 0
         for i, (param, size) in enumerate(zip(bucket, sizes)):
             if param.grad is not None:
-                flat[offset:offset + size].copy_(param.grad.reshape(-1))
+                flat[offset : offset + size].copy_(param.grad.reshape(-1))
                 flat[total + i] = 1  # "this replica has a gradient" flag, summed with the rest
             offset += size
         in_flight.append((bucket, sizes, flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)))

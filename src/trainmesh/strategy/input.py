@@ -26,9 +26,11 @@ class InputContext:
     """
 
     def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0, num_replicas_in_sync: int = 1):
-        for name, value, low in (("num_input_pipelines", num_input_pipelines, 1),
-                                 ("input_pipeline_id", input_pipeline_id, 0),
-                                 ("num_replicas_in_sync", num_replicas_in_sync, 1)):
+        for name, value, low in (
+            ("num_input_pipelines", num_input_pipelines, 1),
+            ("input_pipeline_id", input_pipeline_id, 0),
+            ("num_replicas_in_sync", num_replicas_in_sync, 1),
+        ):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}. Received: {name}={value!r}")
         if input_pipeline_id >= num_input_pipelines:
@@ -54,8 +56,12 @@ class InputContext:
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """``global_batch_size / num_replicas_in_sync``; ValueError unless it divides evenly."""
-        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, (int, np.integer)) \
-                or global_batch_size < 1 or global_batch_size % self._num_replicas_in_sync:
+        if (
+            isinstance(global_batch_size, bool)
+            or not isinstance(global_batch_size, (int, np.integer))
+            or global_batch_size < 1
+            or global_batch_size % self._num_replicas_in_sync
+        ):
             raise ValueError(
                 f"The global batch size must be a positive multiple of num_replicas_in_sync "
                 f"({self._num_replicas_in_sync}). Received: global_batch_size={global_batch_size!r}"
@@ -63,8 +69,10 @@ class InputContext:
         return int(global_batch_size) // self._num_replicas_in_sync
 
     def __repr__(self) -> str:
-        return (f"InputContext(num_input_pipelines={self._num_input_pipelines}, "
-                f"input_pipeline_id={self._input_pipeline_id}, num_replicas_in_sync={self._num_replicas_in_sync})")
+        return (
+            f"InputContext(num_input_pipelines={self._num_input_pipelines}, "
+            f"input_pipeline_id={self._input_pipeline_id}, num_replicas_in_sync={self._num_replicas_in_sync})"
+        )
 
 
 def replica_bounds(batch_size: int, num_replicas: int, replica_id: int) -> tuple[int, int]:
@@ -137,8 +145,9 @@ def slice_for_replica(batch: Any, num_replicas: int, replica_id: int) -> Any:
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor of ``batch`` to ``device`` (a no-op for tensors already there)."""
     non_blocking = device.type == "cuda"
-    return _map(lambda leaf: leaf.to(device, non_blocking=non_blocking) if isinstance(leaf, torch.Tensor) else leaf,
-                batch)
+    return _map(
+        lambda leaf: leaf.to(device, non_blocking=non_blocking) if isinstance(leaf, torch.Tensor) else leaf, batch
+    )
 
 
 class DistributedDataset:
@@ -149,8 +158,14 @@ class DistributedDataset:
     shuffling identically on all processes (``DataLoader(..., generator=torch.Generator().manual_seed(0))``).
     """
 
-    def __init__(self, dataset: Iterable, num_replicas: int, replica_id: int,
-                 device: torch.device | None = None, on_iter: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        dataset: Iterable,
+        num_replicas: int,
+        replica_id: int,
+        device: torch.device | None = None,
+        on_iter: Callable[[], None] | None = None,
+    ):
         if not hasattr(dataset, "__iter__"):
             raise ValueError(f"The dataset must be an iterable of global batches. Received: dataset={dataset!r}")
         replica_bounds(0, num_replicas, replica_id)  # validates the placement
@@ -176,8 +191,9 @@ class DatasetFromFunction:
     replica's device (``strategy.distribute_datasets_from_function``). It must yield the same
     number of batches on every replica, or the replicas' collectives fall out of step."""
 
-    def __init__(self, dataset: Iterable, device: torch.device | None = None,
-                 on_iter: Callable[[], None] | None = None):
+    def __init__(
+        self, dataset: Iterable, device: torch.device | None = None, on_iter: Callable[[], None] | None = None
+    ):
         if not hasattr(dataset, "__iter__"):
             raise ValueError(f"dataset_fn must return an iterable of batches. Received: {dataset!r}")
         self._dataset = dataset

@@ -23,8 +23,9 @@ def _num_replicas_in_sync() -> int:
     return current.data_parallel_size if current is not None else 1
 
 
-def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int | None = None,
-                         sample_weight: Any = None) -> torch.Tensor:
+def compute_average_loss(
+    per_example_loss: torch.Tensor, global_batch_size: int | None = None, sample_weight: Any = None
+) -> torch.Tensor:
     """``sum(per_example_loss * sample_weight) / global_batch_size`` (TF ``tf.nn.compute_average_loss``).
 
     ``global_batch_size`` defaults to ``per_example_loss.shape[0] * num_replicas_in_sync`` (the

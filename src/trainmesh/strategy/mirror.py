@@ -57,8 +57,15 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 class MirroredVariables:
     """The parameters one strategy mirrors, and the hooks that keep them in sync."""
 
-    def __init__(self, *, src_rank: int, num_replicas: int, device: Callable[[], torch.device],
-                 ensure_group: Callable[[], None], bucket_cap_mb: float = 25.0):
+    def __init__(
+        self,
+        *,
+        src_rank: int,
+        num_replicas: int,
+        device: Callable[[], torch.device],
+        ensure_group: Callable[[], None],
+        bucket_cap_mb: float = 25.0,
+    ):
         self._src_rank = int(src_rank)
         self._num_replicas = int(num_replicas)
         self._device = device
@@ -67,7 +74,7 @@ class MirroredVariables:
         # Strong references, in registration order: identical on every replica (SPMD), whereas
         # garbage collection of a weak list could differ and desynchronise the broadcasts.
         self._pending: list[torch.Tensor] = []
-        self._mirrored = WeakIdKeyDictionary()          # parameter -> True
+        self._mirrored = WeakIdKeyDictionary()  # parameter -> True
         self._reduced_elsewhere = WeakIdKeyDictionary()  # parameters DDP already averages
         self._skip_next_step: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._capture_handles: list = []
@@ -79,8 +86,10 @@ class MirroredVariables:
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
         if self._capture_depth == 0:
-            self._capture_handles = [register_module_parameter_registration_hook(self._on_register),
-                                     register_module_buffer_registration_hook(self._on_register)]
+            self._capture_handles = [
+                register_module_parameter_registration_hook(self._on_register),
+                register_module_buffer_registration_hook(self._on_register),
+            ]
         self._capture_depth += 1
         self._update_watch()
         try:
@@ -159,8 +168,12 @@ class MirroredVariables:
 
     # --- gradients ------------------------------------------------------------------------
     def _params_of(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        return [p for group in optimizer.param_groups for p in group["params"]
-                if p.requires_grad and p in self._mirrored and p not in self._reduced_elsewhere]
+        return [
+            p
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.requires_grad and p in self._mirrored and p not in self._reduced_elsewhere
+        ]
 
     def aggregate(self, optimizer: torch.optim.Optimizer) -> None:
         """SUM the gradients of ``optimizer``'s mirrored parameters now; its next step won't again."""

@@ -78,8 +78,12 @@ class MirroredStrategy:
                 f"{world} processes once (cpu:0..cpu:{world - 1} or gpu:0..gpu:{world - 1}). Received: devices={names}"
             )
         self._replica_ranks = indices  # replica i runs on process indices[i]
-        self._mirror = MirroredVariables(src_rank=indices[0], num_replicas=len(indices),
-                                         device=runtime.local_torch_device, ensure_group=self._ensure_group)
+        self._mirror = MirroredVariables(
+            src_rank=indices[0],
+            num_replicas=len(indices),
+            device=runtime.local_torch_device,
+            ensure_group=self._ensure_group,
+        )
         self._distribution = DataParallel(devices=names)
 
     # --- attributes -------------------------------------------------------------------------
@@ -128,8 +132,9 @@ class MirroredStrategy:
         self._mirror.flush()
 
     # --- replica computation ------------------------------------------------------------------
-    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None,
-            options: Any = None) -> Any:
+    def run(
+        self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None, options: Any = None
+    ) -> Any:
         """Run ``fn(*args, **kwargs)`` as this process's replica; returns its per-replica result."""
         if not callable(fn):
             raise TypeError(f"strategy.run needs a callable. Received: fn={fn!r}")
@@ -172,21 +177,28 @@ class MirroredStrategy:
         identical on every process (seed shuffling identically). A global batch that does
         not divide evenly gives the first ``B % N`` replicas one more example (TF's rebatching).
         """
-        return DistributedDataset(dataset, self.num_replicas_in_sync, self.replica_id_in_sync_group,
-                                  device=runtime.local_torch_device(), on_iter=self._mirror.flush)
+        return DistributedDataset(
+            dataset,
+            self.num_replicas_in_sync,
+            self.replica_id_in_sync_group,
+            device=runtime.local_torch_device(),
+            on_iter=self._mirror.flush,
+        )
 
-    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Iterable],
-                                          options: Any = None) -> DatasetFromFunction:
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Iterable], options: Any = None
+    ) -> DatasetFromFunction:
         """Build one input pipeline per replica: ``dataset_fn(InputContext)`` must return
         per-replica batches (``ctx.get_per_replica_batch_size(global_batch_size)``) and shard by
         ``ctx.input_pipeline_id``; the same number of batches on every replica."""
         if not callable(dataset_fn):
             raise TypeError(f"dataset_fn must be callable. Received: dataset_fn={dataset_fn!r}")
-        context = InputContext(num_input_pipelines=self.num_replicas_in_sync,
-                               input_pipeline_id=self.replica_id_in_sync_group,
-                               num_replicas_in_sync=self.num_replicas_in_sync)
-        return DatasetFromFunction(dataset_fn(context), device=runtime.local_torch_device(),
-                                   on_iter=self._mirror.flush)
+        context = InputContext(
+            num_input_pipelines=self.num_replicas_in_sync,
+            input_pipeline_id=self.replica_id_in_sync_group,
+            num_replicas_in_sync=self.num_replicas_in_sync,
+        )
+        return DatasetFromFunction(dataset_fn(context), device=runtime.local_torch_device(), on_iter=self._mirror.flush)
 
     # --- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:

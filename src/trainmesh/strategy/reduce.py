@@ -97,8 +97,12 @@ def reduce_across_replicas(reduce_op: ReduceOp | str, value: Any, axis: int | No
         return _floating(local_sum) / count if op is ReduceOp.MEAN else local_sum
     # One collective for the sum and the element count: pack both in float64, where counts
     # are exact and fp32/bf16 sums lose nothing; cast back afterwards.
-    packed = torch.cat([local_sum.reshape(-1).to(torch.float64),
-                        torch.tensor([float(count)], dtype=torch.float64, device=local_sum.device)])
+    packed = torch.cat(
+        [
+            local_sum.reshape(-1).to(torch.float64),
+            torch.tensor([float(count)], dtype=torch.float64, device=local_sum.device),
+        ]
+    )
     dist.all_reduce(packed, op=dist.ReduceOp.SUM)
     total = packed[:-1].reshape(local_sum.shape)
     if op is ReduceOp.MEAN:
@@ -122,7 +126,7 @@ def gather_across_replicas(value: Any, axis: int, replica_ranks: Sequence[int]) 
     world = dist.get_world_size()
     meta: list = [None] * world
     dist.all_gather_object(meta, (tuple(tensor.shape), str(tensor.dtype)))
-    others = {(shape[:dim] + shape[dim + 1:], len(shape), dtype) for shape, dtype in meta}
+    others = {(shape[:dim] + shape[dim + 1 :], len(shape), dtype) for shape, dtype in meta}
     if len(others) != 1:
         raise ValueError(
             f"gather needs the same dtype and the same size in every dim but axis={axis} on every replica. "

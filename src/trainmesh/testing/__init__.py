@@ -7,5 +7,12 @@ imported here, so this package does not need pytest.
 from .cluster import Cluster, ClusterUnavailable, Host, LinkCounters, ShapingUnsupported
 from .harness import DistributedTestError, run_distributed
 
-__all__ = ["Cluster", "ClusterUnavailable", "DistributedTestError", "Host", "LinkCounters",
-           "ShapingUnsupported", "run_distributed"]
+__all__ = [
+    "Cluster",
+    "ClusterUnavailable",
+    "DistributedTestError",
+    "Host",
+    "LinkCounters",
+    "ShapingUnsupported",
+    "run_distributed",
+]

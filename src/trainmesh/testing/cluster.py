@@ -61,8 +61,12 @@ class LinkCounters:
     rx_packets: int
 
     def __sub__(self, other: "LinkCounters") -> "LinkCounters":
-        return LinkCounters(self.tx_bytes - other.tx_bytes, self.rx_bytes - other.rx_bytes,
-                            self.tx_packets - other.tx_packets, self.rx_packets - other.rx_packets)
+        return LinkCounters(
+            self.tx_bytes - other.tx_bytes,
+            self.rx_bytes - other.rx_bytes,
+            self.tx_packets - other.tx_packets,
+            self.rx_packets - other.rx_packets,
+        )
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -143,8 +147,9 @@ class Host:
     def _argv(self, cmd: Sequence[str]) -> list[str]:
         return ["ip", "netns", "exec", self.netns, *cmd]
 
-    def popen(self, cmd: Sequence[str], env: Mapping[str, str] | None = None, *, new_session: bool = True,
-              **kwargs) -> subprocess.Popen:
+    def popen(
+        self, cmd: Sequence[str], env: Mapping[str, str] | None = None, *, new_session: bool = True, **kwargs
+    ) -> subprocess.Popen:
         """Start ``cmd`` in this host. ``env`` is *added* to this process's environment.
 
         The process gets a session of its own, so :meth:`Popen.send_signal` on its group
@@ -158,13 +163,20 @@ class Host:
         self._procs.append(proc)
         return proc
 
-    def run(self, cmd: Sequence[str], env: Mapping[str, str] | None = None, timeout: float = 120,
-            check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+    def run(
+        self,
+        cmd: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        timeout: float = 120,
+        check: bool = True,
+        **kwargs,
+    ) -> subprocess.CompletedProcess:
         """Run ``cmd`` in this host to completion (``subprocess.run`` semantics, output captured)."""
         kwargs.setdefault("capture_output", True)
         kwargs.setdefault("text", True)
-        return subprocess.run(self._argv(cmd), env={**os.environ, **(env or {})}, timeout=timeout,
-                              check=check, **kwargs)
+        return subprocess.run(
+            self._argv(cmd), env={**os.environ, **(env or {})}, timeout=timeout, check=check, **kwargs
+        )
 
     def kill(self, sig: int = signal.SIGKILL) -> list[int]:
         """Send ``sig`` to every process in this host (a machine losing power); returns their pids."""
@@ -220,8 +232,9 @@ class Host:
             done = _ip("netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root", *qdisc, check=False)
             if done.returncode != 0:
                 if "unknown" in done.stderr.lower():
-                    raise ShapingUnsupported(f"this kernel has no `{qdisc[0]}` qdisc, needed for {what}: "
-                                             f"{done.stderr.strip()}")
+                    raise ShapingUnsupported(
+                        f"this kernel has no `{qdisc[0]}` qdisc, needed for {what}: {done.stderr.strip()}"
+                    )
                 raise RuntimeError(f"tc on {netns}/{dev} failed: {done.stderr.strip()}")
 
     def _drop_some(self, loss: float, rate: str | None) -> None:
@@ -245,13 +258,37 @@ class Host:
                 ["class", "add", "dev", dev, "parent", "1:", "classid", "1:2", "htb", "rate", line],
                 ["qdisc", "add", "dev", dev, "parent", "1:2", "handle", "2:", "pfifo", "limit", "0"],
             ]
-            steps += [["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-                       "match", "u16", str(63 - b), "0x3f", "at", "4", "flowid", "1:2"] for b in range(buckets)]
+            steps += [
+                [
+                    "filter",
+                    "add",
+                    "dev",
+                    dev,
+                    "parent",
+                    "1:",
+                    "protocol",
+                    "ip",
+                    "prio",
+                    "1",
+                    "u32",
+                    "match",
+                    "u16",
+                    str(63 - b),
+                    "0x3f",
+                    "at",
+                    "4",
+                    "flowid",
+                    "1:2",
+                ]
+                for b in range(buckets)
+            ]
             for step in steps:
                 done = _ip(*tc, *step, check=False)
                 if done.returncode != 0:
-                    raise ShapingUnsupported(f"cannot drop packets on {dev} (no netem, and htb/u32 failed: "
-                                             f"`tc {' '.join(step)}`: {done.stderr.strip()})")
+                    raise ShapingUnsupported(
+                        f"cannot drop packets on {dev} (no netem, and htb/u32 failed: "
+                        f"`tc {' '.join(step)}`: {done.stderr.strip()})"
+                    )
         self.loss_applied = buckets / 64 * 100
 
     def unshape(self) -> None:
@@ -272,8 +309,11 @@ class Host:
 
     def tcp_retransmits(self) -> int:
         """TCP segments retransmitted by this host's processes so far (its namespace's own count)."""
-        lines = [line.split() for line in self.run(["cat", "/proc/net/snmp"], timeout=30).stdout.splitlines()
-                 if line.startswith("Tcp:")]
+        lines = [
+            line.split()
+            for line in self.run(["cat", "/proc/net/snmp"], timeout=30).stdout.splitlines()
+            if line.startswith("Tcp:")
+        ]
         return int(lines[1][lines[0].index("RetransSegs")])
 
     def counters(self) -> LinkCounters:
@@ -321,8 +361,20 @@ class Cluster:
             self._add_netns(host.netns)
             # Both ends are created directly inside their namespaces, so nothing ever appears
             # in this machine's own namespace, and names cannot collide with a parallel run.
-            _ip("link", "add", IFACE, "netns", host.netns, "type", "veth",
-                "peer", "name", host.port, "netns", self.bridge_netns)
+            _ip(
+                "link",
+                "add",
+                IFACE,
+                "netns",
+                host.netns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                host.port,
+                "netns",
+                self.bridge_netns,
+            )
             _ip("-n", self.bridge_netns, "link", "set", host.port, "master", "br0")
             _ip("-n", self.bridge_netns, "link", "set", host.port, "up")
             _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", IFACE)

@@ -34,8 +34,12 @@ class _Outcome:
 def _worker(fn, rank, world_size, init_file, result_dir, args, kwargs, collective_timeout_s, env, backend):
     os.environ.update(env)
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1", TRAINMESH_TIMEOUT_S=str(collective_timeout_s),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+        TRAINMESH_TIMEOUT_S=str(collective_timeout_s),
     )
     outcome = _Outcome(ok=False)
     try:
@@ -48,7 +52,10 @@ def _worker(fn, rank, world_size, init_file, result_dir, args, kwargs, collectiv
         if backend != "gloo":
             torch.cuda.set_device(rank)
         dist.init_process_group(
-            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            backend,
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout_s),
         )
         from trainmesh import runtime
@@ -114,8 +121,10 @@ def run_distributed(
         import torch
 
         if torch.cuda.device_count() < world_size:  # NCCL refuses two ranks on one GPU
-            raise ValueError(f"device='cuda' needs a GPU per process: world_size={world_size}, "
-                             f"GPUs visible: {torch.cuda.device_count()}")
+            raise ValueError(
+                f"device='cuda' needs a GPU per process: world_size={world_size}, "
+                f"GPUs visible: {torch.cuda.device_count()}"
+            )
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="trainmesh-test-") as tmp:
@@ -123,8 +132,18 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, rank, world_size, init_file, tmp, args, kwargs or {}, collective_timeout, dict(env or {}),
-                      backend),
+                args=(
+                    fn,
+                    rank,
+                    world_size,
+                    init_file,
+                    tmp,
+                    args,
+                    kwargs or {},
+                    collective_timeout,
+                    dict(env or {}),
+                    backend,
+                ),
                 daemon=False,
             )
             for rank in range(world_size)
@@ -171,7 +190,9 @@ def _wait(procs, timeout: float, result_dir: str) -> None:
     for p in procs:
         p.join(10)
     if still_running and time.monotonic() >= deadline:
-        raise DistributedTestError(f"run_distributed timed out after {timeout:.0f}s; ranks {still_running} were still running")
+        raise DistributedTestError(
+            f"run_distributed timed out after {timeout:.0f}s; ranks {still_running} were still running"
+        )
 
 
 def _collect(result_dir: str, procs) -> list[Any]:

@@ -27,39 +27,71 @@ from typing import Any, Sequence
 PORT = 29613
 
 
-def run_on_hosts(target: str, args: tuple, world_size: int, *, processes_per_host: int = 1, rate: str | None = None,
-                 path: Sequence[str] = (), env: dict[str, str] | None = None, timeout: float = 1800) -> list[Any]:
+def run_on_hosts(
+    target: str,
+    args: tuple,
+    world_size: int,
+    *,
+    processes_per_host: int = 1,
+    rate: str | None = None,
+    path: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    timeout: float = 1800,
+) -> list[Any]:
     """Each rank's ``target(*args)`` (``"module:function"``), ``processes_per_host`` ranks on each namespace host."""
     from .cluster import IFACE, Cluster
 
     if world_size % processes_per_host:
-        raise ValueError(f"world_size={world_size} does not split into hosts of processes_per_host={processes_per_host}")
+        raise ValueError(
+            f"world_size={world_size} does not split into hosts of processes_per_host={processes_per_host}"
+        )
     with Cluster(world_size // processes_per_host) as cluster, tempfile.TemporaryDirectory(prefix="host-job-") as tmp:
         cluster.wait_reachable()
         for host in cluster.hosts if rate else ():
             host.shape(rate=rate)
         spec = Path(tmp) / "spec.pkl"
-        spec.write_bytes(pickle.dumps({"target": target, "args": args, "world_size": world_size, "path": list(path),
-                                       "coordinator": f"{cluster.hosts[0].address}:{PORT}"}))
+        spec.write_bytes(
+            pickle.dumps(
+                {
+                    "target": target,
+                    "args": args,
+                    "world_size": world_size,
+                    "path": list(path),
+                    "coordinator": f"{cluster.hosts[0].address}:{PORT}",
+                }
+            )
+        )
         log = Path(tmp) / "log.txt"
         # Ranks of one host talk over its own address, which stays inside the namespace (unshaped, like
         # loopback); only traffic between hosts crosses the shaped links.
         rank_env = {"GLOO_SOCKET_IFNAME": IFACE, "OMP_NUM_THREADS": "1", **(env or {})}
         with open(log, "w") as sink:
-            procs = [host.popen([sys.executable, "-m", __name__, str(spec), str(host.index * processes_per_host + local),
-                                 tmp], env=rank_env, stdout=sink, stderr=subprocess.STDOUT, new_session=False)
-                     for host in cluster.hosts for local in range(processes_per_host)]
+            procs = [
+                host.popen(
+                    [sys.executable, "-m", __name__, str(spec), str(host.index * processes_per_host + local), tmp],
+                    env=rank_env,
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    new_session=False,
+                )
+                for host in cluster.hosts
+                for local in range(processes_per_host)
+            ]
             deadline = time.monotonic() + timeout  # for the whole job, not for each rank in turn
             try:
                 for proc in procs:
                     proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 cluster.close()
-                raise TimeoutError(f"{target} on {world_size} ranks over hosts ran over {timeout} s; its log ends:\n"
-                                   + log.read_text()[-3000:]) from None
+                raise TimeoutError(
+                    f"{target} on {world_size} ranks over hosts ran over {timeout} s; its log ends:\n"
+                    + log.read_text()[-3000:]
+                ) from None
         if any(p.returncode != 0 for p in procs):
-            raise RuntimeError(f"a rank of {target} over hosts failed (exit codes {[p.returncode for p in procs]}); "
-                               "its log ends:\n" + log.read_text()[-3000:])
+            raise RuntimeError(
+                f"a rank of {target} over hosts failed (exit codes {[p.returncode for p in procs]}); "
+                "its log ends:\n" + log.read_text()[-3000:]
+            )
         return [pickle.loads((Path(tmp) / f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
 
 

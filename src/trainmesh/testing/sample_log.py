@@ -30,9 +30,15 @@ class SampleLog(Callback):
     start and ``after_step(global_step)`` after its line is written (where a job kills or
     stalls itself)."""
 
-    def __init__(self, path: str, attempt: str, *, resume_extra: str = "",
-                 before_step: Callable[[], None] | None = None,
-                 after_step: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        path: str,
+        attempt: str,
+        *,
+        resume_extra: str = "",
+        before_step: Callable[[], None] | None = None,
+        after_step: Callable[[int], None] | None = None,
+    ):
         super().__init__()
         self.path, self.attempt, self.resume_extra = path, attempt, resume_extra
         self.before_step, self.after_step = before_step, after_step

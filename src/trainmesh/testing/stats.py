@@ -19,4 +19,3 @@ def median_ci95(values: list[float], resamples: int = 2000) -> tuple[float, floa
     rng = random.Random(0)
     boots = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
     return boots[int(resamples * 0.025)], boots[int(resamples * 0.975) - 1]
-

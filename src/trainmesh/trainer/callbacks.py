@@ -63,12 +63,18 @@ class Callback:
 
 # Hook names, and whether the hook takes an index (epoch or step) before ``logs``.
 HOOKS: dict[str, bool] = {
-    "on_train_begin": False, "on_train_end": False,
-    "on_epoch_begin": True, "on_epoch_end": True,
-    "on_train_batch_begin": True, "on_train_batch_end": True,
-    "on_test_begin": False, "on_test_end": False,
-    "on_test_batch_begin": True, "on_test_batch_end": True,
-    "on_predict_begin": False, "on_predict_end": False,
+    "on_train_begin": False,
+    "on_train_end": False,
+    "on_epoch_begin": True,
+    "on_epoch_end": True,
+    "on_train_batch_begin": True,
+    "on_train_batch_end": True,
+    "on_test_begin": False,
+    "on_test_end": False,
+    "on_test_batch_begin": True,
+    "on_test_batch_end": True,
+    "on_predict_begin": False,
+    "on_predict_end": False,
 }
 
 
@@ -110,18 +116,41 @@ class CallbackList(Callback):
         for callback in self.callbacks:
             getattr(callback, hook)(*args)
 
-    def on_train_begin(self, logs=None): self._fan_out("on_train_begin", logs)
-    def on_train_end(self, logs=None): self._fan_out("on_train_end", logs)
-    def on_epoch_begin(self, epoch, logs=None): self._fan_out("on_epoch_begin", epoch, logs)
-    def on_epoch_end(self, epoch, logs=None): self._fan_out("on_epoch_end", epoch, logs)
-    def on_train_batch_begin(self, step, logs=None): self._fan_out("on_train_batch_begin", step, logs)
-    def on_train_batch_end(self, step, logs=None): self._fan_out("on_train_batch_end", step, logs)
-    def on_test_begin(self, logs=None): self._fan_out("on_test_begin", logs)
-    def on_test_end(self, logs=None): self._fan_out("on_test_end", logs)
-    def on_test_batch_begin(self, step, logs=None): self._fan_out("on_test_batch_begin", step, logs)
-    def on_test_batch_end(self, step, logs=None): self._fan_out("on_test_batch_end", step, logs)
-    def on_predict_begin(self, logs=None): self._fan_out("on_predict_begin", logs)
-    def on_predict_end(self, logs=None): self._fan_out("on_predict_end", logs)
+    def on_train_begin(self, logs=None):
+        self._fan_out("on_train_begin", logs)
+
+    def on_train_end(self, logs=None):
+        self._fan_out("on_train_end", logs)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._fan_out("on_epoch_begin", epoch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._fan_out("on_epoch_end", epoch, logs)
+
+    def on_train_batch_begin(self, step, logs=None):
+        self._fan_out("on_train_batch_begin", step, logs)
+
+    def on_train_batch_end(self, step, logs=None):
+        self._fan_out("on_train_batch_end", step, logs)
+
+    def on_test_begin(self, logs=None):
+        self._fan_out("on_test_begin", logs)
+
+    def on_test_end(self, logs=None):
+        self._fan_out("on_test_end", logs)
+
+    def on_test_batch_begin(self, step, logs=None):
+        self._fan_out("on_test_batch_begin", step, logs)
+
+    def on_test_batch_end(self, step, logs=None):
+        self._fan_out("on_test_batch_end", step, logs)
+
+    def on_predict_begin(self, logs=None):
+        self._fan_out("on_predict_begin", logs)
+
+    def on_predict_end(self, logs=None):
+        self._fan_out("on_predict_end", logs)
 
 
 def _resolve_mode(mode: str, monitor: str) -> str:

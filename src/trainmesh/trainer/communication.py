@@ -61,8 +61,10 @@ def host_groups_for(setting: bool | None, whole_world: bool, stage: int, model: 
     """
     world = runtime.world_size()
     if setting is True and not whole_world:
-        raise ValueError("hierarchical_allreduce=True needs DDP over every process (a 1-D DataParallel, "
-                         f"zero_stage 0). Received: model {type(model).__name__}, zero_stage={stage}")
+        raise ValueError(
+            "hierarchical_allreduce=True needs DDP over every process (a 1-D DataParallel, "
+            f"zero_stage 0). Received: model {type(model).__name__}, zero_stage={stage}"
+        )
     if world == 1 or not whole_world or setting is False:
         return None, None
     from trainmesh.comm.topology import discover, host_groups
@@ -73,7 +75,8 @@ def host_groups_for(setting: bool | None, whole_world: bool, stage: int, model: 
         raise ValueError(
             "hierarchical_allreduce=True needs processes on several hosts holding equal numbers of processes; "
             f"this job has {topology.describe()} (hosts told apart by host name and interface address, or "
-            f"TRAINMESH_HOST_ID). Received: WORLD_SIZE={world}, LOCAL_WORLD_SIZE={_local_world_size()}")
+            f"TRAINMESH_HOST_ID). Received: WORLD_SIZE={world}, LOCAL_WORLD_SIZE={_local_world_size()}"
+        )
     return topology, groups
 
 
@@ -85,8 +88,16 @@ def _two_phase_key(key: str) -> bool:
 class GradientCommunication:
     """What the Trainer installed: the compressor (checkpointed per rank) and the byte counter."""
 
-    def __init__(self, compressor: Compressor | None, counter: ByteCounter, *, hierarchical: bool,
-                 zero_stage: int = 0, plan=None, topology=None) -> None:
+    def __init__(
+        self,
+        compressor: Compressor | None,
+        counter: ByteCounter,
+        *,
+        hierarchical: bool,
+        zero_stage: int = 0,
+        plan=None,
+        topology=None,
+    ) -> None:
         self.compressor = compressor
         self.counter = counter
         self.hierarchical = hierarchical
@@ -118,8 +129,11 @@ class GradientCommunication:
     def state_dict(self) -> dict[str, Any]:
         if self.compressor is None:
             return {}
-        return {"compressor": self.compressor.name, "world_size": runtime.world_size(),
-                "state": self.compressor.state_dict()}
+        return {
+            "compressor": self.compressor.name,
+            "world_size": runtime.world_size(),
+            "state": self.compressor.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.load_resharded_state([state])  # one saved rank's state, for the same rank now
@@ -132,17 +146,21 @@ class GradientCommunication:
         if self.compressor is None or not states:
             return
         if any(s.get("compressor") != self.compressor.name for s in states):
-            warnings.warn(f"The checkpoint's compressor state is for {states[0].get('compressor')!r}, this run "
-                          f"compresses with {self.compressor.name!r}: its residuals start from zero.",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"The checkpoint's compressor state is for {states[0].get('compressor')!r}, this run "
+                f"compresses with {self.compressor.name!r}: its residuals start from zero.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return
         world, saved_world = runtime.world_size(), int(states[0]["world_size"])
         if len(states) == 1 and saved_world == world:
             self.compressor.load_state_dict(states[0]["state"])
             return
         if len(states) != saved_world:
-            raise ValueError(f"Resizing compressor state needs all {saved_world} saved ranks' states. "
-                             f"Received: {len(states)}")
+            raise ValueError(
+                f"Resizing compressor state needs all {saved_world} saved ranks' states. Received: {len(states)}"
+            )
         resized = type(self.compressor).resize_residuals([s["state"] for s in states], world)
         mine = resized[runtime.rank()]
         from trainmesh.comm.reduce_scatter import KEY_MARK
@@ -150,12 +168,17 @@ class GradientCommunication:
         # ZeRO-2/3 rows, and the two-phase exchange's rows/sums, are laid out for the old world size.
         stale = [k for k in mine.get("residuals", {}) if KEY_MARK in k or _two_phase_key(k)]
         if stale:  # ZeRO-2/3 rows of the old world size: nothing in this run uses those keys
-            warnings.warn(f"{len(stale)} error-feedback residuals of ZeRO stage 2-3 units or two-phase rows were saved for "
-                          f"{saved_world} processes; their padded row layout does not exist on {world}, so they "
-                          "restart from zero.", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"{len(stale)} error-feedback residuals of ZeRO stage 2-3 units or two-phase rows were saved for "
+                f"{saved_world} processes; their padded row layout does not exist on {world}, so they "
+                "restart from zero.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             for field in ("residuals", "momentum"):
-                mine[field] = {k: v for k, v in mine.get(field, {}).items()
-                               if KEY_MARK not in k and not _two_phase_key(k)}
+                mine[field] = {
+                    k: v for k, v in mine.get(field, {}).items() if KEY_MARK not in k and not _two_phase_key(k)
+                }
         if self.compressor.summable:
             # Summable compressors see gradient / N (see ddp_hooks): rescale to the new N.
             mine["residuals"] = {k: v * (saved_world / world) for k, v in mine.get("residuals", {}).items()}
@@ -219,15 +242,19 @@ def install_communication(model: torch.nn.Module, config) -> GradientCommunicati
         # A ModelParallel model's parameters live on a 2-D mesh (batch x model): its own reduction rules.
         two_d = any(getattr(getattr(p, "device_mesh", None), "ndim", 1) > 1 for p in model.parameters())
         if two_d or not install_compressed_reduce_scatter(model, compressor, counter):
-            raise ValueError(f"compression={config.compression!r} at ZeRO stage {stage} needs a DataParallel "
-                             f"(1-D) FSDP2 model; tensor parallelism reduces its own gradients. "
-                             f"Received: {type(model).__name__}")
+            raise ValueError(
+                f"compression={config.compression!r} at ZeRO stage {stage} needs a DataParallel "
+                f"(1-D) FSDP2 model; tensor parallelism reduces its own gradients. "
+                f"Received: {type(model).__name__}"
+            )
         return GradientCommunication(compressor, counter, hierarchical=False, zero_stage=stage)
     if compressor is not None and not is_ddp:
         if runtime.world_size() > 1:
-            raise ValueError(f"compression={config.compression!r} compresses the gradients DDP reduces; this "
-                             f"model ({type(model).__name__}) is not reduced by DDP (tensor parallelism reduces "
-                             "its own gradients). Use DataParallel (any zero_stage).")
+            raise ValueError(
+                f"compression={config.compression!r} compresses the gradients DDP reduces; this "
+                f"model ({type(model).__name__}) is not reduced by DDP (tensor parallelism reduces "
+                "its own gradients). Use DataParallel (any zero_stage)."
+            )
         compressor = None  # one process: nothing travels
     if getattr(compressor, "rounding", None) == "stochastic" and hasattr(compressor, "generator"):
         compressor.generator.manual_seed(compressor.seed + 7919 * runtime.rank())  # independent noise per rank
@@ -240,18 +267,29 @@ def install_communication(model: torch.nn.Module, config) -> GradientCommunicati
 
         def all_reduce(tensor: torch.Tensor) -> None:
             hierarchical_all_reduce_(tensor, intra_group=intra, inter_group=inter)
+
     if compressor is None and (groups is not None or bucket_bytes):
         from trainmesh.comm.ddp_hooks import DenseHookState, dense_allreduce_hook
 
         reduce = all_reduce or (lambda tensor: dist.all_reduce(tensor, group=model.process_group))
-        model.register_comm_hook(DenseHookState(runtime.world_size(), reduce, overlap=overlap,
-                                                bucket_bytes=bucket_bytes), dense_allreduce_hook)
+        model.register_comm_hook(
+            DenseHookState(runtime.world_size(), reduce, overlap=overlap, bucket_bytes=bucket_bytes),
+            dense_allreduce_hook,
+        )
     if compressor is not None:
         from trainmesh.comm.ddp_hooks import CompressionHookState, compressed_allreduce_hook
 
         intra, inter = groups if groups is not None else (None, None)
-        state = CompressionHookState.for_model(model, compressor, counter=counter, all_reduce=all_reduce,
-                                               intra_group=intra, inter_group=inter, bucket_bytes=bucket_bytes)
+        state = CompressionHookState.for_model(
+            model,
+            compressor,
+            counter=counter,
+            all_reduce=all_reduce,
+            intra_group=intra,
+            inter_group=inter,
+            bucket_bytes=bucket_bytes,
+        )
         model.register_comm_hook(state, compressed_allreduce_hook)
-    return GradientCommunication(compressor, counter, hierarchical=groups is not None, zero_stage=stage,
-                                 plan=plan, topology=topology)
+    return GradientCommunication(
+        compressor, counter, hierarchical=groups is not None, zero_stage=stage, plan=plan, topology=topology
+    )

@@ -68,12 +68,16 @@ class TrainerConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}. Received: precision={self.precision!r}")
         if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
-            raise ValueError(f"grad_accum_steps must be an int >= 1. Received: grad_accum_steps={self.grad_accum_steps!r}")
+            raise ValueError(
+                f"grad_accum_steps must be an int >= 1. Received: grad_accum_steps={self.grad_accum_steps!r}"
+            )
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None. Received: max_grad_norm={self.max_grad_norm!r}")
         if self.lr_scaling is not None:
             if self.lr_scaling not in _LR_RULES:
-                raise ValueError(f"lr_scaling must be one of {_LR_RULES} or None. Received: lr_scaling={self.lr_scaling!r}")
+                raise ValueError(
+                    f"lr_scaling must be one of {_LR_RULES} or None. Received: lr_scaling={self.lr_scaling!r}"
+                )
             if not self.base_batch_size or self.base_batch_size < 1:
                 raise ValueError(
                     f"lr_scaling={self.lr_scaling!r} needs base_batch_size (the batch the lr was tuned for). "
@@ -84,13 +88,17 @@ class TrainerConfig:
         if self.progress not in (True, False, "auto"):
             raise ValueError(f"progress must be True, False or 'auto'. Received: progress={self.progress!r}")
         if self.nonfinite_loss not in (None, "skip", "stop", "rollback"):
-            raise ValueError("nonfinite_loss must be 'skip', 'stop', 'rollback' or None. "
-                             f"Received: nonfinite_loss={self.nonfinite_loss!r}")
+            raise ValueError(
+                "nonfinite_loss must be 'skip', 'stop', 'rollback' or None. "
+                f"Received: nonfinite_loss={self.nonfinite_loss!r}"
+            )
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2, 3 or None. Received: zero_stage={self.zero_stage!r}")
         if not (self.hierarchical_allreduce is None or isinstance(self.hierarchical_allreduce, bool)):
-            raise ValueError("hierarchical_allreduce must be True, False or None (auto: on across nodes). "
-                             f"Received: hierarchical_allreduce={self.hierarchical_allreduce!r}")
+            raise ValueError(
+                "hierarchical_allreduce must be True, False or None (auto: on across nodes). "
+                f"Received: hierarchical_allreduce={self.hierarchical_allreduce!r}"
+            )
         if self.compression is not None:
             from trainmesh.compression import get_compressor
 
@@ -102,16 +110,22 @@ class TrainerConfig:
 
         check_compile_mode(self.compile)
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
-            raise ValueError(f"compile_backend must be a torch.compile backend name. "
-                             f"Received: compile_backend={self.compile_backend!r}")
+            raise ValueError(
+                f"compile_backend must be a torch.compile backend name. "
+                f"Received: compile_backend={self.compile_backend!r}"
+            )
         check_inductor_mode(self.compile_mode, self.compile_backend)
         from .step import OPTIMIZER_IMPLEMENTATIONS
 
         if self.optimizer_implementation not in OPTIMIZER_IMPLEMENTATIONS:
-            raise ValueError(f"optimizer_implementation must be one of {OPTIMIZER_IMPLEMENTATIONS}. "
-                             f"Received: optimizer_implementation={self.optimizer_implementation!r}")
+            raise ValueError(
+                f"optimizer_implementation must be one of {OPTIMIZER_IMPLEMENTATIONS}. "
+                f"Received: optimizer_implementation={self.optimizer_implementation!r}"
+            )
         if self.peak_flops is not None and not (isinstance(self.peak_flops, (int, float)) and self.peak_flops > 0):
-            raise ValueError(f"peak_flops must be a FLOP/s figure > 0 or None. Received: peak_flops={self.peak_flops!r}")
+            raise ValueError(
+                f"peak_flops must be a FLOP/s figure > 0 or None. Received: peak_flops={self.peak_flops!r}"
+            )
         if self.eval_batch_size is not None and self.eval_batch_size < 1:
             raise ValueError(f"eval_batch_size must be >= 1. Received: eval_batch_size={self.eval_batch_size!r}")
 
@@ -124,7 +138,9 @@ class TrainerConfig:
         if config is None:
             return cls(**kwargs)
         if kwargs:
-            raise ValueError(f"Pass either config=TrainerConfig(...) or keyword options, not both. Received: {sorted(kwargs)}")
+            raise ValueError(
+                f"Pass either config=TrainerConfig(...) or keyword options, not both. Received: {sorted(kwargs)}"
+            )
         return config
 
 
@@ -143,14 +159,31 @@ class Plan:
     precision: str
 
     @classmethod
-    def derive(cls, config: TrainerConfig, *, global_batch_size: int | None, data_parallel_size: int,
-               num_samples: int | None, epochs: int, base_lr: float | None) -> "Plan":
+    def derive(
+        cls,
+        config: TrainerConfig,
+        *,
+        global_batch_size: int | None,
+        data_parallel_size: int,
+        num_samples: int | None,
+        epochs: int,
+        base_lr: float | None,
+    ) -> "Plan":
         per_step = config.grad_accum_steps * data_parallel_size
         if global_batch_size is None:
             if config.lr_scaling is not None:
                 raise ValueError(f"lr_scaling={config.lr_scaling!r} needs fit(batch_size=...), the global batch.")
-            return cls(None, None, config.grad_accum_steps, data_parallel_size, None, epochs, base_lr, base_lr,
-                       config.precision)
+            return cls(
+                None,
+                None,
+                config.grad_accum_steps,
+                data_parallel_size,
+                None,
+                epochs,
+                base_lr,
+                base_lr,
+                config.precision,
+            )
         if global_batch_size < 1 or global_batch_size % per_step:
             raise ValueError(
                 "batch_size (the global batch) must be a multiple of grad_accum_steps x data-parallel size "
@@ -161,7 +194,11 @@ class Plan:
             raise ValueError(f"epochs must be >= 1. Received: epochs={epochs}")
         steps = None
         if num_samples is not None:
-            steps = num_samples // global_batch_size if config.drop_remainder else math.ceil(num_samples / global_batch_size)
+            steps = (
+                num_samples // global_batch_size
+                if config.drop_remainder
+                else math.ceil(num_samples / global_batch_size)
+            )
             if steps == 0:
                 raise ValueError(
                     f"The dataset ({num_samples} samples) is smaller than one global batch of {global_batch_size}."
@@ -169,15 +206,29 @@ class Plan:
         lr = base_lr
         if base_lr is not None and config.lr_scaling is not None:
             lr = scale_lr(base_lr, global_batch_size, config.base_batch_size, rule=config.lr_scaling)
-        return cls(global_batch_size, global_batch_size // per_step, config.grad_accum_steps, data_parallel_size,
-                   steps, epochs, base_lr, lr, config.precision)
+        return cls(
+            global_batch_size,
+            global_batch_size // per_step,
+            config.grad_accum_steps,
+            data_parallel_size,
+            steps,
+            epochs,
+            base_lr,
+            lr,
+            config.precision,
+        )
 
     def describe(self) -> str:
-        lr = "-" if self.lr is None else f"{self.lr:.6g}" + (
-            "" if self.lr == self.base_lr else f" (scaled from {self.base_lr:.6g})")
+        lr = (
+            "-"
+            if self.lr is None
+            else f"{self.lr:.6g}" + ("" if self.lr == self.base_lr else f" (scaled from {self.base_lr:.6g})")
+        )
         if self.global_batch_size is None:
-            return (f"global batch from the data; accumulation {self.grad_accum_steps} x data-parallel "
-                    f"{self.data_parallel_size}; epochs {self.epochs}; lr {lr}; precision {self.precision}")
+            return (
+                f"global batch from the data; accumulation {self.grad_accum_steps} x data-parallel "
+                f"{self.data_parallel_size}; epochs {self.epochs}; lr {lr}; precision {self.precision}"
+            )
         return (
             f"global batch {self.global_batch_size} = micro-batch {self.micro_batch_size} x accumulation "
             f"{self.grad_accum_steps} x data-parallel {self.data_parallel_size}; "

@@ -30,7 +30,9 @@ def is_map_style(data: Any) -> bool:
         return False
     if isinstance(data, Dataset) and hasattr(data, "__len__"):
         return True
-    return isinstance(data, (tuple, list)) and bool(data) and all(isinstance(t, (torch.Tensor, np.ndarray)) for t in data)
+    return (
+        isinstance(data, (tuple, list)) and bool(data) and all(isinstance(t, (torch.Tensor, np.ndarray)) for t in data)
+    )
 
 
 def is_presharded(data: Any) -> bool:
@@ -60,8 +62,17 @@ def _num_rows(batch: Any) -> int:
 class TrainSteps:
     """Per optimizer step, this process's list of ``grad_accum_steps`` micro-batches."""
 
-    def __init__(self, data: Any, distribution, *, global_batch_size: int | None, grad_accum_steps: int,
-                 shuffle: bool, seed: int, drop_remainder: bool):
+    def __init__(
+        self,
+        data: Any,
+        distribution,
+        *,
+        global_batch_size: int | None,
+        grad_accum_steps: int,
+        shuffle: bool,
+        seed: int,
+        drop_remainder: bool,
+    ):
         self.distribution = distribution
         self.k = grad_accum_steps
         self.dp = distribution.data_parallel_size if distribution.auto_shard_dataset else 1
@@ -79,9 +90,15 @@ class TrainSteps:
             # (seed, epoch, cursor) state: a checkpoint taken mid-epoch resumes exactly there, on
             # any number of processes; same order and split as distribute_dataset.
             self.sampler = GlobalBatchSampler(
-                self.num_samples, global_batch_size=global_batch_size, data_parallel_size=self.dp,
-                data_index=self.data_index, micro_batches=self.k, shuffle=shuffle, seed=seed,
-                drop_remainder=drop_remainder)
+                self.num_samples,
+                global_batch_size=global_batch_size,
+                data_parallel_size=self.dp,
+                data_index=self.data_index,
+                micro_batches=self.k,
+                shuffle=shuffle,
+                seed=seed,
+                drop_remainder=drop_remainder,
+            )
             if not isinstance(self.dataset, TensorDataset):
                 # Real datasets read samples: fetch them ahead of the step (a thread; workers optional).
                 self.loader = DataLoader(self.dataset, self.sampler, prefetch=2)
@@ -174,8 +191,10 @@ class TrainSteps:
                 )
             size = rows // parts
             first = self.data_index * self.k
-            yield [self._to_model(_slice_rows(batch, range((first + j) * size, (first + j + 1) * size)), device)
-                   for j in range(self.k)]
+            yield [
+                self._to_model(_slice_rows(batch, range((first + j) * size, (first + j + 1) * size)), device)
+                for j in range(self.k)
+            ]
 
 
 def eval_batches(data: Any, distribution, *, batch_size: int | None) -> Iterator[tuple[int, Any]]:

@@ -131,12 +131,12 @@ class LogWriter:
     as ``step/<key>`` and ``epoch/<key>`` for each numeric key.
     """
 
-    def __init__(self, log_dir: str | os.PathLike[str], *, tensorboard: bool | None = None,
-                 append: bool = False) -> None:
+    def __init__(
+        self, log_dir: str | os.PathLike[str], *, tensorboard: bool | None = None, append: bool = False
+    ) -> None:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = {kind: (self.log_dir / f"{kind}.jsonl").open("a" if append else "w")
-                       for kind in _KINDS}
+        self._jsonl = {kind: (self.log_dir / f"{kind}.jsonl").open("a" if append else "w") for kind in _KINDS}
         self._csv = {kind: _CsvFile(self.log_dir / f"{kind}.csv", append=append) for kind in _KINDS}
         self._counts = {kind: 0 for kind in _KINDS}
         self._closed = False
@@ -149,8 +149,7 @@ class LogWriter:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as exc:
                 self.close()
-                raise ImportError("tensorboard=True needs TensorBoard: "
-                                  "pip install 'trainmesh[tensorboard]'") from exc
+                raise ImportError("tensorboard=True needs TensorBoard: pip install 'trainmesh[tensorboard]'") from exc
             self.tensorboard_dir = self.log_dir / "tensorboard"
             self._tb = SummaryWriter(log_dir=str(self.tensorboard_dir))
 
@@ -207,8 +206,7 @@ class LogWriter:
         self.close()
 
 
-def read_log(log_dir: str | os.PathLike[str],
-             kind: Literal["steps", "epochs"] = "steps") -> list[dict[str, Any]]:
+def read_log(log_dir: str | os.PathLike[str], kind: Literal["steps", "epochs"] = "steps") -> list[dict[str, Any]]:
     """The records of ``log_dir/<kind>.jsonl`` as dicts, NaN/inf restored as floats.
 
     A last line cut short by a crash is skipped; a bad line elsewhere raises ValueError.

@@ -24,8 +24,13 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 class DynamicLossScaler:
     """``scale(loss)`` -> backward -> ``unscale_(params)`` -> step unless ``found_inf`` -> ``update(found_inf)``."""
 
-    def __init__(self, init_scale: float = 2.0**15, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000):
+    def __init__(
+        self,
+        init_scale: float = 2.0**15,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ):
         if not init_scale > 0 or not growth_factor > 1 or not 0 < backoff_factor < 1 or growth_interval < 1:
             raise ValueError(
                 "Loss scaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1. "
@@ -78,9 +83,14 @@ class DynamicLossScaler:
             self.clean_steps = 0
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale_value, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps,
-                "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval}
+        return {
+            "scale": self.scale_value,
+            "clean_steps": self.clean_steps,
+            "skipped_steps": self.skipped_steps,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.scale_value = float(state["scale"])

@@ -87,9 +87,12 @@ class LossAccumulator:
         step_value = _host_float(self._step_sum)
         finite = math.isfinite(step_value)
         return [
-            _host_float(self._local_sum), float(self._local_samples),
-            step_value if finite else 0.0, float(self._step_samples if finite else 0),
-            1.0 if stop_local else 0.0, 0.0 if finite else 1.0,
+            _host_float(self._local_sum),
+            float(self._local_samples),
+            step_value if finite else 0.0,
+            float(self._step_samples if finite else 0),
+            1.0 if stop_local else 0.0,
+            0.0 if finite else 1.0,
             *(float(rider.local_value()) for rider in _RIDERS),
             *([float(grad_square.detach().double().cpu())] if grad_square is not None else []),
         ]
@@ -132,8 +135,9 @@ class LossAccumulator:
             mean = self._global_sum / samples if samples else math.nan
             self._global_sum, self._global_samples = 0.0, 0.0
             return mean, samples, False
-        reduced = all_reduce_small(torch.stack([
-            _to_cpu_double(self._local_sum), _f64(self._local_samples), _f64(1.0 if stop_local else 0.0)])).tolist()
+        reduced = all_reduce_small(
+            torch.stack([_to_cpu_double(self._local_sum), _f64(self._local_samples), _f64(1.0 if stop_local else 0.0)])
+        ).tolist()
         total = self._global_sum + reduced[0]
         samples = self._global_samples + reduced[1]
         self._local_sum, self._local_samples, self._global_sum, self._global_samples = 0.0, 0, 0.0, 0.0

@@ -80,8 +80,12 @@ class TrueBF16(Precision):
         return batch
 
 
-_COMPUTE_DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16,
-                   "bf16-true": torch.bfloat16}
+_COMPUTE_DTYPES = {
+    "fp32": torch.float32,
+    "bf16-mixed": torch.bfloat16,
+    "fp16-mixed": torch.float16,
+    "bf16-true": torch.bfloat16,
+}
 
 
 def compute_dtype(name: str) -> torch.dtype:
@@ -157,11 +161,14 @@ def fastest_precision(device_type: str = "cpu") -> tuple[str, str]:
     if kind == "amx":
         return "bf16-mixed", "this CPU has AMX: bf16 matmuls run on its tile units"
     if kind == "avx2":
-        return "fp32", ("this CPU has AVX2 only (no AVX512-BF16 or AMX): torch has no native bf16 matmul "
-                        "on it, and its fallback runs ~45x slower than fp32")
+        return "fp32", (
+            "this CPU has AVX2 only (no AVX512-BF16 or AMX): torch has no native bf16 matmul "
+            "on it, and its fallback runs ~45x slower than fp32"
+        )
     speedup = bf16_matmul_speedup(device_type)
     named = describe_cpu_kind(kind)
     if speedup >= BF16_MIN_SPEEDUP:
         return "bf16-mixed", f"bf16 matmuls run {speedup:.1f}x fp32's speed here ({named})"
-    return "fp32", (f"bf16 matmuls run at {speedup:.2g}x fp32's speed here ({named}; bf16-mixed pays from "
-                    f"{BF16_MIN_SPEEDUP}x)")
+    return "fp32", (
+        f"bf16 matmuls run at {speedup:.2g}x fp32's speed here ({named}; bf16-mixed pays from {BF16_MIN_SPEEDUP}x)"
+    )

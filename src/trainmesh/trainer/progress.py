@@ -112,14 +112,23 @@ class ProgressBar:
     Create it when the epoch begins: the elapsed time on the closing line counts from then.
     """
 
-    def __init__(self, total: int | None, *, epoch: int, epochs: int, enabled: bool = True,
-                 stream: TextIO | None = None, plain_every: int | None = None,
-                 use_tqdm: bool | None = None) -> None:
+    def __init__(
+        self,
+        total: int | None,
+        *,
+        epoch: int,
+        epochs: int,
+        enabled: bool = True,
+        stream: TextIO | None = None,
+        plain_every: int | None = None,
+        use_tqdm: bool | None = None,
+    ) -> None:
         if total is not None and total < 0:
             raise ValueError(f"total must be >= 0 or None. Received: {total}")
         if epoch < 1 or epochs < 1:
-            raise ValueError(f"epoch and epochs are 1-based (epoch 1 of 1 is the first). "
-                             f"Received: epoch={epoch}, epochs={epochs}")
+            raise ValueError(
+                f"epoch and epochs are 1-based (epoch 1 of 1 is the first). Received: epoch={epoch}, epochs={epochs}"
+            )
         if plain_every is not None and plain_every < 1:
             raise ValueError(f"plain_every must be >= 1. Received: {plain_every}")
         self.total = total
@@ -127,8 +136,7 @@ class ProgressBar:
         self.stream: TextIO = stream if stream is not None else sys.stdout
         self._prefix = f"Epoch {epoch}/{epochs}"
         if plain_every is None:
-            plain_every = (max(1, math.ceil(total / _PLAIN_LINES_PER_EPOCH)) if total
-                           else _PLAIN_EVERY_UNKNOWN_TOTAL)
+            plain_every = max(1, math.ceil(total / _PLAIN_LINES_PER_EPOCH)) if total else _PLAIN_EVERY_UNKNOWN_TOTAL
         self.plain_every = plain_every
         self._start = time.perf_counter()
         self._step = 0
@@ -146,8 +154,9 @@ class ProgressBar:
                 raise ImportError("use_tqdm=True needs tqdm: pip install 'trainmesh[progress]'") from None
             return None
         # leave=False: the bar is replaced by the closing line, identical to the plain mode's.
-        return tqdm(total=self.total, desc=self._prefix, file=self.stream, unit="step",
-                    leave=False, dynamic_ncols=False)
+        return tqdm(
+            total=self.total, desc=self._prefix, file=self.stream, unit="step", leave=False, dynamic_ncols=False
+        )
 
     @property
     def mode(self) -> str:
@@ -188,8 +197,10 @@ class ProgressBar:
 
     def _plain_line(self, step: int, values: Mapping[str, Any], rate: float | None) -> str:
         elapsed = time.perf_counter() - self._start
-        parts = [f"{self._prefix} {step}/{self.total if self.total is not None else '?'}",
-                 format_per_step(elapsed / max(step, 1))]
+        parts = [
+            f"{self._prefix} {step}/{self.total if self.total is not None else '?'}",
+            format_per_step(elapsed / max(step, 1)),
+        ]
         if rate is not None:
             parts.append(format_rate(rate))
         if self.total is not None and step < self.total:
@@ -220,8 +231,10 @@ class ProgressBar:
         elapsed = time.perf_counter() - self._start
         steps = self._step
         total = self.total if self.total is not None else steps
-        parts = [f"{self._prefix} {steps}/{total}",
-                 f"{format_duration(elapsed)} {format_per_step(elapsed / max(steps, 1))}"]
+        parts = [
+            f"{self._prefix} {steps}/{total}",
+            f"{format_duration(elapsed)} {format_per_step(elapsed / max(steps, 1))}",
+        ]
         if rate is not None:
             try:
                 parts.append(format_rate(float(rate)))

@@ -54,7 +54,11 @@ def scale_lr(base_lr: float, global_batch: int, base_batch: int, rule: str = "li
     """
     if rule not in _RULES:
         raise ValueError(f"rule must be one of {_RULES}. Received: rule={rule!r}")
-    if isinstance(base_lr, bool) or not isinstance(base_lr, numbers.Real) or not (math.isfinite(base_lr) and base_lr > 0):
+    if (
+        isinstance(base_lr, bool)
+        or not isinstance(base_lr, numbers.Real)
+        or not (math.isfinite(base_lr) and base_lr > 0)
+    ):
         raise ValueError(f"base_lr must be a positive finite number. Received: base_lr={base_lr!r}")
     ratio = _positive_int("global_batch", global_batch) / _positive_int("base_batch", base_batch)
     return float(base_lr) * (ratio if rule == "linear" else math.sqrt(ratio))
@@ -122,9 +126,10 @@ def warmup_cosine(
     >>> import functools
     >>> make = functools.partial(warmup_cosine, warmup_steps=100, total_steps=1000, min_lr_ratio=0.1)
     """
-    return LambdaLR(optimizer, WarmupDecay(
-        warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio, shape="cosine"
-    ))
+    return LambdaLR(
+        optimizer,
+        WarmupDecay(warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio, shape="cosine"),
+    )
 
 
 def warmup_linear(
@@ -138,6 +143,7 @@ def warmup_linear(
     >>> [sched.lr_lambdas[0](s) for s in range(5)]
     [1.0, 0.875, 0.75, 0.625, 0.5]
     """
-    return LambdaLR(optimizer, WarmupDecay(
-        warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio, shape="linear"
-    ))
+    return LambdaLR(
+        optimizer,
+        WarmupDecay(warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio, shape="linear"),
+    )

@@ -35,8 +35,16 @@ class ShardedCheckpoint(Callback):
     whole model (DeepSpeed's ``exclude_frozen_parameters``, the other way round).
     """
 
-    def __init__(self, dirpath: str | os.PathLike, *, every_n_steps: int | None = None, keep_last: int = 3,
-                 keep_best: tuple[str, str] | None = None, async_save: bool = True, save_frozen: bool = False) -> None:
+    def __init__(
+        self,
+        dirpath: str | os.PathLike,
+        *,
+        every_n_steps: int | None = None,
+        keep_last: int = 3,
+        keep_best: tuple[str, str] | None = None,
+        async_save: bool = True,
+        save_frozen: bool = False,
+    ) -> None:
         if every_n_steps is not None and (isinstance(every_n_steps, bool) or every_n_steps < 1):
             raise ValueError(f"every_n_steps must be a positive int or None. Received: every_n_steps={every_n_steps!r}")
         self.dirpath = os.fspath(dirpath)
@@ -56,8 +64,11 @@ class ShardedCheckpoint(Callback):
 
     def state(self, *, weights_only: bool = False) -> dict[str, Any]:
         trainer = self.trainer
-        state: dict[str, Any] = {"model": trainer.model, "optimizer": trainer.optimizer,
-                                 "scaler": trainer.precision.scaler}
+        state: dict[str, Any] = {
+            "model": trainer.model,
+            "optimizer": trainer.optimizer,
+            "scaler": trainer.precision.scaler,
+        }
         if weights_only:
             return state
         sampler = trainer._steps.sampler if trainer._steps is not None else None
@@ -80,8 +91,11 @@ class ShardedCheckpoint(Callback):
         # The last step of an epoch is saved once, by on_epoch_end, with the epoch counted as done:
         # a second save of the same step collided with it, and resuming from this one (the data
         # already in the next epoch, the loop's epoch not) retrained the whole epoch (issue 48).
-        if self.every_n_steps and self.trainer.global_step % self.every_n_steps == 0 \
-                and not self.trainer.epoch_batches_done():
+        if (
+            self.every_n_steps
+            and self.trainer.global_step % self.every_n_steps == 0
+            and not self.trainer.epoch_batches_done()
+        ):
             self.manager.save(self.trainer.global_step, self.state())
         else:
             self.manager.poll()

@@ -45,9 +45,15 @@ def batch_rows(value: Any) -> int:
     raise ValueError(f"Cannot tell the batch size of a {type(value).__name__}")
 
 
-def forward_backward(model: torch.nn.Module, micro_batches: list, loss_fn: Callable, precision: Precision,
-                     losses: LossAccumulator, on_outputs: Callable[[Any, Any], None] | None = None,
-                     before_last_backward: Callable[[], None] | None = None) -> None:
+def forward_backward(
+    model: torch.nn.Module,
+    micro_batches: list,
+    loss_fn: Callable,
+    precision: Precision,
+    losses: LossAccumulator,
+    on_outputs: Callable[[Any, Any], None] | None = None,
+    before_last_backward: Callable[[], None] | None = None,
+) -> None:
     """Accumulate gradients of ``mean(loss over the step)`` over the micro-batches.
 
     ``before_last_backward`` runs once every micro-batch's loss is in ``losses`` and before the last
@@ -65,8 +71,10 @@ def forward_backward(model: torch.nn.Module, micro_batches: list, loss_fn: Calla
                 outputs = model(inputs)
                 loss = token_weighted_loss(model, loss_fn(outputs, targets), targets)  # a sequence axis only
             if not torch.is_tensor(loss) or loss.dim() != 0:
-                raise ValueError(f"loss_fn must return a scalar tensor. Received: {type(loss).__name__} "
-                                 f"with shape {tuple(getattr(loss, 'shape', ()))}")
+                raise ValueError(
+                    f"loss_fn must return a scalar tensor. Received: {type(loss).__name__} "
+                    f"with shape {tuple(getattr(loss, 'shape', ()))}"
+                )
             scaled = loss.float() / k if k > 1 else loss.float()  # x / 1 == x: no extra node for backward
             if precision.scaler is not None:
                 scaled = precision.scaler.scale(scaled)
@@ -89,8 +97,9 @@ def _replication(grad: torch.Tensor, world: int | None = None) -> int:
     if hasattr(grad, "placements"):
         mesh = grad.device_mesh
         # (FSDP2's _StridedShard, over a dim TP sharded already, answers False to is_shard())
-        return world // math.prod(mesh.size(i) for i, p in enumerate(grad.placements)
-                                  if not (p.is_replicate() or p.is_partial()))
+        return world // math.prod(
+            mesh.size(i) for i, p in enumerate(grad.placements) if not (p.is_replicate() or p.is_partial())
+        )
     return world
 
 
@@ -104,7 +113,9 @@ def local_grad_square_sum(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
             continue
         grad = param.grad
         local = grad.to_local() if hasattr(grad, "to_local") else grad
-        square = local.detach().double().pow(2).sum() / _replication(grad, getattr(param, "_trainmesh_replica_world", None))
+        square = local.detach().double().pow(2).sum() / _replication(
+            grad, getattr(param, "_trainmesh_replica_world", None)
+        )
         total = square if total is None else total + square.to(total.device)
     return torch.zeros((), dtype=torch.float64) if total is None else total.reshape(()).cpu()
 
@@ -139,8 +150,10 @@ def set_optimizer_implementation(optimizer: Any, implementation: str | None) -> 
     (FSDP2 shards) gets foreach instead. An optimizer without
     the switch (a ``ZeroRedundancyOptimizer``'s inner one is switched) is left alone with a warning."""
     if implementation not in OPTIMIZER_IMPLEMENTATIONS:
-        raise ValueError(f"optimizer_implementation must be one of {OPTIMIZER_IMPLEMENTATIONS}. "
-                         f"Received: optimizer_implementation={implementation!r}")
+        raise ValueError(
+            f"optimizer_implementation must be one of {OPTIMIZER_IMPLEMENTATIONS}. "
+            f"Received: optimizer_implementation={implementation!r}"
+        )
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer steps a local torch optimizer
     defaults = getattr(inner, "defaults", {})
     mixed = [group for group in getattr(inner, "param_groups", []) if _mixes_dtensors_and_tensors(group)]
@@ -158,16 +171,23 @@ def set_optimizer_implementation(optimizer: Any, implementation: str | None) -> 
     if "foreach" not in defaults or (implementation == "fused" and "fused" not in defaults):
         import warnings
 
-        warnings.warn(f"{type(inner).__name__} has no {implementation!r} implementation in torch; "
-                      f"optimizer_implementation={implementation!r} is ignored.", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"{type(inner).__name__} has no {implementation!r} implementation in torch; "
+            f"optimizer_implementation={implementation!r} is ignored.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return
     if mixed and implementation != "for-loop":
         import warnings
 
-        warnings.warn(f"optimizer_implementation={implementation!r} is not used for {len(mixed)} parameter group(s) "
-                      "that hold both DTensors (sharded by a layout) and plain tensors: torch's multi-tensor "
-                      "kernels take one kind at a time, so those groups run the for-loop kernels.",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"optimizer_implementation={implementation!r} is not used for {len(mixed)} parameter group(s) "
+            "that hold both DTensors (sharded by a layout) and plain tensors: torch's multi-tensor "
+            "kernels take one kind at a time, so those groups run the for-loop kernels.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     for group in inner.param_groups:
         if any(group is m for m in mixed):
             continue

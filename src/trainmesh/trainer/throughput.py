@@ -54,8 +54,9 @@ def _to_meta(value: Any) -> Any:
     return value
 
 
-def count_flops_per_sample(meta_model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable,
-                           rows: int) -> float | None:
+def count_flops_per_sample(
+    meta_model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable, rows: int
+) -> float | None:
     """Forward + loss + backward FLOPs of ``meta_model`` on (``inputs``, ``targets``), per row; None when
     the model cannot run on the meta device (data-dependent control flow, ``.item()`` in forward)."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -86,7 +87,8 @@ def tokens_per_sample(inputs: Any) -> int | None:
 # --- the peak ------------------------------------------------------------------------------
 def _cache_file() -> Path:
     root = os.environ.get("TRAINMESH_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "trainmesh")
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "trainmesh"
+    )
     return Path(root) / "peak_flops.json"
 
 
@@ -117,13 +119,18 @@ def _key(device_type: str, dtype: torch.dtype) -> str:
     # virtual machine's model name ("AMD EPYC", "Intel Xeon Processor") can be the same on CPUs whose
     # bf16 rates differ 400-fold, and a cache directory can move between them; torch's capability
     # alone says "AVX512" on AMX, AVX512-BF16 and plain AVX512 CPUs alike.
-    cpu = (f"|{torch.backends.cpu.get_cpu_capability()}|{cpu_kind()}|cpu-time" if device_type == "cpu"
-           else "")
+    cpu = f"|{torch.backends.cpu.get_cpu_capability()}|{cpu_kind()}|cpu-time" if device_type == "cpu" else ""
     return f"{device_type}|{_device_name(device_type)}|{str(dtype).removeprefix('torch.')}|units={threads}{cpu}"
 
 
-def measure_peak_flops(dtype: torch.dtype = torch.bfloat16, *, device_type: str = "cpu", seconds: float = 2.0,
-                       sizes: tuple[int, ...] | None = None, save: bool = True) -> float:
+def measure_peak_flops(
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    device_type: str = "cpu",
+    seconds: float = 2.0,
+    sizes: tuple[int, ...] | None = None,
+    save: bool = True,
+) -> float:
     """The node's matmul ceiling in FLOP/s: the best rate seen in about ``seconds``; cached when ``save``.
 
     On CPU: one thread's rate per second of its own CPU time, times the node's cores. CPU time
@@ -224,12 +231,21 @@ class ThroughputMeter:
         self._window_start = time.perf_counter()
 
     @classmethod
-    def for_job(cls, *, peak_flops: float | None, dtype: torch.dtype, device_type: str, world_size: int,
-                local_world_size: int, meta_model: nn.Module | None) -> "ThroughputMeter":
+    def for_job(
+        cls,
+        *,
+        peak_flops: float | None,
+        dtype: torch.dtype,
+        device_type: str,
+        world_size: int,
+        local_world_size: int,
+        meta_model: nn.Module | None,
+    ) -> "ThroughputMeter":
         """The stated peak, else the probe's cached one for this device and dtype (None: no MFU, rates only)."""
         peak = peak_flops if peak_flops is not None else cached_peak_flops(dtype, device_type)
-        return cls(peak_flops=peak, peak_units=peak_units(device_type, world_size, local_world_size),
-                   meta_model=meta_model)
+        return cls(
+            peak_flops=peak, peak_units=peak_units(device_type, world_size, local_world_size), meta_model=meta_model
+        )
 
     def observe(self, micro_batches: list, loss_fn: Callable) -> None:
         """Count FLOPs per sample on the first micro-batch seen (once; later calls return at once)."""

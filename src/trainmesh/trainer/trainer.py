@@ -37,8 +37,13 @@ from .precision import build_precision
 from .progress import ProgressBar
 from .schedules import scale_lr
 from .loss_tracking import LossAccumulator
-from .step import (clip_gradients_, forward_backward, global_grad_norm, local_grad_square_sum,
-                   set_optimizer_implementation)
+from .step import (
+    clip_gradients_,
+    forward_backward,
+    global_grad_norm,
+    local_grad_square_sum,
+    set_optimizer_implementation,
+)
 from .throughput import ThroughputMeter, meta_copy
 from .trainer_state import TrainerState
 
@@ -62,9 +67,18 @@ class Trainer(TrainerState):
     [0.91, 0.62, 0.47]
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Callable, loss_fn: Callable, *,
-                 distribution: Any = None, metrics: Iterable[str | Metric] | None = None,
-                 callbacks: Iterable[Callback] | None = None, config: TrainerConfig | None = None, **options: Any):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | Callable,
+        loss_fn: Callable,
+        *,
+        distribution: Any = None,
+        metrics: Iterable[str | Metric] | None = None,
+        callbacks: Iterable[Callback] | None = None,
+        config: TrainerConfig | None = None,
+        **options: Any,
+    ):
         self.config = TrainerConfig.from_kwargs(config, options)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module. Received: {type(model).__name__}")
@@ -81,13 +95,19 @@ class Trainer(TrainerState):
         self._meta_model = meta_copy(model)  # FLOPs per sample are counted on it at the first step (throughput.py)
         model = self.precision.convert_module(model)
         with self.distribution.scope():
-            self.model = parallelize(model, self.distribution, zero_stage=self.config.zero_stage,
-                                     activation_checkpointing=self.config.activation_checkpointing,
-                                     cpu_offload=self.config.cpu_offload or None,
-                                     mixed_precision=getattr(self.precision, "dtype", None),
-                                     compile=self.config.compile, compile_backend=self.config.compile_backend,
-                                     compile_mode=self.config.compile_mode, weights=self.config.weights,
-                                     init_seed=self.config.seed)
+            self.model = parallelize(
+                model,
+                self.distribution,
+                zero_stage=self.config.zero_stage,
+                activation_checkpointing=self.config.activation_checkpointing,
+                cpu_offload=self.config.cpu_offload or None,
+                mixed_precision=getattr(self.precision, "dtype", None),
+                compile=self.config.compile,
+                compile_backend=self.config.compile_backend,
+                compile_mode=self.config.compile_mode,
+                weights=self.config.weights,
+                init_seed=self.config.seed,
+            )
         self.communication = install_communication(self.model, self.config)  # compression, hierarchical
         self.optimizer = self._bind_optimizer(optimizer, names_before)
         set_optimizer_implementation(self.optimizer, self.config.optimizer_implementation)  # fused / foreach kernels
@@ -126,8 +146,17 @@ class Trainer(TrainerState):
         self.stop_reason = reason or self.stop_reason
 
     # --- fit ----------------------------------------------------------------------------
-    def fit(self, train_data: Any, *, epochs: int = 1, batch_size: int | None = None, eval_data: Any = None,
-            shuffle: bool = True, resume: bool | str = False, on_invalid_checkpoint: str = "raise") -> History:
+    def fit(
+        self,
+        train_data: Any,
+        *,
+        epochs: int = 1,
+        batch_size: int | None = None,
+        eval_data: Any = None,
+        shuffle: bool = True,
+        resume: bool | str = False,
+        on_invalid_checkpoint: str = "raise",
+    ) -> History:
         """Train for ``epochs`` (counted from 0, so a resumed run finishes the same schedule).
 
         ``resume=True`` continues from the newest valid checkpoint of the ``ShardedCheckpoint`` (or
@@ -141,20 +170,40 @@ class Trainer(TrainerState):
         >>> trainer.fit(data, epochs=10, resume=True, on_invalid_checkpoint="start_over")   # doctest: +SKIP
         """
         check_on_invalid(on_invalid_checkpoint)
-        steps = TrainSteps(train_data, self.distribution, global_batch_size=batch_size,
-                           grad_accum_steps=self.config.grad_accum_steps, shuffle=shuffle, seed=self.config.seed,
-                           drop_remainder=self.config.drop_remainder)
+        steps = TrainSteps(
+            train_data,
+            self.distribution,
+            global_batch_size=batch_size,
+            grad_accum_steps=self.config.grad_accum_steps,
+            shuffle=shuffle,
+            seed=self.config.seed,
+            drop_remainder=self.config.drop_remainder,
+        )
         self._steps = steps  # its data position goes into checkpoints
-        self.plan = Plan.derive(self.config, global_batch_size=batch_size, data_parallel_size=steps.dp,
-                                num_samples=steps.num_samples, epochs=epochs, base_lr=self._base_lrs[0])
+        self.plan = Plan.derive(
+            self.config,
+            global_batch_size=batch_size,
+            data_parallel_size=steps.dp,
+            num_samples=steps.num_samples,
+            epochs=epochs,
+            base_lr=self._base_lrs[0],
+        )
         pipeline = getattr(self.model, "_trainmesh_pipeline", None)
         if pipeline is not None:  # before any step: every process raises, none waits in a collective
-            pipeline.check_batches(self.plan.micro_batch_size, steps.num_samples, self.plan.global_batch_size,
-                                   drop_remainder=self.config.drop_remainder)
+            pipeline.check_batches(
+                self.plan.micro_batch_size,
+                steps.num_samples,
+                self.plan.global_batch_size,
+                drop_remainder=self.config.drop_remainder,
+            )
         self._meter = ThroughputMeter.for_job(
-            peak_flops=self.config.peak_flops, dtype=getattr(self.precision, "dtype", None) or torch.float32,
-            device_type=runtime.torch_device_type(), world_size=runtime.world_size(),
-            local_world_size=runtime.cluster_env().local_world_size, meta_model=self._meta_model)
+            peak_flops=self.config.peak_flops,
+            dtype=getattr(self.precision, "dtype", None) or torch.float32,
+            device_type=runtime.torch_device_type(),
+            world_size=runtime.world_size(),
+            local_world_size=runtime.cluster_env().local_world_size,
+            meta_model=self._meta_model,
+        )
         self._apply_lr_scaling(batch_size)
         if self.scheduler is None and self.config.scheduler is not None:
             self.scheduler = self.config.scheduler(self.optimizer)
@@ -172,8 +221,11 @@ class Trainer(TrainerState):
         self.callbacks.on_train_begin({})
         if resume:  # after on_train_begin, which resets callbacks, so their saved state survives
             self._resume(resume, on_invalid_checkpoint)
-        writer = (LogWriter(self.config.log_dir, append=bool(resume))
-                  if self.config.log_dir and self.is_main_process else None)
+        writer = (
+            LogWriter(self.config.log_dir, append=bool(resume))
+            if self.config.log_dir and self.is_main_process
+            else None
+        )
         try:
             while self.epoch < epochs and not self.stop_requested:
                 if self.epoch_batches_done():  # resumed from a save taken after the epoch's last step
@@ -204,9 +256,12 @@ class Trainer(TrainerState):
         end-of-epoch work (evaluation, history, callbacks) runs once, now. The epoch's training
         loss is not in such a checkpoint and is recorded as nan."""
         if self.is_main_process:
-            warnings.warn(f"resumed after the last step of epoch {self.epoch + 1} and before its end: running its "
-                          f"end-of-epoch work now; its training loss is not in the checkpoint (nan)",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"resumed after the last step of epoch {self.epoch + 1} and before its end: running its "
+                f"end-of-epoch work now; its training loss is not in the checkpoint (nan)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         self._bar = ProgressBar(0, epoch=self.epoch + 1, epochs=epochs, enabled=False)
         return {"loss": math.nan}
 
@@ -216,8 +271,12 @@ class Trainer(TrainerState):
             metric.reset()
         steps.set_epoch(self.epoch)
         self.callbacks.on_epoch_begin(self.epoch, {})
-        self._bar = ProgressBar(len(steps) if steps.has_length() else None, epoch=self.epoch + 1, epochs=epochs,
-                                enabled=self._show_progress())
+        self._bar = ProgressBar(
+            len(steps) if steps.has_length() else None,
+            epoch=self.epoch + 1,
+            epochs=epochs,
+            enabled=self._show_progress(),
+        )
         losses = LossAccumulator()  # since the last sync
         epoch_loss_sum, epoch_samples = 0.0, 0.0
         sized = steps.has_length()
@@ -242,8 +301,13 @@ class Trainer(TrainerState):
                 if diagnosed is None:
                     raise
                 raise diagnosed from error
-            record.update(epoch=self.epoch, step=step, data_wait_s=data_wait,
-                          step_time_s=time.perf_counter() - started, **self.communication.step_record())
+            record.update(
+                epoch=self.epoch,
+                step=step,
+                data_wait_s=data_wait,
+                step_time_s=time.perf_counter() - started,
+                **self.communication.step_record(),
+            )
             last = sized and step + 1 == num_steps
             if (self.global_step % self.config.log_every_n_steps == 0) or last:
                 loss, samples = self._sync(losses)
@@ -288,12 +352,21 @@ class Trainer(TrainerState):
         # beside it (loss_tracking.py); on an accelerator reading the loss early would stall the device.
         early = guard is not None and not ride and self._device_type == "cpu"
         self._beacon.phase = "forward/backward and gradient reduction"
-        forward_backward(self.model, micro_batches, self.loss_fn, self.precision, losses,
-                         on_outputs=self._update_metrics if self.metrics else None,
-                         before_last_backward=(lambda: losses.start_check(stop_local=self._stop_local)) if early else None)
+        forward_backward(
+            self.model,
+            micro_batches,
+            self.loss_fn,
+            self.precision,
+            losses,
+            on_outputs=self._update_metrics if self.metrics else None,
+            before_last_backward=(lambda: losses.start_check(stop_local=self._stop_local)) if early else None,
+        )
         self._beacon.phase = "loss all-reduce (non-finite check, stop request)"
-        nonfinite, stop = losses.end_step(check=guard is not None, stop_local=self._stop_local,
-                                          grad_square=local_grad_square_sum(self.params) if ride else None)
+        nonfinite, stop = losses.end_step(
+            check=guard is not None,
+            stop_local=self._stop_local,
+            grad_square=local_grad_square_sum(self.params) if ride else None,
+        )
         self.stop_requested = self.stop_requested or stop
         if nonfinite and scaler is None:
             return self._nonfinite_step(guard)
@@ -312,8 +385,11 @@ class Trainer(TrainerState):
         if scaler is not None:
             scaler.update(found_inf)
         self.global_step += 1
-        record: dict[str, Any] = {"global_step": self.global_step, "lr": self.optimizer.param_groups[0]["lr"],
-                                  "skipped": bool(found_inf)}
+        record: dict[str, Any] = {
+            "global_step": self.global_step,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "skipped": bool(found_inf),
+        }
         if grad_norm is not None:
             record["grad_norm"] = grad_norm
         if scaler is not None:
@@ -332,8 +408,12 @@ class Trainer(TrainerState):
             self._rollback()
         if self.is_main_process and self.nonfinite_steps <= 5:
             print(f"[trainmesh] non-finite loss at step {self.global_step}: {policy}", file=sys.stderr, flush=True)
-        return {"global_step": self.global_step, "lr": self.optimizer.param_groups[0]["lr"], "skipped": True,
-                "nonfinite": True}
+        return {
+            "global_step": self.global_step,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "skipped": True,
+            "nonfinite": True,
+        }
 
     def _sync(self, losses: LossAccumulator) -> tuple[float, float]:
         """One small all-reduce: the loss since the last sync, and whether anyone wants to stop."""
@@ -392,8 +472,9 @@ class Trainer(TrainerState):
     def _bind_optimizer(self, optimizer: Any, names_before: dict[int, str]) -> torch.optim.Optimizer:
         if not isinstance(optimizer, torch.optim.Optimizer):
             if not callable(optimizer):
-                raise TypeError(f"optimizer must be a torch Optimizer or a callable params -> Optimizer. "
-                                f"Received: {optimizer!r}")
+                raise TypeError(
+                    f"optimizer must be a torch Optimizer or a callable params -> Optimizer. Received: {optimizer!r}"
+                )
             # Frozen parameters (``requires_grad=False``: a fine-tuned base under LoRA) get no optimizer
             # state and, under ZeRO-1, no partition or broadcast: the optimizer sees the trainable ones.
             trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -409,8 +490,10 @@ class Trainer(TrainerState):
             for param in group["params"]:
                 name = names_before.get(id(param))
                 if name is None or (name not in new_by_name and not pipelined):
-                    raise ValueError("The optimizer holds parameters that are not the model's. Build it from "
-                                     "model.parameters(), or pass a callable params -> optimizer.")
+                    raise ValueError(
+                        "The optimizer holds parameters that are not the model's. Build it from "
+                        "model.parameters(), or pass a callable params -> optimizer."
+                    )
                 rebound.extend(new_by_name.get(name, []))
             if any(p is not q for p, q in zip(group["params"], rebound)) and optimizer.state:
                 raise ValueError("The optimizer already has state; pass a fresh one (or a callable) to the Trainer.")

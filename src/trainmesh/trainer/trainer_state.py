@@ -54,8 +54,10 @@ class TrainerState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("precision", self.config.precision) != self.config.precision:
-            raise ValueError(f"The checkpoint was trained with precision {state['precision']!r}; this Trainer "
-                             f"uses {self.config.precision!r}.")
+            raise ValueError(
+                f"The checkpoint was trained with precision {state['precision']!r}; this Trainer "
+                f"uses {self.config.precision!r}."
+            )
         self._load_weights(state)
         if self.scheduler is not None and state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
@@ -77,16 +79,25 @@ class TrainerState:
 
     def metadata(self) -> dict[str, Any]:
         """The loop's own small state (counters, history, callbacks), saved with every checkpoint."""
-        config = {k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v)
-                  for k, v in vars(self.config).items()}  # for the record (plain values: JSON-safe)
-        return {"global_step": self.global_step, "epoch": self.epoch, "precision": self.config.precision,
-                "config": config, "history": self.history.state_dict(),
-                "callbacks": [cb.state_dict() for cb in self.callbacks]}
+        config = {
+            k: v if isinstance(v, (bool, int, float, str, type(None))) else repr(v)
+            for k, v in vars(self.config).items()
+        }  # for the record (plain values: JSON-safe)
+        return {
+            "global_step": self.global_step,
+            "epoch": self.epoch,
+            "precision": self.config.precision,
+            "config": config,
+            "history": self.history.state_dict(),
+            "callbacks": [cb.state_dict() for cb in self.callbacks],
+        }
 
     def restore_metadata(self, meta: dict[str, Any]) -> None:
         if meta.get("precision", self.config.precision) != self.config.precision:
-            raise ValueError(f"The checkpoint was trained with precision {meta['precision']!r}; this Trainer "
-                             f"uses {self.config.precision!r}.")
+            raise ValueError(
+                f"The checkpoint was trained with precision {meta['precision']!r}; this Trainer "
+                f"uses {self.config.precision!r}."
+            )
         self.global_step, self.epoch = int(meta["global_step"]), int(meta["epoch"])
         self.history.load_state_dict(meta.get("history", {}))
         saved = meta.get("callbacks") or []
@@ -128,10 +139,13 @@ class TrainerState:
         else:
             checkpoints = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
             if not checkpoints:
-                raise ValueError("fit(resume=True) needs a ModelCheckpoint or ShardedCheckpoint callback "
-                                 "(or resume='path/to/last.pt').")
+                raise ValueError(
+                    "fit(resume=True) needs a ModelCheckpoint or ShardedCheckpoint callback "
+                    "(or resume='path/to/last.pt')."
+                )
             location = checkpoints[0].dirpath
             candidates = [checkpoints[0].last_path, previous_path(checkpoints[0].last_path)]
+
         def decide() -> Survey:
             found = _survey_files(candidates, explicit=isinstance(resume, (str, os.PathLike)))
             if found.chosen is None and on_invalid == START_OVER:
@@ -154,8 +168,11 @@ class TrainerState:
         if resumed:
             print(f"[trainmesh] resumed from {location} at epoch {self.epoch}, step {self.global_step}", flush=True)
         elif rejected:
-            print(f"[trainmesh] no valid checkpoint in {location}; starting over from step 0 as "
-                  f"on_invalid_checkpoint={START_OVER!r} asks (the rejected ones are renamed *.rejected)", flush=True)
+            print(
+                f"[trainmesh] no valid checkpoint in {location}; starting over from step 0 as "
+                f"on_invalid_checkpoint={START_OVER!r} asks (the rejected ones are renamed *.rejected)",
+                flush=True,
+            )
         else:
             print(f"[trainmesh] no checkpoint in {location} yet; starting from step 0", flush=True)
 
@@ -173,8 +190,11 @@ class TrainerState:
         if found.chosen is None:
             if self.is_main_process:
                 why = "; ".join(f"{path}: {problem}" for path, problem in found.rejected) or "none exists yet"
-                print(f"[trainmesh] rollback requested but no valid checkpoint ({why}); the step is skipped",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[trainmesh] rollback requested but no valid checkpoint ({why}); the step is skipped",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return
         self._load_weights(load_plain(found.chosen))
         self.rollbacks += 1
@@ -207,4 +227,3 @@ def _rank0_decides(decide: Callable[[], Any]) -> Any:
     if isinstance(value, Exception):
         raise value
     return value
-
