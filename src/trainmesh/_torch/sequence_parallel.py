@@ -27,6 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import SequenceParallel
 
+from .partial_grads import complete_partial_grad
+
 SEQ = Shard(1)
 
 
@@ -64,14 +66,6 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
 
 
-def _complete_partial_grad(param) -> None:
-    """A norm weight's gradient arrives partial (each process summed over its own tokens): one all-reduce
-    over the model axis, as it is accumulated, so clipping and the optimizer see the whole gradient."""
-    grad = param.grad
-    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
-        param.grad = grad.redistribute(param.device_mesh, param.placements)
-
-
 def apply_sequence_parallel(model: nn.Module, plans: dict, units: set[str], device_mesh) -> nn.Module:
     """After the tensor-parallel styles: the norms of the residual stream, and a whole embedding's output."""
     inside = tuple(f"{u}." for u in units) + tuple(f"{p}." for p in plans)
@@ -80,7 +74,7 @@ def apply_sequence_parallel(model: nn.Module, plans: dict, units: set[str], devi
             SequenceParallel(sequence_dim=1)._apply(module, device_mesh)
             for param in module.parameters(recurse=False):
                 if param.requires_grad:
-                    param.register_post_accumulate_grad_hook(_complete_partial_grad)
+                    param.register_post_accumulate_grad_hook(complete_partial_grad)
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if embedding is not None and not any(model.get_submodule(p) is embedding for p in plans):
         # a whole (unsharded) embedding: every process computed every token; keep this one's

@@ -125,6 +125,7 @@ def apply_model_parallel(
     some layers only; the whole model was checked).
     """
     from .materialize import has_meta_tensors
+    from .partial_grads import apply_grad_allreduce_modules
     from .tp_styles import DTensorBoundary, LayoutColwise, LayoutRowwise, share_block_input
 
     if not isinstance(model, nn.Module):
@@ -178,6 +179,9 @@ def apply_model_parallel(
             (gather_block_input if sequence_parallel else share_block_input)(model.get_submodule(parent), model_mesh)
         if sequence_parallel:
             apply_sequence_parallel(model, plans, units, model_mesh)
+        # replicated parameters that see only this process's heads (Qwen3's q_norm / k_norm): their
+        # gradients are summed over the model axis (partial_grads.py)
+        apply_grad_allreduce_modules(model, plans, model_mesh)
     model._trainmesh_tp_plan = describe_plan(plans)
     if fill is not None:  # a meta-built model with no FSDP2 to follow: filled before hooks hold its parameters
         from .materialize import materialize
