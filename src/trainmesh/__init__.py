@@ -20,6 +20,7 @@ from .distribution import (
     set_distribution,
 )
 from .checkpoint.hf_save import save_pretrained
+from .ft import ReplicaGroups  # torchft itself is imported only when a Trainer uses it
 from .planner import plan
 from .runtime import (
     barrier,
@@ -90,6 +91,7 @@ __all__ = [
     "Mean",
     "Metric",
     "ModelCheckpoint",
+    "ReplicaGroups",
     "ShardedCheckpoint",
     "Trainer",
     "TrainerConfig",

@@ -253,9 +253,10 @@ class ReplicaGroupSync:
             healed=self._healed,
         )
 
-    def allreduce_gradients(self) -> None:
+    def allreduce_gradients(self, scale: float = 1.0) -> None:
         """Average every gradient over this step's groups: one flat bucket per dtype, one
-        ``manager.allreduce`` each. A failure is recorded by the manager (``should_commit`` says no)."""
+        ``manager.allreduce`` each. A failure is recorded by the manager (``should_commit`` says no).
+        ``scale`` multiplies this group's gradients first (its share of an unevenly split batch)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for p in params:
@@ -264,6 +265,8 @@ class ReplicaGroupSync:
             by_dtype.setdefault(p.grad.dtype, []).append(p)
         for group in by_dtype.values():
             flat = torch.cat([p.grad.reshape(-1) for p in group])
+            if scale != 1.0:
+                flat.mul_(scale)
             self.manager.allreduce(flat).wait()
             offset = 0
             for p in group:

@@ -68,6 +68,10 @@ class LossAccumulator:
         self._step_sum = self._step_sum + value * samples
         self._step_samples += samples
 
+    def discard_step(self) -> None:
+        """Forget the step in progress: a fault-tolerant step that did not commit (ft/trainer_hook.py)."""
+        self._step_sum, self._step_samples = 0.0, 0
+
     @property
     def pending(self) -> bool:
         return bool(self._local_samples or self._global_samples or self._step_samples)

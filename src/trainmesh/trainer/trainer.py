@@ -24,6 +24,7 @@ from trainmesh.checkpoint.survey import check_on_invalid
 from trainmesh.comm import ProgressBeacon
 from trainmesh.distribution import DataParallel, Distribution, distribution as current_distribution
 from trainmesh.distribution.adapters import check_lora_targets
+from trainmesh.ft.trainer_hook import TrainerReplicaGroups, check_fault_tolerance
 
 from .callbacks import Callback, CallbackList
 from .communication import install_communication
@@ -77,9 +78,13 @@ class Trainer(TrainerState):
         metrics: Iterable[str | Metric] | None = None,
         callbacks: Iterable[Callback] | None = None,
         config: TrainerConfig | None = None,
+        fault_tolerance: Any = None,
         **options: Any,
     ):
         self.config = TrainerConfig.from_kwargs(config, options)
+        self._fault_tolerance = check_fault_tolerance(fault_tolerance)  # a tm.ReplicaGroups: ft/trainer_hook.py
+        self._ft: TrainerReplicaGroups | None = None
+        self.replica_summary: dict[str, int] | None = None  # after a fault-tolerant fit: its replica counters
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module. Received: {type(model).__name__}")
         if not callable(loss_fn):
@@ -227,6 +232,8 @@ class Trainer(TrainerState):
             else None
         )
         try:
+            if self._fault_tolerance is not None:  # joins the Lighthouse; a group behind heals at its first step
+                self._ft = TrainerReplicaGroups(self, self._fault_tolerance)
             while self.epoch < epochs and not self.stop_requested:
                 if self.epoch_batches_done():  # resumed from a save taken after the epoch's last step
                     logs = self._end_of_resumed_epoch(epochs)
@@ -242,6 +249,9 @@ class Trainer(TrainerState):
                 self.callbacks.on_epoch_end(self.epoch - 1, logs)
                 self._agree_on_stop()
         finally:
+            if self._ft is not None:
+                self.replica_summary = self._ft.close()  # step, batches_committed, uncommitted_steps
+                self._ft = None
             steps.close()
             self._beacon.close()
             if writer:
@@ -287,15 +297,23 @@ class Trainer(TrainerState):
         self._meter.restart()
         while True:
             started = time.perf_counter()
+            if self._ft is not None:
+                self._ft.position()  # before the fetch: where this step's batch starts, if it must come again
             micro_batches = next(iterator, None)
             data_wait = time.perf_counter() - started
             if micro_batches is None:
                 break
+            if self._ft is not None and self._ft.begin_step():  # quorum; True: healed to a peer's state
+                iterator = iter(steps)  # at the peers' data position: their batch for this step
+                micro_batches, num_steps = next(iterator), step + 1 + len(steps)
             self._meter.observe(micro_batches, self.loss_fn)  # FLOPs per sample, the first time only
             self.callbacks.on_train_batch_begin(step, {})
             self._beacon.mark(self.global_step + 1)
             try:
                 record = self._optimizer_step(micro_batches, losses)
+                if record is None:  # a fault-tolerant step that did not commit: its batch comes again
+                    iterator = iter(steps)
+                    continue
             except RuntimeError as error:  # a collective failed: name who did not arrive
                 diagnosed = self._beacon.diagnose(error)
                 if diagnosed is None:
@@ -307,6 +325,7 @@ class Trainer(TrainerState):
                 data_wait_s=data_wait,
                 step_time_s=time.perf_counter() - started,
                 **self.communication.step_record(),
+                **(self._ft.step_record() if self._ft is not None else {}),
             )
             last = sized and step + 1 == num_steps
             if (self.global_step % self.config.log_every_n_steps == 0) or last:
@@ -342,25 +361,30 @@ class Trainer(TrainerState):
             logs["loss_scale"] = self.precision.scaler.scale_value
         return logs
 
-    def _optimizer_step(self, micro_batches: list, losses: LossAccumulator) -> dict[str, Any]:
+    def _optimizer_step(self, micro_batches: list, losses: LossAccumulator) -> dict[str, Any] | None:
         guard = self.config.nonfinite_loss
         scaler = self.precision.scaler
         # Without a loss scaler the gradients are final after backward: their norm rides on the loss
         # check's all-reduce (one collective per step instead of two). A scaler unscales them first, below.
-        ride = guard is not None and scaler is None and self.config.max_grad_norm is not None
+        ft = self._ft  # replica groups: the gradients change (cross-group average) after backward
+        ride = guard is not None and scaler is None and self.config.max_grad_norm is not None and ft is None
         # Otherwise the check needs only the losses: on CPU it starts before the last backward and runs
         # beside it (loss_tracking.py); on an accelerator reading the loss early would stall the device.
-        early = guard is not None and not ride and self._device_type == "cpu"
+        early = guard is not None and not ride and self._device_type == "cpu" and ft is None
         self._beacon.phase = "forward/backward and gradient reduction"
+        on_outputs = self._update_metrics if ft is None else ft.defer(self._update_metrics)
         forward_backward(
             self.model,
-            micro_batches,
+            micro_batches if ft is None else ft.share(micro_batches),
             self.loss_fn,
             self.precision,
             losses,
-            on_outputs=self._update_metrics if self.metrics else None,
+            on_outputs=on_outputs if self.metrics else None,
             before_last_backward=(lambda: losses.start_check(stop_local=self._stop_local)) if early else None,
         )
+        if ft is not None and not ft.commit():  # should_commit gates all that follows
+            losses.discard_step()
+            return None
         self._beacon.phase = "loss all-reduce (non-finite check, stop request)"
         nonfinite, stop = losses.end_step(
             check=guard is not None,

@@ -1,0 +1,84 @@
+"""One replica group of a fault-tolerant Trainer job: ``tm.Trainer(..., fault_tolerance=tm.ReplicaGroups())``.
+
+Start a Lighthouse, then one of these per replica group; any group may be killed and restarted
+(it copies the live Trainer state from a peer and goes on at the shared step):
+
+    trainmesh lighthouse --bind 127.0.0.1:29510 &
+    trainmesh run -n 1 --replica-group 0 --lighthouse http://127.0.0.1:29510 examples/ft_trainer.py &
+    trainmesh run -n 1 --replica-group 1 --lighthouse http://127.0.0.1:29510 examples/ft_trainer.py
+
+``trainmesh run --replica-group/--lighthouse`` hand the group's number and the Lighthouse's URL to
+``tm.ReplicaGroups()`` through the environment. ``--log`` writes one JSON line per committed step
+(tests read it), ``--save`` the final parameters and counters (tensors and numbers only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+import trainmesh as tm
+
+FEATURES, BATCH = 16, 8
+
+
+class StepLog(tm.Callback):
+    """A JSON line per committed step; ``--slow-file`` paces the group while that file exists."""
+
+    def __init__(self, path: str | None, step_sleep: float, slow_file: str | None):
+        self.out = open(path, "a") if path else None
+        self.step_sleep, self.slow_file = step_sleep, slow_file
+
+    def on_train_batch_end(self, step, logs=None):
+        if self.out:
+            record = {
+                "step": logs["global_step"],  # committed steps so far, this one included
+                **{k: logs[k] for k in ("replicas", "healed", "uncommitted_steps")},
+                "time": time.time(),
+                "param_sum": sum(p.double().sum().item() for p in self.trainer.unwrapped_model.parameters()),
+                "samples": self.trainer._steps.last_indices,  # the step's global batch (the group's share and the others')
+            }
+            self.out.write(json.dumps(record) + "\n")
+            self.out.flush()
+        time.sleep(1.0 if self.slow_file and os.path.exists(self.slow_file) else self.step_sleep)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--samples", type=int, default=480)
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds of pretend compute per step")
+    parser.add_argument("--slow-file", default=None, help="while this file exists each step takes 1 s")
+    parser.add_argument("--log", default=None)
+    parser.add_argument("--save", default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(args.samples, FEATURES, generator=generator)
+    data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
+    torch.manual_seed(int(os.environ.get("TRAINMESH_REPLICA_GROUP", "0")))  # unequal on purpose: a group heals
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    trainer = tm.Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        torch.nn.MSELoss(),
+        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.9),
+        callbacks=[StepLog(args.log, args.step_sleep, args.slow_file)],
+        progress=False,
+        fault_tolerance=tm.ReplicaGroups(min_replicas=1, advertise_host="127.0.0.1", timeout_s=10),
+    )
+    trainer.fit(data, epochs=args.epochs, batch_size=BATCH)
+    summary = trainer.replica_summary
+    print(f"[trainmesh] replica group done: {summary}", flush=True)
+    if args.save:
+        state = {k: v.clone() for k, v in trainer.unwrapped_model.state_dict().items()}
+        torch.save({"model": state, **summary}, args.save)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
