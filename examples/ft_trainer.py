@@ -8,7 +8,7 @@ Start a Lighthouse, then one of these per replica group; any group may be killed
     trainmesh run -n 1 --replica-group 1 --lighthouse http://127.0.0.1:29510 examples/ft_trainer.py
 
 ``trainmesh run --replica-group/--lighthouse`` hand the group's number and the Lighthouse's URL to
-``tm.ReplicaGroups()`` through the environment. ``--log`` writes one JSON line per committed step
+``tm.ReplicaGroups()`` through the environment. ``--step-log`` writes one JSON line per committed step
 (tests read it), ``--save`` the final parameters and counters (tensors and numbers only).
 """
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=480)
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds of pretend compute per step")
     parser.add_argument("--slow-file", default=None, help="while this file exists each step takes 1 s")
-    parser.add_argument("--log", default=None)
+    parser.add_argument("--step-log", default=None)
     parser.add_argument("--save", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.optim.AdamW(model.parameters(), lr=1e-2),
         torch.nn.MSELoss(),
         scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.9),
-        callbacks=[StepLog(args.log, args.step_sleep, args.slow_file)],
+        callbacks=[StepLog(args.step_log, args.step_sleep, args.slow_file)],
         progress=False,
         fault_tolerance=tm.ReplicaGroups(min_replicas=1, advertise_host="127.0.0.1", timeout_s=10),
     )

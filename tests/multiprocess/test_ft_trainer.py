@@ -4,7 +4,7 @@ Two replica groups of one process each (examples/ft_trainer.py: a small MLP on a
 TensorDataset, global batch 8, 100 steps) under a real torchft Lighthouse on loopback. One launch
 checks: a group SIGKILLed mid-run costs the survivor no committed step (its step counter runs to
 the end with no gap or repeat) and at most one uncommitted step, and it exits 0; the killed group,
-restarted, heals from the survivor at the live step (the whole Trainer state: model, optimizer,
+restarted through `trainmesh run --replica-group 1 --lighthouse URL`, heals from the survivor at the live step (the whole Trainer state: model, optimizer,
 schedule, step counter, data position, RNG) and from then on its parameters equal the survivor's
 at every step and at the end; both end with the same committed-batch count; and every sample of
 the epoch is in exactly one committed step (the batch of the step that failed with the kill is
@@ -64,17 +64,28 @@ def test_trainer_survives_a_sigkilled_group_and_the_restarted_group_heals(tmp_pa
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.path.join(ROOT, "src"),
         "RUST_LOG": "warn",
-        "TORCHFT_LIGHTHOUSE": url,
     }
     slow = tmp_path / "slow"  # while it exists the survivor steps once a second: the restart joins before the end
     procs: list[subprocess.Popen] = []
 
-    def launch(group: int, name: str) -> subprocess.Popen:
-        argv = [EXAMPLE, "--samples", str(SAMPLES), "--step-sleep", "0.1", "--slow-file", str(slow)]
-        argv += ["--log", str(tmp_path / f"{name}.jsonl"), "--save", str(tmp_path / f"{name}.pt")]
+    def launch(group: int, name: str, launcher: bool = False) -> subprocess.Popen:
+        # the restarted group goes through `trainmesh run --replica-group 1 --lighthouse URL` (its workers read
+        # the group and the URL from the environment the launcher sets); the first two start as plain processes
+        command = ["-m", "trainmesh", "run", "-n", "1", "--replica-group", str(group), "--lighthouse", url]
+        argv = [
+            *(command if launcher else []),
+            EXAMPLE,
+            "--samples",
+            str(SAMPLES),
+            "--step-sleep",
+            "0.1",
+            "--slow-file",
+            str(slow),
+        ]
+        argv += ["--step-log", str(tmp_path / f"{name}.jsonl"), "--save", str(tmp_path / f"{name}.pt")]
         proc = subprocess.Popen(
             [sys.executable, *argv],
-            env={**env, "TRAINMESH_REPLICA_GROUP": str(group)},
+            env=env if launcher else {**env, "TRAINMESH_REPLICA_GROUP": str(group), "TORCHFT_LIGHTHOUSE": url},
             stdout=open(tmp_path / f"{name}.out", "w"),
             stderr=subprocess.STDOUT,
         )
@@ -96,7 +107,7 @@ def test_trainer_survives_a_sigkilled_group_and_the_restarted_group_heals(tmp_pa
             [survivor],
         )
         slow.touch()
-        restarted = launch(1, "g1b")
+        restarted = launch(1, "g1b", launcher=True)
         _wait(lambda: _records(log["g1b"]), 90, "the restarted group's first commit", [survivor, restarted])
         slow.unlink()
         assert restarted.wait(timeout=60) == 0, (tmp_path / "g1b.out").read_text()[-3000:]

@@ -30,6 +30,8 @@ import sys
 from pathlib import Path
 from typing import Iterator, Mapping
 
+from . import replica_groups
+
 
 def positive_int(text: str) -> int:
     value = int(text)
@@ -144,6 +146,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="also start K local parameter servers for tm.ParameterServerStrategy "
         "(addresses passed to the workers in TRAINMESH_PS_SERVERS; one node only)",
     )
+    replica_groups.add_arguments(parser)  # --replica-group(s), --lighthouse: trainmesh.ft (issue 45)
     parser.add_argument("-m", "--module", action="store_true", help="treat SCRIPT as a module name, like `python -m`")
     parser.add_argument("script", metavar="SCRIPT", help="training script path (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments for SCRIPT")
@@ -420,6 +423,9 @@ def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if from_pytorchjob:
         print(f"[trainmesh] from the PyTorchJob environment: {' '.join(from_pytorchjob)}", file=sys.stderr, flush=True)
     _validate(args, parser)
+    replica_groups.check(args, parser)
+    if replica_groups.starts_groups(args):  # a Lighthouse and one launch per group, on this machine
+        return replica_groups.run_local_groups(args, parser)
     # Imported here so `trainmesh --help` and `trainmesh env` do not pay for torchrun.
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -437,6 +443,7 @@ def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     args.nproc_per_node, local_addr=args.local_addr, multi_node=nodes_min_max(args.nnodes)[1] > 1
                 ),
                 **ps_env,
+                **replica_groups.worker_env(args),
             }
         ):
             try:
