@@ -340,3 +340,22 @@ def test_bad_update_arguments_are_rejected():
     with pytest.raises(TypeError, match="floating-point"):
         opt.init_state(torch.zeros(3, dtype=torch.int64))
     assert torch.equal(value, torch.zeros(4, 2))
+
+
+@pytest.mark.parametrize("spec", [{"name": "sgd", "lr": 0.37}, {"name": "sgd", "lr": 0.1, "momentum": 0.9}])
+def test_rows_known_unique_update_like_the_general_path_bit_for_bit(spec):
+    # The row store passes unique rows (unique_rows=True): plain SGD then updates in place by index,
+    # without gathering and scattering the rows; the values and step counts must not change a bit.
+    opt = make_optimizer(spec)
+    generator = torch.Generator().manual_seed(3)
+    value = torch.randn(1000, 8, generator=generator)
+    rows = torch.randperm(1000, generator=generator)[:300]
+    fast, fast_state = value.clone(), opt.init_state(value)
+    slow, slow_state = value.clone(), opt.init_state(value)
+    for step in range(3):
+        grads = torch.randn(300, 8, generator=generator)
+        opt.step_rows(fast, rows, grads, fast_state, lr=0.05 * step if step else None, unique_rows=True)
+        opt.step_rows(slow, rows, grads, slow_state, lr=0.05 * step if step else None)
+    assert torch.equal(fast, slow) and not torch.equal(fast, value)
+    assert all(torch.equal(fast_state[k], slow_state[k]) for k in slow_state)
+    assert int(fast_state["step"][rows].min()) == 3 and int(fast_state["step"].sum()) == 900

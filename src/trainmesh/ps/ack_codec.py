@@ -18,9 +18,11 @@ import re
 from .protocol import (
     _PREFIX,
     FLAG_HMAC,
+    FLAG_SESSION,
     FORMAT_VERSION,
     HMAC_SIZE,
     MAGIC,
+    TOKEN_SIZE,
     Message,
     MessageType,
     _check_secret,
@@ -44,31 +46,41 @@ class AckWriter:
         self._middle = b',"version":0,"tensors":[],"meta":{"seq":'
         self._flags = FLAG_HMAC if self.key else 0
 
-    def encode(self, seq: int) -> bytes:
+    def encode(self, seq: int, token: bytes | None = None) -> bytes:
+        """The ack of ``seq``: sealed with the connection's session ``token`` when given (as
+        ``protocol.encode(..., token=token)`` seals it), else with the secret's HMAC."""
         digits = str(seq).encode("ascii")
         header = _pad_header(self._head + digits + self._middle + digits + b"}}")
+        if token is not None:
+            return _PREFIX.pack(MAGIC, FORMAT_VERSION, FLAG_SESSION, len(header)) + header + token
         frame = _PREFIX.pack(MAGIC, FORMAT_VERSION, self._flags, len(header)) + header
         if self.key:
             frame += hmac.new(self.key, frame, hashlib.sha256).digest()
         return frame
 
 
-def read_ack(frame, key: bytes | None) -> Message | None:
+def read_ack(frame, key: bytes | None, token: bytes | None = None) -> Message | None:
     """The ack in ``frame`` (one bytes frame) if it has exactly the shape ``AckWriter`` writes and,
-    with a ``key`` (from ``protocol._check_secret``), a valid HMAC; otherwise None."""
+    with a ``key`` (from ``protocol._check_secret``), a valid HMAC, or with a session ``token``,
+    that token; otherwise None."""
     if type(frame) is not bytes or len(frame) < _PREFIX.size:
         return None
     magic, version, flags, header_len = _PREFIX.unpack_from(frame, 0)
     body_end = _PREFIX.size + header_len
-    if (
-        magic != MAGIC
-        or version != FORMAT_VERSION
-        or flags != (FLAG_HMAC if key else 0)
-        or len(frame) != body_end + (HMAC_SIZE if key else 0)
-    ):
+    if token is not None:
+        expected_flags, trailer = FLAG_SESSION, TOKEN_SIZE
+    else:
+        expected_flags, trailer = (FLAG_HMAC, HMAC_SIZE) if key else (0, 0)
+    if magic != MAGIC or version != FORMAT_VERSION or flags != expected_flags or len(frame) != body_end + trailer:
         return None
-    if key and not hmac.compare_digest(
-        hmac.new(key, memoryview(frame)[:body_end], hashlib.sha256).digest(), frame[body_end:]
+    if token is not None and not hmac.compare_digest(frame[body_end:], token):
+        return None
+    if (
+        key
+        and token is None
+        and not hmac.compare_digest(
+            hmac.new(key, memoryview(frame)[:body_end], hashlib.sha256).digest(), frame[body_end:]
+        )
     ):
         return None
     match = _ACK_HEADER.match(frame, _PREFIX.size, body_end)

@@ -20,9 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .ack_codec import read_ack
-from .auth import refusal_text, rejection_code, rejection_in, resolve_secret
+from .auth import UNAUTHENTICATED, refusal_text, rejection_code, rejection_in, resolve_secret
 from .errors import PSAuthError, PSError, PSTimeoutError
-from .protocol import Message, MessageType, ProtocolError, decode, encode, encode_parts
+from .protocol import Message, MessageType, ProtocolError, decode, encode, encode_parts, frame_flags
+from .session import HANDSHAKE_MAX_BYTES, ClientSession
+
+# Handshakes in a row that end refused, with no request served between them: then the refusal
+# is the server's word, not a lost session (a restarted server), and requests fail.
+_MAX_HANDSHAKES = 3
 
 log = logging.getLogger(__name__)
 _STOP = object()
@@ -65,7 +70,9 @@ class _Pending:
     gather: Gather
     slot: int
     kind: str
-    frame: list  # the encoded request's parts (large tensors are views of the caller's memory)
+    msg: Message
+    frame: list | None  # the encoded request's parts (large tensors are views of the caller's
+    # memory); None until the connection has authenticated (it is sealed with the session token)
     first_sent: float
     sent: float
     interval: float
@@ -77,6 +84,7 @@ class _Server:
     transport: Any = None
     next_seq: int = 1
     pending: dict[int, _Pending] = field(default_factory=dict)
+    session: ClientSession | None = None  # None: no secret, frames go unsealed (in-process tests)
 
 
 class ClientIO:
@@ -181,6 +189,57 @@ class ClientIO:
 
         for server, endpoint in zip(self._servers, self._endpoints):
             server.transport = ZmqClientTransport(endpoint, self.identity) if self._from_addresses else endpoint
+            if self.key is not None:
+                server.session = ClientSession(self.key, self.sender)
+                self._hello(server, time.monotonic())
+
+    # -- the handshake (session.py): once per connection, then frames carry the session token --
+
+    def _hello(self, server: _Server, now: float) -> None:
+        server.transport.send(bytes(encode(server.session.hello(now))))
+
+    def _seal(self, server: _Server, msg: Message) -> list | None:
+        """``msg``'s parts sealed for ``server``'s connection; None while it is not authenticated."""
+        if server.session is None:
+            return encode_parts(msg)
+        if server.session.state != "ready":
+            return None
+        return encode_parts(msg, token=server.session.token)
+
+    def _on_unsealed(self, server: _Server, frame) -> None:
+        """A frame without a seal: the server's challenge, or a rejection (see auth.py)."""
+        try:
+            msg = decode(frame, None, HANDSHAKE_MAX_BYTES)
+        except ProtocolError as error:
+            self._stats["rejected_replies"] += 1
+            log.warning("PS client %s: dropped a malformed reply from %s: %s", self.sender, server.name, error)
+            return
+        session = server.session
+        if msg.type is MessageType.CHALLENGE:
+            auth, genuine = session.answer(msg)
+            if auth is None:
+                return  # the answer to an earlier HELLO of ours
+            server.transport.send(bytes(encode(auth)))  # a stranger's server still sees our AUTH fail: it logs it
+            if not genuine:
+                return self._refused(server, UNAUTHENTICATED)
+            for pending in server.pending.values():  # what waited for the handshake, sealed now
+                pending.frame = encode_parts(pending.msg, token=session.token)
+                pending.sent = time.monotonic()
+                server.transport.send(pending.frame)
+            return
+        code = rejection_in(msg)
+        if code is None:
+            self._stats["rejected_replies"] += 1
+            return
+        if code == UNAUTHENTICATED and session.state == "hello":
+            return  # refused frames sent before this handshake started
+        if code == UNAUTHENTICATED and session.attempts < _MAX_HANDSHAKES:
+            # The server does not know this connection's session: a restarted server, a forgotten
+            # session, or a challenge it no longer holds. Authenticate again; requests wait.
+            self._hello(server, time.monotonic())
+            return
+        session.state, session.token, session.attempts = "none", None, 0
+        self._refused(server, code)
 
     def _socket_poller(self):
         """A ``zmq.Poller`` over every server socket and the wake pipe, so the thread sleeps until a
@@ -273,19 +332,27 @@ class ClientIO:
             try:
                 # Large tensors are not copied: ZeroMQ sends them from the caller's memory (a
                 # multipart message; see protocol.encode_parts and PSClient.push).
-                frame = encode_parts(msg, self.key)
+                frame = self._seal(server, msg)
+                if frame is None:
+                    encode_parts(msg)  # (a message that cannot be encoded fails now, not after the handshake)
             except (TypeError, ValueError) as error:
                 gather.fail(error)
                 return
-            server.pending[msg.seq] = _Pending(gather, slot, msg.type.value, frame, now, now, self.retry_after_s)
+            server.pending[msg.seq] = _Pending(gather, slot, msg.type.value, msg, frame, now, now, self.retry_after_s)
             self._stats["requests"] += 1
-            server.transport.send(frame)
+            if frame is not None:
+                server.transport.send(frame)
+            elif server.session.state == "none":  # refused before: try again for this request
+                self._hello(server, now)
 
     def _on_frame(self, index: int, frame: bytes) -> None:
         server = self._servers[index]
+        if server.session is not None and frame_flags(frame) == 0:
+            return self._on_unsealed(server, frame)
+        token = None if server.session is None else server.session.token
         try:
             # A push's ack is read by its own short path; any other frame by the general decoder.
-            reply = read_ack(frame, self.key) or decode(frame, self.key)
+            reply = read_ack(frame, None, token) or decode(frame, None, token=token)
         except ProtocolError as error:
             code = rejection_code(frame)  # unsigned: a server that does not share our secret says no
             if code is not None:
@@ -295,6 +362,8 @@ class ClientIO:
             return
         if not reply.seq and (code := rejection_in(reply)) is not None:  # (read so when we have no secret)
             return self._refused(server, code)
+        if server.session is not None:
+            server.session.attempts = 0  # served: a later refusal means a lost session again
         pending = server.pending.pop(reply.seq, None) if reply.seq else None
         if pending is None:
             return  # a heartbeat's reply, or a second answer to a resent request
@@ -325,6 +394,9 @@ class ClientIO:
 
     def _resend_due(self, now: float) -> None:
         for server in self._servers:
+            session = server.session
+            if session is not None and session.state == "hello" and now - session.hello_sent >= self.retry_after_s:
+                server.transport.send(bytes(encode(session.resend_hello(now))))  # lost (a server not up yet)
             for seq, pending in list(server.pending.items()):
                 if pending.gather.future.done():  # failed elsewhere: stop trying
                     del server.pending[seq]
@@ -336,7 +408,7 @@ class ClientIO:
                             f"{now - pending.first_sent:.1f}s (request_timeout_s={self.request_timeout_s})"
                         )
                     )
-                elif now - pending.sent >= pending.interval:
+                elif pending.frame is not None and now - pending.sent >= pending.interval:
                     pending.sent = now
                     pending.interval = min(pending.interval * 2, 4 * self.retry_after_s)
                     self._stats["resends"] += 1
@@ -344,9 +416,10 @@ class ClientIO:
 
     def _heartbeat(self) -> None:
         msg = Message(MessageType.HEARTBEAT, self.sender, 0, meta={"clock": self._clock()})
-        frame = encode(msg, self.key)
         for server in self._servers:
-            server.transport.send(frame)
+            frame = self._seal(server, msg)
+            if frame is not None:  # (none while the connection authenticates)
+                server.transport.send(frame)
 
     def _fail_all(self, error: BaseException) -> None:
         for server in self._servers:

@@ -16,7 +16,8 @@ from typing import Callable
 
 import torch
 
-from .protocol import Message, MessageType, ProtocolError, decode, encode
+from .protocol import FLAG_SESSION, Message, MessageType, ProtocolError, decode, encode, frame_flags
+from .session import signed_record
 from .wal import WriteAheadLog, read_snapshot, write_snapshot
 
 DURABILITY = ("none", "snapshot", "wal")  # when a push is acknowledged: see docs/parameter_server.md
@@ -38,7 +39,13 @@ class DurableStore:
         self.retry_at = 0.0  # after a failed snapshot, not before this time
 
     def log(self, frame) -> None:
-        if self.wal is not None:  # a message received as several parts is logged as one record
+        if self.wal is None:
+            return
+        if self.secret is not None and frame_flags(frame) == FLAG_SESSION:
+            # Sealed with a connection's session token: a replay could not check that, so the record
+            # gets the secret's HMAC (the cost of a hash only where every push is fsynced anyway).
+            self.wal.append(signed_record(frame, self.secret))
+        else:  # a message received as several parts is logged as one record
             self.wal.append(b"".join(frame) if isinstance(frame, (list, tuple)) else frame)
 
     def count_update(self) -> None:

@@ -154,8 +154,12 @@ class ServerOptimizer:
         grads: torch.Tensor,
         state: dict[str, torch.Tensor],
         lr: float | None = None,
+        *,
+        unique_rows: bool = False,
     ) -> None:
-        """Update rows ``local_rows`` of the 2-D ``value`` (and their state) in place."""
+        """Update rows ``local_rows`` of the 2-D ``value`` (and their state) in place.
+        ``unique_rows``: the caller vouches that no row appears twice (the server's row store
+        passes the ids of a push once summed), so they need no summing here."""
         _check_value(value, dims=2)
         rows, dim = value.shape
         if not isinstance(local_rows, torch.Tensor) or local_rows.dtype != torch.int64 or local_rows.dim() != 1:
@@ -167,6 +171,13 @@ class ServerOptimizer:
             raise ValueError(f"local row {int(bad)} out of range for a shard of {rows} rows")
         lr = self._lr(lr)
         if local_rows.numel() == 0:
+            return
+        if unique_rows and self.name == "sgd" and self.spec["momentum"] == 0 and self.spec["weight_decay"] == 0:
+            # Plain SGD is value += -lr * grad per row: updated in place by index, without the
+            # gather, the copies of the rows and the scatter back (the same arithmetic as
+            # ``add_(grad, alpha=-lr)`` on the gathered rows, so the same bits).
+            value.index_add_(0, local_rows, grads.to(value.dtype), alpha=-lr)
+            state["step"].index_add_(0, local_rows, torch.ones_like(local_rows))
             return
         # The update is non-linear in the gradient, so a row pushed twice gets the sum once.
         unique, inverse = torch.unique(local_rows, return_inverse=True)

@@ -1,9 +1,14 @@
-"""Parameter-server wire format: one frame = fixed prefix, JSON header, raw tensor bytes, HMAC.
+"""Parameter-server wire format: one frame = fixed prefix, JSON header, raw tensor bytes, seal.
 
 ```
-magic b"TMPS" | format version u8 | flags u8 (bit0: HMAC) | header length u32 LE
-| header (UTF-8 JSON object) | payload (tensor bytes, each segment 8-byte aligned) | HMAC-SHA256
+magic b"TMPS" | format version u8 | flags u8 (bit0: HMAC, bit1: session) | header length u32 LE
+| header (UTF-8 JSON object) | payload (tensor bytes, each segment 8-byte aligned)
+| seal: HMAC-SHA256 of all before it (bit0), or the connection's 16-byte session token (bit1)
 ```
+
+The HMAC authenticates a frame on its own (WAL records, admin tools); the session token is what
+frames carry on a connection that authenticated once (``session.py``): checking it costs a
+16-byte compare, not a hash of every byte on both sides.
 
 No pickle: a frame from the network can only ever become strings, numbers and tensors of a
 whitelisted dtype. `decode` raises `ProtocolError` (and nothing else) for any malformed input.
@@ -26,7 +31,9 @@ import torch
 MAGIC = b"TMPS"
 FORMAT_VERSION = 1
 FLAG_HMAC = 0x01
+FLAG_SESSION = 0x02
 HMAC_SIZE = 32
+TOKEN_SIZE = 16  # a session token (see session.py)
 DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB per message
 MAX_HEADER_BYTES = 1 << 20  # 1 MiB of JSON
 MAX_NDIM = 32
@@ -72,6 +79,9 @@ class MessageType(str, enum.Enum):
     IMPORT = "import"
     STATS = "stats"
     SHUTDOWN = "shutdown"
+    HELLO = "hello"  # the per-connection handshake (session.py)
+    CHALLENGE = "challenge"
+    AUTH = "auth"
     OK = "ok"
     ERROR = "error"
 
@@ -149,7 +159,30 @@ def _pad_header(header: bytes) -> bytes:
     return header + b" " * (_align(_PREFIX.size + len(header)) - _PREFIX.size - len(header))
 
 
-def _layout(msg: Message, key: bytes | None, max_bytes: int) -> tuple[bytes, list[tuple[int, memoryview]], int]:
+def _seal(key: bytes | None, token: bytes | None) -> tuple[int, int]:
+    """(flags, trailer bytes) of a frame sealed with ``key`` (HMAC) or ``token`` (session) or neither."""
+    if key is not None and token is not None:
+        raise ValueError("a frame is sealed with a secret (HMAC) or a session token, not both")
+    if token is not None:
+        if type(token) is not bytes or len(token) != TOKEN_SIZE:
+            raise ValueError(f"a session token is {TOKEN_SIZE} bytes. Received: {token!r:.60}")
+        return FLAG_SESSION, TOKEN_SIZE
+    return (FLAG_HMAC, HMAC_SIZE) if key else (0, 0)
+
+
+def frame_flags(data) -> int | None:
+    """The flags byte of a frame (or of a message's first part), None when it is too short to have one."""
+    first = data[0] if isinstance(data, (list, tuple)) else data
+    try:
+        view = memoryview(first)
+    except TypeError:
+        return None
+    return view[5] if view.nbytes >= _PREFIX.size and view.ndim == 1 and view.itemsize == 1 else None
+
+
+def _layout(
+    msg: Message, key: bytes | None, max_bytes: int, token: bytes | None = None
+) -> tuple[bytes, list[tuple[int, memoryview]], int]:
     """(prefix + header, [(payload offset, tensor bytes)], payload length) of ``msg``, checked."""
     if not isinstance(msg, Message):
         raise TypeError(f"encode expects a Message, got {type(msg).__name__}")
@@ -192,26 +225,32 @@ def _layout(msg: Message, key: bytes | None, max_bytes: int) -> tuple[bytes, lis
             f"message header is {len(header)} bytes, over the {MAX_HEADER_BYTES} limit "
             f"(too many tensors or too large a meta)"
         )
-    total = _PREFIX.size + len(header) + offset + (HMAC_SIZE if key else 0)
+    flags, trailer = _seal(key, token)
+    total = _PREFIX.size + len(header) + offset + trailer
     if total > max_bytes:
         raise ValueError(f"encoded message would be {total} bytes, over max_bytes={max_bytes}")
-    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, FLAG_HMAC if key else 0, len(header)) + header
+    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(header)) + header
     return head, segments, offset
 
 
-def encode(msg: Message, secret: bytes | str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> bytearray:
-    """Serialize `msg` into one new frame; with `secret`, append an HMAC-SHA256 over the frame."""
+def encode(
+    msg: Message, secret: bytes | str | None = None, max_bytes: int = DEFAULT_MAX_BYTES, *, token: bytes | None = None
+) -> bytearray:
+    """Serialize `msg` into one new frame; with `secret`, append an HMAC-SHA256 over the frame;
+    with ``token`` (a connection's session token, see session.py), append that instead."""
     key = _check_secret(secret)
-    head, segments, payload_len = _layout(msg, key, max_bytes)
+    head, segments, payload_len = _layout(msg, key, max_bytes, token)
     body_end = len(head) + payload_len
     # One preallocated frame; each tensor's bytes are copied into it once (the padding stays zero).
-    frame = bytearray(body_end + (HMAC_SIZE if key else 0))
+    frame = bytearray(body_end + _seal(key, token)[1])
     view = memoryview(frame)
     view[: len(head)] = head
     for start, raw in segments:
         view[len(head) + start : len(head) + start + raw.nbytes] = raw
     if key:
         view[body_end:] = hmac.new(key, view[:body_end], hashlib.sha256).digest()
+    elif token is not None:
+        view[body_end:] = token
     view.release()
     return frame
 
@@ -221,6 +260,8 @@ def encode_parts(
     secret: bytes | str | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
     zero_copy_min_bytes: int = 65536,
+    *,
+    token: bytes | None = None,
 ) -> list:
     """`msg` as a list of buffers whose concatenation is exactly ``encode(msg, secret)``.
 
@@ -229,7 +270,7 @@ def encode_parts(
     pieces (header, small tensors, padding, HMAC) are copied into shared small parts. The
     caller must not modify such a tensor while the parts are in use."""
     key = _check_secret(secret)
-    head, segments, payload_len = _layout(msg, key, max_bytes)
+    head, segments, payload_len = _layout(msg, key, max_bytes, token)
     parts: list = []
     small = bytearray(head)
     position = 0  # payload bytes placed so far
@@ -248,6 +289,8 @@ def encode_parts(
         for part in (*parts, small):
             mac.update(part)
         small += mac.digest()
+    elif token is not None:
+        small += token
     if small:
         parts.append(small)
     return parts
@@ -288,15 +331,22 @@ class _Parts:
 
 
 def decode(
-    data, secret: bytes | str | None = None, max_bytes: int = DEFAULT_MAX_BYTES, *, copy: bool = True
+    data,
+    secret: bytes | str | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    *,
+    copy: bool = True,
+    token: bytes | None = None,
 ) -> Message:
     """Parse and validate one frame (bytes-like), or a message sent as several parts (a list of
     bytes-like, see ``encode_parts``). Raises ProtocolError for anything malformed or forged.
 
     The tensors are views of one copy of the payload. ``copy=False`` makes them views of
     ``data`` itself (no copy): only for a reader that never writes to them and drops them
-    with the frame (the server's push path); ``data`` may be read-only."""
+    with the frame (the server's push path); ``data`` may be read-only. ``token``: the frame must
+    be sealed with this session token (and not with an HMAC)."""
     key = _check_secret(secret)
+    expected_flags, trailer = _seal(key, token)
     parts = _Parts(data if isinstance(data, (list, tuple)) else [data])
     if parts.nbytes > max_bytes:
         raise ProtocolError(f"message of {parts.nbytes} bytes exceeds max_bytes={max_bytes}")
@@ -307,17 +357,20 @@ def decode(
         raise ProtocolError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
         raise ProtocolError(f"unsupported format version {version}, expected {FORMAT_VERSION}")
-    expected_flags = FLAG_HMAC if key else 0
     if flags != expected_flags:
         if key and not flags & FLAG_HMAC:
             raise AuthenticationError("message has no HMAC but a secret is configured")
-        if not key and flags & FLAG_HMAC:
+        if token is not None and not flags & FLAG_SESSION:
+            raise AuthenticationError("message is not sealed with this connection's session token")
+        if not key and flags == FLAG_HMAC:
             raise AuthenticationError("message carries an HMAC but no secret is configured")
+        if token is None and flags == FLAG_SESSION:
+            raise AuthenticationError("message carries a session token but this connection has no session")
         raise ProtocolError(f"unknown flags 0x{flags:02x}")
     if header_len > MAX_HEADER_BYTES:
         raise ProtocolError(f"header length {header_len} exceeds {MAX_HEADER_BYTES}")
 
-    body_end = parts.nbytes - (HMAC_SIZE if key else 0)
+    body_end = parts.nbytes - trailer
     payload_start = _PREFIX.size + header_len
     if payload_start > body_end:
         raise ProtocolError(f"header length {header_len} runs past the end of a {parts.nbytes}-byte message")
@@ -327,6 +380,8 @@ def decode(
         parts.feed(mac, body_end)
         if not hmac.compare_digest(mac.digest(), parts.read(body_end, parts.nbytes)[0]):
             raise AuthenticationError("HMAC mismatch: message was altered or signed with another secret")
+    elif token is not None and not hmac.compare_digest(token, bytes(parts.read(body_end, parts.nbytes)[0])):
+        raise AuthenticationError("session token mismatch: not this connection's session")
 
     header = _parse_header(parts.read(_PREFIX.size, payload_start)[0])
     tensors = _decode_tensors(header["tensors"], parts, payload_start, body_end, copy)

@@ -62,7 +62,7 @@ class RowStore:
         rows, touched = self._rows(ids, shard_of)
         step_rows = touched[0].optimizer.step_rows
         for page, where, local in self._by_page(rows):
-            step_rows(page.value, local, grads if where is None else grads[where], page.state, lr=lr)
+            step_rows(page.value, local, grads if where is None else grads[where], page.state, lr=lr, unique_rows=True)
         for shard in touched:
             shard.version += 1
 

@@ -31,6 +31,7 @@ from .clock import ClockTable
 from .durability import DURABILITY
 from .protocol import DEFAULT_MAX_BYTES, AuthenticationError, Message, MessageType, ProtocolError, decode, encode
 from .server_state import ServerState
+from .session import ServerSessions
 from .sync_rounds import RoundClosed
 from .transport import frame_nbytes
 
@@ -112,6 +113,8 @@ class ParameterServer:
             "rounds_applied": 0,
         }
         self.strangers = RejectGuard(server_id, log)
+        # Who authenticated on which connection (the handshake, session.py); None: no secret.
+        self.sessions = ServerSessions(secret, server_id) if secret is not None else None
         self._running = False
         self.counters["replayed"] = self.state.recover(self._mutate)
 
@@ -137,7 +140,14 @@ class ParameterServer:
         """Serve one received frame (or a message's list of parts) from ``peer`` (whatever it contains)."""
         try:
             # No copy: push gradients and pull ids are only read, while this frame is alive.
-            msg = decode(frame, self.secret, self.max_message_bytes, copy=False)
+            if self.sessions is None:
+                msg = decode(frame, None, self.max_message_bytes, copy=False)
+            else:
+                msg, answer = self.sessions.open(peer, frame, self.max_message_bytes)
+                if msg is None:  # a handshake frame: answered (a HELLO) or silently accepted (an AUTH)
+                    if answer is not None:
+                        self.transport.send(peer, bytes(encode(answer)))
+                    return
         except ProtocolError as error:
             self._refuse(peer, error)
             return
@@ -181,7 +191,9 @@ class ParameterServer:
             else:
                 self.state.log_then(frame, self._prepare(msg))  # a bad push fails before the log
                 self.counters["applied_pushes"] += 1
-            self._send(peer, self._acks.encode(msg.seq))  # (what _reply(ACK, meta {"seq"}) would send)
+            self._send(
+                peer, self._acks.encode(msg.seq, self._token(peer))
+            )  # (what _reply(ACK, meta {"seq"}) would send)
         elif kind in (MessageType.INIT, MessageType.IMPORT):
             if kind is MessageType.INIT:
                 self._check_sync_has_workers(msg)
@@ -391,7 +403,11 @@ class ParameterServer:
         self, peer, request: Message, kind: MessageType, tensors: dict | None = None, meta: dict | None = None
     ) -> None:
         reply = Message(kind, self.server_id, request.seq, tensors=tensors or {}, meta=meta or {})
-        self._send(peer, encode(reply, self.secret, self.max_message_bytes))
+        token = self._token(peer)  # a reply is sealed as the peer's connection is: token, else HMAC
+        self._send(peer, encode(reply, None if token else self.secret, self.max_message_bytes, token=token))
+
+    def _token(self, peer) -> bytes | None:
+        return None if self.sessions is None else self.sessions.token(peer)
 
     def _send(self, peer, frame: bytes) -> None:
         self.counters["bytes_out"] += len(frame)

@@ -271,8 +271,13 @@ class ServerState:
                 raise TypeError(f"row ids for {table!r} must be an int64 tensor")
             # Sum duplicate ids once for the whole push, then update every touched range in one
             # optimizer step over the table's packed rows (row_store.py).
-            unique, inverse = torch.unique(ids, return_inverse=True)
-            summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, grads.float())
+            if ids.numel() < 2 or bool((ids[1:] > ids[:-1]).all()):
+                # Strictly increasing: already unique (how PSClient.push_rows sends them), so the
+                # gradients are used as they came, without a sort and a sum.
+                unique, summed = ids, grads if grads.dtype == torch.float32 else grads.float()
+            else:
+                unique, inverse = torch.unique(ids, return_inverse=True)
+                summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, grads.float())
             store, shard_of = self._table_rows(table, unique)
             if unique.numel() and round_ is not None and self.spec_of(table)["mode"] == "sync":
                 self.rounds.check_open(round_, msg.sender)
