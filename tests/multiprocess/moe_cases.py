@@ -123,3 +123,19 @@ def reference(
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
     return {"losses": losses, "grads": grads, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def routing_counts(family: str) -> list[list[int]]:
+    """One process's (token, expert) pairs per expert of each MoE layer on the first global batch."""
+    model = moe_model(family)
+    counts: list[list[int]] = []
+
+    def hook(module, args, output):
+        counts.append(torch.bincount(output[-1].reshape(-1), minlength=NUM_EXPERTS).tolist())
+
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            module.register_forward_hook(hook)
+    with torch.no_grad():
+        model(data()[0][:GLOBAL_BATCH])
+    return counts

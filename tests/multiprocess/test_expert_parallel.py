@@ -36,6 +36,8 @@ from moe_cases import (
     make_optimizer,
     moe_model,
     reference,
+    routing_counts,
+    SEQ,
     skew_router,
     transformers_aux_loss,
 )
@@ -52,6 +54,12 @@ TRAINER_CASES = [  # name, family, mesh shape, axes, expert axis, Trainer option
     ("experts_over_model_axis", "mixtral", (2, 2), ["data", "model"], "model", dict()),
     ("ep4_accumulation2", "mixtral", (4,), ["data"], "data", dict(grad_accum_steps=2)),
     ("ep4_checkpointing", "mixtral", (4,), ["data"], "data", dict(activation_checkpointing="full")),
+    # EP 2 on a batch axis of 4: two groups of 2 processes each hold every expert once. ZeRO-3 shards each
+    # expert over the 2 processes holding it; at stage 0 those 2 average its gradient. max_grad_norm far
+    # above the norm: no clipping, but the step's global norm is logged and checked (AdamW's update would
+    # hide a gradient off by a constant factor)
+    ("ep2_zero3_on4", "qwen3_moe", (4,), ["data"], "data", dict(zero_stage=3, ep=2, max_grad_norm=1e3)),
+    ("ep2_on4_accumulation2", "qwen3_moe", (4,), ["data"], "data", dict(ep=2, grad_accum_steps=2, max_grad_norm=1e3)),
 ]
 
 
@@ -216,15 +224,42 @@ def _trainer_cases(checkpoint_dir: str) -> dict:
     trainer.fit(data(), epochs=2, batch_size=GLOBAL_BATCH, shuffle=False, resume=True)
     out["resumed_ep2_to_ep4"] = {k: v.detach().clone() for k, v in trainer.state_dict()["model"].items()}
     out["resumed_steps"] = CountSteps.ran
+    out.update(_composition_cases())
+    return out
+
+
+def _composition_cases() -> dict:
+    import trainmesh as tm
+
+    out = {}
+
+    class StepLogs(tm.Callback):
+        def __init__(self):
+            self.norms, self.tokens, self.imbalance = [], [], []
+
+        def on_train_batch_end(self, step, logs=None):
+            self.norms.append(float(logs.get("grad_norm", float("nan"))))
+            self.tokens.append(logs.get("moe_tokens_per_expert"))
+            self.imbalance.append(logs.get("moe_imbalance"))
+
     for name, family, shape, axes, expert_axis, options in TRAINER_CASES:
+        options = dict(options)
+        ep = options.pop("ep", None)
         mesh = tm.DeviceMesh(shape, axes, devices=tm.list_devices())
         model = moe_model(family)
-        layout_map = tm.LayoutMap.auto(model, mesh, expert_axis=expert_axis, verbose=False)
+        layout_map = tm.LayoutMap.auto(model, mesh, expert_axis=expert_axis, expert_parallel_size=ep, verbose=False)
         distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data")
-        trainer = tm.Trainer(model, make_optimizer, lm_loss, distribution=distribution, progress=False, **options)
+        norms = StepLogs()
+        trainer = tm.Trainer(
+            model, make_optimizer, lm_loss, distribution=distribution, progress=False, callbacks=[norms], **options
+        )
         trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
+        experts = trainer.model.model.layers[0].mlp.experts.gate_up_proj
         state = trainer.state_dict()["model"]  # gathered on the main process
         out[name] = {k: v.detach().clone() for k, v in state.items()}
+        out[f"{name}_norms"] = norms.norms
+        out[f"{name}_load"] = (norms.tokens, norms.imbalance)
+        out[f"{name}_expert_rows"] = (experts.to_local().shape[0], experts.shape[0])
     return out
 
 
@@ -236,7 +271,19 @@ def test_ep_composes_on_four_processes(loop_results):
     for name, family, _, _, _, options in TRAINER_CASES:
         want = reference(family, accumulation=options.get("grad_accum_steps", 1), max_norm=options.get("max_grad_norm"))
         worst[name] = _max_diff(results[name], want["params"])
+        if options.get("max_grad_norm") == 1e3:  # unclipped: the first step's global norm is one process's
+            first = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in want["grads"].values()]))
+            assert results[f"{name}_norms"][0] == pytest.approx(float(first), rel=1e-5), name
+        # the Trainer's log: each step's tokens per expert over the global batch (riding the loss check)
+        tokens, imbalance = results[f"{name}_load"]
+        assert tokens[0] == routing_counts(family), name  # one process's routing of the first batch
+        assert all(sum(layer) == GLOBAL_BATCH * SEQ * 2 for step in tokens for layer in step), name  # x top-k
+        want_imbalance = [max(max(c) * NUM_EXPERTS / sum(c) for c in step) for step in tokens]
+        assert imbalance == pytest.approx(want_imbalance, rel=1e-12) and min(imbalance) > 1.0, name
     assert all(diff <= TOL for diff, _ in worst.values()), worst
+    # EP 2 x ZeRO-3 on 4: each process holds a quarter of the experts (half by EP, half of that by ZeRO)
+    assert results["ep2_zero3_on4_expert_rows"] == (1, NUM_EXPERTS)
+    assert results["ep2_on4_accumulation2_expert_rows"] == (2, NUM_EXPERTS)
 
 
 def test_auxiliary_loss_is_the_global_batch_s(loop_results):
@@ -260,3 +307,32 @@ def test_save_pretrained_from_ep2_loads_in_transformers(loop_results):
     want = results[0][("qwen3_moe", "")]["params"]
     assert set(state) == set(want)
     assert all(torch.equal(state[k], want[k]) for k in want)
+
+
+def test_ep2_checkpoint_resumes_on_one_process(loop_results, tmp_path):
+    """Launch 1's sharded checkpoint (EP 2: each process wrote its own experts and their AdamW state)
+    loaded by one process with whole experts (EP 1) for the second epoch: one process's two epochs.
+    A copy, so that this process's own saves leave launch 1's directory as it was."""
+    import shutil
+
+    import trainmesh as tm
+
+    class CountSteps(tm.Callback):
+        ran = 0
+
+        def on_train_batch_end(self, step, logs=None):
+            CountSteps.ran += 1
+
+    checkpoint_dir = shutil.copytree(loop_results[0][0]["checkpoint_dir"], tmp_path / "ep2")
+    trainer = tm.Trainer(
+        moe_model("qwen3_moe"),
+        make_optimizer,
+        lm_loss,
+        progress=False,
+        callbacks=[tm.ShardedCheckpoint(str(checkpoint_dir), async_save=False), CountSteps()],
+    )
+    trainer.fit(data(), epochs=2, batch_size=GLOBAL_BATCH, shuffle=False, resume=True)
+    assert (CountSteps.ran, trainer.global_step) == (STEPS, 2 * STEPS)  # the first epoch came from the checkpoint
+    got = {k: v.detach() for k, v in trainer.model.state_dict().items()}
+    diff, name = _max_diff(got, reference("qwen3_moe", epochs=2)["params"])
+    assert diff <= TOL, name

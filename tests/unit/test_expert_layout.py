@@ -155,3 +155,23 @@ def test_experts_with_a_pipeline_are_refused_by_name():
             distribution.layout_map[key] = layout_map[key].axes
     with pytest.raises(ValueError, match=r"Expert parallelism over 'data' with a pipeline over 'pipe' is not offered"):
         build_expert_plan(model, distribution)
+
+
+def test_expert_parallel_size_splits_the_batch_axis_into_groups(capsys):
+    model = _qwen3_moe()
+    layout_map = tm.LayoutMap.auto(model, _mesh(4), expert_axis="data", expert_parallel_size=2)
+    assert "2 per process over data=4 in 2 groups of 2 processes" in capsys.readouterr().out
+    plan = build_expert_plan(model, tm.ModelParallel(layout_map=layout_map, batch_dim_name="data"))
+    assert (plan.axis, plan.size, plan.axis_size, plan.replicas) == ("data", 2, 4, 2)
+    with pytest.raises(ValueError, match=r"expert_parallel_size must be a positive divisor.*'data' \(4\).*=3"):
+        tm.LayoutMap.auto(model, _mesh(4), expert_axis="data", expert_parallel_size=3, verbose=False)
+    with pytest.raises(
+        ValueError, match=r"'model.layers.0.mlp.experts' holds 6 experts.*=4 processes of mesh axis 'data'"
+    ):
+        tm.LayoutMap.auto(_qwen3_moe(6), _mesh(8), expert_axis="data", expert_parallel_size=4, verbose=False)
+    # groups along a model axis would see the same tokens: refused, naming the axis
+    layout_map = tm.LayoutMap.auto(
+        model, _mesh(2, 4, axes=("data", "model")), expert_axis="model", expert_parallel_size=2, verbose=False
+    )
+    with pytest.raises(ValueError, match=r"expert_parallel_size=2 smaller than expert axis 'model' \(4\).*batch"):
+        build_expert_plan(model, tm.ModelParallel(layout_map=layout_map, batch_dim_name="data"))

@@ -42,11 +42,12 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard
 
+from trainmesh import runtime
 from trainmesh.distribution.expert_layout import ExpertPlan
 
 from .mesh import to_torch_mesh
 
-__all__ = ["apply_expert_parallel", "dispatch_stats", "load_balancing_loss", "reset_dispatch_stats"]
+__all__ = ["apply_expert_parallel", "dispatch_states", "dispatch_stats", "load_balancing_loss", "reset_dispatch_stats"]
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -72,6 +73,9 @@ class _DispatchState:
         self.num_experts, self.num_local = num_experts, num_experts // size
         self.inner = False
         self.local_ids = torch.arange(self.num_local).repeat(size)
+        # tokens per expert routed by this process in training forwards (not in no-grad evaluation nor in
+        # the forward activation checkpointing recomputes in backward), read and zeroed by the Trainer
+        self.train_tokens = torch.zeros(num_experts, dtype=torch.int64)
         self.reset()
 
     def reset(self) -> None:
@@ -150,6 +154,8 @@ def _record(state: _DispatchState, counts, send, out, send_splits, recv_splits, 
     stats["token_exchanges_forward"] += 2
     stats["bytes_to_others"] += (sent_away + returned_away) * row_bytes
     stats["tokens_per_expert"] += counts.detach().cpu()
+    if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:  # -1: not inside a backward
+        state.train_tokens += counts.detach().cpu()
     if torch.is_grad_enabled():
         # Backward of the combine sends the gradient of ``back`` (the rows returned) to the owners;
         # backward of the dispatch sends the gradient of ``received`` back to the senders.
@@ -159,10 +165,28 @@ def _record(state: _DispatchState, counts, send, out, send_splits, recv_splits, 
             send.register_hook(_count_backward(state, returned_away, row_bytes))
 
 
-def _expert_group(distribution, axis: str):
+_split_meshes: dict = {}
+
+
+def _expert_group(distribution, plan: ExpertPlan):
+    """The experts' own 1-D mesh, its group and this process's index on it, and the mesh of the processes
+    that hold the same experts (None when EP is the whole axis). EP smaller than the axis splits the axis
+    into (replicas, EP), EP the inner (neighbouring ranks), as torchtitan borrows EP from the data axis."""
     torch_mesh = to_torch_mesh(distribution.device_mesh)
-    ep_mesh = torch_mesh[axis] if torch_mesh.ndim > 1 else torch_mesh
-    return ep_mesh, ep_mesh.get_group(), ep_mesh.get_local_rank()
+    axis_mesh = torch_mesh[plan.axis] if torch_mesh.ndim > 1 else torch_mesh
+    if plan.replicas == 1:
+        return axis_mesh, axis_mesh.get_group(), axis_mesh.get_local_rank(), None
+    key = (id(torch_mesh), plan.axis, plan.size)
+    if key not in _split_meshes:  # _unflatten makes new process groups: once per mesh and split
+        names = (f"{plan.axis}_expert_replica", f"{plan.axis}_expert")
+        _split_meshes[key] = torch_mesh._unflatten(plan.axis, (plan.replicas, plan.size), names)
+    split = _split_meshes[key]
+    ep_mesh, replica_mesh = split[f"{plan.axis}_expert"], split[f"{plan.axis}_expert_replica"]
+    return ep_mesh, ep_mesh.get_group(), ep_mesh.get_local_rank(), replica_mesh
+
+
+def _forget_split_meshes() -> None:
+    _split_meshes.clear()
 
 
 def apply_expert_parallel(
@@ -185,9 +209,13 @@ def apply_expert_parallel(
             f"Expert parallelism over {plan.axis!r} needs a model with real tensors (built on a device); a meta-built "
             f"MoE model is not filled per expert shard yet. Received: meta parameters in {type(model).__name__}"
         )
-    ep_mesh, group, index = _expert_group(distribution, plan.axis)
+    ep_mesh, group, index, replica_mesh = _expert_group(distribution, plan)
     dp_size = distribution.data_parallel_size
-    scale = dp_size if plan.axis == batch_axis else plan.size
+    # Over the batch axis each process's loss is the mean over its slice; the gradient arriving at an
+    # expert is summed over the EP processes that sent rows: 1/EP here, then the average over the
+    # replicas (FSDP2's or DataAxisGradReducer's) makes 1/(batch axis size) of the sum over every process.
+    # Over a model axis every row arrives once per process of the axis: 1/EP, then averaged over the batch.
+    scale = plan.size
     for experts in plan.modules:
         module = model.get_submodule(experts.path)
         if isinstance(getattr(module, experts.param_names[0]), DTensor):
@@ -203,16 +231,31 @@ def apply_expert_parallel(
             module._parameters[name] = param
         module._trainmesh_ep = _DispatchState(group, plan.size, index, experts.num_experts, 1.0 / scale)
         module.forward = types.MethodType(_dispatch_forward, module)
-    if plan.axis != batch_axis and reduce_grads and dp_size > 1:
-        from .data_axis_grads import DataAxisGradReducer
+    from .data_axis_grads import DataAxisGradReducer
 
+    if plan.axis != batch_axis and reduce_grads and dp_size > 1:
         torch_mesh = to_torch_mesh(distribution.device_mesh)
         batch_group = torch_mesh.get_group(batch_axis)
         model._trainmesh_expert_grad_reducers = [
             DataAxisGradReducer(model.get_submodule(m.path), batch_group, dp_size) for m in plan.modules
         ]
+    if replica_mesh is not None:
+        if reduce_grads:  # stage 0: averaged over the processes holding the same experts
+            model._trainmesh_expert_grad_reducers = [
+                DataAxisGradReducer(model.get_submodule(m.path), replica_mesh.get_group(), plan.replicas)
+                for m in plan.modules
+            ]
+        model._trainmesh_expert_replica_mesh = replica_mesh  # ZeRO: zero.apply_fsdp shards the experts over it
     model._trainmesh_expert_plan = plan
     return model
+
+
+runtime.process_group.on_shutdown(_forget_split_meshes)
+
+
+def dispatch_states(model: nn.Module) -> list[tuple[str, _DispatchState]]:
+    """``(path, state)`` of every experts module of ``model`` that dispatches by all-to-all, in module order."""
+    return _states(model)
 
 
 def _states(model: nn.Module) -> list[tuple[str, _DispatchState]]:

@@ -250,7 +250,8 @@ def apply_fsdp(
         mp_policy=build_mixed_precision(compute_dtype, reduce_dtype, model),
     )
     experts = {p for p in model.parameters() if getattr(p, "_trainmesh_expert", False)}
-    if experts:  # already sharded over the batch axis by expert parallelism, their gradients reduced by it
+    replica_mesh = getattr(model, "_trainmesh_expert_replica_mesh", None)
+    if experts and replica_mesh is None:  # sharded over the whole batch axis by EP, gradients reduced by it
         options["ignored_params"] = experts
     group = dp_mesh.get_group()
     if not has_meta_tensors(model):  # a meta-built model is sharded first, filled after (materialize.py)
@@ -264,6 +265,10 @@ def apply_fsdp(
             for tensor in list(model.parameters()) + list(model.buffers()):
                 if not hasattr(tensor, "placements"):
                     dist.broadcast(tensor.data, src=first, group=group)
+    if replica_mesh is not None:  # EP < batch axis: each experts module sharded over the processes holding
+        # the same experts (its own FSDP2 unit, torchtitan's "efsdp"), which also average its gradients
+        for module in [m for m in model.modules() if hasattr(m, "_trainmesh_ep")]:
+            fully_shard(module, **{**options, "mesh": replica_mesh})
     for unit in units:
         fully_shard(unit, **options)
     fully_shard(model, **options)

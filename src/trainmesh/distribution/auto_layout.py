@@ -151,6 +151,7 @@ def auto_layout_map(
     model_axis: str | None = None,
     verbose: bool = True,
     expert_axis: str | None = None,
+    expert_parallel_size: int | None = None,
 ) -> LayoutMap:
     """See the module docstring. ``model_axis`` defaults to the mesh's last axis (the first is the
     batch axis, Keras's convention); a 1-axis mesh gets no tensor-parallel entries (pure data
@@ -163,7 +164,8 @@ def auto_layout_map(
     if expert_axis is not None:  # experts over their own axis (expert_layout.py); checked before any TP entry
         from .expert_layout import expert_layouts
 
-        experts, expert_notes, expert_source = expert_layouts(model, device_mesh, expert_axis)
+        experts, expert_notes, expert_source = expert_layouts(model, device_mesh, expert_axis, expert_parallel_size)
+        layout_map.expert_parallel_size = expert_parallel_size
     if model_axis is None:
         if len(device_mesh.axis_names) < 2 and expert_axis is None:
             return layout_map
@@ -221,7 +223,7 @@ def _with_experts(
             del layout_map[key]
         layout_map[key] = axes
     if verbose and os.environ.get("RANK", "0") == "0":
-        size = layout_map.device_mesh.axis_size(axis)
+        size = layout_map.expert_parallel_size or layout_map.device_mesh.axis_size(axis)
         print(f"[trainmesh] LayoutMap.auto experts of {type(model).__name__} ({source}), {axis}={size}:")
         for path, axes in experts.items():
             print(f"  {path}: {axes}")

@@ -141,20 +141,41 @@ def check_supported(model: nn.Module, experts: ExpertsModule, axis: str) -> None
         )
 
 
-def check_divisible(experts: ExpertsModule, axis: str, size: int) -> None:
+def check_divisible(experts: ExpertsModule, axis: str, size: int, axis_size: int | None = None) -> None:
     if experts.num_experts % size:
+        where = f"mesh axis {axis!r} of size {size}"
+        received = f"{axis}={size}"
+        if axis_size not in (None, size):
+            where = f"expert_parallel_size={size} processes of mesh axis {axis!r} (size {axis_size})"
+            received = f"expert_parallel_size={size}"
         raise ValueError(
-            f"Experts module {experts.path!r} holds {experts.num_experts} experts, which do not divide over mesh "
-            f"axis {axis!r} of size {size}: expert parallelism gives every process the same number of whole "
-            f"experts. Received: num_experts={experts.num_experts}, {axis}={size}"
+            f"Experts module {experts.path!r} holds {experts.num_experts} experts, which do not divide over "
+            f"{where}: expert parallelism gives every process the same number of whole experts. "
+            f"Received: num_experts={experts.num_experts}, {received}"
         )
 
 
-def expert_layouts(model: nn.Module, device_mesh: DeviceMesh, axis: str) -> tuple[dict[str, tuple], list[str], str]:
+def check_expert_parallel_size(ep_size, axis: str, axis_size: int) -> int:
+    """The number of processes one set of experts is split over: the whole axis by default, or a divisor
+    of it (EP 2 on a batch axis of 4: two groups of 2 processes, each group holding every expert once)."""
+    if ep_size is None:
+        return axis_size
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1 or axis_size % ep_size:
+        raise ValueError(
+            f"expert_parallel_size must be a positive divisor of the size of expert axis {axis!r} ({axis_size}): "
+            f"the axis splits into groups of that many processes, each group holding every expert once. "
+            f"Received: expert_parallel_size={ep_size!r}"
+        )
+    return ep_size
+
+
+def expert_layouts(
+    model: nn.Module, device_mesh: DeviceMesh, axis: str, ep_size: int | None = None
+) -> tuple[dict[str, tuple], list[str], str]:
     """``{parameter path: (axis, None, ...)}`` for every expert parameter, checked; notes; source.
 
     Raises ValueError when ``model`` has no experts, or when an experts module is unsupported or does
-    not divide over ``axis``."""
+    not divide over ``axis`` (or over ``ep_size`` processes of it)."""
     if axis not in device_mesh.axis_names:
         raise ValueError(
             f"expert_axis {axis!r} is not an axis of the mesh {device_mesh.axis_names}. Received: expert_axis={axis!r}"
@@ -166,17 +187,19 @@ def expert_layouts(model: nn.Module, device_mesh: DeviceMesh, axis: str) -> tupl
             f"int num_experts and parameters stacked over that many experts on dim 0; transformers' MoE models). "
             f"Received: expert_axis={axis!r}"
         )
-    size = device_mesh.axis_size(axis)
+    size = check_expert_parallel_size(ep_size, axis, device_mesh.axis_size(axis))
     layouts: dict[str, tuple] = {}
     for experts in found:
         check_supported(model, experts, axis)
-        check_divisible(experts, axis, size)
+        check_divisible(experts, axis, size, device_mesh.axis_size(axis))
         for path, name in zip(experts.param_paths(), experts.param_names):
             ndim = model.get_parameter(path).dim()
             layouts[path] = (axis,) + (None,) * (ndim - 1)
+    axis_size = device_mesh.axis_size(axis)
+    groups = f" in {axis_size // size} groups of {size} processes" if size < axis_size else ""
     notes = [
         f"{len(found)} experts modules of {found[0].num_experts} experts: {found[0].num_experts // size} "
-        f"per process over {axis}={size}"
+        f"per process over {axis}={axis_size}{groups}"
     ]
     return layouts, notes, source
 
@@ -186,8 +209,14 @@ class ExpertPlan:
     """What ``_torch.expert_parallel`` applies: the experts modules laid out over ``axis``."""
 
     axis: str
-    size: int
+    size: int  # EP: the processes one set of experts is split over
     modules: tuple[ExpertsModule, ...]
+    axis_size: int = 0  # the expert axis's size; a multiple of ``size`` (0: equal to it)
+
+    @property
+    def replicas(self) -> int:
+        """How many groups of ``size`` processes along the axis each hold every expert."""
+        return self.axis_size // self.size if self.axis_size else 1
 
     def param_paths(self) -> set[str]:
         return {p for m in self.modules for p in m.param_paths()}
@@ -236,7 +265,15 @@ def build_expert_plan(model: nn.Module, distribution) -> ExpertPlan | None:
     if len(named) > 1:
         raise ValueError(f"All experts modules must use one expert axis. Received: {sorted(named)}")
     axis = named.pop()
-    size = mesh.axis_size(axis)
+    axis_size = mesh.axis_size(axis)
+    size = check_expert_parallel_size(getattr(layout_map, "expert_parallel_size", None), axis, axis_size)
+    if size < axis_size and axis != distribution.batch_dim_name:
+        # Groups along a non-batch axis would see the same tokens; only the batch axis is offered.
+        raise ValueError(
+            f"expert_parallel_size={size} smaller than expert axis {axis!r} ({axis_size}) is offered on the batch "
+            f"axis only ({distribution.batch_dim_name!r}). Received: expert axis {axis!r}, "
+            f"expert_parallel_size={size}"
+        )
     pipeline = getattr(distribution, "pipeline", None)
     if pipeline is not None and mesh.axis_size(pipeline.axis) > 1:
         # The pipeline runner averages a stage's gradients over the batch axis itself, which would mix
@@ -249,5 +286,5 @@ def build_expert_plan(model: nn.Module, distribution) -> ExpertPlan | None:
     modules = tuple(m for m in found if axes_by_module[m.path] == {axis})
     for experts in modules:
         check_supported(model, experts, axis)
-        check_divisible(experts, axis, size)
-    return ExpertPlan(axis, size, modules)
+        check_divisible(experts, axis, size, axis_size)
+    return ExpertPlan(axis, size, modules, axis_size)

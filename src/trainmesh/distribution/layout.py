@@ -107,6 +107,8 @@ class LayoutMap(MutableMapping):
     def __init__(self, device_mesh: DeviceMesh | None = None):
         self._layouts: dict[str, TensorLayout] = {}
         self._device_mesh = device_mesh
+        # experts laid over an axis split over groups of this many processes (None: the whole axis)
+        self.expert_parallel_size: int | None = None
 
     @property
     def device_mesh(self) -> DeviceMesh | None:
@@ -121,19 +123,29 @@ class LayoutMap(MutableMapping):
         model_axis: str | None = None,
         verbose: bool = True,
         expert_axis: str | None = None,
+        expert_parallel_size: int | None = None,
     ) -> "LayoutMap":
         """A tensor-parallel layout for ``model``: its own plan if it ships one (transformers'
         ``base_model_tp_plan``), else one derived from its module tree (attention / MLP units
         column- then row-wise, embedding and head vocab-parallel, norms replicated). Printed.
         See :mod:`trainmesh.distribution.auto_layout`. ``expert_axis`` lays a mixture of experts'
-        expert dim over that axis (expert parallelism, :mod:`trainmesh.distribution.expert_layout`).
+        expert dim over that axis (expert parallelism, :mod:`trainmesh.distribution.expert_layout`);
+        ``expert_parallel_size`` splits them over groups of that many processes of the axis instead of
+        the whole axis (EP 2 on a batch axis of 4).
 
         >>> layout_map = LayoutMap.auto(model, mesh)                  # doctest: +SKIP
         >>> tm.ModelParallel(layout_map=layout_map, batch_dim_name="data")  # doctest: +SKIP
         """
         from .auto_layout import auto_layout_map
 
-        return auto_layout_map(model, device_mesh, model_axis=model_axis, verbose=verbose, expert_axis=expert_axis)
+        return auto_layout_map(
+            model,
+            device_mesh,
+            model_axis=model_axis,
+            verbose=verbose,
+            expert_axis=expert_axis,
+            expert_parallel_size=expert_parallel_size,
+        )
 
     def __getitem__(self, key: str) -> TensorLayout | None:
         if key in self._layouts:

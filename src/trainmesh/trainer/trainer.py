@@ -28,6 +28,7 @@ from trainmesh.ft.trainer_hook import TrainerReplicaGroups, check_fault_toleranc
 
 from .callbacks import Callback, CallbackList
 from .communication import install_communication
+from .expert_load import ExpertLoad
 from .config import Plan, TrainerConfig
 from .data_input import TrainSteps
 from .evaluation import run_evaluation, run_prediction
@@ -114,6 +115,7 @@ class Trainer(TrainerState):
                 init_seed=self.config.seed,
             )
         self.communication = install_communication(self.model, self.config)  # compression, hierarchical
+        self._expert_load = ExpertLoad(self.model, self.distribution)  # MoE tokens per expert (expert_load.py)
         self.optimizer = self._bind_optimizer(optimizer, names_before)
         set_optimizer_implementation(self.optimizer, self.config.optimizer_implementation)  # fused / foreach kernels
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
@@ -231,6 +233,7 @@ class Trainer(TrainerState):
             if self.config.log_dir and self.is_main_process
             else None
         )
+        self._expert_load.start()
         try:
             if self._fault_tolerance is not None:  # joins the Lighthouse; a group behind heals at its first step
                 self._ft = TrainerReplicaGroups(self, self._fault_tolerance)
@@ -249,6 +252,7 @@ class Trainer(TrainerState):
                 self.callbacks.on_epoch_end(self.epoch - 1, logs)
                 self._agree_on_stop()
         finally:
+            self._expert_load.stop()
             if self._ft is not None:
                 self.replica_summary = self._ft.close()  # step, batches_committed, uncommitted_steps
                 self._ft = None
@@ -325,6 +329,7 @@ class Trainer(TrainerState):
                 data_wait_s=data_wait,
                 step_time_s=time.perf_counter() - started,
                 **self.communication.step_record(),
+                **self._expert_load.step_record(),
                 **(self._ft.step_record() if self._ft is not None else {}),
             )
             last = sized and step + 1 == num_steps
@@ -342,6 +347,8 @@ class Trainer(TrainerState):
                     shown["skipped"] = self._skipped() - skipped_before
                 if "comm_bytes" in record:  # this rank's gradient bytes sent / uncompressed (ratio)
                     shown["comm"] = self.communication.progress_text(record)
+                if "moe_imbalance" in record:  # the busiest expert's tokens over the mean (expert_load.py)
+                    shown["moe"] = record["moe_imbalance"]
                 shown.update(self._meter.progress_values(rates))
                 self._bar.update(step + 1, shown, record["samples_per_s"])
             self.callbacks.on_train_batch_end(step, record)

@@ -1,0 +1,92 @@
+"""Each step's tokens per expert and the load imbalance of a mixture of experts, for the Trainer's log.
+
+Every process counts the (token, expert) pairs it routes in each MoE layer (the dispatch's own
+``bincount``, ``_torch/expert_parallel.py``). The global count of a step is the sum over the processes
+that hold different tokens, which the Trainer already all-reduces once per step: the loss check
+(``loss_tracking.py``). The counts ride in that all-reduce (one rider per layer and expert), so the
+figures cost no collective of their own. Without that check (``nonfinite_loss=None``) nothing rides
+and no figure is logged.
+
+Logged per step:
+
+* ``moe_tokens_per_expert``: per MoE layer, the global batch's (token, expert) pairs per expert;
+* ``moe_imbalance``: the largest count over the mean count of its layer, the worst layer's. 1.0 is an
+  even load; the busiest expert's process sets the pace of the all-to-all, so this is the slowdown
+  routing costs over an even split.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainmesh import runtime
+
+from .loss_tracking import add_rider, remove_rider
+
+
+class _Rider:
+    def __init__(self, load: "ExpertLoad", index: int):
+        self.load, self.index = load, index
+
+    def local_value(self) -> float:
+        if self.index == 0:  # the first rider of the step takes the snapshot the others read
+            self.load.take_local()
+        return float(self.load.local[self.index])
+
+    def receive(self, total: float) -> None:
+        self.load.totals[self.index] = total
+
+
+class ExpertLoad:
+    """Tokens per expert of a model's experts modules, summed over the processes each step."""
+
+    def __init__(self, model: torch.nn.Module, distribution: Any):
+        from trainmesh._torch.expert_parallel import dispatch_states
+
+        is_module = isinstance(model, torch.nn.Module)  # a pipeline runner holds no experts (refused there)
+        self.states = [state for _, state in dispatch_states(model)] if is_module else []
+        width = self.states[0].num_experts if self.states else 0
+        self.local = torch.zeros(len(self.states) * width, dtype=torch.float64)
+        self.totals = torch.full_like(self.local, float("nan"))
+        # processes that route the same tokens (a model axis): each of them adds the same counts
+        holders = getattr(distribution, "data_parallel_size", 1) * _sequence_size(distribution)
+        self.copies = max(runtime.world_size() // max(holders, 1), 1)
+        self.riders = [_Rider(self, i) for i in range(self.local.numel())]
+
+    def __bool__(self) -> bool:
+        return bool(self.states)
+
+    def start(self) -> None:
+        for state in self.states:
+            state.train_tokens.zero_()
+        for rider in self.riders:
+            add_rider(rider)
+
+    def stop(self) -> None:
+        for rider in self.riders:
+            remove_rider(rider)
+
+    def take_local(self) -> None:
+        self.local = torch.cat([state.train_tokens.double() for state in self.states])
+        for state in self.states:
+            state.train_tokens.zero_()
+
+    def step_record(self) -> dict[str, Any]:
+        """The last checked step's figures (empty before one, or without experts)."""
+        if not self.states or bool(torch.isnan(self.totals).any()):
+            return {}
+        counts = (self.totals / self.copies).round().view(len(self.states), -1)
+        self.totals.fill_(float("nan"))
+        mean = counts.mean(dim=1).clamp_min(1e-12)
+        return {
+            "moe_imbalance": float((counts.max(dim=1).values / mean).max()),
+            "moe_tokens_per_expert": [[int(c) for c in layer] for layer in counts.tolist()],
+        }
+
+
+def _sequence_size(distribution: Any) -> int:
+    sequence = getattr(distribution, "sequence", None)
+    mesh = getattr(distribution, "device_mesh", None)
+    return mesh.axis_size(sequence.axis) if sequence is not None and mesh is not None else 1
