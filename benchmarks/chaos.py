@@ -18,8 +18,10 @@ chosen with ``--seed`` (kind, step, rank), in the first attempt:
   (SIGKILL of rank 0), so that the restart has to read it;
 * ``disk_full``: the checkpoint directory is a small tmpfs mounted for the run (needs root; else
   the kind is skipped, the reason recorded). After a random step the disk is filled up; the next
-  save fails, the job crashes and restarts, and (an operator freeing space) the restart's rank 0
-  deletes the filler before training;
+  save fails to write, every rank hears it at the step after it, a warning names the path and the
+  free space, the previous checkpoint is kept and training goes on (no crash, no restart);
+  ``INTERVAL + 1`` steps after the fill (an operator freeing space) rank 0 deletes the filler and
+  later saves commit again. ``not_saved`` counts the saves reported as not saved;
 * ``kill_during_save``: SIGKILL in a save, at a random save step: phase ``write`` kills a random
   rank while its asynchronous write is in flight (uncommitted), phase ``commit`` kills rank 0
   inside the commit, after the marker is written and before the directory is renamed into place.
@@ -198,6 +200,12 @@ def worker(args: argparse.Namespace) -> None:
                 in_flight = pending is not None and not pending.done()
                 _log(log, f"FAULT {restart} kill_during_save write {s} rank{rank} in_flight={int(in_flight)}")
                 os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_train_batch_begin(self, step, logs=None):
+            s = self.trainer.global_step  # steps done so far
+            if armed and args.fault == "disk_full" and rank == 0 and s == args.fault_step + INTERVAL + 1:
+                os.remove(os.path.join(args.ckpt, "..", FILLER))  # the failed save was agreed on by now
+                _log(log, f"FREED {restart} {s} not_saved={len(checkpoint.manager.failures)}")
 
     trainer = tm.Trainer(
         model,
@@ -456,6 +464,7 @@ def analyse(plan: dict, launch: dict, logs: dict, reference: dict | None, out: s
         "commit_lag_steps": logs["commit_lag"],
         "skipped_warnings": len(re.findall(r"Skipping checkpoint", launch["stderr"])),
         "no_valid_checkpoint_error": "NoValidCheckpointError" in launch["stderr"],
+        "not_saved": len(re.findall(r"was not saved", launch["stderr"])),
     }
 
 
@@ -527,6 +536,8 @@ def table(results: list[dict]) -> str:
             note.append(f"resumed BEFORE the newest valid checkpoint ({r['newest_valid']})")
         if r["skipped_warnings"]:
             note.append(f"{r['skipped_warnings']} skip warning(s)")
+        if r.get("not_saved"):
+            note.append(f"{r['not_saved']} save(s) reported not saved")
         if r["no_valid_checkpoint_error"]:
             note.append("stopped: NoValidCheckpointError")
         if r["timed_out"]:

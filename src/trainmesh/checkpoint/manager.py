@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -30,7 +31,8 @@ from .._torch import trainable_state
 from . import integrity, retention, rng
 from .single_file import load_plain, save_plain
 from .survey import Survey, survey_directory
-from .async_save import PendingSave, all_ranks_finished, all_ranks_ok
+from . import async_save as _async
+from .async_save import PendingSave, all_ranks_finished
 
 # State that differs per rank: its sampler cursor / worker state, its compressor's error-feedback
 # residuals. An object with ``load_resharded_state(states)`` gets every saved rank's state when
@@ -89,6 +91,14 @@ class CheckpointManager:
     ``save_frozen=False`` (the default): a model with frozen parameters (``requires_grad=False``: the
     base of a LoRA fine-tune) is saved without them; loading expects them built as the first start
     built them, and the same parameters trainable (checked, with the tensors named).
+
+    ``commit_within_steps`` (async): at the ``n``-th :meth:`poll` after a save, each rank waits for
+    its own write, so the save is committed by then (polled once a step, 1 commits it at the end
+    of the step after the save: a crash loses at most one save interval; the Trainer's
+    ``ShardedCheckpoint`` does so); None (here the default) never waits before the next save.
+    A save whose write fails on the disk (full, a size limit, read-only) is not committed; every
+    rank hears it, a warning names the path, each failed rank's error and the free space, the
+    previous checkpoint is kept, and ``failures`` lists the messages; other errors raise.
     """
 
     def __init__(
@@ -100,9 +110,18 @@ class CheckpointManager:
         async_save: bool = False,
         verify_checksums: bool = True,
         save_frozen: bool = False,
+        commit_within_steps: int | None = None,
     ):
         if not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last must be an int >= 1. Received: keep_last={keep_last!r}")
+        if commit_within_steps is not None and (
+            isinstance(commit_within_steps, bool) or not isinstance(commit_within_steps, int) or commit_within_steps < 1
+        ):
+            raise ValueError(
+                f"commit_within_steps must be an int >= 1 or None. Received: commit_within_steps={commit_within_steps!r}"
+            )
+        self.commit_within_steps = commit_within_steps
+        self.failures: list[str] = []  # one message per save that failed to write (see class doc)
         self.directory = os.fspath(directory)
         self.keep_last = keep_last
         self.keep_best = retention.resolve_keep_best(keep_best)
@@ -121,28 +140,28 @@ class CheckpointManager:
         self._heard: tuple[PendingSave, bool] | None = None  # (save asked about, all ranks done)
 
     # --- save ---------------------------------------------------------------------------
-    def save(self, step: int, state: dict[str, Any], *, metrics: dict[str, float] | None = None) -> str:
-        """Save ``state`` as step ``step``; returns the final directory (committed now, or at the
-        next ``save``/``wait``/``close`` when ``async_save``)."""
+    def save(self, step: int, state: dict[str, Any], *, metrics: dict[str, float] | None = None) -> str | None:
+        """Save ``state`` as step ``step``; returns the final directory (committed now, or at a later
+        ``poll``/``save``/``wait``/``close`` when ``async_save``), or None when the write failed
+        (reported; the previous checkpoint is kept)."""
         start = time.perf_counter()
         model, optimizer, per_rank, shared, plain = _split(state)
         self.wait()  # the previous async save commits first: saves commit in order
         final_dir = os.path.join(self.directory, integrity.step_dirname(step))
         tmp_dir = final_dir + integrity.TMP_SUFFIX
         rank, world = runtime.rank(), runtime.world_size()
+        error = None
         if rank == 0:
             retention.remove_partial(self.directory)
-            os.makedirs(tmp_dir)
+            error = _guard_disk(lambda: os.makedirs(tmp_dir))
         self._barrier()
-        extras = {"rng": rng.capture(), **{k: v.state_dict() for k, v in per_rank.items()}}
-        save_plain(extras, os.path.join(tmp_dir, f"rank_{rank:05d}.pt"), what=f"per-rank extras {sorted(extras)}")
-        if rank == 0:
-            save_plain(
-                {"stateful": {k: v.state_dict() for k, v in shared.items()}, "plain": plain},
-                os.path.join(tmp_dir, "shared.pt"),
-                what=f"shared state {sorted(shared) + sorted(plain)}",
-            )
-            integrity.write_json_atomic(os.path.join(tmp_dir, "meta.json"), plain)
+        if error is None:
+            error = _guard_disk(lambda: self._write_extras(tmp_dir, rank, per_rank, shared, plain))
+        # Before any DCP collective: a rank whose small files failed must not leave the others
+        # planning a write it will never join.
+        if self._agree(error) != _async.OK:
+            self._abandon(int(step), tmp_dir, error)
+            return None
         info = {
             "format": FORMAT_VERSION,
             "step": int(step),
@@ -163,32 +182,70 @@ class CheckpointManager:
             if self.async_save:
                 pending.future = _dcp.async_save(sharded, dcp_dir, self._group, self._stager)
             else:
-                _dcp.save(sharded, dcp_dir, self._group)
+                try:
+                    _dcp.save(sharded, dcp_dir, self._group)
+                except BaseException as exc:  # noqa: BLE001 - DCP raised it on every rank; wait() decides
+                    pending.future = _async.failed_future(exc)
         self._pending = pending
+        committed = final_dir
         if not self.async_save:
-            self.wait()
+            committed = self.wait()
         self.last_blocking_s = time.perf_counter() - start
-        return final_dir
+        return committed
+
+    def _write_extras(self, tmp_dir: str, rank: int, per_rank: dict, shared: dict, plain: dict) -> None:
+        extras = {"rng": rng.capture(), **{k: v.state_dict() for k, v in per_rank.items()}}
+        save_plain(extras, os.path.join(tmp_dir, f"rank_{rank:05d}.pt"), what=f"per-rank extras {sorted(extras)}")
+        if rank == 0:
+            save_plain(
+                {"stateful": {k: v.state_dict() for k, v in shared.items()}, "plain": plain},
+                os.path.join(tmp_dir, "shared.pt"),
+                what=f"shared state {sorted(shared) + sorted(plain)}",
+            )
+            integrity.write_json_atomic(os.path.join(tmp_dir, "meta.json"), plain)
 
     def wait(self) -> str | None:
-        """Finish and commit the save in flight, if any (collective); returns its directory."""
+        """Finish and commit the save in flight, if any (collective); returns its directory, or
+        None when there was none or its write failed (reported; the previous checkpoint is kept)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
         error = pending.wait_local()
-        if not all_ranks_ok(error is None, self._group):
-            if runtime.rank() == 0:
-                retention.remove_partial(self.directory)
-            self._barrier()
-            raise RuntimeError(
-                f"Checkpoint step {pending.step} failed on at least one rank; nothing was "
-                f"committed (this rank's error: {error!r})."
-            ) from error
+        if self._agree(error) != _async.OK:
+            self._abandon(pending.step, pending.tmp_dir, error)
+            return None
         if runtime.rank() == 0:
-            integrity.seal(pending.tmp_dir, pending.final_dir, pending.info)
-            retention.prune(self.directory, self.keep_last, self.keep_best)
-        self._barrier()
+            # The marker is written last: a full disk here leaves an uncommitted directory only.
+            error = _guard_disk(lambda: integrity.seal(pending.tmp_dir, pending.final_dir, pending.info))
+            if error is None:
+                retention.prune(self.directory, self.keep_last, self.keep_best)
+        if self._agree(error) != _async.OK:  # also the barrier: nobody goes on before the commit
+            self._abandon(pending.step, pending.tmp_dir, error)
+            return None
         return pending.final_dir
+
+    def _agree(self, error: BaseException | None) -> int:
+        """Every rank's outcome -> the worst; a non-disk error raises on every rank."""
+        code = _async.agree(_async.outcome(error), self._group if self._distributed else None)
+        if code == _async.FAILED:
+            if error is not None and not _async.is_write_error(error):
+                raise error
+            raise RuntimeError("A checkpoint save failed on another rank (its error is raised there).")
+        return code
+
+    def _abandon(self, step: int, tmp_dir: str, error: BaseException | None) -> None:
+        """A write failed somewhere: report it (collective), remove the partial directory, keep the rest."""
+        kept = None
+        if runtime.rank() == 0:
+            entries = retention.complete_entries(self.directory)
+            kept = entries[-1].path if entries else None
+        message = _async.failure_message(step, tmp_dir, error, self._group if self._distributed else None, kept)
+        message = self._broadcast(message)  # rank 0's: it knows what is kept
+        if runtime.rank() == 0:
+            retention.remove_partial(self.directory)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        self.failures.append(message)
+        self._barrier()
 
     finalize = wait
 
@@ -197,8 +254,9 @@ class CheckpointManager:
 
         Collective: every rank calls it at the same point (the Trainer's ``ShardedCheckpoint``
         does at every step boundary). With nothing in flight it does nothing and sends nothing;
-        otherwise it costs one 1-int all-reduce, plus the commit once the writes are done.
-        Returns the committed directory, or None.
+        otherwise it costs one 1-int all-reduce, plus the commit once the writes are done. At the
+        ``commit_within_steps``-th poll after a save it waits for this rank's write first.
+        Returns the committed directory, or None (not yet, or the write failed: see ``failures``).
         """
         if self._pending is None:
             return None
@@ -206,7 +264,7 @@ class CheckpointManager:
         if heard is not None and heard[0] is self._pending:
             all_done = heard[1]  # from this step's own all-reduce: nothing more to send
         else:
-            all_done = all_ranks_finished(self._pending, self._poll_group)
+            all_done = all_ranks_finished(self._pending, self._poll_group, self.commit_within_steps)
         if not all_done:
             return None
         return self.wait()  # every write is done: it does not block, and reports a failed one
@@ -348,6 +406,17 @@ class CheckpointManager:
         return box[0]
 
 
+def _guard_disk(write) -> BaseException | None:
+    """Run ``write``; a disk error is returned to be agreed on, anything else raises."""
+    try:
+        write()
+    except Exception as exc:  # noqa: BLE001 - only disk errors are kept (see is_write_error)
+        if not _async.is_write_error(exc):
+            raise
+        return exc
+    return None
+
+
 class CommitRider:
     """Asks, within another collective, whether every rank's write of the save in flight is done."""
 
@@ -357,7 +426,7 @@ class CommitRider:
 
     def local_value(self) -> float:
         self._asked = self.manager._pending
-        return 1.0 if self._asked is not None and self._asked.done() else 0.0
+        return 1.0 if self._asked is not None and self._asked.ask(self.manager.commit_within_steps) else 0.0
 
     def receive(self, total: float) -> None:
         if self._asked is not None:

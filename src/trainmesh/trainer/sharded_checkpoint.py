@@ -3,8 +3,10 @@
 Every process writes its own shards (torch.distributed.checkpoint), asynchronously by default;
 a checkpoint counts only once its completion marker (with checksums) is written and it is
 renamed into place, so a crash mid-save never looks complete. An async save is committed at the
-first step boundary where every rank's write has finished, so a crash loses at most the steps
-since the last save. ``fit(resume=True)`` continues
+end of the step after it at the latest (``commit_within_steps=1``: each rank waits there for its
+own write, which overlapped that step), earlier when the writes are done, so a crash loses at most
+one save interval. A save that fails to write (a full disk) is reported with the path and the free
+space, training continues and the previous checkpoint is kept. ``fit(resume=True)`` continues
 from the latest complete checkpoint (a damaged one is skipped with a warning), on any number
 of processes, ZeRO stage or mesh, at the exact data position (mid-epoch included). When
 checkpoints exist and none is valid, it stops with an error listing them instead of training
@@ -33,6 +35,8 @@ class ShardedCheckpoint(Callback):
 
     ``save_frozen=False`` leaves frozen parameters (``requires_grad=False``) out; True saves the
     whole model (DeepSpeed's ``exclude_frozen_parameters``, the other way round).
+    ``commit_within_steps``: see :class:`~trainmesh.checkpoint.CheckpointManager` (None lets a slow
+    write run on in the background for longer, and a crash then may lose more than an interval).
     """
 
     def __init__(
@@ -44,6 +48,7 @@ class ShardedCheckpoint(Callback):
         keep_best: tuple[str, str] | None = None,
         async_save: bool = True,
         save_frozen: bool = False,
+        commit_within_steps: int | None = 1,
     ) -> None:
         if every_n_steps is not None and (isinstance(every_n_steps, bool) or every_n_steps < 1):
             raise ValueError(f"every_n_steps must be a positive int or None. Received: every_n_steps={every_n_steps!r}")
@@ -51,7 +56,13 @@ class ShardedCheckpoint(Callback):
         self.every_n_steps = every_n_steps
         if not isinstance(save_frozen, bool):
             raise TypeError(f"save_frozen must be a bool. Received: save_frozen={save_frozen!r}")
-        self.options = dict(keep_last=keep_last, keep_best=keep_best, async_save=async_save, save_frozen=save_frozen)
+        self.options = dict(
+            keep_last=keep_last,
+            keep_best=keep_best,
+            async_save=async_save,
+            save_frozen=save_frozen,
+            commit_within_steps=commit_within_steps,
+        )
         self.manager = None
         self.rejected: tuple[tuple[str, str], ...] = ()  # what the last resume() rejected: (path, why)
 
