@@ -18,7 +18,8 @@ Sides, per round:
   distributed_config=DistributedConfig(fsdp_size=4))`` (transformers' own distributed load);
 * ``single read``: one process reading every file with ``safetensors.torch.load_file``;
 * ``trainmesh save``: ``tm.save_pretrained`` of the ZeRO-3 model on 4 processes, against
-  ``transformers save``: ``save_pretrained`` of the whole model on one process (both 500 MB files).
+  ``transformers save``: ``save_pretrained`` of the whole model on one process (both 500 MB files,
+  both fsynced: tm.save_pretrained fsyncs before it publishes, transformers' side is fsynced after).
 
 Memory is each process's peak RSS growth over the step (``/proc`` high-water mark reset at its
 start), with every local shard touched once after loading (a lazily mapped file shows only what is
@@ -138,11 +139,18 @@ def _single_read(directory: str) -> float:
 
 
 def _transformers_save(directory: str, target: str) -> float:
+    """transformers' save_pretrained on one process, then an fsync of every file and the folder:
+    tm.save_pretrained fsyncs its files before publishing them, so both sides pay for durability."""
     import transformers
+
+    from trainmesh.checkpoint.integrity import fsync_path
 
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
     start = time.perf_counter()
     model.save_pretrained(target, max_shard_size=SHARD)
+    for name in os.listdir(target):
+        fsync_path(os.path.join(target, name))
+    fsync_path(target)
     return time.perf_counter() - start
 
 
@@ -257,7 +265,7 @@ def main(argv=None) -> int:
             [a["seconds"] / b["seconds"] for a, b in zip(zero3, runs["single read"])]
         ),
         "save_pretrained_peak_rss_vs_full_fp32": _median([r["save_rss"] for r in zero3]),
-        "save_pretrained_time_vs_single_write": _median(
+        "save_pretrained_time_vs_transformers_save": _median(
             [a["save_seconds"] / b["seconds"] for a, b in zip(zero3, runs["transformers save"])]
         ),
         "meta_init_layout_max_abs_diff": init_diff,

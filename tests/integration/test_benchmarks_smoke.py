@@ -120,7 +120,7 @@ SLOW = {
         [
             "meta_load_peak_rss_vs_full_fp32",
             "hf_load_time_vs_transformers_distributed",
-            "save_pretrained_time_vs_single_write",
+            "save_pretrained_time_vs_transformers_save",
             "meta_init_layout_max_abs_diff",
         ],
         needs=("transformers", "safetensors", "accelerate"),
