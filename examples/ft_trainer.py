@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.9),
         callbacks=[StepLog(args.step_log, args.step_sleep, args.slow_file)],
         progress=False,
-        fault_tolerance=tm.ReplicaGroups(min_replicas=1, advertise_host="127.0.0.1", timeout_s=10),
+        fault_tolerance=tm.ReplicaGroups(min_replicas=1, advertise_host="127.0.0.1", timeout_s=10, connect_timeout_s=5),
     )
     trainer.fit(data, epochs=args.epochs, batch_size=BATCH)
     summary = trainer.replica_summary
