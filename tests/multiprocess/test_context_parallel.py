@@ -322,16 +322,19 @@ def test_sequence_parallelism_beside_tensor_parallelism(two):
     forward, backward = sp["collectives"]
     assert forward == {"all_gather_into_tensor": 2 * layers + 2, "reduce_scatter_tensor": 2 * layers}, forward
     # backward: each gather's gradient reduce-scattered, each reduce-scatter's gathered (and the whole
-    # embedding's cut), and one small all-reduce per norm weight (its gradient is partial: 1/TP of the tokens)
+    # embedding's cut), each unit's input gathered again from the shard its projections saved (Megatron's:
+    # once per unit, not per projection), and one small all-reduce per norm weight (its gradient is
+    # partial: 1/TP of the tokens)
     assert backward == {
         "reduce_scatter_tensor": 2 * layers + 1,
-        "all_gather_into_tensor": 2 * layers + 1,
+        "all_gather_into_tensor": 2 * layers + 1 + 2 * layers + 1,
         "all_reduce": 2 * layers + 1,
     }, backward
-    # the norms' and residual adds' activations are split; the gathered unit inputs that the projections
-    # save are not (measured 0.82 on this tiny model, whose norms are a small share of what is saved)
+    # the norms' activations are split, and the projections keep their gathered inputs as sequence shards
+    # (measured 0.74 on this tiny model; 0.82 when they saved the gathered inputs). The attention and MLP
+    # insides are split by TP already, so the ratio stays above 1/2
     ratio = sp["saved"] / tp["saved"]
-    assert ratio <= 0.85, f"sequence parallelism saves {sp['saved']} bytes per process vs plain TP {tp['saved']}"
+    assert ratio <= 0.76, f"sequence parallelism saves {sp['saved']} bytes per process vs plain TP {tp['saved']}"
 
 
 def test_qwen3_head_norms_under_tensor_parallelism(two):
