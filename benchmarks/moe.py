@@ -32,12 +32,17 @@ Figures (``--json``'s top-level ``figures``):
   under ``tm-ep4`` (counted from the tensors after a step) over DataParallel's (whole experts: parameters,
   gradients and two AdamW moments, 4x the experts' bytes, from the model's shapes);
 * ``moe_dispatch_bytes_vs_formula``: the all-to-all bytes one step sends to other processes, summed over the
-  processes and MoE layers (``expert_parallel.dispatch_stats``: token rows, forward and backward), over
-  tokens x hidden x top-k x (EP-1)/EP x 4 x 4 bytes x layers. The formula assumes uniform routing; a random
-  router is close to it, not exactly;
+  processes and MoE layers (``expert_parallel.dispatch_stats``: token rows, forward and backward), over the
+  formula at the routing that happened: the (token, expert) pairs each router sent to an expert on another
+  process (its own bincount) x hidden x 4 bytes x 4 (dispatch and combine, forward and backward). 1.0 says
+  the dispatch sends those rows and nothing else;
+* ``moe_dispatch_bytes_vs_uniform_formula``: the same bytes over the issue's formula, tokens x hidden x top-k
+  x (EP-1)/EP x 4 x 4 bytes x layers, which assumes uniform routing (75% of the pairs leave their process
+  at EP 4). It measures the routing, not the dispatch: ``moe_remote_pair_fraction`` x 4/3;
+* ``moe_remote_pair_fraction``: the share of (token, expert) pairs routed to another process;
 * ``moe_ep_parity_max_abs_diff``: after the rounds, a tiny Qwen3-MoE and Mixtral (``tests/multiprocess/
-  moe_cases.py``) under EP 4, EP 4 x ZeRO-3 and EP 2 x TP 2 through ``tm.Trainer``, 3 AdamW steps against one
-  process on the same global batches: the largest parameter difference.
+  moe_cases.py``) under EP 4, EP 4 x ZeRO-3, EP 2 x TP 2 and EP 2 x ZeRO-3 on 4 through ``tm.Trainer``, 3 AdamW
+  steps against one process on the same global batches: the largest parameter difference.
 """
 
 from __future__ import annotations
@@ -65,10 +70,11 @@ SIZES = {
     "quick": dict(hidden=64, layers=2, experts=8, moe_intermediate=64, heads=4, kv_heads=2, vocab=512, seq=32, rows=2),
 }
 TOP_K = 2
-PARITY_LAYOUTS = [  # name, family, mesh shape, axes, expert axis, zero stage
-    ("ep4", "qwen3_moe", (4,), ["data"], "data", 0),
-    ("ep4_zero3", "qwen3_moe", (4,), ["data"], "data", 3),
-    ("ep2_tp2", "mixtral", (2, 2), ["data", "model"], "data", 0),
+PARITY_LAYOUTS = [  # name, family, mesh shape, axes, expert axis, zero stage, EP (None: the whole axis)
+    ("ep4", "qwen3_moe", (4,), ["data"], "data", 0, None),
+    ("ep4_zero3", "qwen3_moe", (4,), ["data"], "data", 3, None),
+    ("ep2_tp2", "mixtral", (2, 2), ["data", "model"], "data", 0, None),
+    ("ep2_zero3_on4", "qwen3_moe", (4,), ["data"], "data", 3, 2),
 ]
 
 
@@ -163,10 +169,10 @@ def parity() -> dict:
     from moe_cases import lm_loss as case_loss
 
     out = {}
-    for name, family, shape, axes, expert_axis, stage in PARITY_LAYOUTS:
+    for name, family, shape, axes, expert_axis, stage, ep in PARITY_LAYOUTS:
         mesh = tm.DeviceMesh(shape, axes, devices=tm.list_devices())
         model = moe_model(family)
-        layout_map = tm.LayoutMap.auto(model, mesh, expert_axis=expert_axis, verbose=False)
+        layout_map = tm.LayoutMap.auto(model, mesh, expert_axis=expert_axis, expert_parallel_size=ep, verbose=False)
         distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data")
         trainer = tm.Trainer(
             model, make_optimizer, case_loss, distribution=distribution, zero_stage=stage, progress=False
@@ -210,14 +216,31 @@ def timing_worker(cfg: dict) -> dict:
     state_local, state_full = expert_state_bytes(model, opt)  # gradients and moments both alive here
     opt.zero_grad(set_to_none=True)
     stats = dispatch_stats(model)
-    sent = torch.tensor([sum(layer["bytes_to_others"] for layer in stats.values())], dtype=torch.float64)
+    # (token, expert) pairs this process's router sent to experts on other processes: the routing itself
+    # (its bincount), apart from the splits the all-to-alls were called with, which bytes_to_others counts
+    rank, per = dist.get_rank(), None
+    remote = 0
+    for layer in stats.values():
+        counts = layer["tokens_per_expert"]
+        per = counts.numel() // WORLD
+        remote += int(counts.sum()) - int(counts[rank * per : (rank + 1) * per].sum())
+    sent = torch.tensor(
+        [
+            sum(layer["bytes_to_others"] for layer in stats.values()),
+            remote,
+            sum(int(layer["tokens_per_expert"].sum()) for layer in stats.values()),
+        ],
+        dtype=torch.float64,
+    )
     dist.all_reduce(sent)
     sides.clear()
     return {
         "times": times,
         "skipped": skipped,
         "loads": loads,
-        "dispatch_bytes": float(sent),
+        "dispatch_bytes": float(sent[0]),
+        "remote_pairs": float(sent[1]),
+        "routed_pairs": float(sent[2]),
         "moe_layers": len(stats),
         "expert_state": (state_local, state_full),
         "parity": parity(),
@@ -261,8 +284,14 @@ def summarize(cfg: dict, result: dict, counts: dict) -> dict:
     local, full = result["expert_state"]
     figures["moe_ep_expert_state_vs_replicated"] = local / (4 * full)
     global_tokens = WORLD * size["rows"] * size["seq"]
-    formula = global_tokens * size["hidden"] * TOP_K * (WORLD - 1) / WORLD * 4 * 4 * result["moe_layers"]
-    figures["moe_dispatch_bytes_vs_formula"] = result["dispatch_bytes"] / formula
+    # The issue's formula (uniform routing: (EP-1)/EP of the pairs leave their process) against the same
+    # formula at the pairs the router actually sent away; the first measures the routing, the second the
+    # dispatch (rows x hidden x 4 bytes, dispatch and combine, forward and backward, nothing more)
+    uniform = global_tokens * size["hidden"] * TOP_K * (WORLD - 1) / WORLD * 4 * 4 * result["moe_layers"]
+    routed = result["remote_pairs"] * size["hidden"] * 4 * 4
+    figures["moe_dispatch_bytes_vs_formula"] = result["dispatch_bytes"] / routed
+    figures["moe_dispatch_bytes_vs_uniform_formula"] = result["dispatch_bytes"] / uniform
+    figures["moe_remote_pair_fraction"] = result["remote_pairs"] / result["routed_pairs"]
     figures["moe_ep_parity_max_abs_diff"] = max(result["parity_diffs"].values())
     report["parity_diffs"] = result["parity_diffs"]
     report["figures"] = figures
