@@ -198,12 +198,15 @@ class SafetensorsWriter:
         while self._next < len(self.plan.entries) and self.plan.entries[self._next].numel == 0:
             self._next += 1
 
-    def close(self) -> None:
+    def close(self, *, sync: bool = True) -> None:
+        """Flush and close; ``sync=False`` leaves the fsync to the caller (``fsync_path``), which
+        may run it beside other work: fsync acts on the file, not on this handle."""
         if self._next != len(self.plan.entries):
             self.abort()
             raise RuntimeError(f"{self.path}: {len(self.plan.entries) - self._next} tensor(s) never arrived.")
         self._file.flush()
-        os.fsync(self._file.fileno())
+        if sync:
+            os.fsync(self._file.fileno())
         self._file.close()
 
     def abort(self) -> None:

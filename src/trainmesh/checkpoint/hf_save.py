@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ from torch import nn
 
 from .. import runtime
 from . import hf_layout
+from .hf_expert_names import expert_runs
 from .hf_layout import Entry, FilePlan
 
 
@@ -48,6 +50,7 @@ class _Item:
     ranges: dict[int, tuple[int, int] | None]  # holder -> its contiguous run (start, numel), None if not one
     writer: int = 0
     pieces: list[tuple[int, int, int]] | None = None  # (sender, start, numel) tiling the tensor; None: gather
+    offset: int = 0  # where it starts in ``source``, flat: a per-expert tensor of fused experts (hf_expert_names)
 
 
 def save_pretrained(
@@ -105,6 +108,7 @@ def _save(model, directory, max_bytes, dtype, group, view=None) -> str:
         max_bytes if view is None else view.max_bytes(max_bytes),
         dtype,
         hf_layout.tied_target_patterns(_unwrap(model)),
+        _unwrap(model) if view is None else None,
     )
     if view is not None:
         view.rename(items, files)
@@ -184,7 +188,11 @@ def _describe(model: nn.Module, local: dict[str, torch.Tensor]) -> dict[str, Any
 
 
 def _plan(
-    described: list[dict[str, Any]], max_bytes: int, dtype: torch.dtype | None, patterns: list[str]
+    described: list[dict[str, Any]],
+    max_bytes: int,
+    dtype: torch.dtype | None,
+    patterns: list[str],
+    module: nn.Module | None = None,
 ) -> tuple[list[_Item], list[FilePlan]]:
     info: dict[str, dict[str, Any]] = {}  # name -> shape, dtype, order, holders' runs
     for rank, part in enumerate(described):
@@ -215,7 +223,10 @@ def _plan(
         meta = info[source]
         out_dtype = dtype if dtype is not None and meta["dtype"].is_floating_point else meta["dtype"]
         entry = Entry(name, tuple(meta["shape"]), out_dtype, meta["is_param"], order[source])
-        items.append(_Item(entry, source, sorted(meta["ranges"]), meta["dtype"], meta["ranges"]))
+        runs = expert_runs(module, name, entry.shape) if module is not None else None
+        for run_name, shape, offset in runs or [(name, entry.shape, 0)]:  # fused experts: transformers' names
+            part = Entry(run_name, shape, out_dtype, meta["is_param"], order[source])
+            items.append(_Item(part, source, sorted(meta["ranges"]), meta["dtype"], meta["ranges"], offset=offset))
     files = hf_layout.plan_files([i.entry for i in items], max_bytes)
     _assign_writers(items, files, len(described))
     by_name = {i.entry.name: i for i in items}
@@ -247,8 +258,11 @@ def _pieces(item: _Item) -> list[tuple[int, int, int]] | None:
     if any(run is None for run in item.ranges.values()):
         return None
     senders: dict[tuple[int, int], int] = {}
-    for rank, run in sorted(item.ranges.items(), key=lambda kv: (kv[0] != item.writer, kv[0])):
-        senders.setdefault(run, rank)  # replicas of one run: the writer's own copy, else the lowest process
+    low, high = item.offset, item.offset + item.entry.numel
+    for rank, (start, count) in sorted(item.ranges.items(), key=lambda kv: (kv[0] != item.writer, kv[0])):
+        start, stop = max(start, low), min(start + count, high)  # the part of the run inside this item
+        # replicas of one run: the writer's own copy, else the lowest process
+        senders.setdefault((start - low, max(stop - start, 0)), rank)
     pieces, end = [], 0
     for (start, count), rank in sorted(senders.items()):
         if count == 0:
@@ -281,10 +295,42 @@ class _Sink:
     def close(self) -> BaseException | None:
         if self.error is None:
             try:
-                self.writer.close()
+                self.writer.close(sync=False)  # fsynced by _Syncer, beside the next files' transfers
             except Exception as exc:
                 self.error = exc
         return self.error
+
+
+class _Syncer:
+    """fsyncs this writer's closed files in a thread of its own. Every process walks the files in
+    the same order, so an fsync in that walk held every other process at its next file (a file's
+    fsync costs about as long as writing it); here it overlaps the transfers of the next files,
+    and ``finish`` waits for the last. Nothing is published before every fsync returned."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: list[Future] = []
+
+    def submit(self, path: str) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainmesh-fsync")
+        self._futures.append(self._pool.submit(_fsync_file, path))
+
+    def finish(self) -> BaseException | None:
+        error = None
+        for future in self._futures:
+            error = error or future.exception()
+        if self._pool is not None:
+            self._pool.shutdown()
+        return error
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # raises where the write-back failed (EIO, ENOSPC): reported like a write error
+    finally:
+        os.close(fd)
 
 
 def _write_tensor(writer: hf_layout.SafetensorsWriter, entry: Entry, tensor: torch.Tensor) -> None:
@@ -298,6 +344,7 @@ def _gather_and_write(
     """Every process walks the same list; each takes part where it holds or writes a tensor."""
     error: BaseException | None = None
     position = 0
+    syncer = _Syncer()
     for plan in files:
         sink = None
         if plan.writer == rank:
@@ -309,8 +356,12 @@ def _gather_and_write(
             _move(local, items[position], rank, group, sink)
             position += 1
         if sink is not None:
-            error = sink.close() or error
-    return error
+            closed = sink.close()
+            error = closed or error
+            if closed is None:
+                syncer.submit(sink.writer.path)
+    synced = syncer.finish()  # always waited for: nothing is published before the bytes are durable
+    return error or synced
 
 
 def _move(local, item: _Item, rank: int, group, sink: _Sink | None) -> None:
@@ -318,10 +369,11 @@ def _move(local, item: _Item, rank: int, group, sink: _Sink | None) -> None:
 
     writing = rank == item.writer
     if item.pieces is not None:
-        for sender, _, count in item.pieces:
+        for sender, start, count in item.pieces:
             part = None
             if rank == sender:
-                part = local_part(local[item.source])
+                first = item.offset + start - item.ranges[rank][0]  # of this item's piece, in the local run
+                part = local_part(local[item.source])[first : first + count]
                 if writing:
                     _put(sink, item.entry, part)
                 else:
@@ -333,6 +385,8 @@ def _move(local, item: _Item, rank: int, group, sink: _Sink | None) -> None:
         return
     # Not in runs: the holders gather it whole (a collective on its mesh); one sends it on if need be.
     value = full_tensor(local[item.source]) if rank in item.holders else None
+    if value is not None and tuple(value.shape) != item.entry.shape:  # one expert's run of fused experts
+        value = value.reshape(-1)[item.offset : item.offset + item.entry.numel].view(item.entry.shape)
     if item.writer not in item.holders:
         if rank == item.holders[0]:
             dist.send(value.contiguous(), dst=item.writer, group=group)
