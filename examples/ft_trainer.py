@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 
 import torch
@@ -27,11 +28,18 @@ FEATURES, BATCH = 16, 8
 
 
 class StepLog(tm.Callback):
-    """A JSON line per committed step; ``--slow-file`` paces the group while that file exists."""
+    """A JSON line per committed step; ``--slow-file`` paces the group while that file exists;
+    ``--die-file``: once that file exists, this process SIGKILLs itself in the middle of a backward
+    (after the step's quorum formed with it, before its gradients reach the all-reduce)."""
 
-    def __init__(self, path: str | None, step_sleep: float, slow_file: str | None):
+    def __init__(self, path: str | None, step_sleep: float, slow_file: str | None, die_file: str | None):
         self.out = open(path, "a") if path else None
-        self.step_sleep, self.slow_file = step_sleep, slow_file
+        self.step_sleep, self.slow_file, self.die_file = step_sleep, slow_file, die_file
+
+    def on_train_batch_begin(self, step, logs=None):
+        if self.die_file and os.path.exists(self.die_file):
+            weight = next(self.trainer.unwrapped_model.parameters())
+            weight.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
 
     def on_train_batch_end(self, step, logs=None):
         if self.out:
@@ -53,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=480)
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds of pretend compute per step")
     parser.add_argument("--slow-file", default=None, help="while this file exists each step takes 1 s")
+    parser.add_argument("--die-file", default=None, help="once this file exists, die (SIGKILL) in a backward")
     parser.add_argument("--step-log", default=None)
     parser.add_argument("--save", default=None)
     args = parser.parse_args(argv)
@@ -67,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.optim.AdamW(model.parameters(), lr=1e-2),
         torch.nn.MSELoss(),
         scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.9),
-        callbacks=[StepLog(args.step_log, args.step_sleep, args.slow_file)],
+        callbacks=[StepLog(args.step_log, args.step_sleep, args.slow_file, args.die_file)],
         progress=False,
         fault_tolerance=tm.ReplicaGroups(min_replicas=1, advertise_host="127.0.0.1", timeout_s=10, connect_timeout_s=5),
     )
