@@ -4,12 +4,12 @@ Two replica groups of one process each (examples/ft_trainer.py: a small MLP on a
 TensorDataset, global batch 8, 100 steps) under a real torchft Lighthouse on loopback. One launch
 checks: a group SIGKILLed mid-backward (so the survivor's all-reduce meets a dead peer) costs the
 survivor no committed step (its step counter runs to the end with no gap or repeat) and exactly one
-uncommitted step, and it exits 0; the killed group,
-restarted through `trainmesh run --replica-group 1 --lighthouse URL`, heals from the survivor at the live step (the whole Trainer state: model, optimizer,
-schedule, step counter, data position, RNG) and from then on its parameters equal the survivor's
-at every step and at the end; both end with the same committed-batch count; and every sample of
-the epoch is in exactly one committed step (the batch of the step that failed with the kill is
-trained again, not skipped).
+uncommitted step, and it exits 0; the killed group, restarted through ``trainmesh run --replica-group
+1 --lighthouse URL``, heals from the survivor at the live step (the whole Trainer state: model,
+optimizer, schedule, step counter, data position, RNG) and from then on its parameters equal the
+survivor's at every step and at the end; both end with the same committed-batch count; and every
+sample of the epoch is in exactly one committed step (the batch of the step that failed with the
+kill is trained again, not skipped).
 """
 
 from __future__ import annotations
