@@ -44,6 +44,7 @@ class StepLog(tm.Callback):
     def on_train_batch_end(self, step, logs=None):
         if self.out:
             record = {
+                "group": int(os.environ["TRAINMESH_REPLICA_GROUP"]),
                 "step": logs["global_step"],  # committed steps so far, this one included
                 **{k: logs[k] for k in ("replicas", "healed", "uncommitted_steps")},
                 "time": time.time(),

@@ -252,3 +252,24 @@ def test_a_lighthouse_killed_and_restarted_does_not_stop_the_job(tmp_path):
     uncommitted = max(o0[-1]["uncommitted_steps"], o1[-1]["uncommitted_steps"])
     print(f"longest pause between two commits after the Lighthouse went down: {stall:.1f} s; uncommitted {uncommitted}")
     assert stall < 60.0  # ReplicaGroups' quorum_timeout_s: past it a group would have failed, not paused
+
+
+@pytest.mark.skipif(
+    not os.environ.get("TRAINMESH_SLOW_FT"),
+    reason="two launches of two processes each (about 30 s of CPU); set TRAINMESH_SLOW_FT=1",
+)
+def test_one_local_command_starts_a_lighthouse_and_the_groups(tmp_path):
+    """``trainmesh run -n 2 --replica-groups 2``: a Lighthouse and one launch per group from one command."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "src"), "RUST_LOG": "warn"}
+    env.pop("TORCHFT_LIGHTHOUSE", None)
+    log = tmp_path / "steps.jsonl"
+    command = [sys.executable, "-m", "trainmesh", "run", "-n", "2", "--replica-groups", "2", EXAMPLE]
+    command += ["--samples", "320", "--step-sleep", "0.05", "--step-log", str(log)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "lighthouse http://127.0.0.1:" in proc.stderr
+    records = _records(log)
+    by_group = {g: {r["step"]: r["param_sum"] for r in records if r["group"] == g} for g in (0, 1)}
+    assert max(by_group[0]) == max(by_group[1]) == 320 // BATCH
+    together = set(by_group[0]) & set(by_group[1])
+    assert together and all(by_group[0][s] == by_group[1][s] for s in together)
