@@ -13,9 +13,11 @@ everywhere, and then the tensors go one at a time, file after file:
 * under a pipeline each stage holds its own layers, and pieces travel to a writer of another
   stage the same way (point to point, over a gloo group).
 
-Files go to writers in turn (the one holding most of a file's bytes among the least busy), and
-each writer streams its file piece by piece (``hf_layout``), so no process holds more than its
-own shards plus one tensor in flight. A writer that fails still receives every piece sent to
+Files go to writers in turn (the one holding most of a file's bytes among the least busy). Files
+with distinct writers whose tensors all travel in runs form a round: their pieces move at once
+and the writers write in parallel, each holding at most its one file in flight; a file with a
+tensor gathered whole is streamed tensor by tensor (``hf_layout``). Each writer fsyncs its files
+in a thread beside the next rounds. A writer that fails still receives every piece sent to
 it, so no process hangs; every process then raises, and nothing is published
 (``hf_layout.commit``).
 """
@@ -69,9 +71,9 @@ def save_pretrained(
     ``max_shard_size``), and ``config.json`` / ``generation_config.json`` when the model (or the
     transformers model inside a wrapper) has them. Tied weights are written once, under the name
     transformers expects. ``dtype`` casts floating tensors on the way out (e.g. ``torch.bfloat16``).
-    Names are the model's own state-dict names: for the few models transformers converts on load
-    (fused MoE experts), that is its ``save_original_format=False`` layout, which transformers 5
-    loads. ``directory`` must be on a file system every process sees; a previous checkpoint
+    Names are the ones transformers' own ``save_pretrained`` writes: the model's state-dict names, and
+    for fused MoE experts (which transformers converts on load) its per-expert names, each expert's
+    tensor written from the processes holding it (``hf_expert_names``). ``directory`` must be on a file system every process sees; a previous checkpoint
     there is replaced only once the new one is complete. Returns ``directory``.
 
     A peft LoRA model is saved as peft saves it: ``adapter_model.safetensors`` and
@@ -341,20 +343,32 @@ def _write_tensor(writer: hf_layout.SafetensorsWriter, entry: Entry, tensor: tor
 def _gather_and_write(
     local, items: list[_Item], files: list[FilePlan], staging: str, rank: int, group
 ) -> BaseException | None:
-    """Every process walks the same list; each takes part where it holds or writes a tensor."""
+    """Every process walks the same list of rounds; each takes part where it holds or writes a tensor.
+
+    A round is a run of files with distinct writers whose tensors all travel in runs: their
+    pieces move at once (each writer receives its own file while sending its pieces of the
+    others'), so the writers write in parallel and each holds at most one file in flight. A file
+    with a tensor that must be gathered whole (a collective) is a round of its own, streamed
+    tensor by tensor."""
     error: BaseException | None = None
-    position = 0
     syncer = _Syncer()
-    for plan in files:
+    start = 0
+    for round_files in _rounds(files, items):
+        count = sum(len(plan.entries) for plan in round_files)
+        round_items = items[start : start + count]
+        start += count
         sink = None
-        if plan.writer == rank:
+        mine = next((plan for plan in round_files if plan.writer == rank), None)
+        if mine is not None:
             try:
-                sink = _Sink(os.path.join(staging, plan.filename), plan)
+                sink = _Sink(os.path.join(staging, mine.filename), mine)
             except Exception as exc:
                 error = exc
-        for _ in plan.entries:
-            _move(local, items[position], rank, group, sink)
-            position += 1
+        if len(round_files) == 1 and any(item.pieces is None for item in round_items):
+            for item in round_items:
+                _move(local, item, rank, group, sink)
+        else:
+            _exchange(local, round_items, rank, group, sink)
         if sink is not None:
             closed = sink.close()
             error = closed or error
@@ -362,6 +376,46 @@ def _gather_and_write(
                 syncer.submit(sink.writer.path)
     synced = syncer.finish()  # always waited for: nothing is published before the bytes are durable
     return error or synced
+
+
+def _rounds(files: list[FilePlan], items: list[_Item]) -> list[list[FilePlan]]:
+    """Consecutive files grouped while their writers differ and every tensor travels in runs."""
+    rounds: list[tuple[list[FilePlan], bool]] = []
+    position = 0
+    for plan in files:
+        in_runs = all(item.pieces is not None for item in items[position : position + len(plan.entries)])
+        position += len(plan.entries)
+        if in_runs and rounds and rounds[-1][1] and all(other.writer != plan.writer for other in rounds[-1][0]):
+            rounds[-1][0].append(plan)
+        else:
+            rounds.append(([plan], in_runs))
+    return [plans for plans, _ in rounds]
+
+
+def _exchange(local, round_items: list[_Item], rank: int, group, sink: _Sink | None) -> None:
+    """Every piece of a round at once: isend what this process holds for other writers, irecv what its
+    own file needs (posted in the same order on both ends, so gloo pairs them), then write its file
+    in order as the pieces arrive."""
+    from .._torch.shard_ranges import local_part
+
+    sends, incoming = [], []
+    for item in round_items:
+        for sender, _, count in item.pieces:
+            if rank == sender and rank != item.writer:
+                part = local_part(local[item.source]).contiguous()
+                sends.append((dist.isend(part, dst=item.writer, group=group), part))
+            elif rank == item.writer:
+                if rank == sender:
+                    incoming.append((item.entry, None, local_part(local[item.source])))
+                else:
+                    buffer = torch.empty(count, dtype=item.source_dtype)
+                    incoming.append((item.entry, dist.irecv(buffer, src=sender, group=group), buffer))
+    for entry, request, tensor in incoming:
+        if request is not None:
+            request.wait()
+        _put(sink, entry, tensor)
+    for request, _ in sends:
+        request.wait()
 
 
 def _move(local, item: _Item, rank: int, group, sink: _Sink | None) -> None:
@@ -385,7 +439,7 @@ def _move(local, item: _Item, rank: int, group, sink: _Sink | None) -> None:
         return
     # Not in runs: the holders gather it whole (a collective on its mesh); one sends it on if need be.
     value = full_tensor(local[item.source]) if rank in item.holders else None
-    if value is not None and tuple(value.shape) != item.entry.shape:  # one expert's run of fused experts
+    if value is not None and (item.offset or value.numel() != item.entry.numel):  # one run of fused experts
         value = value.reshape(-1)[item.offset : item.offset + item.entry.numel].view(item.entry.shape)
     if item.writer not in item.holders:
         if rank == item.holders[0]:
