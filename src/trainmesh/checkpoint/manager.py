@@ -429,6 +429,13 @@ class CommitRider:
         return 1.0 if self._asked is not None and self._asked.ask(self.manager.commit_within_steps) else 0.0
 
     def receive(self, total: float) -> None:
-        if self._asked is not None:
-            world = dist.get_world_size() if self.manager._distributed else 1
+        if self._asked is None:
+            return
+        world = dist.get_world_size() if self.manager._distributed else 1
+        if total >= world and self._asked is self.manager._pending:
+            # Committed here, inside the step, as soon as every rank heard that every write is done
+            # (every rank is at this same point): not at the step's end, so a crash during the step
+            # no longer costs it a checkpoint (with the step after a save: a loss of interval + 1).
+            self.manager.wait()
+        else:
             self.manager._heard = (self._asked, total >= world)
