@@ -1,5 +1,5 @@
-"""Shared by the context-parallel tests and benchmark: tiny Llama / Qwen3 models, token batches (plain and
-padded), the loss, and the one-process reference loop."""
+"""Shared by the context-parallel tests and benchmark: tiny Llama / Qwen3 models, token batches (plain,
+padded and packed), the loss, and the one-process reference loop."""
 
 from __future__ import annotations
 
@@ -84,6 +84,17 @@ def padded_data(*, left: bool, seq: int = SEQ):
         x[row, cols] = 2
         y[row, cols] = -100
     return {"input_ids": x, "attention_mask": mask}, y
+
+
+def packed_data(seq: int = SEQ):
+    """Rows of packed sequences: ``position_ids`` restart at 1 to 3 document starts per row. Returns
+    ``({"input_ids", "position_ids"}, targets)``."""
+    x, y = data(seq)
+    positions = torch.arange(seq).repeat(len(x), 1)
+    for row in range(len(x)):
+        for start in sorted({(row * 7) % 11 + 3, (row * 5) % 13 + 17}):
+            positions[row, start:] = torch.arange(seq - start)
+    return {"input_ids": x, "position_ids": positions}, y
 
 
 def lm_loss(outputs, targets):

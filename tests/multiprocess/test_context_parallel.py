@@ -3,7 +3,8 @@
 global batches.
 
 Two launches: 2 processes (seq 2: both methods, Qwen3 under full activation checkpointing, GPT-2,
-collective counts per layer, activation bytes saved for backward, evaluate, the clear errors; model 2
+packed sequences, collective counts per layer, activation bytes saved for backward, evaluate, the clear
+errors; model 2
 with sequence parallelism, and Qwen3 under plain tensor parallelism) and 4 processes (data 2 x seq 2
 with both methods and padding masks, seq 4, ZeRO-3 x seq 2 under ModelParallel, seq 2 x model 2 with
 tensor parallelism). Tolerance: 1e-6 absolute on loss and parameters after 3 AdamW steps in fp32 at
@@ -18,7 +19,18 @@ import torch
 
 from trainmesh.testing import run_distributed
 
-from cp_cases import GLOBAL_BATCH, Padded, build_model, data, lm_loss, make_optimizer, max_diff, padded_data, reference
+from cp_cases import (
+    GLOBAL_BATCH,
+    Padded,
+    build_model,
+    data,
+    lm_loss,
+    make_optimizer,
+    max_diff,
+    packed_data,
+    padded_data,
+    reference,
+)
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 transformers = pytest.importorskip("transformers")
@@ -180,6 +192,11 @@ def _errors(tm, mesh) -> dict:
         "sliding window": lambda: _train(
             build_model("mistral", sliding_window=8), tm.DataParallel(mesh, sequence_dim_name="seq"), data()
         ),
+        "packed, ring": lambda: _train(
+            Padded(build_model(use_cache=False)),
+            tm.DataParallel(mesh, sequence_dim_name="seq", context_parallel="ring"),
+            _global_batches(*packed_data()),
+        ),
         "left padding, ring": lambda: _train(
             Padded(build_model()),
             tm.DataParallel(mesh, sequence_dim_name="seq", context_parallel="ring"),
@@ -195,6 +212,7 @@ def _errors(tm, mesh) -> dict:
 
 
 PARITY_TWO = [("ulysses", "llama"), ("ring", "llama"), ("ring", "qwen3"), ("ulysses", "gpt2")]
+PACKED = [("ulysses", False), ("ring", True)]
 
 
 def _two() -> dict:
@@ -221,6 +239,12 @@ def _two() -> dict:
         out["saved"][method] = _saved_bytes(model, *local)
     x, y = data(seq=256, rows=2)
     out["saved"]["one process"] = _saved_bytes(build_model(), x, y)
+    # packed sequences: Ulysses with transformers' document mask (use_cache off); ring where no document
+    # mask applies (use_cache on: the restarting positions change only the rotary embeddings)
+    for method, use_cache in PACKED:
+        distribution = tm.DataParallel(mesh, sequence_dim_name="seq", context_parallel=method)
+        model = Padded(build_model(use_cache=use_cache))
+        out["packed", method] = _train(model, distribution, _global_batches(*packed_data()))[:2]
     out["errors"] = _errors(tm, mesh)
     out["sp"] = _sequence_parallel(tm)
     return out
@@ -252,7 +276,7 @@ def _sequence_parallel(tm) -> dict:
 
 @pytest.fixture(scope="module")
 def two():
-    return run_distributed(_two, world_size=2, timeout=300)
+    return run_distributed(_two, world_size=2, timeout=380)
 
 
 @pytest.mark.parametrize("method,family", PARITY_TWO)
@@ -306,6 +330,7 @@ def test_bad_inputs_are_clear_errors(two):
     assert "3 heads do not divide over 2" in errors["heads"]
     assert "sliding window" in errors["sliding window"]
     assert "padding at the end" in errors["left padding, ring"]
+    assert "Packed sequences" in errors["packed, ring"] and "ulysses" in errors["packed, ring"]
     assert errors == two[1]["errors"]  # every process raised the same, none waited in a collective
 
 
@@ -347,3 +372,18 @@ def test_qwen3_head_norms_under_tensor_parallelism(two):
     assert diff <= TOLERANCE, f"Qwen3 at model 2: parameters differ by {diff:.3g}"
     norms = [k for k in expected if k.endswith(("q_norm.weight", "k_norm.weight"))]
     assert norms and all((expected[k] - 1).abs().max() > 1e-4 for k in norms)  # the head norms did train
+
+
+@pytest.mark.parametrize("method,use_cache", PACKED)
+def test_packed_sequences_match_one(two, method, use_cache):
+    """position_ids that restart inside rows: one process's numbers (transformers masks across documents
+    only without a cache, which Ulysses reproduces with a document mask; ring refuses that case)."""
+    state, loss = two[0]["packed", method]
+    inputs, targets = packed_data()
+    expected, losses = reference(Padded(build_model(use_cache=use_cache)), inputs, targets)
+    assert abs(loss - sum(losses) / len(losses)) <= TOLERANCE
+    diff = max_diff(state, expected)
+    assert diff <= TOLERANCE, f"packed, {method}: parameters differ by {diff:.3g}"
+    if not use_cache:  # the document mask matters: without it one process computes something else
+        _, unmasked = reference(Padded(build_model(use_cache=True)), inputs, targets)
+        assert abs(sum(unmasked) - sum(losses)) > 1e-4

@@ -39,6 +39,8 @@ def test_split_batch_splits_tokens_and_targets_and_keeps_the_padding_mask_whole(
     assert local_inputs["input_ids"].tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
     assert local_targets.tolist() == [[102, 103, 104, 105], [110, 111, 112, 113]]
     assert local_inputs["attention_mask"].shape == (2, 8)
+    packed = {"input_ids": x, "position_ids": torch.arange(8).remainder(5).expand(2, -1)}
+    assert split.split_batch((packed, x), index=1)[0]["position_ids"].shape == (2, 8)  # kept whole
     assert split.split_batch((x, x), index=0)[0].tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]]
 
 
@@ -46,10 +48,6 @@ def test_split_batch_splits_tokens_and_targets_and_keeps_the_padding_mask_whole(
     "batch,message",
     [
         ((torch.zeros(2, 6, dtype=torch.long),) * 2, r"divisible by 2 x the axis size \(4\)"),
-        (
-            ({"input_ids": torch.zeros(2, 8, dtype=torch.long), "position_ids": torch.zeros(2, 8)}, torch.zeros(2, 8)),
-            "Packed sequences",
-        ),
         (
             ({"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8)}, torch.zeros(2, 8)),
             "labels",

@@ -17,7 +17,8 @@ compute exactly what one process computes on the whole sequence:
   **the loss** is weighted so that it is the global token mean (:func:`token_weighted_loss`).
 
 Refused by name before the first step: sliding-window attention, attention sinks, attention
-dropout, a custom 4-D mask, packed sequences, and (ring) padding that is not at the end.
+dropout, a custom 4-D mask, and under ring attention packed sequences that need a document mask and
+padding that is not at the end. Ulysses takes both: the pre-hook hands it a ``[B, 1, S, S]`` mask.
 """
 
 from __future__ import annotations
@@ -85,17 +86,24 @@ class _Call:
     context: SequenceContext
     seq_len: int
     padding: torch.Tensor | None  # [B, S] bool, sequence order, or None
+    documents: torch.Tensor | None = None  # [B, S] packed sequences' document index, or None
     _mask: torch.Tensor | None = None
 
     def mask(self, device) -> torch.Tensor | None:
-        """Causal AND (key not padding OR the diagonal): a padding query attends to itself, so no row is
-        empty (an empty row is NaN, and NaN times a zero gradient is NaN). Built once per forward."""
-        if self.padding is None:
+        """Causal AND (key not padding OR the diagonal) AND (same document): a padding query attends to
+        itself, so no row is empty (an empty row is NaN, and NaN times a zero gradient is NaN). Built once
+        per forward."""
+        if self.padding is None and self.documents is None:
             return None
         if self._mask is None:
-            causal = torch.ones(self.seq_len, self.seq_len, dtype=torch.bool, device=device).tril()
-            eye = torch.eye(self.seq_len, dtype=torch.bool, device=device)
-            self._mask = causal & (self.padding.to(device)[:, None, None, :] | eye)
+            mask = torch.ones(self.seq_len, self.seq_len, dtype=torch.bool, device=device).tril()[None, None]
+            if self.padding is not None:
+                eye = torch.eye(self.seq_len, dtype=torch.bool, device=device)
+                mask = mask & (self.padding.to(device)[:, None, None, :] | eye)
+            if self.documents is not None:
+                docs = self.documents.to(device)
+                mask = mask & (docs[:, None, :, None] == docs[:, None, None, :])
+            self._mask = mask
         return self._mask
 
 
@@ -218,11 +226,9 @@ def _pre_hook(context: SequenceContext, module, args, kwargs):
         )
     local = tokens.shape[1]
     seq_len = local * context.split.axis_size
-    if kwargs.get("position_ids") is not None:
-        raise ValueError(
-            "Packed sequences (position_ids) are not supported over a sequence axis yet. Received: position_ids"
-        )
+    given = kwargs.get("position_ids")
     padding = kwargs.pop("attention_mask", None)
+    documents = _documents(module, kwargs, given, padding, seq_len, tokens.shape[0], context.method)
     if padding is not None:
         if padding.dim() != 2 or padding.shape[1] != seq_len:
             raise ValueError(
@@ -240,10 +246,46 @@ def _pre_hook(context: SequenceContext, module, args, kwargs):
                 "left padding. Received: an attention_mask with padding before real tokens"
             )
     positions, _, _ = context.layout(seq_len, tokens.device)
-    kwargs["position_ids"] = positions.unsqueeze(0).expand(tokens.shape[0], -1)
+    if given is None:
+        kwargs["position_ids"] = positions.unsqueeze(0).expand(tokens.shape[0], -1)
+    else:  # packed sequences: the user's positions (restarting), this process's columns of them
+        kwargs["position_ids"] = given.expand(tokens.shape[0], -1).index_select(1, positions.to(given.device))
     kwargs["attention_mask"] = _PREPARED_MASK.to(tokens.device)
-    kwargs["trainmesh_sequence"] = _Call(context, seq_len, padding)
+    kwargs["trainmesh_sequence"] = _Call(context, seq_len, padding, documents)
     return args, kwargs
+
+
+def _documents(module, kwargs, given, padding, seq_len: int, batch: int, method: str) -> torch.Tensor | None:
+    """Packed sequences' document index ``[B, S]`` where one process's transformers would mask across
+    documents, else None. transformers does so (``masking_utils.find_packed_sequence_indices``) only when
+    no attention mask is passed and no cache is in use: ``use_cache`` (the config's by default) off, or
+    turned off by gradient checkpointing; with a cache, restarting positions only change the rotary
+    embeddings, which the positions handed on reproduce."""
+    if given is None:
+        return None
+    if given.dim() != 2 or given.shape[1] != seq_len or given.shape[0] not in (1, batch):
+        raise ValueError(
+            f"Over a sequence axis, position_ids are the whole [batch, {seq_len}] positions (kept whole by the "
+            f"split). Received: position_ids of shape {tuple(given.shape)}"
+        )
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(getattr(module, "config", None), "use_cache", False)
+    checkpointed = any(getattr(m, "gradient_checkpointing", False) is True for m in module.modules())
+    if padding is not None or kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        return None
+    if use_cache and not (checkpointed and torch.is_grad_enabled()):
+        return None
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    documents = find_packed_sequence_indices(given.expand(batch, -1))
+    if documents is not None and method == "ring":
+        raise ValueError(
+            "Packed sequences (position_ids that restart, without an attention mask or cache) need a "
+            "document mask, which ring attention does not take; use context_parallel='ulysses'. "
+            "Received: position_ids restarting inside a row"
+        )
+    return documents
 
 
 # --- applying it -----------------------------------------------------------------------------

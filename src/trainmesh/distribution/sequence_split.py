@@ -15,8 +15,8 @@ gives every process the same work. This is the order torch's ring templates expe
 What is split, of an ``(inputs, targets)`` batch:
 
 * ``inputs``: a ``[batch, seq]`` tensor of token ids, or a dict holding ``input_ids`` (split)
-  and optionally ``attention_mask`` (a 2-D padding mask, kept whole: attention needs it for
-  every key, and it is small);
+  and optionally ``attention_mask`` (a 2-D padding mask) and ``position_ids`` (packed sequences:
+  positions that restart), both kept whole: attention needs them for every key, and they are small;
 * ``targets``: ``[batch, seq, ...]`` labels, already aligned with the inputs (shifted by one
   before the split, as ``(tokens[:, :-1], tokens[:, 1:])``), split like the inputs.
 
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 METHODS = ("ring", "ulysses", "auto")
+WHOLE = ("attention_mask", "position_ids")  # inputs every process keeps whole
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,11 +115,6 @@ class SequenceSplit:
         if torch.is_tensor(inputs):
             return _take(inputs, keep, seq_len, "inputs")
         if isinstance(inputs, dict):
-            if inputs.get("position_ids") is not None:
-                raise ValueError(
-                    "Packed sequences (position_ids given with the inputs) are not supported over a "
-                    "sequence axis yet: the positions are made global by trainmesh. Received: position_ids"
-                )
             if "labels" in inputs:
                 raise ValueError(
                     "Pass labels as the targets of an (inputs, targets) batch, shifted by one, not inside "
@@ -126,8 +122,9 @@ class SequenceSplit:
                 )
             out = {}
             for key, value in inputs.items():
-                # the padding mask stays whole: attention needs every key's, and it is B x S bits
-                out[key] = value if key == "attention_mask" else _take(value, keep, seq_len, key)
+                # the padding mask and packed sequences' positions stay whole: attention needs every key's,
+                # and they are B x S numbers (the model is handed this process's positions from them)
+                out[key] = value if key in WHOLE else _take(value, keep, seq_len, key)
             return out
         raise TypeError(
             f"Inputs split over a sequence axis are a token tensor or a dict of them. Received: {type(inputs).__name__}"
