@@ -400,13 +400,15 @@ def _exchange(local, round_items: list[_Item], rank: int, group, sink: _Sink | N
 
     sends, incoming = [], []
     for item in round_items:
-        for sender, _, count in item.pieces:
+        for sender, start, count in item.pieces:
             if rank == sender and rank != item.writer:
-                part = local_part(local[item.source]).contiguous()
+                part = _piece(local_part(local[item.source]), item, rank, start, count).contiguous()
                 sends.append((dist.isend(part, dst=item.writer, group=group), part))
             elif rank == item.writer:
                 if rank == sender:
-                    incoming.append((item.entry, None, local_part(local[item.source])))
+                    incoming.append(
+                        (item.entry, None, _piece(local_part(local[item.source]), item, rank, start, count))
+                    )
                 else:
                     buffer = torch.empty(count, dtype=item.source_dtype)
                     incoming.append((item.entry, dist.irecv(buffer, src=sender, group=group), buffer))
@@ -418,6 +420,13 @@ def _exchange(local, round_items: list[_Item], rank: int, group, sink: _Sink | N
         request.wait()
 
 
+def _piece(flat: torch.Tensor, item: _Item, rank: int, start: int, count: int) -> torch.Tensor:
+    """The elements ``[start, start + count)`` of ``item`` out of this process's flat run of its source: all
+    of the run for a whole tensor; a slice of it for one expert of fused experts (``item.offset``)."""
+    first = item.offset + start - item.ranges[rank][0]
+    return flat[first : first + count]
+
+
 def _move(local, item: _Item, rank: int, group, sink: _Sink | None) -> None:
     from .._torch.shard_ranges import full_tensor, local_part
 
@@ -426,8 +435,7 @@ def _move(local, item: _Item, rank: int, group, sink: _Sink | None) -> None:
         for sender, start, count in item.pieces:
             part = None
             if rank == sender:
-                first = item.offset + start - item.ranges[rank][0]  # of this item's piece, in the local run
-                part = local_part(local[item.source])[first : first + count]
+                part = _piece(local_part(local[item.source]), item, rank, start, count)
                 if writing:
                     _put(sink, item.entry, part)
                 else:
