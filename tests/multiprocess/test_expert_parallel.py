@@ -296,12 +296,27 @@ def test_auxiliary_loss_is_the_global_batch_s(loop_results):
     assert all(abs(v - next(iter(global_values))) > 1e-4 for v in local_values)
 
 
-def test_save_pretrained_from_ep2_loads_in_transformers(loop_results):
-    """``tm.save_pretrained`` of the EP 2 model writes whole experts that plain ``from_pretrained`` reads back
-    exactly (the same tensors as the gathered state)."""
+def test_save_pretrained_from_ep2_loads_in_transformers(loop_results, tmp_path):
+    """``tm.save_pretrained`` of the EP 2 model writes the names transformers' own ``save_pretrained`` writes
+    (per-expert ``experts.{e}.gate_proj.weight``, ..., each written from the process holding that expert), and
+    plain ``from_pretrained`` reads them back exactly (the same tensors as the gathered state)."""
+    import glob
+
     import transformers
+    from safetensors import safe_open
+
+    def names(directory):
+        found = set()
+        for path in glob.glob(f"{directory}/*.safetensors"):
+            with safe_open(path, "pt") as f:
+                found |= set(f.keys())
+        return found
 
     results, _ = loop_results
+    moe_model("qwen3_moe").save_pretrained(tmp_path / "hf")
+    written = names(results[0]["save_dir"])
+    assert written == names(tmp_path / "hf")
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in written
     loaded = transformers.AutoModelForCausalLM.from_pretrained(results[0]["save_dir"], dtype="float32")
     state = loaded.state_dict()
     want = results[0][("qwen3_moe", "")]["params"]
