@@ -186,3 +186,14 @@ def test_a_wal_record_of_a_session_frame_authenticates_alone():
     assert again.seq == 3 and torch.equal(again.tensors["g"], torch.arange(6.0))
     with pytest.raises(AuthenticationError):
         decode(record, b"another")
+
+
+def test_a_stop_before_the_loop_starts_still_stops_the_server():
+    # The parent watchdog of a server whose launcher died during its start-up calls stop() once,
+    # before serve_forever: the server must not then serve forever as an orphan.
+    server = ParameterServer(InProcessHub().server("s0"), server_id="s0", secret=SECRET)
+    server.stop()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    thread.join(5)
+    assert not thread.is_alive()

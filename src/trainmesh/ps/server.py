@@ -116,12 +116,15 @@ class ParameterServer:
         # Who authenticated on which connection (the handshake, session.py); None: no secret.
         self.sessions = ServerSessions(secret, server_id) if secret is not None else None
         self._running = False
+        self._stop_requested = False
         self.counters["replayed"] = self.state.recover(self._mutate)
 
     # -- the loop ---------------------------------------------------------------------------
 
     def serve_forever(self) -> None:
-        self._running = True
+        # A stop asked for before the loop started (a launcher that died while this server was
+        # still starting: its parent watchdog fires once) must still stop it, not be overwritten.
+        self._running = not self._stop_requested
         try:
             while self._running:
                 received = self.transport.recv(self.poll_s)
@@ -134,6 +137,7 @@ class ParameterServer:
             self.state.close()
 
     def stop(self) -> None:
+        self._stop_requested = True
         self._running = False
 
     def handle(self, peer, frame) -> None:
