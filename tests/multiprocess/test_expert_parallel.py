@@ -21,6 +21,8 @@ data parallelism) grows to lr x 1e-4 in the weights; at lr 1e-2 that was 1.3e-6 
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -150,6 +152,8 @@ def loop_results(tmp_path_factory):
     checkpoint_dir = str(tmp_path_factory.mktemp("ep2_checkpoint"))
     results = run_distributed(_loop_cases, world_size=2, args=(save_dir, checkpoint_dir), timeout=400)
     results[0]["save_dir"], results[0]["checkpoint_dir"] = save_dir, checkpoint_dir
+    # the EP 2 checkpoint as launch 1 left it (the 4-process test resumes from checkpoint_dir and saves there)
+    results[0]["ep2_checkpoint_copy"] = shutil.copytree(checkpoint_dir, tmp_path_factory.mktemp("ep2_copy") / "c")
     return results, {case: reference(case[0], skew=case[1] == "skewed", aux=case[1] == "aux") for case in LOOP_CASES}
 
 
@@ -328,8 +332,6 @@ def test_ep2_checkpoint_resumes_on_one_process(loop_results, tmp_path):
     """Launch 1's sharded checkpoint (EP 2: each process wrote its own experts and their AdamW state)
     loaded by one process with whole experts (EP 1) for the second epoch: one process's two epochs.
     A copy, so that this process's own saves leave launch 1's directory as it was."""
-    import shutil
-
     import trainmesh as tm
 
     class CountSteps(tm.Callback):
@@ -338,7 +340,7 @@ def test_ep2_checkpoint_resumes_on_one_process(loop_results, tmp_path):
         def on_train_batch_end(self, step, logs=None):
             CountSteps.ran += 1
 
-    checkpoint_dir = shutil.copytree(loop_results[0][0]["checkpoint_dir"], tmp_path / "ep2")
+    checkpoint_dir = shutil.copytree(loop_results[0][0]["ep2_checkpoint_copy"], tmp_path / "ep2")
     trainer = tm.Trainer(
         moe_model("qwen3_moe"),
         make_optimizer,
