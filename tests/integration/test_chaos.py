@@ -40,7 +40,10 @@ def test_quick_chaos_run_loses_nothing(tmp_path):
         if "skipped" in run:
             continue
         assert run["exit_code"] == 0 and not run["timed_out"], run
-        assert run["attempts"] >= 2, run  # the fault really struck and the job really restarted
+        if run["kind"] == "disk_full":  # issue 47: the failed save is reported, training goes on, no restart
+            assert run["attempts"] == 1 and run["not_saved"] >= 1, run
+        else:
+            assert run["attempts"] >= 2, run  # the fault really struck and the job really restarted
         assert run["resumed_newest_valid"], run  # no more progress lost than the checkpoints allow
         assert run["identical"], run
         if run["kind"] == "sigstop":
@@ -49,8 +52,6 @@ def test_quick_chaos_run_loses_nothing(tmp_path):
             assert run["skipped_warnings"] >= 1, run  # the damaged checkpoint was named, not skipped silently
     assert figures["chaos_identical_fraction"] == 1.0, proc.stdout
     assert figures["chaos_silent_fresh_starts"] == 0, proc.stdout
-    # Issue 35's goal is <= INTERVAL. An async save commits at the first step boundary where every
-    # rank's write is done, at the latest when the next save starts, so a fault that lands between a
-    # save and its commit falls back one checkpoint further: the bound that holds is 2 intervals
-    # (see benchmarks/README.md, "chaos.py").
-    assert figures["chaos_max_lost_steps"] <= 2 * INTERVAL, proc.stdout
+    # Issue 35's goal: an async save is committed within the step after it at the latest (issue 47),
+    # so a fault loses at most one interval.
+    assert figures["chaos_max_lost_steps"] <= INTERVAL, proc.stdout
