@@ -3,8 +3,9 @@
 1. A model that ships its own plan (transformers: ``config.base_model_tp_plan`` for the base
    model, the class's ``_tp_plan`` for the head) gets that plan, translated to layouts:
    "colwise" -> weight ``(model, None)``, "rowwise" -> ``(None, model)`` (torch's Linear
-   weights are out x in). Entries of other kinds (sequence parallel, expert parallel, ...)
-   are left out, and said so.
+   weights are out x in). "replicated_with_grad_allreduce" modules (Qwen3's q/k norms) stay
+   replicated and ``_torch/partial_grads.py`` sums their partial gradients over the model axis.
+   Entries of other kinds (sequence parallel, expert parallel, ...) are left out, and said so.
 2. Otherwise the plan is derived from the module tree: inside each repeated block, a module
    with two or more Linear/Conv1D children is an attention or MLP unit whose last child is the
    output projection (row-wise) and whose other children are input projections (column-wise),
@@ -70,7 +71,10 @@ def _from_shipped_plan(model: nn.Module, axis: str, notes: list[str]) -> dict[st
         for key, style in plan.items():
             kind = {"colwise": "colwise", "colwise_gather_output": "colwise", "rowwise": "rowwise"}.get(style)
             if kind is None:
-                notes.append(f"{key}: {style!r} left out (trainmesh applies colwise and rowwise entries)")
+                if style == "replicated_with_grad_allreduce":  # stays replicated; _torch/partial_grads.py
+                    notes.append(f"{key}: replicated, its partial gradients summed over the model axis")
+                else:
+                    notes.append(f"{key}: {style!r} left out (trainmesh applies colwise and rowwise entries)")
                 continue
             styles[_hf_pattern(plan_prefix, key)] = kind
     return styles
