@@ -161,7 +161,14 @@ def test_async_sgd_applies_every_pushed_gradient_exactly_once(fault, run):
         for name, value in _expected(results).items():
             assert torch.allclose(final[name], value, atol=1e-5), (name, (final[name] - value).abs().max())
         servers = results[0]["stats"]["servers"]
-        assert all(s["rejected"] == 0 for s in servers)
+        if fault:
+            # Connections authenticate once (ps/session.py). A handshake frame the injector dropped or
+            # duplicated leaves frames the server cannot authenticate: they are refused unread, and the
+            # client hands over again and resends them, so every push above still counts exactly once.
+            # No authenticated request may be refused.
+            assert all(s["rejected"] == s["unauthenticated"] for s in servers), servers
+        else:
+            assert all(s["rejected"] == 0 for s in servers), servers
         print("worker seconds:", [round(r["seconds"], 2) for r in results])
         if fault:
             duplicates = sum(s["duplicates"] for r in results for s in r["stats"]["servers"])
