@@ -352,29 +352,31 @@ def _gather_and_write(
     tensor by tensor."""
     error: BaseException | None = None
     syncer = _Syncer()
-    start = 0
-    for round_files in _rounds(files, items):
-        count = sum(len(plan.entries) for plan in round_files)
-        round_items = items[start : start + count]
-        start += count
-        sink = None
-        mine = next((plan for plan in round_files if plan.writer == rank), None)
-        if mine is not None:
-            try:
-                sink = _Sink(os.path.join(staging, mine.filename), mine)
-            except Exception as exc:
-                error = exc
-        if len(round_files) == 1 and any(item.pieces is None for item in round_items):
-            for item in round_items:
-                _move(local, item, rank, group, sink)
-        else:
-            _exchange(local, round_items, rank, group, sink)
-        if sink is not None:
-            closed = sink.close()
-            error = closed or error
-            if closed is None:
-                syncer.submit(sink.writer.path)
-    synced = syncer.finish()  # always waited for: nothing is published before the bytes are durable
+    try:  # a failed collective still waits for the fsyncs already handed to the thread
+        start = 0
+        for round_files in _rounds(files, items):
+            count = sum(len(plan.entries) for plan in round_files)
+            round_items = items[start : start + count]
+            start += count
+            sink = None
+            mine = next((plan for plan in round_files if plan.writer == rank), None)
+            if mine is not None:
+                try:
+                    sink = _Sink(os.path.join(staging, mine.filename), mine)
+                except Exception as exc:
+                    error = exc
+            if len(round_files) == 1 and any(item.pieces is None for item in round_items):
+                for item in round_items:
+                    _move(local, item, rank, group, sink)
+            else:
+                _exchange(local, round_items, rank, group, sink)
+            if sink is not None:
+                closed = sink.close()
+                error = closed or error
+                if closed is None:
+                    syncer.submit(sink.writer.path)
+    finally:
+        synced = syncer.finish()  # always waited for: nothing is published before the bytes are durable
     return error or synced
 
 
