@@ -52,7 +52,7 @@ def _error_of(fn) -> str | None:
 
 def _save_everything(root: str) -> dict:
     import trainmesh as tm
-    from trainmesh.checkpoint import hf_layout, hf_save
+    from trainmesh.checkpoint import hf_layout, hf_save_transfer
 
     out: dict = {}
     for family in FAMILIES:
@@ -65,7 +65,7 @@ def _save_everything(root: str) -> dict:
     # A writer fails on its second tensor (rank 1 writes every other file): into a new folder, and over
     # the complete GPT-2 folder saved above, which must stay as it was.
     model = _distribute(build_model("gpt2", n_layer=2), "zero3")
-    original, calls = hf_save._write_tensor, [0]
+    original, calls = hf_save_transfer._write_tensor, [0]
 
     def failing_writer(writer, entry, tensor):
         calls[0] += 1
@@ -73,7 +73,7 @@ def _save_everything(root: str) -> dict:
             raise OSError("No space left on device (injected)")
         return original(writer, entry, tensor)
 
-    hf_save._write_tensor = failing_writer
+    hf_save_transfer._write_tensor = failing_writer
     try:
         for name in ("crash-new", "gpt2-dp"):
             calls[0] = 0
@@ -81,7 +81,7 @@ def _save_everything(root: str) -> dict:
                 lambda: tm.save_pretrained(model, os.path.join(root, name), max_shard_size=SMALL)
             )
     finally:
-        hf_save._write_tensor = original
+        hf_save_transfer._write_tensor = original
 
     # Dying mid-commit, just before the new index goes in: the old checkpoint is gone, the new one is not in.
     path = os.path.join(root, "crash-commit")
