@@ -39,6 +39,7 @@ from torch import nn
 
 from .dry_run import RankResult, run_rank
 from .hardware import Hardware, axis_seconds, resolve_hardware
+from .experts import apply_expert_parallel, check_plan as check_expert_plan
 from .mesh_spec import MeshSpec
 from .op_costs import price
 from .meta_model import build_meta_model
@@ -333,8 +334,10 @@ def plan_parallel(
     grad_accum_steps: int = 1,
     microbatches: int | None = None,
     schedule: str = "1f1b",
+    expert_parallel_size: int | None = None,
 ) -> ParallelPlan:
-    """Dry-run ``model`` on an N-rank ``mesh`` and price it; see the module docstring."""
+    """Dry-run ``model`` on an N-rank ``mesh`` and price it; see the module docstring. ``expert_parallel_size``:
+    a mixture of experts' experts split over that many processes of the batch axis (``experts.py``)."""
     spec = MeshSpec.parse(mesh, world_size)  # bad meshes fail here, before anything is built
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0..3. Received: zero_stage={zero_stage!r}")
@@ -347,6 +350,8 @@ def plan_parallel(
     name = model if isinstance(model, str) else getattr(model, "__name__", type(model).__name__)
     meta = build_meta_model(model if isinstance(model, nn.Module) else model_factory(model))
     shape = {**model_shape(meta), "seq": seq_len}
+    if expert_parallel_size:  # before any dry run: a bad EP size or a model without experts
+        check_expert_plan(meta, spec, expert_parallel_size, zero_stage)
     pipe = spec.size(spec.pipe_axis)
     microbatches = microbatches or (2 * pipe if pipe > 1 else 1)
     ranks: list[RankResult] = []
@@ -368,6 +373,15 @@ def plan_parallel(
             boundary=boundary,
         )
         boundary = boundary or result.boundary
+        if expert_parallel_size:
+            result = apply_expert_parallel(
+                result,
+                meta,
+                spec,
+                expert_parallel_size=expert_parallel_size,
+                zero_stage=zero_stage,
+                precision=precision,
+            )
         ranks.append(result)
     dp = spec.size(spec.batch_axis)
     tokens = micro_batch * (seq_len or 0) * dp * (microbatches if pipe > 1 else 1) / world_size if seq_len else None

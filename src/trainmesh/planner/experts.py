@@ -1,0 +1,113 @@
+"""Expert parallelism in a plan: what a process holds of a mixture of experts' expert weights when they
+are split over ``expert_parallel_size`` (EP) processes of the batch axis.
+
+The dry run (``dry_run.py``) runs the model's experts as any other layer: replicated over the batch
+axis, or, under ZeRO-3, every expert tensor sharded on dim 0 over the whole axis. Under EP
+(``LayoutMap.auto(..., expert_axis=<batch axis>, expert_parallel_size=EP)``) a process holds
+``num_experts / EP`` whole experts, and ZeRO-3 shards those only over the ``batch / EP`` processes that
+hold the same experts (FSDP2's dim-0 shard, the remainder padded: ``ceil(rows / n)`` rows each). The
+token dispatch's data-dependent shapes (each step's counts are read on the host) do not run on fake
+tensors, so the dry run is not asked to run it: this module replaces the dry run's expert bytes with
+EP's, for the parameters, their gradients (same shards, same dtype) and the optimizer's state (the
+dry run's own state bytes per parameter byte: 2 for Adam, 1 for SGD with momentum). Dense layers keep
+the dry run's figures.
+
+Found by the same structure ``LayoutMap.auto`` uses (``distribution.expert_layout.find_experts``).
+ZeRO-1/2 partition whole tensors across the axis by size (``ZeroRedundancyOptimizer``), which no
+formula of rows follows, so a plan with EP takes stage 0 or 3 and says so otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from torch import nn
+
+from trainmesh.distribution.expert_layout import check_divisible, check_expert_parallel_size, find_experts
+
+from .mesh_spec import MeshSpec
+
+
+def _rows(rows: int, shards: int) -> int:
+    return math.ceil(rows / shards)
+
+
+def expert_bytes(
+    meta_model: nn.Module, spec: MeshSpec, *, expert_parallel_size: int | None, zero_stage: int, precision: str
+) -> dict[str, tuple[int, int]]:
+    """``{"all": (dry, held), "trainable": (dry, held), "numel": (dry, held)}``: bytes of the expert parameters the dry run's rank
+    holds and the bytes it holds under EP, for the rank with the largest shards (coordinate 0); the
+    trainable ones alone have gradients and optimizer state; "numel" counts elements. EP None or 1: dry == held."""
+    batch = spec.size(spec.batch_axis)
+    ep = expert_parallel_size or 1
+    zero = zero_stage == 3
+    totals = {"all": [0, 0], "trainable": [0, 0], "numel": [0, 0]}
+    for experts in find_experts(meta_model)[0]:
+        module = meta_model.get_submodule(experts.path)
+        for name in experts.param_names:
+            param = getattr(module, name)
+            element = 2 if precision == "bf16-true" else param.element_size()
+            row = param[0].numel() * element  # one expert's bytes
+            rows = param.shape[0]
+            dry = _rows(rows, batch if zero else 1) * row
+            held = _rows(rows // ep, batch // ep if zero else 1) * row
+            for key in ("all", "trainable") if param.requires_grad else ("all",):
+                totals[key][0] += dry
+                totals[key][1] += held
+            totals["numel"][0] += dry // element
+            totals["numel"][1] += held // element
+    return {key: (dry, held) for key, (dry, held) in totals.items()}
+
+
+def check_plan(meta_model: nn.Module, spec: MeshSpec, expert_parallel_size: int, zero_stage: int) -> None:
+    """ValueError, before any dry run, for an EP plan this module cannot count: naming what is wrong."""
+    axis = spec.batch_axis
+    for extra in (spec.model_axis, spec.pipe_axis):
+        if extra and spec.size(extra) > 1:
+            raise ValueError(
+                f"expert_parallel_size is planned over the batch axis {axis!r} of a mesh without a model or "
+                f"pipe axis; this mesh has {extra}={spec.size(extra)}. Received: mesh={spec.text()!r}"
+            )
+    if zero_stage in (1, 2):
+        raise ValueError(
+            "expert_parallel_size is planned with zero_stage 0 or 3: ZeRO-1/2 partition whole tensors by "
+            f"size, not expert rows. Received: zero_stage={zero_stage}"
+        )
+    ep = check_expert_parallel_size(expert_parallel_size, axis, spec.size(axis))
+    found = find_experts(meta_model)[0]
+    if not found:
+        raise ValueError(
+            f"expert_parallel_size={expert_parallel_size} needs a model with experts modules; "
+            f"{type(meta_model).__name__} has none. Received: expert_parallel_size={expert_parallel_size}"
+        )
+    for experts in found:
+        check_divisible(experts, axis, ep, spec.size(axis))
+
+
+def apply_expert_parallel(
+    result, meta_model: nn.Module, spec: MeshSpec, *, expert_parallel_size: int, zero_stage: int, precision: str
+):
+    """``result`` (a dry run's ``RankResult``) with its expert parameters, gradients and optimizer state
+    counted at EP's shares; a note says how many expert bytes moved."""
+    counted = expert_bytes(
+        meta_model, spec, expert_parallel_size=expert_parallel_size, zero_stage=zero_stage, precision=precision
+    )
+    (dry, held), (dry_trained, held_trained) = counted["all"], counted["trainable"]
+    if dry == held:
+        return result
+    # the dry run's optimizer state bytes per gradient byte: 2 for Adam (exp_avg, exp_avg_sq), 1 for momentum
+    states = round(result.optimizer / result.grads) if result.grads else 0
+    trained = held_trained - dry_trained
+    note = (
+        f"experts: {expert_parallel_size}-way expert parallelism over {spec.batch_axis!r}: "
+        f"{held:,} expert parameter bytes per process instead of {dry:,}"
+    )
+    return dataclasses.replace(
+        result,
+        params=result.params + held - dry,
+        grads=result.grads + trained,
+        optimizer=result.optimizer + states * trained,
+        num_parameters_local=result.num_parameters_local + counted["numel"][1] - counted["numel"][0],
+        notes=[*result.notes, note],
+    )

@@ -1,0 +1,81 @@
+"""The planner's expert-parallel counts (``planner/experts.py``), in one process: expert bytes per process
+under EP, with and without ZeRO-3, and the clear errors raised before any dry run. The comparison with a
+real EP model's bytes per process is in tests/multiprocess/test_expert_parallel.py (its 4-process launch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainmesh.planner.experts import check_plan, expert_bytes
+from trainmesh.planner.mesh_spec import MeshSpec
+from trainmesh.planner.parallel import plan_parallel
+
+pytestmark = pytest.mark.timeout(120)
+transformers = pytest.importorskip("transformers")
+
+HIDDEN, MOE_INTERMEDIATE, LAYERS = 16, 8, 2
+
+
+def _qwen3_moe(num_experts: int = 8):
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=32,
+        hidden_size=HIDDEN,
+        intermediate_size=32,
+        moe_intermediate_size=MOE_INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=num_experts,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    with torch.device("meta"):
+        return transformers.Qwen3MoeForCausalLM(config).float()
+
+
+def test_expert_bytes_per_process():
+    model = _qwen3_moe(num_experts=8)
+    per_expert = 3 * HIDDEN * MOE_INTERMEDIATE * 4  # gate, up and down projections, fp32
+    whole = LAYERS * 8 * per_expert
+    spec = MeshSpec.parse("data=4", 4)
+    counted = expert_bytes(model, spec, expert_parallel_size=2, zero_stage=0, precision="bf16-mixed")
+    assert counted["all"] == (whole, whole // 2)  # replicated in the dry run; half the experts under EP 2
+    assert counted["trainable"] == counted["all"]
+    assert counted["numel"] == (whole // 4, whole // 8)
+    # ZeRO-3: the dry run shards each expert tensor over all 4; EP 4 holds 2 whole experts, unsharded
+    assert expert_bytes(model, spec, expert_parallel_size=4, zero_stage=3, precision="32")["all"] == (whole // 4,) * 2
+    # EP 2 x ZeRO-3 on 8: 4 experts per group, sharded over the 4 processes holding them; bf16-true halves
+    spec8 = MeshSpec.parse("data=8", 8)
+    assert expert_bytes(model, spec8, expert_parallel_size=2, zero_stage=3, precision="bf16-true")["all"] == (
+        whole // 16,
+        whole // 16,
+    )
+    # frozen experts (layer 0's): held, but without gradients or optimizer state
+    frozen = _qwen3_moe(num_experts=8)
+    for name, param in frozen.named_parameters():
+        param.requires_grad_(".experts." not in name or "layers.0." not in name)
+    counted = expert_bytes(frozen, spec, expert_parallel_size=2, zero_stage=0, precision="32")
+    assert counted["trainable"] == (whole // 2, whole // 4)  # layer 1's experts only: gradients and state
+
+
+def test_bad_expert_plans_are_refused_before_any_dry_run():
+    moe = _qwen3_moe(num_experts=8)
+    with pytest.raises(ValueError, match=r"holds 6 experts, which do not divide over mesh axis 'data' of size 4"):
+        check_plan(_qwen3_moe(num_experts=6), MeshSpec.parse("data=4", 4), 4, 0)
+    with pytest.raises(ValueError, match="positive divisor"):
+        check_plan(moe, MeshSpec.parse("data=4", 4), 3, 0)
+    with pytest.raises(ValueError, match="zero_stage 0 or 3"):
+        check_plan(moe, MeshSpec.parse("data=4", 4), 2, 1)
+    with pytest.raises(ValueError, match="model=2"):
+        check_plan(moe, MeshSpec.parse("data=2,model=2", 4), 2, 0)
+    with torch.device("meta"):
+        dense = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+            )
+        )
+    with pytest.raises(ValueError, match="has none"):
+        plan_parallel(dense, world_size=2, expert_parallel_size=2, hardware=None)
