@@ -78,14 +78,23 @@ def is_write_error(exc: BaseException | None) -> bool:
     """An OSError (ENOSPC, EFBIG, EROFS, ...), directly, as one rank's failure in DCP's
     ``CheckpointException`` (which carries every failed rank's exception), or behind the error it
     caused (``torch.save``'s zip writer fails with a RuntimeError while handling the OSError)."""
-    if exc is None:
-        return False
-    if isinstance(exc, OSError):
-        return True
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        return all(isinstance(pair[0] if isinstance(pair, tuple) else pair, OSError) for pair in failures.values())
-    return is_write_error(exc.__cause__ or exc.__context__)
+    for link in _chain(exc):
+        if isinstance(link, OSError):
+            return True
+        failures = getattr(link, "failures", None)
+        if isinstance(failures, dict) and failures:
+            return all(isinstance(pair[0] if isinstance(pair, tuple) else pair, OSError) for pair in failures.values())
+    return False
+
+
+def _chain(exc: BaseException | None):
+    """``exc``, then the error it was raised from or while handling, and so on (each once: a chain
+    can loop when an error is re-raised while handling itself)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
 
 
 def outcome(error: BaseException | None) -> int:
@@ -133,10 +142,7 @@ def _unwrap(failure) -> BaseException:
 
 def _disk_cause(exc: BaseException) -> BaseException:
     """The OSError behind ``exc`` where there is one (the message a user can act on), else ``exc``."""
-    seen = exc
-    while seen is not None and not isinstance(seen, OSError):
-        seen = seen.__cause__ or seen.__context__
-    return seen if seen is not None else exc
+    return next((link for link in _chain(exc) if isinstance(link, OSError)), exc)
 
 
 def _errors_by_rank(error: BaseException | None, rank: int) -> dict[int, str]:
