@@ -4,8 +4,12 @@ Every process counts the (token, expert) pairs it routes in each MoE layer (the 
 ``bincount``, ``_torch/expert_parallel.py``). The global count of a step is the sum over the processes
 that hold different tokens, which the Trainer already all-reduces once per step: the loss check
 (``loss_tracking.py``). The counts ride in that all-reduce (one rider per layer and expert), so the
-figures cost no collective of their own. Without that check (``nonfinite_loss=None``) nothing rides
-and no figure is logged.
+figures cost no collective of their own.
+
+Without that check (``nonfinite_loss=None``) there is no per-step collective to ride on: the step's
+counts are then summed by one small all-reduce of their own, on the steps the Trainer logs only
+(``log_every_n_steps``, and an epoch's last step), so the unchecked mode keeps its point (no per-step
+host sync) on every other step. Every process logs the same steps, so they all join it.
 
 Logged per step:
 
@@ -22,6 +26,8 @@ from typing import Any
 import torch
 
 from trainmesh import runtime
+
+from trainmesh._torch.reduce import all_reduce_small
 
 from .loss_tracking import add_rider, remove_rider
 
@@ -54,15 +60,20 @@ class ExpertLoad:
         holders = getattr(distribution, "data_parallel_size", 1) * _sequence_size(distribution)
         self.copies = max(runtime.world_size() // max(holders, 1), 1)
         self.riders = [_Rider(self, i) for i in range(self.local.numel())]
+        self.checked = True  # riding on the loss check (start() says)
 
     def __bool__(self) -> bool:
         return bool(self.states)
 
-    def start(self) -> None:
+    def start(self, checked: bool = True) -> None:
+        """``checked``: the Trainer all-reduces the loss every step (``nonfinite_loss`` set); the counts
+        ride on it. Otherwise :meth:`step_record` reduces them itself on logged steps."""
         for state in self.states:
             state.train_tokens.zero_()
-        for rider in self.riders:
-            add_rider(rider)
+        self.checked = checked
+        if checked:
+            for rider in self.riders:
+                add_rider(rider)
 
     def stop(self) -> None:
         for rider in self.riders:
@@ -73,8 +84,13 @@ class ExpertLoad:
         for state in self.states:
             state.train_tokens.zero_()
 
-    def step_record(self) -> dict[str, Any]:
-        """The last checked step's figures (empty before one, or without experts)."""
+    def step_record(self, logged: bool = True) -> dict[str, Any]:
+        """The last checked step's figures (empty before one, or without experts). Unchecked, the step's
+        own counts, reduced here when ``logged`` (the same on every process); empty otherwise."""
+        if self.states and not self.checked:
+            self.take_local()  # this step's counts only: the next step starts from zero
+            if logged:
+                self.totals = all_reduce_small(self.local.clone())
         if not self.states or bool(torch.isnan(self.totals).any()):
             return {}
         counts = (self.totals / self.copies).round().view(len(self.states), -1)

@@ -233,7 +233,7 @@ class Trainer(TrainerState):
             if self.config.log_dir and self.is_main_process
             else None
         )
-        self._expert_load.start()
+        self._expert_load.start(checked=self.config.nonfinite_loss is not None)  # else it reduces on logged steps
         try:
             if self._fault_tolerance is not None:  # joins the Lighthouse; a group behind heals at its first step
                 self._ft = TrainerReplicaGroups(self, self._fault_tolerance)
@@ -323,17 +323,18 @@ class Trainer(TrainerState):
                 if diagnosed is None:
                     raise
                 raise diagnosed from error
+            last = sized and step + 1 == num_steps
+            logged = (self.global_step % self.config.log_every_n_steps == 0) or last
             record.update(
                 epoch=self.epoch,
                 step=step,
                 data_wait_s=data_wait,
                 step_time_s=time.perf_counter() - started,
                 **self.communication.step_record(),
-                **self._expert_load.step_record(),
+                **self._expert_load.step_record(logged),
                 **(self._ft.step_record() if self._ft is not None else {}),
             )
-            last = sized and step + 1 == num_steps
-            if (self.global_step % self.config.log_every_n_steps == 0) or last:
+            if logged:
                 loss, samples = self._sync(losses)
                 if samples:  # a window of skipped steps only has no loss (nan), and adds nothing
                     epoch_loss_sum, epoch_samples = epoch_loss_sum + loss * samples, epoch_samples + samples
