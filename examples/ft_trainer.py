@@ -10,6 +10,8 @@ Start a Lighthouse, then one of these per replica group; any group may be killed
 ``trainmesh run --replica-group/--lighthouse`` hand the group's number and the Lighthouse's URL to
 ``tm.ReplicaGroups()`` through the environment. ``--step-log`` writes one JSON line per committed step
 (tests read it), ``--save`` the final parameters and counters (tensors and numbers only).
+``--ckpt-dir DIR --resume``: checkpoints in one directory shared by every group (the quorum's rank-0
+group writes each), and a group started with no live peer continues from the newest valid one.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class StepLog(tm.Callback):
             record = {
                 "group": int(os.environ["TRAINMESH_REPLICA_GROUP"]),
                 "step": logs["global_step"],  # committed steps so far, this one included
-                **{k: logs[k] for k in ("replicas", "healed", "uncommitted_steps")},
+                **{k: logs[k] for k in ("replicas", "healed", "uncommitted_steps", "checkpoint_writer")},
                 "time": time.time(),
                 "param_sum": sum(p.double().sum().item() for p in self.trainer.unwrapped_model.parameters()),
                 "samples": self.trainer._steps.last_indices,  # the step's global batch (the group's share and the others')
@@ -65,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--die-file", default=None, help="once this file exists, die (SIGKILL) in a backward")
     parser.add_argument("--step-log", default=None)
     parser.add_argument("--save", default=None)
+    parser.add_argument("--ckpt-dir", default=None, help="checkpoints shared by all groups (one group writes each)")
+    parser.add_argument("--ckpt-every", type=int, default=10, help="checkpoint interval in committed steps")
+    parser.add_argument("--resume", action="store_true", help="fit(resume=True): the newest valid checkpoint")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
@@ -72,16 +77,19 @@ def main(argv: list[str] | None = None) -> int:
     data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
     torch.manual_seed(int(os.environ.get("TRAINMESH_REPLICA_GROUP", "0")))  # unequal on purpose: a group heals
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    callbacks = [StepLog(args.step_log, args.step_sleep, args.slow_file, args.die_file)]
+    if args.ckpt_dir:  # synchronous saves: a kill loses at most the interval (async: one step more)
+        callbacks.append(tm.ShardedCheckpoint(args.ckpt_dir, every_n_steps=args.ckpt_every, async_save=False))
     trainer = tm.Trainer(
         model,
         torch.optim.AdamW(model.parameters(), lr=1e-2),
         torch.nn.MSELoss(),
         scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.9),
-        callbacks=[StepLog(args.step_log, args.step_sleep, args.slow_file, args.die_file)],
+        callbacks=callbacks,
         progress=False,
         fault_tolerance=tm.ReplicaGroups(min_replicas=1, advertise_host="127.0.0.1", timeout_s=10, connect_timeout_s=5),
     )
-    trainer.fit(data, epochs=args.epochs, batch_size=BATCH)
+    trainer.fit(data, epochs=args.epochs, batch_size=BATCH, resume=args.resume)
     summary = trainer.replica_summary
     print(f"[trainmesh] replica group done: {summary}", flush=True)
     if args.save:

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from trainmesh.ft.replica_groups import ReplicaGroups, ReplicaGroupSync
+from trainmesh.ft.shared_checkpoints import SharedCheckpoints
 
 
 def check_fault_tolerance(fault_tolerance: Any) -> ReplicaGroups | None:
@@ -88,6 +89,10 @@ class TrainerReplicaGroups:
             extra_state=(self._trainer_state, self._load_trainer_state),
         )
         self.info = None
+        self._first_quorum = True
+        self.checkpoints = SharedCheckpoints(trainer, config.replica_group)
+        if trainer.global_step:  # fit(resume=True) loaded a checkpoint: torchft counts from its step
+            self.sync.manager.load_state_dict({"step": trainer.global_step, "batches_committed": 0})
 
     # --- the Trainer state beyond model, optimizer and schedule (ReplicaGroupSync sends those) ----
     def _trainer_state(self) -> dict[str, Any]:
@@ -124,6 +129,10 @@ class TrainerReplicaGroups:
         """The quorum; True when this group just received the live state (and so the peers' position)."""
         self.info = self.sync.begin_step()
         self._deferred.clear()
+        self.checkpoints.set_writer(self.sync.manager.participating_rank())
+        if self._first_quorum:
+            self._first_quorum = False
+            self.checkpoints.fresh_start_notice(self.info.step, self.info.healed)
         return self.info.healed
 
     def share(self, micro_batches: list) -> list:
@@ -168,6 +177,7 @@ class TrainerReplicaGroups:
             "replicas": self.info.num_replicas,
             "healed": self.info.healed,
             "uncommitted_steps": self.sync.uncommitted_steps,
+            "checkpoint_writer": self.checkpoints.writer,
         }
 
     def close(self) -> dict[str, int]:
@@ -177,5 +187,6 @@ class TrainerReplicaGroups:
             "batches_committed": self.sync.batches_committed,
             "uncommitted_steps": self.sync.uncommitted_steps,
         }
+        self.checkpoints.close()
         self.sync.shutdown()
         return summary
