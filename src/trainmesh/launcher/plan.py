@@ -49,6 +49,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--micro-batch", type=int, default=None, help="samples per rank per forward (default 1)")
     parser.add_argument("--seq", "--seq-len", dest="seq_len", type=int, default=None, help="tokens per sample")
     parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="sequence parallelism beside the model axis (a seq=N mesh axis is context parallelism)",
+    )
+    parser.add_argument(
         "--zero",
         "--zero-stage",
         dest="zero_stage",
@@ -197,6 +202,7 @@ def _handle_parallel(args, parser) -> int:
             device_memory=budget,
             microbatches=args.microbatches,
             schedule=args.schedule,
+            sequence_parallel=args.sequence_parallel,
             **kwargs,
         )
     except (ValueError, TypeError) as exc:

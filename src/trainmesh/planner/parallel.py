@@ -41,6 +41,7 @@ from .dry_run import RankResult, run_rank
 from .hardware import Hardware, axis_seconds, resolve_hardware
 from .experts import apply_expert_parallel, check_plan as check_expert_plan
 from .mesh_spec import MeshSpec
+from .sequence import sequence_axis_plan
 from .op_costs import price
 from .meta_model import build_meta_model
 from .models import model_factory, model_shape
@@ -335,10 +336,13 @@ def plan_parallel(
     microbatches: int | None = None,
     schedule: str = "1f1b",
     expert_parallel_size: int | None = None,
+    sequence_parallel: bool = False,
 ) -> ParallelPlan:
     """Dry-run ``model`` on an N-rank ``mesh`` and price it; see the module docstring. ``expert_parallel_size``:
     a mixture of experts' experts split over that many processes of the batch axis (``experts.py``)."""
     spec = MeshSpec.parse(mesh, world_size)  # bad meshes fail here, before anything is built
+    sequence = sequence_axis_plan(mesh, world_size=world_size, seq_len=seq_len, sequence_parallel=sequence_parallel)
+    spec = sequence.spec if sequence else spec  # a sequence axis dry-runs as data x seq at seq_len / seq
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0..3. Received: zero_stage={zero_stage!r}")
     if activation_checkpointing == "none":
@@ -350,6 +354,7 @@ def plan_parallel(
     name = model if isinstance(model, str) else getattr(model, "__name__", type(model).__name__)
     meta = build_meta_model(model if isinstance(model, nn.Module) else model_factory(model))
     shape = {**model_shape(meta), "seq": seq_len}
+    seq_len = sequence.local_seq_len if sequence else seq_len
     if expert_parallel_size:  # before any dry run: a bad EP size or a model without experts
         check_expert_plan(meta, spec, expert_parallel_size, zero_stage)
     pipe = spec.size(spec.pipe_axis)
@@ -407,6 +412,8 @@ def plan_parallel(
         ),
     )
     plan.notes += sorted({n for r in ranks for n in r.notes})
+    if sequence:  # sequence.py: the user's mesh and sequence back on the plan, the K/V traffic noted
+        sequence.annotate(plan, meta, micro_batch, 4 if precision == "fp32" else 2)
     plan.notes.append(figures_used(hw, spec))
     plan.notes.append(
         "ranks dry-run: "
