@@ -46,6 +46,44 @@ def test_regions_equal_slices_of_the_tensor(tmp_path, tensors, monkeypatch, bloc
     assert files.read_region("scalar", (), ()).item() == 2.5
 
 
+def test_fill_reads_each_file_once_in_file_order_bit_identical(tmp_path, monkeypatch):
+    """fill: two files of a sharded directory, pieces given out of order: uneven row shards that
+    cover a tensor (the last one short, as FSDP2's last rank holds), a column slice, a piece into a
+    non-contiguous destination, a bf16 tensor into fp32; one open and one fadvise pass per file."""
+    g = torch.Generator().manual_seed(1)
+    first = {"a": torch.randn(10, 6, generator=g), "b": torch.randn(4, 8, generator=g)}
+    second = {"c": torch.randn(7, 3, generator=g).bfloat16(), "d": torch.randn(5, 5, generator=g)}
+    st.save_file(first, str(tmp_path / "model-00001-of-00002.safetensors"))
+    st.save_file(second, str(tmp_path / "model-00002-of-00002.safetensors"))
+    names = {
+        **{k: "model-00001-of-00002.safetensors" for k in first},
+        **{k: "model-00002-of-00002.safetensors" for k in second},
+    }
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": names}))
+    opened, advised = [], []
+    real_open = open
+    monkeypatch.setattr(
+        safetensors_reader, "open", lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k), raising=False
+    )
+    monkeypatch.setattr(safetensors_reader, "_advise", lambda fd, spans: advised.append(spans))
+    files = WeightFiles.open(tmp_path)
+    opened.clear()
+    rows = [torch.empty(3, 6) for _ in range(3)] + [torch.empty(1, 6)]  # 10 rows over 4: 3, 3, 3, 1
+    transposed = torch.empty(5, 5).t()  # a non-contiguous destination
+    columns, widened = torch.empty(4, 3), torch.empty(7, 3)
+    items = [("d", None, transposed, (0, 0), (5, 5)), ("b", None, columns, (0, 5), (4, 3))]
+    items += [("a", None, out, (3 * i, 0), tuple(out.shape)) for i, out in reversed(list(enumerate(rows)))]
+    items.append(("c", None, widened, (0, 0), (7, 3)))
+    files.fill(items)
+    assert torch.equal(torch.cat(rows), first["a"])
+    assert torch.equal(columns, first["b"][:, 5:])
+    assert torch.equal(transposed, second["d"])
+    assert torch.equal(widened, second["c"].float())
+    assert sorted(os.path.basename(p) for p in opened) == sorted(set(names.values()))
+    assert sorted(len(spans) for spans in advised) == [2, 5]  # every piece announced, per file
+    assert all(spans == sorted(spans) for spans in advised)  # in file order
+
+
 def test_a_truncated_file_is_named(tmp_path, tensors):
     path = tmp_path / "model.safetensors"
     with open(path, "r+b") as f:

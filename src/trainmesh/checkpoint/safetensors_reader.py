@@ -14,6 +14,12 @@ Leading rows are one contiguous range; a column slice of a matrix (a row-wise te
 weight) is one read per row. Otherwise (another dtype, more sliced dimensions) whole rows are read
 in blocks of at most ``BLOCK_BYTES`` and converted or sliced from there, so the buffer, not the
 tensor, bounds the memory in flight.
+
+``fill`` (what loading calls) reads a process's pieces file by file, through one descriptor per
+file, in file order, after telling the kernel which ranges are coming (``posix_fadvise``
+``SEQUENTIAL`` and ``WILLNEED``): from a cold page cache the disk reads run ahead of the copies,
+from a warm one the cost is a few system calls. Each piece is one ``preadv`` at its offset, so
+nothing seeks or opens the file again.
 """
 
 from __future__ import annotations
@@ -155,14 +161,31 @@ class WeightFiles:
 
     def fill(self, items: list[tuple[str, torch.Tensor, torch.Tensor, tuple, tuple]]) -> None:
         """Each ``(name, tensor, local piece, its offsets, its shape)``: the piece read from the files."""
+        by_file: dict[str, list[tuple[int, int, str, torch.Tensor, tuple, tuple]]] = {}
         for name, _, local, offsets, shape in items:
-            self.read_region(name, offsets, shape, out=local)
+            entry = self.entries[name]
+            start, length = _byte_span(entry, offsets, shape)
+            by_file.setdefault(entry.file, []).append((start, length, name, local, offsets, shape))
+        for path, pieces in by_file.items():
+            pieces.sort(key=lambda piece: piece[0])  # forward through the file
+            with open(path, "rb", buffering=0) as f:
+                _advise(f.fileno(), [(start, length) for start, length, *_ in pieces])
+                for _, _, name, local, offsets, shape in pieces:
+                    self.read_region(name, offsets, shape, out=local, fd=f.fileno())
 
     def read_region(
-        self, name: str, offsets: Sequence[int], shape: Sequence[int], out: torch.Tensor | None = None
+        self,
+        name: str,
+        offsets: Sequence[int],
+        shape: Sequence[int],
+        out: torch.Tensor | None = None,
+        fd: int | None = None,
     ) -> torch.Tensor:
         """The block ``[offsets[d] : offsets[d] + shape[d]]`` of tensor ``name``, copied into ``out``
-        (converted to its dtype) or returned in the file's dtype."""
+        (converted to its dtype) or returned in the file's dtype; ``fd``: the file, already open."""
+        if fd is None:
+            with open(self.entries[name].file, "rb", buffering=0) as f:
+                return self.read_region(name, offsets, shape, out, f.fileno())
         entry = self.entries[name]
         if len(offsets) != len(entry.shape) or len(shape) != len(entry.shape):
             raise WeightFileError(
@@ -174,7 +197,7 @@ class WeightFiles:
         if out.numel() == 0:
             return out
         if not entry.shape:  # a scalar
-            out.copy_(self._read(entry, entry.start, entry.nbytes).view(entry.dtype).reshape(()))
+            out.copy_(self._read(fd, entry, entry.start, entry.nbytes).view(entry.dtype).reshape(()))
             return out
         row_shape, row_numel = entry.shape[1:], math.prod(entry.shape[1:])
         row_bytes = row_numel * entry.dtype.itemsize
@@ -183,40 +206,64 @@ class WeightFiles:
         in_place = out.dtype == entry.dtype and out.is_contiguous() and out.device.type == "cpu"
         if in_place and whole_rows:  # one range, straight into place
             self._read(
-                entry, entry.start + offsets[0] * row_bytes, shape[0] * row_bytes, into=out.view(-1).view(torch.uint8)
+                fd, entry, entry.start + offsets[0] * row_bytes, shape[0] * row_bytes, out.view(-1).view(torch.uint8)
             )
             return out
         if in_place and len(shape) == 2:  # a column slice (row-wise tensor parallel): one read per row
-            self._read_columns(entry, offsets, shape, out)
+            self._read_columns(fd, entry, offsets, shape, out)
             return out
         rows_per_block = shape[0] if whole_rows else max(1, BLOCK_BYTES // max(row_bytes, 1))
         for first in range(0, shape[0], rows_per_block):
             count = min(rows_per_block, shape[0] - first)
             start = entry.start + (offsets[0] + first) * row_bytes
-            block = self._read(entry, start, count * row_bytes).view(entry.dtype).view(count, *row_shape)
+            block = self._read(fd, entry, start, count * row_bytes).view(entry.dtype).view(count, *row_shape)
             out[first : first + count].copy_(block if whole_rows else block[(slice(None), *inner)])
         return out
 
     @staticmethod
-    def _read_columns(entry: TensorEntry, offsets: Sequence[int], shape: Sequence[int], out: torch.Tensor) -> None:
+    def _read_columns(
+        fd: int, entry: TensorEntry, offsets: Sequence[int], shape: Sequence[int], out: torch.Tensor
+    ) -> None:
         itemsize = entry.dtype.itemsize
         row_bytes, piece = entry.shape[1] * itemsize, shape[1] * itemsize
         dest = memoryview(out.view(-1).view(torch.uint8).numpy())
-        with open(entry.file, "rb", buffering=0) as f:
-            for row in range(shape[0]):
-                at = entry.start + (offsets[0] + row) * row_bytes + offsets[1] * itemsize
-                if os.preadv(f.fileno(), [dest[row * piece : (row + 1) * piece]], at) != piece:
-                    raise WeightFileError(f"{entry.file}: truncated while reading (wanted {piece} bytes at {at})")
+        for row in range(shape[0]):
+            at = entry.start + (offsets[0] + row) * row_bytes + offsets[1] * itemsize
+            if os.preadv(fd, [dest[row * piece : (row + 1) * piece]], at) != piece:
+                raise WeightFileError(f"{entry.file}: truncated while reading (wanted {piece} bytes at {at})")
 
     @staticmethod
-    def _read(entry: TensorEntry, start: int, nbytes: int, into: torch.Tensor | None = None) -> torch.Tensor:
+    def _read(fd: int, entry: TensorEntry, start: int, nbytes: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """``nbytes`` at ``start`` into ``into`` (or a new buffer): ``preadv`` until done, as one
+        call may return less (a signal, or reads over 2 GB on Linux)."""
         buffer = torch.empty(nbytes, dtype=torch.uint8) if into is None else into
-        with open(entry.file, "rb", buffering=0) as f:
-            f.seek(start)
-            view, done = memoryview(buffer.numpy()), 0
-            while done < nbytes:
-                got = f.readinto(view[done:])
-                if not got:
-                    raise WeightFileError(f"{entry.file}: truncated while reading (wanted {nbytes} bytes at {start})")
-                done += got
+        view, done = memoryview(buffer.numpy()), 0
+        while done < nbytes:
+            got = os.preadv(fd, [view[done:]], start + done)
+            if not got:
+                raise WeightFileError(f"{entry.file}: truncated while reading (wanted {nbytes} bytes at {start})")
+            done += got
         return buffer
+
+
+def _byte_span(entry: TensorEntry, offsets: Sequence[int], shape: Sequence[int]) -> tuple[int, int]:
+    """The bytes of the file a region lies in: from its first row to the end of its last."""
+    if not entry.shape:
+        return entry.start, entry.nbytes
+    row_bytes = math.prod(entry.shape[1:]) * entry.dtype.itemsize
+    return entry.start + offsets[0] * row_bytes, shape[0] * row_bytes
+
+
+def _advise(fd: int, spans: list[tuple[int, int]]) -> None:
+    """Tell the kernel the file is read forward and which ranges come next, so its readahead starts
+    on all of them at once (from disk); a hint only: where the call is missing, nothing changes."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    try:
+        advise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        for start, length in spans:
+            if length:
+                advise(fd, start, length, os.POSIX_FADV_WILLNEED)
+    except OSError:  # a file system that takes no advice
+        pass
