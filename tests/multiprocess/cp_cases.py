@@ -63,6 +63,21 @@ class Padded(torch.nn.Module):
         return self.lm(**batch)
 
 
+class Logits(torch.nn.Module):
+    """A user's wrapper returning the logits tensor (what ``predict`` gathers), for token tensors or dicts."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, batch):
+        return (self.lm(**batch) if isinstance(batch, dict) else self.lm(batch)).logits
+
+
+def logits_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
 def data(seq: int = SEQ, rows: int = GLOBAL_BATCH * STEPS, seed: int = 3):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(3, VOCAB, (rows, seq + 1), generator=g)

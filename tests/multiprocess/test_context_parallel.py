@@ -21,10 +21,12 @@ from trainmesh.testing import run_distributed
 
 from cp_cases import (
     GLOBAL_BATCH,
+    Logits,
     Padded,
     build_model,
     data,
     lm_loss,
+    logits_loss,
     make_optimizer,
     max_diff,
     packed_data,
@@ -36,6 +38,9 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 transformers = pytest.importorskip("transformers")
 
 TOLERANCE = 1e-6
+# predict / evaluate: the same weights on whole sequences, so only kernel summation order differs (TP's split
+# matmuls): measured 1.2e-7 on logits of size ~1
+PREDICT_TOLERANCE = 1e-6
 
 
 def _train(model, distribution, batches, **options):
@@ -80,6 +85,18 @@ def _batches(padding):
     return _global_batches(*padded_data(left=padding == "left"))
 
 
+def _distribution(tm, model, mesh, kind: str, method: str):
+    if kind == "dp":
+        return tm.DataParallel(mesh, sequence_dim_name="seq", context_parallel=method)
+    # "mp": no parameter sharded; "tp": the model's own TP plan over "model"
+    layout_map = (
+        tm.LayoutMap.auto(model, mesh, model_axis="model", verbose=False) if kind == "tp" else tm.LayoutMap(mesh)
+    )
+    return tm.ModelParallel(
+        layout_map=layout_map, batch_dim_name="data", sequence_dim_name="seq", context_parallel=method
+    )
+
+
 def _four() -> dict:
     import trainmesh as tm
 
@@ -87,19 +104,34 @@ def _four() -> dict:
     for name, family, shape, axes, method, padding, kind, stage in FOUR:
         mesh = tm.DeviceMesh(shape, axes, devices=tm.list_devices())
         model = _build(family, padding)
-        if kind == "dp":
-            distribution = tm.DataParallel(mesh, sequence_dim_name="seq", context_parallel=method)
-        else:  # "mp": no parameter sharded; "tp": the model's own TP plan over "model"
-            layout_map = (
-                tm.LayoutMap.auto(model, mesh, model_axis="model", verbose=False)
-                if kind == "tp"
-                else tm.LayoutMap(mesh)
-            )
-            distribution = tm.ModelParallel(
-                layout_map=layout_map, batch_dim_name="data", sequence_dim_name="seq", context_parallel=method
-            )
+        distribution = _distribution(tm, model, mesh, kind, method)
         out[name] = _train(model, distribution, _batches(padding), zero_stage=stage)[:2]
+        if name in PREDICT_FOUR:  # predict and evaluate: whole sequences, uneven shares of 10 rows
+            model = Logits(build_model(family))
+            distribution = _distribution(tm, model, mesh, kind, method)
+            predictor = tm.Trainer(
+                model, make_optimizer, logits_loss, distribution=distribution, zero_stage=stage, progress=False
+            )
+            x, y = data(rows=10)
+            out["predict", name] = predictor.predict((x,), batch_size=GLOBAL_BATCH)
+            out["evaluate", name] = predictor.evaluate((x, y), batch_size=GLOBAL_BATCH)["loss"]
     return out
+
+
+PREDICT_FOUR = ("data2xseq2 ulysses", "zero3 x seq2 ring qwen3", "seq2 x model2 ulysses (TP)")
+
+
+def _one_process_eval(family: str, rows: int) -> tuple[torch.Tensor, float]:
+    """One process's logits and evaluate loss (mean over batches of GLOBAL_BATCH rows, by rows)."""
+    model = Logits(build_model(family))
+    x, y = data(rows=rows)
+    with torch.no_grad():
+        logits = model(x)
+        losses = [
+            (logits_loss(model(x[i : i + GLOBAL_BATCH]), y[i : i + GLOBAL_BATCH]).item(), len(x[i : i + GLOBAL_BATCH]))
+            for i in range(0, rows, GLOBAL_BATCH)
+        ]
+    return logits, sum(loss * n for loss, n in losses) / rows
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +158,19 @@ def test_four_processes_match_one(four, case):
     # the reference moved the weights, so a run that did nothing could not pass
     assert max_diff(expected, _build(family, padding).state_dict()) > 1e-3
     assert all(four[rank][name][1] == loss for rank in range(4))  # every process reports the same loss
+
+
+@pytest.mark.parametrize("name", PREDICT_FOUR)
+def test_four_processes_predict_and_evaluate_whole_sequences(four, name):
+    """``predict`` and ``evaluate`` under a sequence axis beside data, ZeRO-3 and tensor parallelism: one
+    process's logits and loss for the same weights (fp32, PREDICT_TOLERANCE), every process the same."""
+    family = "qwen3" if "qwen3" in name else "llama"
+    logits, loss = _one_process_eval(family, rows=10)
+    predicted = four[0]["predict", name]
+    assert predicted.shape == logits.shape, (predicted.shape, logits.shape)
+    assert (predicted - logits).abs().max().item() <= PREDICT_TOLERANCE
+    assert abs(four[0]["evaluate", name] - loss) <= PREDICT_TOLERANCE
+    assert all(torch.equal(four[rank]["predict", name], predicted) for rank in range(4))
 
 
 # --- 2 processes ---------------------------------------------------------------------------
@@ -247,6 +292,29 @@ def _two() -> dict:
         out["packed", method] = _train(model, distribution, _global_batches(*packed_data()))[:2]
     out["errors"] = _errors(tm, mesh)
     out["sp"] = _sequence_parallel(tm)
+    out["predict"] = _predictions(tm, mesh)
+    return out
+
+
+PREDICT_TWO = [("ulysses", "left"), ("ring", "right")]
+
+
+def _predictions(tm, mesh) -> dict:
+    """``fit`` (3 steps), then ``predict`` and ``evaluate`` on padded dict batches, both methods: the
+    trained weights, the predictions and the loss, to compare with one process running those weights."""
+    out = {}
+    for method, padding in PREDICT_TWO:
+        distribution = tm.DataParallel(mesh, sequence_dim_name="seq", context_parallel=method)
+        trainer = tm.Trainer(
+            Logits(build_model()), make_optimizer, logits_loss, distribution=distribution, progress=False
+        )
+        batches = _batches(padding)
+        trainer.fit(batches, epochs=1)
+        out[method] = {
+            "state": {k: v.detach().clone() for k, v in trainer.state_dict()["model"].items()},
+            "predict": trainer.predict([(inputs,) for inputs, _ in batches]),
+            "evaluate": trainer.evaluate(batches)["loss"],
+        }
     return out
 
 
@@ -387,3 +455,58 @@ def test_packed_sequences_match_one(two, method, use_cache):
     if not use_cache:  # the document mask matters: without it one process computes something else
         _, unmasked = reference(Padded(build_model(use_cache=True)), inputs, targets)
         assert abs(sum(unmasked) - sum(losses)) > 1e-4
+
+
+@pytest.mark.parametrize("method,padding", PREDICT_TWO)
+def test_predict_and_evaluate_after_fit_match_one_process(two, method, padding):
+    """After ``fit`` over a sequence axis, ``predict`` returns whole sequences' logits in order and
+    ``evaluate`` the loss, as one process computes them with the trained weights (fp32, PREDICT_TOLERANCE;
+    padded dict batches, padding positions left out of the comparison)."""
+    result = two[0]["predict"][method]
+    model = Logits(build_model())
+    model.load_state_dict(result["state"])
+    batches = _batches(padding)
+    with torch.no_grad():
+        logits = torch.cat([model(inputs) for inputs, _ in batches])
+        loss = sum(logits_loss(model(inputs), targets).item() for inputs, targets in batches) / len(batches)
+    real = torch.cat([inputs["attention_mask"] for inputs, _ in batches]).bool()
+    assert result["predict"].shape == logits.shape
+    assert (result["predict"][real] - logits[real]).abs().max().item() <= PREDICT_TOLERANCE
+    assert abs(result["evaluate"] - loss) <= PREDICT_TOLERANCE
+    assert max_diff(result["state"], Logits(build_model()).state_dict()) > 1e-4  # fit did train
+    assert torch.equal(two[1]["predict"][method]["predict"], result["predict"])
+
+
+PLAN_TOLERANCE = 0.10  # measured: the plan is 1-6% above (it counts the logits, not the loss's own tensors)
+
+
+def test_planner_activations_match_the_measured_ones(two):
+    """``plan_parallel`` (``planner/sequence.py``) against the activation bytes these runs saved per process
+    (seq 256, 2 rows, fp32): a sequence axis of 2 (both methods), and model 2 with and without sequence
+    parallelism (the dry run turns it on in the real parallelize). Within PLAN_TOLERANCE of each."""
+    from trainmesh.planner.parallel import plan_parallel
+
+    def planned(mesh: str, sequence_parallel: bool = False) -> int:
+        plan = plan_parallel(
+            build_model,
+            world_size=2,
+            mesh=mesh,
+            seq_len=256,
+            micro_batch=2,
+            precision="fp32",
+            hardware=None,
+            sequence_parallel=sequence_parallel,
+        )
+        assert plan.seq_len == 256 and plan.mesh.text() == mesh  # the user's, not the dry run's
+        return plan.worst.activations
+
+    saved, sp = two[0]["saved"], two[0]["sp"]
+    sequence = planned("seq=2")
+    cases = {
+        "seq=2 ulysses": (sequence, saved["ulysses"]),
+        "seq=2 ring": (sequence, saved["ring"]),
+        "model=2": (planned("data=1,model=2"), sp[False]["saved"]),
+        "model=2 sequence parallel": (planned("data=1,model=2", sequence_parallel=True), sp[True]["saved"]),
+    }
+    for name, (plan, measured) in cases.items():
+        assert abs(plan / measured - 1) <= PLAN_TOLERANCE, f"{name}: planned {plan} bytes, measured {measured}"

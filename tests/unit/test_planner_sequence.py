@@ -42,6 +42,10 @@ def test_kv_traffic_by_hand():
     # ring (6 heads do not divide over 4): K and V of the 3 other processes' chunks, 2 kv heads each
     config = SimpleNamespace(num_attention_heads=6, num_key_value_heads=2, hidden_size=384)
     assert plan.kv_traffic(config, 2, 2) == ("ring", 2 * 2 * 2 * 256 * 64 * 2 * 3)
+    # beside a model axis of 2: this process's 4 of 8 query heads and 2 of 4 K/V heads; 2 K/V heads do not
+    # divide over 4, so Ulysses repeats them to the 4 query heads first
+    config = SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, hidden_size=512)
+    assert plan.kv_traffic(config, 2, 2, tp=2) == ("ulysses", (2 * 4 + 2 * 4) * 2 * 256 * 64 * 2 * 3 // 4)
 
 
 @pytest.mark.parametrize(

@@ -216,9 +216,17 @@ def check_config(config) -> tuple[int, int]:
 
 # --- the pre-hook ----------------------------------------------------------------------------
 def _pre_hook(context: SequenceContext, module, args, kwargs):
-    if not module.training:
-        return None  # whole sequences
     tokens = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+    if not module.training:  # whole sequences (evaluation, prediction, generation)
+        if tokens is not None and tokens.dim() < 2:
+            # the usual cause: a bare tensor handed to predict/evaluate is an iterable of batches, each row
+            # one batch; transformers then fails deep in the rotary embedding (q * cos, heads vs head_dim)
+            raise ValueError(
+                "The model takes [batch, seq] input_ids; it got one row. predict and evaluate iterate a bare "
+                "tensor as batches (each row one batch): pass (inputs,) or a Dataset. Received: input_ids of "
+                f"shape {tuple(tokens.shape)}"
+            )
+        return None
     if tokens is None or tokens.dim() < 2:
         raise ValueError(
             "A model over a sequence axis takes [batch, seq] input_ids (or inputs_embeds). Received: "

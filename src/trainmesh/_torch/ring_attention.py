@@ -132,4 +132,19 @@ def ring_attention(
             "torch's ring templates were set to no load balancing (_cp_options elsewhere in this "
             "process); trainmesh's chunks are head-tail."
         )
-    return _RingAttention.apply(query.contiguous(), key.contiguous(), value.contiguous(), group, scale)
+    dtype = _kernel_dtype(query, key, value)
+    query, key, value = (t.to(dtype).contiguous() for t in (query, key, value))
+    return _RingAttention.apply(query, key, value, group, scale)
+
+
+def _kernel_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The dtype the kernels get, as ``F.scaled_dot_product_attention`` would: autocast's (the kernels are
+    called as aten ops, which autocast does not cast), else the promoted one. Under bf16-mixed a Llama's
+    rotary embedding leaves Q and K in fp32 and V in bf16, which the kernels refuse mixed."""
+    device = tensors[0].device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    dtype = tensors[0].dtype
+    for tensor in tensors[1:]:
+        dtype = torch.promote_types(dtype, tensor.dtype)
+    return dtype

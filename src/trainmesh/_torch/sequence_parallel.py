@@ -68,7 +68,8 @@ class _KeepShard:
 
     def __init__(self, shard: DTensor, gathered: DTensor):
         self.shard, self.gathered = shard, _plain(gathered)
-        self.ptr = self.gathered.untyped_storage().data_ptr()
+        # the storage's identity, not its data_ptr: fake tensors (the planner's dry run) all have data_ptr 0
+        self.storage = self.gathered.untyped_storage()._cdata
         # a view is rebuilt from a fresh gather by its size, stride and offset: only from a dense tensor
         self.dense = self.gathered.is_contiguous() and self.gathered.storage_offset() == 0
         self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -77,7 +78,7 @@ class _KeepShard:
     def pack(self, tensor):
         outer_pack = self.outer[0] if self.outer else (lambda t: t)
         local = _plain(tensor)
-        if not self.dense or local.untyped_storage().data_ptr() != self.ptr:
+        if not self.dense or local.untyped_storage()._cdata != self.storage:
             return outer_pack(tensor)
         meta = (local.size(), local.stride(), local.storage_offset())
         if isinstance(tensor, DTensor):

@@ -70,12 +70,13 @@ class SequenceAxisPlan:
     def local_seq_len(self) -> int | None:
         return self.seq_len // self.size if self.seq_len else self.seq_len
 
-    def kv_traffic(self, config, micro_batch: int, element_bytes: int) -> tuple[str, int]:
+    def kv_traffic(self, config, micro_batch: int, element_bytes: int, tp: int = 1) -> tuple[str, int]:
         """``(method, bytes one process receives per layer forward)`` for a transformers ``config``
-        (``auto``'s choice: Ulysses where the heads divide over the axis)."""
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        (``auto``'s choice: Ulysses where the heads divide over the axis), of this process's heads under
+        a model axis of ``tp``."""
+        heads = config.num_attention_heads // tp
+        kv_heads = max((getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // tp, 1)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         n, local = self.size, micro_batch * self.local_seq_len * head_dim * element_bytes
         if heads % n == 0:
             # Q and O of every head; K and V of kv_heads, repeated to the heads when they do not divide
@@ -101,7 +102,8 @@ class SequenceAxisPlan:
         config = getattr(meta_model, "config", None)
         if config is not None and getattr(config, "num_attention_heads", None):
             layers = getattr(config, "num_hidden_layers", None) or 1
-            method, per_layer = self.kv_traffic(config, micro_batch, element_bytes)
+            tp = self.user_spec.size(self.user_spec.model_axis)
+            method, per_layer = self.kv_traffic(config, micro_batch, element_bytes, tp)
             note += (
                 f"; {method} attention moves {format_bytes(per_layer)} per layer forward per process "
                 f"({format_bytes(layers * per_layer)} a forward)"
