@@ -49,7 +49,12 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 pytest.importorskip("transformers")
 TOL = 1e-6
 
-LOOP_CASES = [("qwen3_moe", ""), ("mixtral", ""), ("qwen3_moe", "skewed"), ("qwen3_moe", "aux")]  # family, variant
+LOOP_CASES = [  # family, variant
+    ("qwen3_moe", ""),
+    ("mixtral", ""),
+    ("qwen3_moe", "skewed"),
+    ("qwen3_moe", "aux"),
+]
 TRAINER_CASES = [  # name, family, mesh shape, axes, expert axis, Trainer options
     ("ep4_clip", "qwen3_moe", (4,), ["data"], "data", dict(max_grad_norm=0.5)),
     ("ep4_zero3", "qwen3_moe", (4,), ["data"], "data", dict(zero_stage=3)),
@@ -237,6 +242,7 @@ def _trainer_cases(checkpoint_dir: str) -> dict:
 
 def _composition_cases() -> dict:
     import trainmesh as tm
+    from trainmesh.planner.dry_run import _storage_bytes
 
     out = {}
 
@@ -267,6 +273,13 @@ def _composition_cases() -> dict:
         out[f"{name}_norms"] = norms.norms
         out[f"{name}_load"] = (norms.tokens, norms.imbalance)
         out[f"{name}_expert_rows"] = (experts.to_local().shape[0], experts.shape[0])
+        # what this process holds (results come back from rank 0, the rank the planner dry-runs), counted
+        # as the planner counts storages: the planner's expert-parallel figures are checked against it
+        held = [(n, p) for n, p in trainer.model.named_parameters()]
+        out[f"{name}_param_bytes"] = (
+            _storage_bytes(p for _, p in held),
+            _storage_bytes(p for n, p in held if ".experts." in n),
+        )
     return out
 
 
@@ -298,6 +311,25 @@ def test_ep_composes_on_four_processes(loop_results):
     # EP 2 x ZeRO-3 on 4: each process holds a quarter of the experts (half by EP, half of that by ZeRO)
     assert results["ep2_zero3_on4_expert_rows"] == (1, NUM_EXPERTS)
     assert results["ep2_on4_accumulation2_expert_rows"] == (2, NUM_EXPERTS)
+    _planner_counts_what_ep_holds(results)
+
+
+def _planner_counts_what_ep_holds(results: dict) -> None:
+    """``trainmesh plan``'s expert-parallel counts (planner/experts.py: what replaces the dry run's expert
+    bytes) against the expert bytes the real EP models above held on rank 0, the rank the planner dry-runs:
+    EP 4, EP 4 x ZeRO-3, EP 2 x ZeRO-3 on 4 and EP 2 x data 2. (A whole plan_parallel dry run of this MoE
+    costs ~50 s on a loaded 2-core machine, so the dense layers' dry-run bytes are not re-checked here.)"""
+    from trainmesh.planner.experts import expert_bytes
+    from trainmesh.planner.mesh_spec import MeshSpec
+
+    spec = MeshSpec.parse("data=4", 4)
+    with torch.device("meta"):
+        meta = moe_model("qwen3_moe")
+    layouts = [("ep4_clip", 4, 0), ("ep4_zero3", 4, 3), ("ep2_zero3_on4", 2, 3), ("ep2_on4_accumulation2", 2, 0)]
+    for name, ep, stage in layouts:
+        counted = expert_bytes(meta, spec, expert_parallel_size=ep, zero_stage=stage, precision="32")
+        assert counted["all"][1] == results[f"{name}_param_bytes"][1], (name, counted, results[f"{name}_param_bytes"])
+    print("rank 0 parameter bytes (all, experts):", {n: results[f"{n}_param_bytes"] for n, _, _ in layouts})
 
 
 def test_auxiliary_loss_is_the_global_batch_s(loop_results):
