@@ -27,6 +27,13 @@ Sides (``--sides``):
   left out, said so, when accelerate is not importable);
 * ``tm-lora-dp`` (diagnostic): ``tm-lora`` under ``zero_stage=0`` (DDP underneath), to separate what the
   ZeRO-3 layout costs from what the Trainer costs.
+* ``tm-lora-regather`` (the same run's "before"): ``tm-lora`` with ``DataParallel(zero_stage=3,
+  keep_frozen_gathered=False)``: the frozen base gathered again in backward, as before issue 47 (``tm-lora``
+  keeps it gathered from forward to backward, ``_torch/frozen_units.py``).
+
+``--memory-sides`` may add ``tm-full-notrim`` and ``tm-lora-notrim`` (the same launches with
+``TRAINMESH_MALLOC_TRIM=0``: no ``malloc_trim`` between steps, ``runtime/memory_trim.py``) and
+``tm-lora-regather``: figures ``lora_peak_vs_full_ft_without_trim`` and ``lora_regather_peak_vs_full_ft``.
 
 Precision: ``--precision auto`` (the default) takes ``fastest_precision("cpu")`` as the demo does;
 bf16-mixed means autocast on both sides (the peer: ``torch.autocast("cpu", torch.bfloat16)`` around its
@@ -92,6 +99,8 @@ from trainer_overhead import round_order  # rotating, reversing rounds, as the o
 WORLD = 4
 SIZES = {
     "full": dict(hidden=768, layers=12, intermediate=2048, heads=12, kv_heads=4, vocab=16384, seq=128, rows=1),
+    # --size medium (22M parameters): the full model's shape at half the width and depth, for a loaded machine
+    "medium": dict(hidden=384, layers=6, intermediate=1024, heads=6, kv_heads=2, vocab=16384, seq=128, rows=1),
     "quick": dict(hidden=128, layers=2, intermediate=384, heads=4, kv_heads=2, vocab=2048, seq=64, rows=2),
 }
 PARITY_SIZE = dict(hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2, vocab=128, seq=16, rows=2)
@@ -100,15 +109,20 @@ TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0)
 LR = 1e-4
 DDP_KWARGS = {"gradient_as_bucket_view": True}
-ALL_SIDES = ("tm-full", "tm-lora", "peft-ddp", "accelerate", "tm-lora-dp")
+ALL_SIDES = ("tm-full", "tm-lora", "peft-ddp", "accelerate", "tm-lora-dp", "tm-lora-regather")
 MEMORY_SIDES = ("tm-full", "tm-lora", "peft-ddp")
+# --memory-sides may add: the same runs without the allocator trim (memory_trim.py), and LoRA with the frozen
+# base gathered again in backward (keep_frozen_gathered=False, the behaviour before issue 47)
+EXTRA_MEMORY_SIDES = ("tm-full-notrim", "tm-lora-notrim", "tm-lora-regather")
 LOSS_TOLERANCE = {"fp32": 1e-5, "bf16-mixed": 2e-2}
 SMALL_COLLECTIVE = 1024  # bytes: control all-reduces (loss, flags) are below, gradient buckets far above
 GOALS = {  # figure -> (text, test)
     "lora_grad_bytes_vs_full": ("<= 0.05", lambda v: v <= 0.05),
     "lora_peak_vs_full_ft": ("<= 0.5", lambda v: v <= 0.5),
     "lora_step_vs_full_ft": ("<= 0.7", lambda v: v <= 0.7),
-    "lora_step_vs_peft_ddp": ("<= 1.0", lambda v: v <= 1.0),
+    # issue 47: ZeRO-3 LoRA within 1.15x peft under DDP (it shards the base), DataParallel LoRA at most 1.0x
+    "lora_step_vs_peft_ddp": ("<= 1.15", lambda v: v <= 1.15),
+    "lora_dp_step_vs_peft_ddp": ("<= 1.0", lambda v: v <= 1.0),
     "lora_parity_max_abs_diff": ("<= 1e-5", lambda v: v <= 1e-5),
 }
 PEER_SETTINGS = {
@@ -173,7 +187,7 @@ def token_data(size: dict, batches: int, seed: int) -> tuple[torch.Tensor, torch
 class TrainerSide:
     """A ``tm.Trainer``; ``run`` trains ``n`` global batches with one ``fit`` and times its steps."""
 
-    def __init__(self, cfg: dict, lora: bool, stage: int):
+    def __init__(self, cfg: dict, lora: bool, stage: int, keep_frozen_gathered="auto"):
         import transformers
 
         import trainmesh as tm
@@ -196,7 +210,7 @@ class TrainerSide:
             model,
             make_adamw,
             lm_loss,
-            zero_stage=stage,
+            distribution=tm.DataParallel(zero_stage=stage, keep_frozen_gathered=keep_frozen_gathered),
             weights=cfg["base_dir"],
             precision=cfg["precision"],
             progress=False,
@@ -270,6 +284,8 @@ def build_side(cfg: dict, side: str):
         return TrainerSide(cfg, lora=True, stage=3)
     if side == "tm-lora-dp":
         return TrainerSide(cfg, lora=True, stage=0)
+    if side == "tm-lora-regather":
+        return TrainerSide(cfg, lora=True, stage=3, keep_frozen_gathered=False)
     return LoopSide(cfg, side)
 
 
@@ -326,6 +342,9 @@ def memory_worker(cfg: dict, side: str) -> dict:
             super().add(axis, kind, nbytes, count)
             self.calls = getattr(self, "calls", []) + [(kind, int(nbytes))]
 
+    if side.endswith("-notrim"):  # read by memory_trim at each step; these are fresh processes
+        os.environ["TRAINMESH_MALLOC_TRIM"] = "0"
+        side = side.removesuffix("-notrim")
     steps = cfg["mem_steps"]
     x, y = token_data(cfg["size"], steps + 1, cfg["seed"] + 1)
     batch = cfg["size"]["rows"] * WORLD
@@ -350,7 +369,7 @@ def memory_worker(cfg: dict, side: str) -> dict:
             runner.run(x[steps * batch :], y[steps * batch :])
     calls = getattr(log, "calls", [])
     out["collectives"] = {kind: sum(n for k, n in calls if k == kind) for kind in {k for k, _ in calls}}
-    grad_kind = "reduce_scatter" if side in ("tm-full", "tm-lora") else "all_reduce"
+    grad_kind = "reduce_scatter" if side in ("tm-full", "tm-lora", "tm-lora-regather") else "all_reduce"
     out["grad_bytes"] = sum(n for k, n in calls if k == grad_kind and n > SMALL_COLLECTIVE)
     out["gather_bytes"] = sum(n for k, n in calls if k == "all_gather")
     out["vmhwm"] = peak_rss_bytes()
@@ -559,6 +578,8 @@ def summarize(cfg: dict, memory: dict, timing: list[dict], parity: dict, counts:
             "lora_step_vs_peft_ddp": ("tm-lora", "peft-ddp"),
             "lora_step_vs_accelerate": ("tm-lora", "accelerate"),
             "lora_dp_step_vs_peft_ddp": ("tm-lora-dp", "peft-ddp"),
+            "lora_regather_step_vs_peft_ddp": ("tm-lora-regather", "peft-ddp"),
+            "lora_step_vs_regather": ("tm-lora", "tm-lora-regather"),
             "accelerate_step_vs_peft_ddp": ("accelerate", "peft-ddp"),
         }.items()
         if ratio(a, b) is not None
@@ -589,7 +610,18 @@ def summarize(cfg: dict, memory: dict, timing: list[dict], parity: dict, counts:
         figures["lora_gather_bytes_vs_full"] = mem["tm-lora"]["gather_bytes"] / mem["tm-full"]["gather_bytes"]
     if "tm-lora" in mem and "peft-ddp" in mem:
         figures["lora_peak_vs_peft_ddp"] = mem["tm-lora"]["rss_growth"] / mem["peft-ddp"]["rss_growth"]
-    for name in ("lora_step_vs_accelerate", "lora_dp_step_vs_peft_ddp"):
+    if "tm-lora-notrim" in mem and "tm-full-notrim" in mem:
+        figures["lora_peak_vs_full_ft_without_trim"] = (
+            mem["tm-lora-notrim"]["rss_growth"] / mem["tm-full-notrim"]["rss_growth"]
+        )
+    if "tm-lora-regather" in mem and "tm-full" in mem:
+        figures["lora_regather_peak_vs_full_ft"] = mem["tm-lora-regather"]["rss_growth"] / mem["tm-full"]["rss_growth"]
+    for name in (
+        "lora_step_vs_accelerate",
+        "lora_dp_step_vs_peft_ddp",
+        "lora_regather_step_vs_peft_ddp",
+        "lora_step_vs_regather",
+    ):
         if name in report["step_ratios"]:
             figures[name] = report["step_ratios"][name]["ratio"]
     report["figures"] = figures
@@ -680,6 +712,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mem-steps", type=int, help="steps in each memory launch (default 3; --quick 2)")
     parser.add_argument("--mem-rounds", type=int, help="fresh launches per side for memory (default 2; --quick 1)")
     parser.add_argument("--sides", default=",".join(ALL_SIDES), help=f"timed sides, of {','.join(ALL_SIDES)}")
+    parser.add_argument("--size", choices=tuple(SIZES), help="the model (default full; --quick: quick)")
+    parser.add_argument(
+        "--memory-sides",
+        help=f"memory launches, of {','.join(MEMORY_SIDES + EXTRA_MEMORY_SIDES)} (default: {','.join(MEMORY_SIDES)}; "
+        "--quick: the first two)",
+    )
     parser.add_argument("--precision", choices=("auto", "fp32", "bf16-mixed"), default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="write the report (with a top-level 'figures') here")
@@ -687,7 +725,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     sides = [s for s in args.sides.split(",") if s]
-    if set(sides) - set(ALL_SIDES) or args.warmup < 1:
+    bad_memory = set((args.memory_sides or "").split(",")) - set(MEMORY_SIDES + EXTRA_MEMORY_SIDES) - {""}
+    if set(sides) - set(ALL_SIDES) or args.warmup < 1 or bad_memory:
         parser.error(f"--sides must be of {ALL_SIDES}; --warmup >= 1 (a phase's first step carries fit's set-up)")
     skipped = []
     if "accelerate" in sides:
@@ -704,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
         precision, why = args.precision, "--precision"
     cfg = {
         "quick": args.quick,
-        "size": SIZES["quick" if args.quick else "full"],
+        "size": SIZES[args.size or ("quick" if args.quick else "full")],
         "precision": precision,
         "precision_why": why,
         "rounds": args.rounds or (2 if args.quick else 8),
@@ -736,6 +775,8 @@ def main(argv: list[str] | None = None) -> int:
         del base
         # --quick: the two launches the figures need (the peer's peak is context); a launch costs ~25 s here
         memory_sides = list(MEMORY_SIDES[:2] if args.quick else MEMORY_SIDES)
+        if args.memory_sides:
+            memory_sides = [s for s in args.memory_sides.split(",") if s]
         memory = {side: [] for side in memory_sides}
         for r in range(cfg["mem_rounds"]):
             for side in round_order(memory_sides, r):

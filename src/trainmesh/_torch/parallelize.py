@@ -240,6 +240,7 @@ def _apply_layers(
             compute_dtype=mixed_precision,
             reduce_dtype=options.reduce_dtype,
             cpu_offload=options.cpu_offload,
+            keep_frozen_gathered=options.keep_frozen_gathered,
         )
         return materialize(model, fill, device)  # FSDP2's shards only
     from .data_parallel import apply_data_parallel

@@ -48,8 +48,10 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from trainmesh import runtime
+from trainmesh.runtime import memory_trim
 from trainmesh.comm.allreduce_scatter import carries_reduce_scatter_by_all_reduce, install_all_reduce_scatter
 
+from .frozen_units import decide, frozen_groups
 from .materialize import has_meta_tensors
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -229,11 +231,14 @@ def apply_fsdp(
     compute_dtype: torch.dtype | None = None,
     reduce_dtype: str | None = None,
     cpu_offload: bool = False,
+    keep_frozen_gathered: bool | str = "auto",
 ) -> nn.Module:
     """Shard ``model`` over ``dp_mesh`` as ZeRO ``zero_stage`` (1, 2 or 3).
 
     ``dp_mesh`` is the 1-D batch-axis mesh. A tensor-parallel model's parameters may already be
     DTensors on the model axis of the same mesh: FSDP2 then shards them over the batch axis too.
+    ``keep_frozen_gathered`` (stage 3): each unit's frozen sub-modules as one unit gathered once per
+    step (``frozen_units.py``).
     """
     assert zero_stage in (1, 2, 3), zero_stage
     if isinstance(model, FSDPModule):
@@ -269,9 +274,27 @@ def apply_fsdp(
         # the same experts (its own FSDP2 unit, torchtitan's "efsdp"), which also average its gradients
         for module in [m for m in model.modules() if hasattr(m, "_trainmesh_ep")]:
             fully_shard(module, **{**options, "mesh": replica_mesh})
+    kept: dict[int, list[nn.Module]] = {}
+    keep_state = "n/a (stages 1-2 keep every unit gathered)"
+    if zero_stage == 3:
+        excluded = _excluded_from_groups(model, experts if replica_mesh is None else set())
+        candidates = frozen_groups([*units, model], excluded)  # the root's too: FSDP2 regathers it in backward
+        keep, keep_state = decide(keep_frozen_gathered, candidates, options["mp_policy"].param_dtype)
+        kept = candidates if keep else {}
     for unit in units:
-        fully_shard(unit, **options)
-    fully_shard(model, **options)
+        members = kept.get(id(unit))
+        if members is not None and members != [unit]:  # a mixed unit: its frozen part first (children first)
+            fully_shard(members, **{**options, "reshard_after_forward": False})
+        reshard = options["reshard_after_forward"] and members != [unit]  # a wholly frozen unit: kept itself
+        fully_shard(unit, **{**options, "reshard_after_forward": reshard})
+    root_members = kept.get(id(model))
+    if root_members is not None and root_members != [model]:
+        fully_shard(root_members, **{**options, "reshard_after_forward": False})
+    fully_shard(
+        model, **{**options, "reshard_after_forward": options["reshard_after_forward"] and root_members != [model]}
+    )
+    if runtime.local_torch_device().type == "cpu":
+        memory_trim.install(model)  # freed gather buffers back to the system between steps (RSS ~ live)
     if carries_reduce_scatter_by_all_reduce(group, runtime.local_torch_device()):
         install_all_reduce_scatter(model)  # gloo's own reduce-scatter: same bytes, 3x the time (see module)
     if ordered and units:
@@ -286,8 +309,39 @@ def apply_fsdp(
             current.set_modules_to_forward_prefetch([following])
             if zero_stage == 3:
                 following.set_modules_to_backward_prefetch([current])
-    model._trainmesh_memory = {"zero_stage": zero_stage, "shard_units": len(units) + 1, "cpu_offload": offload_state}
+        _prefetch_kept(model, units, kept)
+    model._trainmesh_memory = {
+        "zero_stage": zero_stage,
+        "shard_units": len(units) + 1,
+        "cpu_offload": offload_state,
+        "keep_frozen_gathered": keep_state,
+    }
     return model
+
+
+def _excluded_from_groups(model: nn.Module, ignored: set) -> set[int]:
+    """Parameters a kept group must not hold: FSDP2-ignored ones and those shared between modules (a tied
+    weight belongs to the unit FSDP2 gives it, not to a group of one of its users)."""
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return {i for i, n in seen.items() if n > 1} | {id(p) for p in ignored}
+
+
+def _prefetch_kept(model: nn.Module, units: list, kept: dict[int, list[nn.Module]]) -> None:
+    """Forward prefetch with kept frozen groups inside mixed units: unit i (its adapters, tiny) starts its
+    own frozen group's all-gather, and that group, once it runs, the next one's, so each block's one big
+    gather overlaps the block before it. (FSDP2 skips a prefetch of a group already gathered.)"""
+    mixed = [(u, kept[id(u)][0]) for u in units if isinstance(u, nn.Module) and kept.get(id(u), [u]) != [u]]
+    if not mixed:
+        return
+    if not model._get_fsdp_state()._states_to_forward_prefetch:
+        model.set_modules_to_forward_prefetch([mixed[0][1]])
+    for (unit, group), following in zip(mixed, [*[g for _, g in mixed[1:]], None]):
+        own = unit._get_fsdp_state()._states_to_forward_prefetch
+        unit.set_modules_to_forward_prefetch([group, *[s._modules[0] for s in own]])
+        if following is not None:
+            group.set_modules_to_forward_prefetch([following])
 
 
 def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -26,7 +26,10 @@ class DataParallel(Distribution):
     a tuple of classes, or an int byte threshold; default: each block of the first
     ``nn.ModuleList``); ``cpu_offload`` keeps FSDP2 state in host memory (CUDA only, a no-op
     with a warning on CPU); ``reduce_dtype`` is the gradient-reduction dtype under mixed
-    precision. See :class:`~trainmesh.distribution.memory_options.MemoryOptions`.
+    precision; ``keep_frozen_gathered`` (``True``, ``False``, ``"auto"``) keeps, at stage 3, the frozen
+    sub-modules of each unit (a LoRA base) gathered from forward to backward: one all-gather a step
+    instead of two (``"auto"``: while they hold at most 2 GiB). See
+    :class:`~trainmesh.distribution.memory_options.MemoryOptions`.
 
     ``sequence_dim_name`` names a sequence axis of a 2-D ``data x seq`` mesh (or a 1-D ``seq`` one):
     each training sequence is split over it (context parallelism, ``context_parallel="ring"``,
@@ -49,12 +52,17 @@ class DataParallel(Distribution):
         shard_unit: Any = None,
         cpu_offload: bool = False,
         reduce_dtype: Any = None,
+        keep_frozen_gathered: bool | str = "auto",
         pipeline: Pipeline | None = None,
         sequence_dim_name: str | None = None,
         context_parallel: str = "auto",
     ):
         self._memory = MemoryOptions(
-            zero_stage=zero_stage, shard_unit=shard_unit, cpu_offload=cpu_offload, reduce_dtype=reduce_dtype
+            zero_stage=zero_stage,
+            shard_unit=shard_unit,
+            cpu_offload=cpu_offload,
+            reduce_dtype=reduce_dtype,
+            keep_frozen_gathered=keep_frozen_gathered,
         )
         if device_mesh is not None and devices is not None:
             raise ValueError(

@@ -11,7 +11,8 @@ stage  what is sharded over the batch axis     torch engine
 1      optimizer state (+ gradients at the     FSDP2 ``fully_shard(reshard_after_forward=False)``,
        step, + parameters between steps)       unsharded gradients kept over accumulation
 2      + gradients (reduce-scatter)            FSDP2 ``fully_shard(reshard_after_forward=False)``
-3      + parameters (gathered per unit, freed) FSDP2 ``fully_shard(reshard_after_forward=True)``
+3      + parameters (gathered per unit, freed) FSDP2 ``fully_shard(reshard_after_forward=True)``;
+                                               frozen sub-units kept to backward (``keep_frozen_gathered``)
 =====  ======================================  ================================================
 
 Stage 1 is a superset of ZeRO-1, as DeepSpeed's is (``_torch/zero.py`` says why and what it costs).
@@ -78,6 +79,8 @@ class MemoryOptions:
     shard_unit: Any = None  # None | module class | tuple of classes | int byte threshold
     cpu_offload: bool = False
     reduce_dtype: str | None = None  # None: reduce in the parameters' (compute) dtype
+    # Stage 3: frozen units (a LoRA base) gathered once per step, kept to backward (``_torch/frozen_units.py``)
+    keep_frozen_gathered: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
@@ -90,6 +93,11 @@ class MemoryOptions:
                 "cpu_offload=True needs zero_stage 2 or 3 (FSDP2's CPUOffloadPolicy). "
                 f"Received: zero_stage={self.zero_stage!r}, cpu_offload=True"
             )
+        if not (isinstance(self.keep_frozen_gathered, bool) or self.keep_frozen_gathered == "auto"):
+            raise ValueError(
+                "keep_frozen_gathered must be True, False or 'auto'. "
+                f"Received: keep_frozen_gathered={self.keep_frozen_gathered!r}"
+            )
         object.__setattr__(self, "shard_unit", _validate_shard_unit(self.shard_unit))
         object.__setattr__(self, "reduce_dtype", _normalise_reduce_dtype(self.reduce_dtype))
 
@@ -100,6 +108,7 @@ class MemoryOptions:
             "shard_unit": self.shard_unit,
             "cpu_offload": self.cpu_offload,
             "reduce_dtype": self.reduce_dtype,
+            "keep_frozen_gathered": self.keep_frozen_gathered,
         }
         values.update({k: v for k, v in changes.items() if v is not None})
         return MemoryOptions(**values)

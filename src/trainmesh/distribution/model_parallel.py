@@ -46,6 +46,7 @@ class ModelParallel(Distribution):
         shard_unit: Any = None,
         cpu_offload: bool = False,
         reduce_dtype: Any = None,
+        keep_frozen_gathered: bool | str = "auto",
         device_mesh: Any = None,
         pipeline: Pipeline | None = None,
         sequence_dim_name: str | None = None,
@@ -61,7 +62,11 @@ class ModelParallel(Distribution):
                 stacklevel=2,
             )
         self._memory = MemoryOptions(
-            zero_stage=zero_stage, shard_unit=shard_unit, cpu_offload=cpu_offload, reduce_dtype=reduce_dtype
+            zero_stage=zero_stage,
+            shard_unit=shard_unit,
+            cpu_offload=cpu_offload,
+            reduce_dtype=reduce_dtype,
+            keep_frozen_gathered=keep_frozen_gathered,
         )
         if not isinstance(layout_map, LayoutMap):
             raise ValueError(f"ModelParallel needs a LayoutMap. Received: layout_map={layout_map!r}")

@@ -156,8 +156,8 @@ def _unsharded_buffers(model: nn.Module, zero_stage: int, accumulating: bool = F
     """Working copies during a step, read from the wrapped model itself.
 
     FSDP2: the unsharded size of each parameter group (all of them at stages 1-2, which keep units
-    gathered from forward to backward; the root and the two largest at stage 3: the one
-    computing and the one prefetched), each parameter in the dtype it is gathered in (a frozen
+    gathered from forward to backward; at stage 3 the root, every frozen group kept gathered to backward
+    (``keep_frozen_gathered``) and the two largest others: the one computing and the one prefetched), each parameter in the dtype it is gathered in (a frozen
     16-bit base at its own), plus the largest group's unsharded gradient before its reduce-scatter
     (trainable parameters only). DDP: its gradient buckets. ``accumulating``: a pipeline stage under
     torch's schedule keeps every group gathered between microbatches and accumulates every group's
@@ -178,7 +178,9 @@ def _unsharded_buffers(model: nn.Module, zero_stage: int, accumulating: bool = F
             grad = sum(
                 n * p.orig_dtype.itemsize for n, p in zip(numels, group.fsdp_params) if p.sharded_param.requires_grad
             )
-            groups.append((module is model, size, grad))
+            # a group not resharded after forward (the root; at stage 3 a kept frozen group, ``frozen_units.py``)
+            # is held whole from its forward to its backward
+            groups.append((module is model or group.post_forward_mesh_info is None, size, grad))
     if groups:
         if accumulating:
             return sum(size + grad for _, size, grad in groups), notes
@@ -188,6 +190,9 @@ def _unsharded_buffers(model: nn.Module, zero_stage: int, accumulating: bool = F
             root = sum(size for is_root, size, _ in groups if is_root)
             others = sorted((size for is_root, size, _ in groups if not is_root), reverse=True)
             gathered = root + sum(others[:2])
+        kept = str(getattr(model, "_trainmesh_memory", {}).get("keep_frozen_gathered", ""))
+        if zero_stage == 3 and kept.startswith(("on", "off (auto", "off (keep")):
+            notes.append(f"frozen units kept gathered from forward to backward: {kept}")
         return gathered + max(g for _, _, g in groups), notes
     ddp = getattr(model, "_get_ddp_logging_data", None)
     if ddp is not None:

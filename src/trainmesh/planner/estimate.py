@@ -83,6 +83,7 @@ def _stage_row(
         notes.append("sharded states offloaded to host memory (a no-op on a CPU-only run)")
     elif cpu_offload:
         notes.append("cpu_offload needs stage 2 or 3; not applied")
+    notes += [n for n in rank.notes if n.startswith("frozen units kept gathered")]  # said on or off, and why
     return PlanRow(
         zero_stage=stage,
         activation_checkpointing=policy,

@@ -1,0 +1,101 @@
+"""ZeRO-3 over a frozen base: frozen FSDP2 units gathered once per step, kept from forward to backward.
+
+At stage 3 every unit is gathered before its forward, freed after it, and gathered again for its
+backward. A frozen parameter (``requires_grad=False``: the base of a LoRA fine-tune) is still needed
+in backward (the input gradient is ``grad_out @ W``), so a LoRA step all-gathered the whole base
+twice, and ``benchmarks/finetune.py`` measured the ZeRO-3 LoRA step at 1.68x peft under DDP.
+
+What this module does instead (``keep_frozen_gathered``): each shard unit's *maximal frozen
+sub-modules* (a LoRA layer's ``base_layer``, a norm; a unit wholly frozen is itself one) become one
+grouped FSDP2 unit, ``fully_shard([m1, m2, ...], reshard_after_forward=False)``, inside the unit. It is
+gathered once in forward (one all-gather per block, prefetched one block ahead) and freed at the end
+of its backward; the trainable adapters stay in the block's own unit with ZeRO-3's usual
+gather-free-regather (their bytes are a few percent). The price: by the end of forward a process holds
+the whole frozen base gathered in its gather dtype, as a DDP replica would (``held_bytes``).
+
+The choice is made from shapes and options only, so every process makes the same one (the units, and
+so the collectives, must match): ``True`` and ``False`` are the user's; ``"auto"`` keeps them gathered
+when the held bytes are at most ``KEEP_FROZEN_AUTO_BYTES``. The planner reads the resulting units
+(``planner/dry_run.py`` counts kept groups whole) and says when the choice was off.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+# "auto" keeps a frozen base gathered up to this many bytes per process (a 1B-parameter base in bf16).
+# A fixed figure, not the device's free memory: that differs between processes, and so would the units.
+KEEP_FROZEN_AUTO_BYTES = 2 * 2**30
+
+
+def _is_frozen(module: nn.Module) -> bool:
+    params = list(module.parameters())
+    return bool(params) and not any(p.requires_grad for p in params)
+
+
+def _maximal_frozen(module: nn.Module, skip: set[int]) -> list[nn.Module]:
+    """The frozen sub-modules of ``module`` whose parent is not wholly frozen (pre-order, the forward's
+    order for transformers blocks), leaving out the subtrees in ``skip`` (nested shard units)."""
+    found: list[nn.Module] = []
+    for child in module.children():
+        if id(child) in skip:
+            continue
+        if _is_frozen(child) and not any(id(m) in skip for m in child.modules()):
+            found.append(child)
+        else:
+            found.extend(_maximal_frozen(child, skip))
+    return found
+
+
+def frozen_groups(units: list, excluded: set[int]) -> dict[int, list[nn.Module]]:
+    """For each shard unit (by ``id``): the modules to keep gathered. A wholly frozen unit maps to itself;
+    a mixed one to its maximal frozen sub-modules holding only parameters owned by it (none in
+    ``excluded``: parameters FSDP2 ignores, e.g. experts, or shared with another unit)."""
+    unit_ids = {id(u) for u in units if isinstance(u, nn.Module)}
+    groups: dict[int, list[nn.Module]] = {}
+    for unit in units:
+        if not isinstance(unit, nn.Module):
+            continue  # a grouped unit (stages 1-2 only) keeps everything gathered already
+        if _is_frozen(unit):
+            groups[id(unit)] = [unit]
+            continue
+        nested = {id(m) for m in unit.modules() if m is not unit and id(m) in unit_ids}
+        members = [m for m in _maximal_frozen(unit, nested) if not any(id(p) in excluded for p in m.parameters())]
+        if members:
+            groups[id(unit)] = members
+    return groups
+
+
+def held_bytes(groups: dict[int, list[nn.Module]], gather_dtype) -> int:
+    """What the kept groups hold gathered at the end of forward: every parameter whole (a tensor-parallel
+    one counted at its global size: an upper bound, the same number on every process), at the dtype FSDP2
+    gathers it in (``gather_dtype``, or as stored when None)."""
+    seen: set[int] = set()
+    total = 0
+    for members in groups.values():
+        for module in members:
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    itemsize = gather_dtype.itemsize if gather_dtype is not None else p.element_size()
+                    total += p.numel() * itemsize
+    return total
+
+
+def decide(choice, groups: dict[int, list[nn.Module]], gather_dtype) -> tuple[bool, str]:
+    """Whether to keep the frozen groups gathered, and the sentence that says so (``_trainmesh_memory``,
+    the planner's notes)."""
+    if not groups:
+        return False, "off (no frozen sub-modules)"
+    held = held_bytes(groups, gather_dtype)
+    mib = f"{held / 2**20:.1f} MiB"
+    if choice is True:
+        return True, f"on ({len(groups)} units, {mib} held from forward to backward)"
+    if choice is False:
+        return False, f"off (keep_frozen_gathered=False; the frozen base is gathered again in backward, {mib})"
+    if held <= KEEP_FROZEN_AUTO_BYTES:
+        return True, f"on (auto: {mib} held from forward to backward, <= {KEEP_FROZEN_AUTO_BYTES / 2**30:.0f} GiB)"
+    return False, (
+        f"off (auto: keeping it would hold {mib}, > {KEEP_FROZEN_AUTO_BYTES / 2**30:.0f} GiB; the frozen base "
+        f"is gathered again in backward; keep_frozen_gathered=True overrides)"
+    )

@@ -1,0 +1,122 @@
+"""ZeRO-3 over a frozen LoRA base: ``keep_frozen_gathered`` gathers the base once per step, not twice.
+
+One launch of 2 gloo processes trains the tiny peft LoRA Llama of ``lora_cases`` under
+``DataParallel(zero_stage=3, keep_frozen_gathered=...)`` with the option on and off, and checks:
+
+* the all-gather bytes of one step, counted at the dispatcher (``CollectiveCounter``: the full
+  buffer of each c10d call, over 3 steps): with the option on, the frozen base (the blocks' and the
+  root's: embedding, head, final norm) once per step, the adapters twice (forward, backward: still
+  ZeRO-3); off, everything twice. Equal within 1% (FSDP2 pads each parameter to the world size);
+* parity: every tensor after 3 AdamW steps equals a plain one-process peft loop (fp32, 1e-5), both
+  ways, and the frozen base is unchanged;
+* the choice is reported in ``_trainmesh_memory``; a wrong value is refused before any collective.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainmesh.testing import run_distributed
+
+from lora_cases import GLOBAL_BATCH, STEPS, data, lm_loss, lora_model, make_optimizer, reference
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+
+def _sizes(model: torch.nn.Module) -> dict:
+    """fp32 bytes of the blocks' frozen parameters, the blocks' adapters, and the rest (the root's)."""
+    out = {"frozen_blocks": 0, "adapters": 0, "root": 0}
+    for name, p in model.named_parameters():
+        key = "root" if ".layers." not in name else ("adapters" if p.requires_grad else "frozen_blocks")
+        out[key] += p.numel() * 4
+    return out
+
+
+def _run(keep_values) -> dict:
+    import trainmesh as tm
+    from trainmesh.planner.collectives import CollectiveCounter, CollectiveLog
+
+    class CallLog(CollectiveLog):
+        def add(self, axis, kind, nbytes, count=1):
+            super().add(axis, kind, nbytes, count)
+            self.calls = getattr(self, "calls", []) + [(kind, int(nbytes))]
+
+    out = {}
+    for keep in keep_values:
+        model = lora_model("llama")
+        sizes = _sizes(model)
+        trainer = tm.Trainer(
+            model,
+            make_optimizer,
+            lm_loss,
+            distribution=tm.DataParallel(zero_stage=3, keep_frozen_gathered=keep),
+            progress=False,
+        )
+        log = CallLog()
+        with CollectiveCounter({}, log=log):
+            trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
+        gathered = sum(n for kind, n in getattr(log, "calls", []) if kind == "all_gather") / STEPS
+        state = trainer.state_dict()["model"]
+        out[keep] = {
+            "sizes": sizes,
+            "gathered_per_step": gathered,
+            "memory": dict(getattr(trainer.model, "_trainmesh_memory", {})),
+            "state": {k: v.detach().clone() for k, v in state.items()},
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_run, world_size=2, args=([True, False],), timeout=280), reference("llama")
+
+
+def test_frozen_base_gathered_once_per_step_when_kept(results):
+    got, _ = results
+    for rank_result in got:
+        on, off = rank_result[True], rank_result[False]
+        sizes = on["sizes"]
+        assert sizes["frozen_blocks"] > 3 * sizes["adapters"] > 0
+        expected_on = sizes["root"] + sizes["frozen_blocks"] + 2 * sizes["adapters"]
+        expected_off = 2 * (sizes["root"] + sizes["frozen_blocks"] + sizes["adapters"])
+        assert on["gathered_per_step"] == pytest.approx(expected_on, rel=0.01), (on["gathered_per_step"], sizes)
+        assert off["gathered_per_step"] == pytest.approx(expected_off, rel=0.01), (off["gathered_per_step"], sizes)
+        assert on["memory"]["keep_frozen_gathered"].startswith("on (3 units")
+        assert off["memory"]["keep_frozen_gathered"].startswith("off (keep_frozen_gathered=False")
+
+
+def test_parity_with_one_process_either_way(results):
+    got, expected = results
+    start = lora_model("llama").state_dict()
+    for keep in (True, False):
+        state = got[0][keep]["state"]
+        assert state.keys() == expected.keys()
+        for name, value in expected.items():
+            diff = (state[name] - value).abs().max().item()
+            assert diff <= 1e-5, f"keep_frozen_gathered={keep}: {name} differs from one process by {diff:.3g}"
+            if "lora_" not in name:
+                assert torch.equal(state[name], start[name]), f"frozen {name} changed"
+
+
+def test_bad_value_refused_by_name():
+    import trainmesh as tm
+
+    with pytest.raises(ValueError, match="keep_frozen_gathered must be True, False or 'auto'.*Received"):
+        tm.DataParallel(devices=["cpu:0", "cpu:1"], zero_stage=3, keep_frozen_gathered="yes")
+    with pytest.raises(ValueError, match="keep_frozen_gathered"):
+        tm.DataParallel(devices=["cpu:0", "cpu:1"], zero_stage=3, keep_frozen_gathered=1)
+
+
+def test_planner_counts_the_kept_base_and_says_so():
+    """One process, the planner's fake process group: at stage 3 the kept frozen groups count whole in
+    ``buffers`` (the root's and both blocks' base: held from forward to backward), and the row says so."""
+    import trainmesh as tm
+
+    sizes = _sizes(lora_model("llama"))
+    report = tm.plan(lambda: lora_model("llama"), world_size=2, zero_stage=3, micro_batch=2, seq_len=16)
+    row = report.rows[0]
+    assert row.buffers >= sizes["root"] + sizes["frozen_blocks"], (row.buffers, sizes)
+    assert any(note.startswith("frozen units kept gathered from forward to backward: on (auto") for note in row.notes)
