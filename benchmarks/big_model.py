@@ -17,6 +17,14 @@ Sides, per round:
 * ``transformers fsdp``: ``AutoModelForCausalLM.from_pretrained(DIR,
   distributed_config=DistributedConfig(fsdp_size=4))`` (transformers' own distributed load);
 * ``single read``: one process reading every file with ``safetensors.torch.load_file``;
+* ``copy limit``: one process ``readinto`` every whole file into memory allocated (not touched)
+  before the clock starts: the physical copy from the page cache plus first-touch faults, which any
+  load into fresh memory pays;
+* ``first step``: ``trainmesh zero3`` and ``transformers fsdp`` again, each timed from the build to
+  the end of one AdamW step (lr 1e-4, ``prepare_optimizer`` on trainmesh's side, a plain loop on
+  transformers') on the same global batch of 4 rows of 32 tokens, each process taking its row.
+  transformers' lazily mapped tensors pay their copy in that step, ours in the load: the step is
+  where both have done the same work;
 * ``trainmesh save``: ``tm.save_pretrained`` of the ZeRO-3 model on 4 processes, against
   ``transformers save``: ``save_pretrained`` of the whole model on one process (both 500 MB files,
   both fsynced: tm.save_pretrained fsyncs before it publishes, transformers' side is fsynced after).
@@ -27,6 +35,10 @@ touched), over the model's full fp32 bytes; the worst process counts. A load's t
 of that touch on both sides (transformers maps files lazily: its tensors are read when first used),
 and the single read touches every tensor too. Times are the slowest process's wall time. Figures
 are medians over rounds; ratios are formed per round.
+
+``hf_time_to_first_step_vs_transformers_distributed`` is the first-step time over transformers'
+(goal <= 1.0); ``hf_load_time_vs_copy_limit`` our ZeRO-3 load (build to filled shards, no touch)
+over the copy limit (goal <= 2.0).
 
 Initialisation without weights: the largest difference between the parameters that DataParallel,
 ZeRO-3, TP 2x2, TP 1x4 and pipeline 2 give a small meta-built Llama at one seed, against one
@@ -100,6 +112,69 @@ def _load(side: str, directory: str, config):
     return tm.ModelParallel(layout_map=layout, batch_dim_name="data").distribute_model(model, weights=directory)
 
 
+STEP_BATCH = (4, 32)  # global rows x tokens of the first step; each of the 4 processes trains on one row
+
+
+def _first_step_batch(vocab: int):
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (STEP_BATCH[0], STEP_BATCH[1] + 1), generator=g)
+    rows = tokens.chunk(dist.get_world_size())[dist.get_rank()]
+    return rows[:, :-1], rows[:, 1:]
+
+
+def _build_and_step(side: str, directory: str, config) -> tuple[float, float]:
+    """Build, load and take one AdamW step: (the loss, seconds until the model and optimizer were ready)."""
+    import trainmesh as tm
+
+    start = time.perf_counter()
+    if side == "trainmesh zero3":
+        distribution = tm.DataParallel(zero_stage=3)
+        model = distribution.distribute_model(_meta_model(config), weights=directory)
+        optimizer = distribution.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), model)
+    else:
+        model = _load(side, directory, config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ready = time.perf_counter() - start
+    x, y = _first_step_batch(config.vocab_size)
+    loss = torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item(), ready
+
+
+def _first_step_worker(side: str, directory: str, tiny: str, sizes: dict) -> dict:
+    import torch.distributed as dist
+
+    import trainmesh as tm
+
+    tm.initialize()
+    _build_and_step(side, tiny, llama_config(64, 2, 128, vocab=512))  # imports and first calls, outside the figure
+    config = llama_config(**sizes)
+    dist.barrier()
+    start = time.perf_counter()
+    loss, ready = _build_and_step(side, directory, config)
+    return {"seconds": time.perf_counter() - start, "ready_seconds": ready, "loss": loss}
+
+
+def _copy_limit(directory: str) -> float:
+    """One process reading every whole file, with ``readinto``, into memory allocated beforehand."""
+    paths = [os.path.join(directory, n) for n in sorted(os.listdir(directory)) if n.endswith(".safetensors")]
+    buffers = [torch.empty(os.path.getsize(p), dtype=torch.uint8) for p in paths]  # allocated, not touched
+    start = time.perf_counter()
+    for path, buffer in zip(paths, buffers):
+        view, done = memoryview(buffer.numpy()), 0
+        with open(path, "rb", buffering=0) as f:
+            while done < len(view):
+                got = f.readinto(view[done:])
+                if not got:
+                    raise OSError(f"{path}: shorter than its size")
+                done += got
+    return time.perf_counter() - start
+
+
 def _load_worker(side: str, directory: str, tiny: str, sizes: dict) -> dict:
     import torch.distributed as dist
 
@@ -113,9 +188,10 @@ def _load_worker(side: str, directory: str, tiny: str, sizes: dict) -> dict:
     with PeakRSSGrowth() as growth:
         start = time.perf_counter()
         model = _load(side, directory, config)
+        loaded = time.perf_counter() - start
         _touch(model)  # in the time too: a lazily mapped shard is read only now
         seconds = time.perf_counter() - start
-    out = {"seconds": seconds, "rss_growth": growth.bytes}
+    out = {"seconds": seconds, "load_seconds": loaded, "rss_growth": growth.bytes}
     if side == "trainmesh zero3":  # the save, from the model just loaded
         target = os.path.join(os.path.dirname(directory), "saved-trainmesh")
         dist.barrier()
@@ -229,7 +305,9 @@ def main(argv=None) -> int:
         transformers.LlamaForCausalLM(llama_config(64, 2, 128, vocab=512)).save_pretrained(tiny)
         _single_read(directory)  # the page cache is warm for every side
         sides = ["trainmesh zero3", "transformers fsdp", "trainmesh tp"]
-        runs: dict[str, list[dict]] = {s: [] for s in sides + ["single read", "transformers save"]}
+        step_sides = ["trainmesh zero3", "transformers fsdp"]
+        extra = ["single read", "copy limit", "transformers save"]
+        runs: dict[str, list[dict]] = {s: [] for s in sides + extra + [f"first step {s}" for s in step_sides]}
         for r in range(rounds):
             order = sides[r % len(sides) :] + sides[: r % len(sides)]
             for side in order:
@@ -237,6 +315,7 @@ def main(argv=None) -> int:
                 runs[side].append(
                     {
                         "seconds": max(o["seconds"] for o in out),
+                        "load_seconds": max(o["load_seconds"] for o in out),
                         "rss": max(o["rss_growth"] for o in out) / full_bytes,
                         **(
                             {
@@ -249,7 +328,13 @@ def main(argv=None) -> int:
                     }
                 )
                 shutil.rmtree(os.path.join(scratch, "saved-trainmesh"), ignore_errors=True)
+            for side in step_sides[r % 2 :] + step_sides[: r % 2]:
+                out = run_distributed(
+                    _first_step_worker, world_size=4, args=(side, directory, tiny, sizes), timeout=900
+                )
+                runs[f"first step {side}"].append({"seconds": max(o["seconds"] for o in out), "loss": out[0]["loss"]})
             runs["single read"].append({"seconds": _single_read(directory)})
+            runs["copy limit"].append({"seconds": _copy_limit(directory)})
             runs["transformers save"].append({"seconds": _transformers_save(directory, os.path.join(scratch, "saved"))})
             shutil.rmtree(os.path.join(scratch, "saved"), ignore_errors=True)
         init_diff = max(run_distributed(_init_worker, world_size=4, timeout=600))
@@ -257,7 +342,16 @@ def main(argv=None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
 
     zero3, tf, tp = runs["trainmesh zero3"], runs["transformers fsdp"], runs["trainmesh tp"]
+    first, first_tf = runs["first step trainmesh zero3"], runs["first step transformers fsdp"]
     figures = {
+        "hf_time_to_first_step_vs_transformers_distributed": _median(
+            [a["seconds"] / b["seconds"] for a, b in zip(first, first_tf)]
+        ),
+        "hf_load_time_vs_copy_limit": _median(
+            [a["load_seconds"] / b["seconds"] for a, b in zip(zero3, runs["copy limit"])]
+        ),
+        # the same step from the same weights: the two sides' first losses agree (context, not a goal)
+        "first_step_loss_abs_diff": _median([abs(a["loss"] - b["loss"]) for a, b in zip(first, first_tf)]),
         "meta_load_peak_rss_vs_full_fp32": _median([r["rss"] for r in zero3]),
         "meta_load_peak_rss_vs_full_fp32_tp": _median([r["rss"] for r in tp]),
         "hf_load_time_vs_transformers_distributed": _median([a["seconds"] / b["seconds"] for a, b in zip(zero3, tf)]),
@@ -272,12 +366,14 @@ def main(argv=None) -> int:
         "transformers_fsdp_load_peak_rss_vs_full_fp32": _median([r["rss"] for r in tf]),  # context: the peer
     }
     print(f"Llama {full_bytes / 1e9:.2f} GB fp32, 4 processes, {rounds} round(s)")
-    print(f"{'side':<22}{'seconds (median)':>18}{'peak RSS growth / full':>26}")
+    print(f"{'side':<30}{'seconds (median)':>18}{'peak RSS growth / full':>26}")
     for side, values in runs.items():
         rss = _median([v["rss"] for v in values if "rss" in v])
-        print(f"{side:<22}{_median([v['seconds'] for v in values]):>18.2f}{rss:>26.3f}")
+        print(f"{side:<30}{_median([v['seconds'] for v in values]):>18.2f}{rss:>26.3f}")
+        if "ready_seconds" in values[0]:  # the first step's split: ready to train, then the step
+            print(f"{'  of which build + load':<30}{_median([v['ready_seconds'] for v in values]):>18.2f}")
     print(
-        f"{'trainmesh save':<22}{_median([v['save_seconds'] for v in zero3]):>18.2f}"
+        f"{'trainmesh save':<30}{_median([v['save_seconds'] for v in zero3]):>18.2f}"
         f"{_median([v['save_rss'] for v in zero3]):>26.3f}"
     )
     print()

@@ -114,12 +114,13 @@ SMOKES = {
 # Smoke runs past this test's share of the suite's time (each ~170 s of CPU on a 2-core machine, or root's
 # network-namespace clusters): run with TRAINMESH_SLOW_BENCH_SMOKE=1 (run_all.py --quick runs them too).
 SLOW = {
-    # 16 process launches (3 loads and the meta-init check at 4 processes)
+    # 6 process launches of 4 (3 loads, 2 first steps, the meta-init check)
     "big_model": Smoke(
         ["--smoke"],
         [
             "meta_load_peak_rss_vs_full_fp32",
-            "hf_load_time_vs_transformers_distributed",
+            "hf_time_to_first_step_vs_transformers_distributed",
+            "hf_load_time_vs_copy_limit",
             "save_pretrained_time_vs_transformers_save",
             "meta_init_layout_max_abs_diff",
         ],
