@@ -44,6 +44,9 @@ def moe_model(
     if family == "mixtral":
         config = transformers.MixtralConfig(intermediate_size=16, num_local_experts=num_experts, head_dim=8, **common)
         return transformers.MixtralForCausalLM(config).float()
+    if family == "olmoe":  # transformers' base_model_ep_plan names its experts; q/k norms over the whole width
+        config = transformers.OlmoeConfig(intermediate_size=16, num_experts=num_experts, **common)
+        return transformers.OlmoeForCausalLM(config).float()
     raise ValueError(f"unknown MoE family {family!r}")
 
 

@@ -1,7 +1,7 @@
-"""Expert parallelism on real gloo groups: tiny transformers Qwen3-MoE and Mixtral (built from a config)
-against one process on the same global batches, in fp32.
+"""Expert parallelism on real gloo groups: tiny transformers Qwen3-MoE, Mixtral and OLMoE (built from a
+config) against one process on the same global batches, in fp32.
 
-Launch 1 (2 processes, a hand-written loop so gradients can be read): EP 2 over the data axis for both
+Launch 1 (2 processes, a hand-written loop so gradients can be read): EP 2 over the data axis for the three
 models, for a router forced to send every token to experts 0 and 1 (both on the first process: the
 second receives no row), and with the auxiliary load-balancing loss over the global batch
 (``trainmesh.moe.load_balancing_loss`` against transformers' own on one process). Checked: losses and first-step gradients (1e-6), parameters after 3 AdamW
@@ -52,6 +52,7 @@ TOL = 1e-6
 LOOP_CASES = [  # family, variant
     ("qwen3_moe", ""),
     ("mixtral", ""),
+    ("olmoe", ""),
     ("qwen3_moe", "skewed"),
     ("qwen3_moe", "aux"),
 ]
