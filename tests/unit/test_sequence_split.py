@@ -90,6 +90,8 @@ def test_constructor_errors():
     pipe = tm.DeviceMesh((2, 2), ["pipe", "seq"], devices=DEVICES4)
     with pytest.raises(ValueError, match="beside a pipeline"):
         tm.ModelParallel(layout_map=tm.LayoutMap(pipe), sequence_dim_name="seq", pipeline=tm.Pipeline(axis="pipe"))
+    with pytest.raises(ValueError, match="beside a pipeline"):  # DataParallel too, before any group exists
+        tm.DataParallel(pipe, sequence_dim_name="seq", pipeline=tm.Pipeline(axis="pipe"))
 
 
 def test_auto_picks_ulysses_where_heads_divide():
