@@ -79,3 +79,41 @@ def test_bad_expert_plans_are_refused_before_any_dry_run():
         )
     with pytest.raises(ValueError, match="has none"):
         plan_parallel(dense, world_size=2, expert_parallel_size=2, hardware=None)
+
+
+def test_apply_expert_parallel_moves_expert_bytes_and_adds_the_dispatch():
+    """A dry run's figures (here made up: 1000 dense bytes + the experts replicated, Adam's 2 states) become
+    EP 2's, and the dispatch's all-to-alls join the rank's collectives at the uniform-routing formula."""
+    from trainmesh.planner.collectives import CollectiveLog, wire_bytes
+    from trainmesh.planner.dry_run import RankResult
+    from trainmesh.planner.experts import apply_expert_parallel
+
+    model = _qwen3_moe(num_experts=8)
+    whole = LAYERS * 8 * 3 * HIDDEN * MOE_INTERMEDIATE * 4
+    spec = MeshSpec.parse("data=4", 4)
+    dry = RankResult(
+        rank=0,
+        coords={"data": 0},
+        params=1000 + whole,
+        grads=1000 + whole,
+        optimizer=2 * (1000 + whole),
+        activations=0,
+        buffers=0,
+        flops=0,
+        collectives=CollectiveLog(),
+        num_parameters_local=(1000 + whole) // 4,
+        seconds=0.0,
+    )
+    tokens = 2 * 8  # micro-batch 2 x sequence 8
+    planned = apply_expert_parallel(
+        dry, model, spec, expert_parallel_size=2, zero_stage=0, precision="32", tokens=tokens
+    )
+    assert (planned.params, planned.grads, planned.optimizer) == (1000 + whole // 2,) * 2 + (2 * (1000 + whole // 2),)
+    assert planned.num_parameters_local == (1000 + whole // 2) // 4
+    traffic = planned.collectives.traffic[("data", "all_to_all")]
+    # per MoE layer: the counts (8 experts, int64), then 4 exchanges of tokens x top-2 x hidden fp32 rows
+    assert traffic.count == LAYERS * 5
+    assert traffic.bytes == LAYERS * (8 * 8 + 4 * tokens * 2 * HIDDEN * 4)
+    token_bytes = LAYERS * 4 * tokens * 2 * HIDDEN * 4
+    assert wire_bytes("all_to_all", token_bytes, 2) == token_bytes / 2  # (EP-1)/EP leave the process
+    assert any(f"{whole // 2:,} expert parameter bytes per process instead of {whole:,}" in n for n in planned.notes)

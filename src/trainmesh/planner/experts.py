@@ -12,6 +12,12 @@ EP's, for the parameters, their gradients (same shards, same dtype) and the opti
 dry run's own state bytes per parameter byte: 2 for Adam, 1 for SGD with momentum). Dense layers keep
 the dry run's figures.
 
+The token dispatch's all-to-alls are added to the rank's collectives on the batch axis, at uniform
+routing (the issue's formula; real routing is measured by ``benchmarks/moe.py``): per MoE layer one
+count exchange (``num_experts`` int64) and four token exchanges (dispatch and combine, forward and
+backward), each of a full buffer of ``tokens x top_k x hidden`` activation elements, of which
+``(EP-1)/EP`` leave the process (``collectives.wire_bytes``).
+
 Found by the same structure ``LayoutMap.auto`` uses (``distribution.expert_layout.find_experts``).
 ZeRO-1/2 partition whole tensors across the axis by size (``ZeroRedundancyOptimizer``), which no
 formula of rows follows, so a plan with EP takes stage 0 or 3 and says so otherwise.
@@ -85,15 +91,54 @@ def check_plan(meta_model: nn.Module, spec: MeshSpec, expert_parallel_size: int,
         check_divisible(experts, axis, ep, spec.size(axis))
 
 
+def dispatch_traffic(
+    meta_model: nn.Module, *, tokens: int, expert_parallel_size: int, precision: str
+) -> tuple[int, int]:
+    """``(calls, full-buffer bytes)`` of one micro-batch's dispatch all-to-alls on one process, at uniform
+    routing: per MoE layer 1 count exchange + 4 token exchanges of ``tokens x top_k x hidden`` elements."""
+    from trainmesh.distribution.expert_layout import _TOP_K_NAMES
+
+    if expert_parallel_size <= 1:
+        return 0, 0
+    element = 2 if precision in ("bf16-true", "bf16-mixed", "fp16-mixed") else 4
+    calls = nbytes = 0
+    for experts in find_experts(meta_model)[0]:
+        module = meta_model.get_submodule(experts.path)
+        router = meta_model.get_submodule(experts.router_path) if experts.router_path else None
+        top_k = next((getattr(router, n) for n in _TOP_K_NAMES if isinstance(getattr(router, n, None), int)), 1)
+        config_hidden = getattr(getattr(meta_model, "config", None), "hidden_size", None)
+        # transformers' down_proj: (experts, hidden, intermediate)
+        hidden = config_hidden or getattr(module, experts.param_names[-1]).shape[1]
+        calls += 5
+        nbytes += experts.num_experts * 8 + 4 * tokens * top_k * hidden * element
+    return calls, nbytes
+
+
 def apply_expert_parallel(
-    result, meta_model: nn.Module, spec: MeshSpec, *, expert_parallel_size: int, zero_stage: int, precision: str
+    result,
+    meta_model: nn.Module,
+    spec: MeshSpec,
+    *,
+    expert_parallel_size: int,
+    zero_stage: int,
+    precision: str,
+    tokens: int | None = None,
 ):
     """``result`` (a dry run's ``RankResult``) with its expert parameters, gradients and optimizer state
-    counted at EP's shares; a note says how many expert bytes moved."""
+    counted at EP's shares, and (``tokens``: a micro-batch's tokens on this process) the dispatch's
+    all-to-alls added to its collectives; a note says how many expert bytes moved."""
     counted = expert_bytes(
         meta_model, spec, expert_parallel_size=expert_parallel_size, zero_stage=zero_stage, precision=precision
     )
     (dry, held), (dry_trained, held_trained) = counted["all"], counted["trainable"]
+    if tokens:
+        calls, nbytes = dispatch_traffic(
+            meta_model, tokens=tokens, expert_parallel_size=expert_parallel_size, precision=precision
+        )
+        if calls:
+            result.collectives.add(
+                spec.batch_axis, "all_to_all", nbytes * result.microbatches, calls * result.microbatches
+            )
     if dry == held:
         return result
     # the dry run's optimizer state bytes per gradient byte: 2 for Adam (exp_avg, exp_avg_sq), 1 for momentum

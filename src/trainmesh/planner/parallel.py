@@ -386,6 +386,7 @@ def plan_parallel(
                 expert_parallel_size=expert_parallel_size,
                 zero_stage=zero_stage,
                 precision=precision,
+                tokens=micro_batch * seq_len if seq_len else None,
             )
         ranks.append(result)
     dp = spec.size(spec.batch_axis)
