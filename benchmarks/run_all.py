@@ -55,6 +55,8 @@ REGISTRY = [
     # issue 35's: one uninterrupted 4-process job and 10 faulty ones (--quick: each fault kind once); the
     # disk-full kind mounts a tmpfs and is skipped, with the reason, when not root
     {"name": "chaos", "script": "chaos.py", "needs": [], "full_args": ["--runs", "10"]},
+    # issue 45's: 2 replica groups under torchft's Lighthouse against a restart from checkpoint, seeded SIGKILLs
+    {"name": "replica_ft", "script": "replica_ft.py", "needs": ["torchft"]},
     {"name": "communication", "script": "communication.py", "needs": [], "root": True},
     {"name": "multihost", "script": "multihost.py", "needs": [], "root": True},
 ]

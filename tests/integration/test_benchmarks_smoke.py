@@ -143,6 +143,19 @@ SLOW = {
     "long_context": Smoke(
         ["--quick", "--rounds", "1"], ["cp_parity_max_abs_diff", "ring_vs_ulysses_step"], timeout=900
     ),
+    # issue 45's: about 14 process starts and 2 real SIGKILLs (6 min at load 28)
+    "replica_ft": Smoke(
+        ["--quick"],
+        [
+            "ft_committed_steps_lost",
+            "ft_time_lost_vs_restart",
+            "ft_rejoin_identical_fraction",
+            "ft_samples_exactly_once",
+            "ft_step_overhead_no_fault",
+        ],
+        needs=("torchft",),
+        timeout=900,
+    ),
     "multihost": Smoke(
         ["--quick", "--rounds", "1", "--steps", "4"], ["dp_2hosts_parity_max_abs_diff"], needs=(), timeout=900
     ),
