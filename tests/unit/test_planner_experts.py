@@ -117,3 +117,12 @@ def test_apply_expert_parallel_moves_expert_bytes_and_adds_the_dispatch():
     token_bytes = LAYERS * 4 * tokens * 2 * HIDDEN * 4
     assert wire_bytes("all_to_all", token_bytes, 2) == token_bytes / 2  # (EP-1)/EP leave the process
     assert any(f"{whole // 2:,} expert parameter bytes per process instead of {whole:,}" in n for n in planned.notes)
+
+
+def test_plan_cli_takes_an_expert_parallel_size(capsys):
+    """``trainmesh plan --expert-parallel-size`` reaches plan_parallel: on the dense example it is refused
+    (exit 2) with the planner's own error, before any dry run."""
+    from trainmesh.launcher.cli import main
+
+    assert main(["plan", "--example", "--world-size", "2", "--expert-parallel-size", "2"]) == 2
+    assert "needs a model with experts modules" in capsys.readouterr().err

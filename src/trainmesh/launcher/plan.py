@@ -94,6 +94,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--hardware", default="h100", help="published figures (h100) or a JSON file written by --calibrate"
     )
+    parser.add_argument(
+        "--expert-parallel-size",
+        type=int,
+        default=None,
+        metavar="EP",
+        help="a mixture of experts' experts split over EP processes of the batch axis (planner/experts.py)",
+    )
     parser.add_argument("--search", action="store_true", help="rank meshes x ZeRO x checkpointing that fit")
     parser.add_argument("--calibrate", action="store_true", help="measure this machine's FLOP rate and links")
     parser.add_argument(
@@ -163,7 +170,7 @@ def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 0
     if args.world_size is None:
         parser.error("--world-size is required")
-    if args.model is not None or args.mesh is not None or args.search:
+    if args.model is not None or args.mesh is not None or args.search or args.expert_parallel_size:
         return _handle_parallel(args, parser)
     return _handle_table(args, parser)
 
@@ -191,6 +198,8 @@ def _handle_parallel(args, parser) -> int:
         if args.search:
             if budget is None:
                 parser.error("--search needs --device-memory")
+            if args.expert_parallel_size:
+                parser.error("--search does not search expert parallelism; drop --expert-parallel-size")
             result = search(model, device_memory=budget, progress=lambda line: print(line, file=sys.stderr), **kwargs)
             _emit(args, result.table(), result.to_dict())
             return 0 if result.best is not None else 3
@@ -203,6 +212,7 @@ def _handle_parallel(args, parser) -> int:
             microbatches=args.microbatches,
             schedule=args.schedule,
             sequence_parallel=args.sequence_parallel,
+            expert_parallel_size=args.expert_parallel_size,
             **kwargs,
         )
     except (ValueError, TypeError) as exc:
