@@ -4,9 +4,9 @@ One launch of 2 gloo processes trains the tiny peft LoRA Llama of ``lora_cases``
 ``DataParallel(zero_stage=3, keep_frozen_gathered=...)`` with the option on and off, and checks:
 
 * the all-gather bytes of one step, counted at the dispatcher (``CollectiveCounter``: the full
-  buffer of each c10d call, over 3 steps): with the option on, the frozen base (the blocks' and the
-  root's: embedding, head, final norm) once per step, the adapters twice (forward, backward: still
-  ZeRO-3); off, everything twice. Equal within 1% (FSDP2 pads each parameter to the world size);
+  buffer of each c10d call, over 3 steps): with the option on, the frozen base once and the adapters
+  twice (r=4 adapters are 22% of this tiny base: the blocks keep only their base layers gathered);
+  with lora_A frozen too (5%: the blocks are kept whole) every parameter once; off, everything twice. Equal within 1% (FSDP2 pads each parameter to the world size);
 * parity: every tensor after 3 AdamW steps equals a plain one-process peft loop (fp32, 1e-5), both
   ways, and the frozen base is unchanged;
 * the choice is reported in ``_trainmesh_memory``; a wrong value is refused before any collective.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trainmesh._torch.frozen_units import MOSTLY_FROZEN
 from trainmesh.testing import run_distributed
 
 from lora_cases import GLOBAL_BATCH, STEPS, data, lm_loss, lora_model, make_optimizer, reference
@@ -47,12 +48,15 @@ def _run(keep_values) -> dict:
     out = {}
     for keep in keep_values:
         model = lora_model("llama")
+        if keep == "whole":  # lora_A frozen too: trainable bytes 5% of the frozen, the blocks kept whole
+            for name, p in model.named_parameters():
+                p.requires_grad_(p.requires_grad and "lora_A" not in name)
         sizes = _sizes(model)
         trainer = tm.Trainer(
             model,
             make_optimizer,
             lm_loss,
-            distribution=tm.DataParallel(zero_stage=3, keep_frozen_gathered=keep),
+            distribution=tm.DataParallel(zero_stage=3, keep_frozen_gathered=keep == "whole" or keep),
             progress=False,
         )
         log = CallLog()
@@ -71,7 +75,7 @@ def _run(keep_values) -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(_run, world_size=2, args=([True, False],), timeout=280), reference("llama")
+    return run_distributed(_run, world_size=2, args=([True, False, "whole"],), timeout=280), reference("llama")
 
 
 def test_frozen_base_gathered_once_per_step_when_kept(results):
@@ -80,10 +84,16 @@ def test_frozen_base_gathered_once_per_step_when_kept(results):
         on, off = rank_result[True], rank_result[False]
         sizes = on["sizes"]
         assert sizes["frozen_blocks"] > 3 * sizes["adapters"] > 0
+        # r=4 adapters on a 32-wide model are 22% of its base (> MOSTLY_FROZEN): only the base layers kept
+        assert sizes["adapters"] > MOSTLY_FROZEN * sizes["frozen_blocks"]
         expected_on = sizes["root"] + sizes["frozen_blocks"] + 2 * sizes["adapters"]
         expected_off = 2 * (sizes["root"] + sizes["frozen_blocks"] + sizes["adapters"])
         assert on["gathered_per_step"] == pytest.approx(expected_on, rel=0.01), (on["gathered_per_step"], sizes)
         assert off["gathered_per_step"] == pytest.approx(expected_off, rel=0.01), (off["gathered_per_step"], sizes)
+        whole = rank_result["whole"]  # mostly frozen blocks (and root) kept whole: every parameter once
+        assert whole["sizes"]["adapters"] <= MOSTLY_FROZEN * whole["sizes"]["frozen_blocks"]
+        expected_whole = sum(whole["sizes"].values())
+        assert whole["gathered_per_step"] == pytest.approx(expected_whole, rel=0.01), whole["gathered_per_step"]
         assert on["memory"]["keep_frozen_gathered"].startswith("on (3 units")
         assert off["memory"]["keep_frozen_gathered"].startswith("off (keep_frozen_gathered=False")
 
