@@ -9,7 +9,6 @@ survivor's at every step and at the end.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 pytest.importorskip("torchft", reason="torchft is not installed (pip install 'trainmesh[ft]')")
-from torchft.coordination import LighthouseServer  # noqa: E402
+from ft_processes import group_env, lighthouse_on_loopback, records, wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(150)]
 
@@ -30,31 +29,9 @@ STEPS = 100
 HEARTBEAT_TIMEOUT_S = 1.5
 
 
-def _records(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.endswith("\n")]
-
-
-def _wait(predicate, timeout_s: float, what: str, procs) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        for proc in procs:
-            if proc.poll() not in (None, 0):
-                raise AssertionError(f"a group exited {proc.returncode} while waiting for {what}")
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 def test_sigkilled_group_loses_no_committed_step_and_rejoins_equal(tmp_path):
-    lighthouse = LighthouseServer(
-        bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=500, heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT_S * 1000)
-    )
-    url = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "src"), "RUST_LOG": "warn"}
+    lighthouse, url = lighthouse_on_loopback(HEARTBEAT_TIMEOUT_S)
+    env = group_env()
     procs: list[subprocess.Popen] = []
 
     def launch(group: int, name: str) -> subprocess.Popen:
@@ -91,8 +68,8 @@ def test_sigkilled_group_loses_no_committed_step_and_rejoins_equal(tmp_path):
     try:
         survivor, victim = launch(0, "g0"), launch(1, "g1")
         # both in the quorum, a few steps committed together
-        _wait(
-            lambda: sum(r["committed"] and r["replicas"] == 2 for r in _records(log["g1"])) >= 3,
+        wait_for(
+            lambda: sum(r["committed"] and r["replicas"] == 2 for r in records(log["g1"])) >= 3,
             60,
             "3 committed steps with both groups",
             procs,
@@ -100,16 +77,16 @@ def test_sigkilled_group_loses_no_committed_step_and_rejoins_equal(tmp_path):
         victim.send_signal(signal.SIGKILL)
         killed_at = time.time()
         victim.wait(timeout=10)
-        _wait(
-            lambda: any(r["committed"] and r["replicas"] == 1 and r["time"] > killed_at for r in _records(log["g0"])),
+        wait_for(
+            lambda: any(r["committed"] and r["replicas"] == 1 and r["time"] > killed_at for r in records(log["g0"])),
             30,
             "the survivor's first commit alone",
             [survivor],
         )
         slow.touch()
         restarted = launch(1, "g1b")
-        _wait(
-            lambda: any(r["committed"] for r in _records(log["g1b"])),
+        wait_for(
+            lambda: any(r["committed"] for r in records(log["g1b"])),
             90,
             "the restarted group's first commit",
             [survivor, restarted],
@@ -124,7 +101,7 @@ def test_sigkilled_group_loses_no_committed_step_and_rejoins_equal(tmp_path):
                 proc.wait()
         lighthouse.shutdown()
 
-    g0, g1, g1b = _records(log["g0"]), _records(log["g1"]), _records(log["g1b"])
+    g0, g1, g1b = records(log["g0"]), records(log["g1"]), records(log["g1b"])
     # The later of the two groups started from the earlier one's state (different seeds, healed on arrival).
     assert g1[0]["healed"] or g0[0]["healed"]
     # No committed step lost: from its first step (0, or the step it healed at if the other group started

@@ -13,19 +13,17 @@ exactly one committed step of the job (the first run's steps up to the checkpoin
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 pytest.importorskip("torchft", reason="torchft is not installed (pip install 'trainmesh[ft]')")
-from torchft.coordination import LighthouseServer  # noqa: E402
+from ft_processes import group_env, lighthouse_on_loopback, records, wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 
@@ -35,29 +33,9 @@ SAMPLES, BATCH, EVERY = 320, 8, 4
 STEPS = SAMPLES // BATCH
 
 
-def _records(path) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.endswith("\n")]
-
-
-def _wait(predicate, timeout_s: float, what: str, procs) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        for proc in procs:
-            if proc.poll() not in (None, 0):
-                raise AssertionError(f"a group exited {proc.returncode} while waiting for {what}")
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 def test_every_group_killed_then_resumed_from_the_newest_shared_checkpoint(tmp_path):
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=500, heartbeat_timeout_ms=1500)
-    url = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "src"), "RUST_LOG": "warn"}
+    lighthouse, url = lighthouse_on_loopback(1.5)
+    env = group_env()
     env["TORCHFT_LIGHTHOUSE"] = url
     ckpt = tmp_path / "ckpt"
     procs: list[subprocess.Popen] = []
@@ -84,8 +62,8 @@ def test_every_group_killed_then_resumed_from_the_newest_shared_checkpoint(tmp_p
 
     try:
         first = [launch(g, f"a{g}", resume=False) for g in (0, 1)]
-        _wait(
-            lambda: sum(r["replicas"] == 2 for r in _records(tmp_path / "a1.jsonl")) >= 2 * EVERY + 2,
+        wait_for(
+            lambda: sum(r["replicas"] == 2 for r in records(tmp_path / "a1.jsonl")) >= 2 * EVERY + 2,
             120,
             f"{2 * EVERY + 2} steps of both",
             first,
@@ -105,11 +83,11 @@ def test_every_group_killed_then_resumed_from_the_newest_shared_checkpoint(tmp_p
                 proc.wait()
         lighthouse.shutdown()
 
-    a = [_records(tmp_path / f"a{g}.jsonl") for g in (0, 1)]
-    b = [_records(tmp_path / f"b{g}.jsonl") for g in (0, 1)]
+    a = [records(tmp_path / f"a{g}.jsonl") for g in (0, 1)]
+    b = [records(tmp_path / f"b{g}.jsonl") for g in (0, 1)]
     # Resumed at the newest checkpoint, not at step 0, losing at most the interval. (Under load one group
     # may start seconds after the other: it loads what the first wrote since, or heals from it.)
-    last_committed = max(r["step"] for records in a for r in records)
+    last_committed = max(r["step"] for steps_of in a for r in steps_of)
     assert 0 < newest <= last_committed and last_committed - newest <= EVERY, (newest, last_committed)
     outputs = [(tmp_path / f"b{g}.out").read_text() for g in (0, 1)]
     loaded = [re.search(r"resumed from .* step (\d+)", out) for out in outputs]
@@ -117,19 +95,19 @@ def test_every_group_killed_then_resumed_from_the_newest_shared_checkpoint(tmp_p
     loaded = [int(m.group(1)) for m in loaded]
     assert min(loaded) == newest and all("starting at step 0" not in out for out in outputs), loaded
     resumed_at = newest
-    for g, records in enumerate(b):  # each continues after what it loaded, or heals from the group ahead
-        assert records[0]["step"] == loaded[g] + 1 or records[0]["healed"], (loaded, records[0])
+    for g, steps_of in enumerate(b):  # each continues after what it loaded, or heals from the group ahead
+        assert steps_of[0]["step"] == loaded[g] + 1 or steps_of[0]["healed"], (loaded, steps_of[0])
     # One writer per committed step: the groups in a step's quorum agree on who writes it.
     writers: dict[int, int] = {}
-    for second_run, records in [(False, r) for r in a] + [(True, r) for r in b]:
-        for r in records:
+    for second_run, steps_of in [(False, r) for r in a] + [(True, r) for r in b]:
+        for r in steps_of:
             if not second_run and r["step"] > resumed_at:  # lost with the kill, committed again in b
                 continue
             writers[r["step"]] = writers.get(r["step"], 0) + r["checkpoint_writer"]
     assert set(writers.values()) == {1}, writers
     # The second run: every step from the checkpoint on, once, with one set of parameters on both groups.
-    for records in b:
-        assert [r["step"] for r in records] == list(range(records[0]["step"], STEPS + 1))
+    for steps_of in b:
+        assert [r["step"] for r in steps_of] == list(range(steps_of[0]["step"], STEPS + 1))
     sums = {r["step"]: r["param_sum"] for r in b[0]}
     together = [r for r in b[1] if r["step"] in sums]
     assert together and all(r["param_sum"] == sums[r["step"]] for r in together)
@@ -137,8 +115,8 @@ def test_every_group_killed_then_resumed_from_the_newest_shared_checkpoint(tmp_p
     assert all(torch.equal(final[0]["model"][k], final[1]["model"][k]) for k in final[0]["model"])
     assert final[0]["step"] == final[1]["step"] == STEPS
     # Every sample in exactly one committed step of the job (the lost steps' samples came again).
-    by_step = {r["step"]: r["samples"] for records in a for r in records if r["step"] <= resumed_at}
-    second = {r["step"]: r["samples"] for records in b for r in records}
+    by_step = {r["step"]: r["samples"] for steps_of in a for r in steps_of if r["step"] <= resumed_at}
+    second = {r["step"]: r["samples"] for steps_of in b for r in steps_of}
     assert sorted(second) == list(range(resumed_at + 1, STEPS + 1)), sorted(second)
     by_step.update(second)
     assert sorted(by_step) == list(range(1, STEPS + 1))

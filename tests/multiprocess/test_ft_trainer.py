@@ -14,7 +14,6 @@ kill is trained again, not skipped).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -25,7 +24,7 @@ import pytest
 import torch
 
 pytest.importorskip("torchft", reason="torchft is not installed (pip install 'trainmesh[ft]')")
-from torchft.coordination import LighthouseServer  # noqa: E402
+from ft_processes import group_env, lighthouse_on_loopback, records, wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 
@@ -36,36 +35,9 @@ STEPS = SAMPLES // BATCH
 HEARTBEAT_TIMEOUT_S = 1.5
 
 
-def _records(path) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.endswith("\n")]
-
-
-def _wait(predicate, timeout_s: float, what: str, procs) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        for proc in procs:
-            if proc.poll() not in (None, 0):
-                raise AssertionError(f"a group exited {proc.returncode} while waiting for {what}")
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 def test_trainer_survives_a_sigkilled_group_and_the_restarted_group_heals(tmp_path):
-    lighthouse = LighthouseServer(
-        bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=500, heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT_S * 1000)
-    )
-    url = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.path.join(ROOT, "src"),
-        "RUST_LOG": "warn",
-    }
+    lighthouse, url = lighthouse_on_loopback(HEARTBEAT_TIMEOUT_S)
+    env = group_env()
     slow = tmp_path / "slow"  # while it exists the survivor steps once a second: the restart joins before the end
     procs: list[subprocess.Popen] = []
 
@@ -98,19 +70,19 @@ def test_trainer_survives_a_sigkilled_group_and_the_restarted_group_heals(tmp_pa
     try:
         die = tmp_path / "die"  # once it exists the victim SIGKILLs itself mid-backward: its peer is mid-step
         survivor, victim = launch(0, "g0"), launch(1, "g1", extra=("--die-file", str(die)))
-        _wait(lambda: sum(r["replicas"] == 2 for r in _records(log["g1"])) >= 3, 90, "3 steps of both", procs)
+        wait_for(lambda: sum(r["replicas"] == 2 for r in records(log["g1"])) >= 3, 90, "3 steps of both", procs)
         die.touch()
         killed_at = time.time()
         assert victim.wait(timeout=30) == -signal.SIGKILL
-        _wait(
-            lambda: any(r["replicas"] == 1 and r["time"] > killed_at for r in _records(log["g0"])),
+        wait_for(
+            lambda: any(r["replicas"] == 1 and r["time"] > killed_at for r in records(log["g0"])),
             30,
             "the survivor's first commit alone",
             [survivor],
         )
         slow.touch()
         restarted = launch(1, "g1b", launcher=True)
-        _wait(lambda: _records(log["g1b"]), 90, "the restarted group's first commit", [survivor, restarted])
+        wait_for(lambda: records(log["g1b"]), 90, "the restarted group's first commit", [survivor, restarted])
         slow.unlink()
         assert restarted.wait(timeout=60) == 0, (tmp_path / "g1b.out").read_text()[-3000:]
         assert survivor.wait(timeout=30) == 0, (tmp_path / "g0.out").read_text()[-3000:]
@@ -122,7 +94,7 @@ def test_trainer_survives_a_sigkilled_group_and_the_restarted_group_heals(tmp_pa
         lighthouse.shutdown()
     wall_s = time.monotonic() - started
 
-    g0, g1, g1b = _records(log["g0"]), _records(log["g1"]), _records(log["g1b"])
+    g0, g1, g1b = records(log["g0"]), records(log["g1"]), records(log["g1b"])
     # No committed step lost: the survivor's step counter runs to the end, each step once, through the kill
     # (from 1, or from where it healed if the other group started first).
     steps = [r["step"] for r in g0]
@@ -188,7 +160,7 @@ def test_a_lighthouse_killed_and_restarted_does_not_stop_the_job(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "src"), "RUST_LOG": "warn"}
+    env = group_env()
     env["TORCHFT_LIGHTHOUSE"] = f"http://127.0.0.1:{port}"
     lighthouse_argv = [sys.executable, "-m", "trainmesh.ft.lighthouse", "--bind", f"127.0.0.1:{port}"]
     lighthouse_argv += ["--join-timeout-ms", "500", "--heartbeat-timeout-ms", str(int(HEARTBEAT_TIMEOUT_S * 1000))]
@@ -198,7 +170,7 @@ def test_a_lighthouse_killed_and_restarted_does_not_stop_the_job(tmp_path):
         out = tmp_path / f"{name}.out"
         proc = subprocess.Popen(lighthouse_argv, env=env, stdout=open(out, "w"), stderr=subprocess.STDOUT)
         procs.append(proc)
-        _wait(lambda: "listening" in out.read_text(), 60, f"{name} to listen", [proc])
+        wait_for(lambda: "listening" in out.read_text(), 60, f"{name} to listen", [proc])
         return proc
 
     log = {g: tmp_path / f"o{g}.jsonl" for g in (0, 1)}
@@ -218,7 +190,7 @@ def test_a_lighthouse_killed_and_restarted_does_not_stop_the_job(tmp_path):
                 )
             )
             procs.append(groups[-1])
-        _wait(lambda: sum(r["replicas"] == 2 for r in _records(log[1])) >= 3, 90, "3 steps of both", groups)
+        wait_for(lambda: sum(r["replicas"] == 2 for r in records(log[1])) >= 3, 90, "3 steps of both", groups)
         lighthouse.send_signal(signal.SIGKILL)
         lighthouse.wait(timeout=10)
         down_at = time.time()
@@ -232,11 +204,11 @@ def test_a_lighthouse_killed_and_restarted_does_not_stop_the_job(tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    o0, o1 = _records(log[0]), _records(log[1])
+    o0, o1 = records(log[0]), records(log[1])
     # No committed step lost: together the groups committed every step; a group that fell behind in the
     # outage healed from the other (its steps jump), and a step both committed has one set of parameters.
-    for records in (o0, o1):
-        steps = [r["step"] for r in records]
+    for steps_of in (o0, o1):
+        steps = [r["step"] for r in steps_of]
         assert steps == sorted(set(steps)) and steps[-1] == STEPS, steps
     by_step = {r["step"]: r for r in o0}
     for r in o1:
@@ -260,7 +232,7 @@ def test_a_lighthouse_killed_and_restarted_does_not_stop_the_job(tmp_path):
 )
 def test_one_local_command_starts_a_lighthouse_and_the_groups(tmp_path):
     """``trainmesh run -n 2 --replica-groups 2``: a Lighthouse and one launch per group from one command."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "src"), "RUST_LOG": "warn"}
+    env = group_env()
     env.pop("TORCHFT_LIGHTHOUSE", None)
     log = tmp_path / "steps.jsonl"
     command = [sys.executable, "-m", "trainmesh", "run", "-n", "2", "--replica-groups", "2", EXAMPLE]
@@ -268,8 +240,8 @@ def test_one_local_command_starts_a_lighthouse_and_the_groups(tmp_path):
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "lighthouse http://127.0.0.1:" in proc.stderr
-    records = _records(log)
-    by_group = {g: {r["step"]: r["param_sum"] for r in records if r["group"] == g} for g in (0, 1)}
+    rows = records(log)
+    by_group = {g: {r["step"]: r["param_sum"] for r in rows if r["group"] == g} for g in (0, 1)}
     assert max(by_group[0]) == max(by_group[1]) == 320 // BATCH
     together = set(by_group[0]) & set(by_group[1])
     assert together and all(by_group[0][s] == by_group[1][s] for s in together)
