@@ -89,8 +89,9 @@ class ExpertLoad:
         own counts, reduced here when ``logged`` (the same on every process); empty otherwise."""
         if self.states and not self.checked:
             self.take_local()  # this step's counts only: the next step starts from zero
-            if logged:
-                self.totals = all_reduce_small(self.local.clone())
+            if not logged:  # not reduced: an earlier logged step's totals are not this step's
+                return {}
+            self.totals = all_reduce_small(self.local.clone())
         if not self.states or bool(torch.isnan(self.totals).any()):
             return {}
         counts = (self.totals / self.copies).round().view(len(self.states), -1)
