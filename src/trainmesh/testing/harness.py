@@ -19,6 +19,11 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+# Processes are forked from one server that has already imported these (about 3 s of imports
+# on a small CPU, paid once per caller instead of once per process); each child still imports
+# ``fn``'s module itself, as a spawned one would. A module missing here is skipped by the server.
+_PRELOAD = ["torch", "torch.distributed", "trainmesh", "transformers"]
+
 
 class DistributedTestError(RuntimeError):
     """A process of a ``run_distributed`` job raised, died or hung."""
@@ -32,6 +37,9 @@ class _Outcome:
 
 
 def _worker(fn, rank, world_size, init_file, result_dir, args, kwargs, collective_timeout_s, env, backend):
+    # A forkserver child starts with the server's environment, not the caller's: take the caller's
+    # as it was at this call (a test's monkeypatched variables included), then the job's own.
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -102,7 +110,8 @@ def run_distributed(
 ) -> list[Any]:
     """Run ``fn`` on ``world_size`` processes; return each rank's result, in rank order.
 
-    ``fn`` must be importable (a module-level function): processes are spawned, not forked.
+    ``fn`` must be importable (a module-level function): processes start fresh (forked from a
+    server that has imported torch and trainmesh, or spawned), never forked from the caller.
     ``device="cpu"`` (the default) runs on gloo with CUDA hidden, so a job computes the same on a
     machine with GPUs as on one without; ``device="cuda"`` joins gloo and NCCL
     (``"cpu:gloo,cuda:nccl"``), one GPU per process, and needs ``world_size`` GPUs.
@@ -126,7 +135,13 @@ def run_distributed(
                 f"GPUs visible: {torch.cuda.device_count()}"
             )
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
-    ctx = mp.get_context("spawn")
+    ctx = _context(device)
+    child_env = dict(os.environ)
+    if device == "cpu":
+        # Hidden before the child's first CUDA call (torch reads it then, not at import), so a job
+        # computes the same on a machine with GPUs as on one without.
+        child_env["CUDA_VISIBLE_DEVICES"] = ""
+    child_env.update(env or {})
     with tempfile.TemporaryDirectory(prefix="trainmesh-test-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
@@ -141,7 +156,7 @@ def run_distributed(
                     args,
                     kwargs or {},
                     collective_timeout,
-                    dict(env or {}),
+                    child_env,
                     backend,
                 ),
                 daemon=False,
@@ -151,7 +166,8 @@ def run_distributed(
         hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
         if device == "cpu":
             # Hidden from the start: a child that asks torch about CUDA while it imports (a test
-            # module's skip mark) would otherwise see the GPUs and then count none.
+            # module's skip mark) would otherwise see the GPUs and then count none. The forkserver,
+            # started by the first CPU call, keeps this environment for every child it forks.
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
         try:
             for proc in procs:
@@ -163,6 +179,16 @@ def run_distributed(
                 os.environ["CUDA_VISIBLE_DEVICES"] = hidden
         _wait(procs, timeout, tmp)
         return _collect(tmp, procs)
+
+
+def _context(device: str):
+    """Forked from the preloaded server on CPU; spawned on CUDA, where the test module a child
+    imports may ask torch about the GPUs before ``_worker`` runs and must see the caller's."""
+    if device == "cuda" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first call), once
+    return ctx
 
 
 def _wait(procs, timeout: float, result_dir: str) -> None:
