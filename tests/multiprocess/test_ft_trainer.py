@@ -127,17 +127,13 @@ def test_trainer_survives_a_sigkilled_group_and_the_restarted_group_heals(tmp_pa
     )
 
 
-def test_fault_tolerance_is_checked_before_any_quorum(monkeypatch):
+def test_fault_tolerance_is_checked_before_any_quorum():
     import trainmesh as tm
 
     model = torch.nn.Linear(2, 1)
     with pytest.raises(TypeError, match="fault_tolerance must be a trainmesh.ReplicaGroups"):
         tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.MSELoss(), fault_tolerance=True)
     groups = tm.ReplicaGroups(replica_group=0, lighthouse="http://127.0.0.1:1")  # never contacted here
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="one process per replica group. .*WORLD_SIZE=2"):
-        tm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.MSELoss(), fault_tolerance=groups)
-    monkeypatch.delenv("WORLD_SIZE")
     trainer = tm.Trainer(
         model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.MSELoss(), fault_tolerance=groups, progress=False
     )

@@ -38,6 +38,11 @@ def test_a_group_launch_hands_its_number_and_the_lighthouse_to_the_workers(tmp_p
     assert replica_groups.worker_env(args) == {} and not replica_groups.starts_groups(args)
 
 
+def test_groups_of_two_processes_are_launched_as_two_process_jobs(tmp_path):
+    args, script = _parse(["-n", "4", "--replica-groups", "2"], tmp_path)
+    assert replica_groups.group_argv(args, 0, "http://127.0.0.1:5")[:2] == ["-n", "2"]
+
+
 def test_a_local_job_starts_one_launch_per_group(tmp_path):
     args, script = _parse(["-n", "2", "--replica-groups", "2", "--max-restarts", "3"], tmp_path)
     assert replica_groups.starts_groups(args)
@@ -52,8 +57,6 @@ def test_a_local_job_starts_one_launch_per_group(tmp_path):
     [
         (["-n", "1", "--replica-group", "0"], "needs --lighthouse"),
         (["-n", "1", "--replica-group", "2", "--replica-groups", "2", "--lighthouse", "http://h:1"], "in \\[0"),
-        (["-n", "2", "--replica-group", "0", "--lighthouse", "http://h:1"], "one process for now"),
-        (["-n", "4", "--replica-groups", "2"], "one process for now"),
         (["-n", "3", "--replica-groups", "2"], "multiple of --replica-groups"),
         (["-n", "1", "--lighthouse", "http://h:1"], "needs --replica-group"),
         (["-n", "2", "--replica-groups", "0"], ">= 1"),

@@ -1,7 +1,9 @@
 """Replica groups that survive the loss of one of them: torchft's Lighthouse and Manager under trainmesh's step.
 
-Each replica group is one process here (this first slice); a Lighthouse keeps the quorum of the
-groups that are alive, and each group's ``torchft.Manager`` joins it once per step. Per step:
+A replica group is one process or several (its own torch.distributed world, any layout inside:
+``group_state``); a Lighthouse keeps the quorum of the groups that are alive, and each process's
+``torchft.Manager`` joins it once per step (rank r of every group is paired with rank r of the
+others: the replicate dimension of HSDP). Per step:
 
 1. ``begin_step``: a synchronous quorum (torchft's asynchronous one races an FSDP2 forward); a group
    that is behind (restarted, or new) receives the live state from a peer *before* its forward;
@@ -25,13 +27,13 @@ plus raw tensor bytes (``tensor_codec``): nothing a peer sends is unpickled.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 
+from trainmesh.ft.group_state import group_store, load_model_local, load_optimizer_local, local, local_tree
 from trainmesh.ft.tensor_codec import encode_state, parse_header, tensor_specs, decode_state
 
 __all__ = ["ReplicaGroups", "ReplicaGroupSync", "StepInfo", "SafeStateTransport", "torchft_available"]
@@ -155,6 +157,21 @@ def SafeStateTransport(pg: Any, timeout: timedelta) -> Any:  # noqa: N802 (a cla
     return _build_transport_class()(pg, timeout)
 
 
+def _group_rank_world() -> tuple[int, int]:
+    """This process's rank and the size of its replica group (the group's own torch.distributed world)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != 1:
+        raise ValueError(
+            f"a replica group of several processes needs its process group initialized first (the Trainer does "
+            f"it; else torch.distributed.init_process_group). Received: WORLD_SIZE={world}, no process group"
+        )
+    return 0, 1
+
+
 class ReplicaGroupSync:
     """One replica group's side of the fault-tolerant step (see the module docstring)."""
 
@@ -169,25 +186,18 @@ class ReplicaGroupSync:
     ):
         if not isinstance(config, ReplicaGroups):
             raise TypeError(f"config must be a ReplicaGroups. Received: {type(config).__name__}")
-        group_world = int(os.environ.get("WORLD_SIZE", "1"))
-        if group_world != 1:
-            raise ValueError(
-                f"ReplicaGroupSync runs one process per replica group: groups of several processes "
-                f"(ZeRO, TP or a pipeline inside a group) are not supported. Start each group as one "
-                f"process. Received: WORLD_SIZE={group_world}"
-            )
         if not torchft_available():
             raise ImportError("ReplicaGroups needs torchft: pip install 'trainmesh[ft]'")
-        from torch.distributed import TCPStore
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo
 
         self.model, self.optimizer, self.scheduler, self.config = model, optimizer, scheduler, config
         self._extra_state = extra_state
         timeout = timedelta(seconds=config.timeout_s)
-        host = config.advertise_host or socket.gethostname()
-        # This group's store: the quorum's gloo group rendezvouses in the first member's store.
-        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        group_rank, group_world = _group_rank_world()
+        # This group's store, served by its rank 0: the Manager finds its group's manager server there,
+        # and the quorum's gloo groups rendezvous in the first member's store.
+        self._store, host, port = group_store(config.advertise_host, timeout)
         self._pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
             pg=self._pg,
@@ -198,10 +208,10 @@ class ReplicaGroupSync:
             timeout=timeout,
             quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
             connect_timeout=timedelta(seconds=config.connect_timeout_s),
-            rank=0,
-            world_size=1,
+            rank=group_rank,  # a group of several processes: torchft pairs rank r of every group
+            world_size=group_world,
             store_addr=host,
-            store_port=self._store.port,
+            store_port=port,
             lighthouse_addr=config.lighthouse,
             replica_id=f"trainmesh_group_{config.replica_group}",
             hostname=host,
@@ -215,7 +225,8 @@ class ReplicaGroupSync:
 
     # --- the state a recovering group receives (tensors and plain types only) ---------------
     def _state(self) -> dict[str, Any]:
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        # each rank sends its shards: the same rank of the recovering group holds the same ones
+        state = {"model": local_tree(self.model.state_dict()), "optimizer": local_tree(self.optimizer.state_dict())}
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self._extra_state is not None:
@@ -223,9 +234,8 @@ class ReplicaGroupSync:
         return state
 
     def _load_state(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_model_local(self.model, state["model"])
+        load_optimizer_local(self.optimizer, state["optimizer"])
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         if self._extra_state is not None and "extra" in state:
@@ -264,14 +274,16 @@ class ReplicaGroupSync:
                 p.grad = torch.zeros_like(p)
             by_dtype.setdefault(p.grad.dtype, []).append(p)
         for group in by_dtype.values():
-            flat = torch.cat([p.grad.reshape(-1) for p in group])
+            # this rank's shards only (ZeRO inside the group): the same rank of each group holds the same
+            grads = [local(p.grad) for p in group]
+            flat = torch.cat([g.reshape(-1) for g in grads])
             if scale != 1.0:
                 flat.mul_(scale)
             self.manager.allreduce(flat).wait()
             offset = 0
-            for p in group:
-                p.grad.copy_(flat[offset : offset + p.grad.numel()].view_as(p.grad))
-                offset += p.grad.numel()
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def finish_step(self) -> bool:
         """All-reduce, then commit (optimizer, schedule, step counter) only if every group agrees."""

@@ -25,7 +25,6 @@ history and torch's CPU RNG state.
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any, Callable
 
 import torch
@@ -41,12 +40,6 @@ def check_fault_tolerance(fault_tolerance: Any) -> ReplicaGroups | None:
     if not isinstance(fault_tolerance, ReplicaGroups):
         raise TypeError(
             f"fault_tolerance must be a trainmesh.ReplicaGroups or None. Received: {type(fault_tolerance).__name__}"
-        )
-    group_world = int(os.environ.get("WORLD_SIZE", "1"))
-    if group_world != 1:  # ReplicaGroupSync says the same; here it is said before the model is built
-        raise ValueError(
-            "fault_tolerance=ReplicaGroups(...) runs one process per replica group: start each group as one "
-            f"process (trainmesh run --replica-group R ... without -n). Received: WORLD_SIZE={group_world}"
         )
     return fault_tolerance
 

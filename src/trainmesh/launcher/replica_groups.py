@@ -9,8 +9,9 @@
   lifetime, and G such launches, ``-n N/G`` processes each. The exit status is the first failed
   group's, once every group has ended (the others go on without it).
 
-A replica group is one process today (``-n 1``; ``-n G`` with ``--replica-groups G``):
-``trainmesh.ft`` refuses larger groups, and so does this launcher, before anything starts.
+A replica group is one process or several (``-n 2 --replica-group R``; ``-n 4 --replica-groups 2``:
+two groups of two): inside a group any layout runs (ZeRO, TP, ...), and rank r of each group is paired
+with rank r of the others for the cross-group gradient average and for recovery.
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             parser.error(f"--replica-group must be in [0, --replica-groups). Received: --replica-group {group}")
         if not (args.lighthouse or os.environ.get(LIGHTHOUSE_ENV)):
             parser.error(f"--replica-group needs --lighthouse URL (or ${LIGHTHOUSE_ENV}): the job's Lighthouse")
-        per_group = args.nproc_per_node
     else:
         if args.nnodes != "1":
             parser.error(
@@ -68,13 +68,6 @@ def check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             parser.error(
                 f"-n must be a multiple of --replica-groups. Received: -n {args.nproc_per_node} --replica-groups {groups}"
             )
-        per_group = args.nproc_per_node // groups
-    if per_group != 1 or args.nnodes != "1":
-        parser.error(
-            "a replica group is one process for now (trainmesh.ft refuses larger groups): -n 1 with "
-            f"--replica-group, -n G with --replica-groups G. Received: -n {args.nproc_per_node} "
-            f"--nnodes {args.nnodes} --replica-groups {groups}"
-        )
 
 
 def starts_groups(args: argparse.Namespace) -> bool:
