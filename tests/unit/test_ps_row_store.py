@@ -123,3 +123,50 @@ def test_a_range_that_does_not_fit_the_table_is_refused():
     shards[1] = Shard.sparse("t#1", PER_RANGE, DIM, {"name": "adam", "lr": 0.1})
     with pytest.raises(ValueError, match="does not fit table 't'"):
         store.apply(torch.tensor([16]), torch.ones(1, DIM), shards.__getitem__)
+
+
+def test_with_a_generation_only_new_ranges_are_looked_up_and_a_new_generation_rechecks_all():
+    """A server passes its shards generation: while it is unchanged the packed ranges are trusted
+    (no lookup per touched range), and after a replacement (a new generation) the new shard's
+    data and version are taken, the old shard keeping its own."""
+    optimizer = {"name": "sgd", "lr": 1.0}
+    current = _ranges(optimizer)
+    looked_up: list[int] = []
+
+    def shard_of(index: int) -> Shard:
+        looked_up.append(index)
+        return current[index]
+
+    store = RowStore("t", ROWS, PER_RANGE)
+    ids = torch.tensor([1, 20, 40])
+    store.apply(ids, torch.ones(3, DIM), shard_of, generation=0)
+    assert sorted(set(looked_up)) == [0, 1, 2]
+    looked_up.clear()
+    store.apply(torch.tensor([2, 21, 100]), torch.ones(3, DIM), shard_of, generation=0)
+    assert looked_up == [6]  # only the range not packed yet
+    looked_up.clear()
+    assert [current[i].version for i in (0, 1, 2, 6)] == [2, 2, 1, 1]
+    old = current[1]
+    moved_in = _ranges(optimizer)[1]
+    moved_in.value.fill_(7.0)
+    moved_in.version = 41
+    current[1] = moved_in
+    store.apply(ids, torch.ones(3, DIM), shard_of, generation=1)
+    assert set(looked_up) == {0, 1, 2, 6}
+    assert moved_in.version == 42 and old.version == 2
+    assert torch.equal(moved_in.value[4], torch.full((DIM,), 6.0))
+    got, version = store.read(torch.tensor([20]), shard_of, 1)
+    assert torch.equal(got[0], torch.full((DIM,), 6.0)) and version == 42
+
+
+def test_versions_survive_a_new_page_and_a_forget(monkeypatch):
+    monkeypatch.setattr(row_store, "PAGE_BYTES", 2 * SLOT_BYTES)
+    shards = _ranges({"name": "sgd", "lr": 1.0})
+    store = RowStore("t", ROWS, PER_RANGE)
+    store.apply(torch.tensor([0, 16]), torch.ones(2, DIM), shards.__getitem__)
+    store.apply(torch.tensor([0, 32, 48]), torch.ones(3, DIM), shards.__getitem__)  # a second page
+    assert len(store.pages) == 2
+    assert [shards[i].version for i in range(4)] == [2, 1, 1, 1]
+    store.forget(0)
+    store.apply(torch.tensor([16, 64]), torch.ones(2, DIM), shards.__getitem__)  # 4 takes 0's slot
+    assert [shards[i].version for i in (0, 1, 4)] == [2, 2, 1]

@@ -324,8 +324,15 @@ class PSClient:
                 f"push_rows({name!r}): grads must have shape {(ids.numel(), dim)}, "
                 f"got {tuple(grads.shape) if isinstance(grads, torch.Tensor) else type(grads).__name__}"
             )
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, grads.detach().to("cpu", torch.float32))
+        grads = grads.detach().to("cpu", torch.float32)
+        unique, order = ids.sort()
+        if unique.numel() < 2 or bool((unique[1:] > unique[:-1]).all()):
+            # No id twice (the usual batch of distinct rows): the rows only need the ids' order,
+            # one gather; no sum into a zeroed buffer.
+            summed = grads.index_select(0, order)
+        else:
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, grads)
         messages = []
         for server, positions in self._rows_by_server(name, spec, unique):
             meta: dict[str, Any] = {"shards": [], "rows": {name: ["ids", "grads"]}, "round": self.clock_value}

@@ -15,7 +15,10 @@ would hold the table twice while it is copied.
 ``ServerState.shards`` stays the one source of truth: a range created, imported or restored there
 is noticed here on the next push or pull that touches it (``_slot_for``), when the store compares
 each touched range with the shard it packed for it. A shard met for the first time is copied into
-a slot and re-pointed at it; one removed is released with ``forget``.
+a slot and re-pointed at it; one removed is released with ``forget``. A server passes its
+``shards_generation`` (advanced by every replacement), so that check runs once per replacement,
+not once per touched range per push. Versions live in one tensor per store (a view of it per
+shard, see ``Shard.version``): a push advances them in one op.
 """
 
 from __future__ import annotations
@@ -51,24 +54,33 @@ class RowStore:
         self.packed: dict[int, Shard] = {}  # range -> the shard whose tensors are views of its slot
         self._free: list[int] = []
         self._slots_used = 0
+        self.versions = torch.zeros(0, dtype=torch.int64)  # per slot: its range's version
+        self._generation: int | None = None  # the caller's shards generation last checked
 
     # -- reads and updates ---------------------------------------------------------------
 
     def apply(
-        self, ids: torch.Tensor, grads: torch.Tensor, shard_of: Callable[[int], Shard], lr: float | None = None
+        self,
+        ids: torch.Tensor,
+        grads: torch.Tensor,
+        shard_of: Callable[[int], Shard],
+        lr: float | None = None,
+        generation: int | None = None,
     ) -> None:
         """Update rows ``ids`` (unique, in range) with ``grads`` (one row each): one optimizer step
-        per page touched; each touched range's version advances once."""
-        rows, touched = self._rows(ids, shard_of)
-        step_rows = touched[0].optimizer.step_rows
+        per page touched; each touched range's version advances once (one tensor op).
+        ``generation``: see ``_rows``."""
+        rows, slots, first = self._rows(ids, shard_of, generation)
+        step_rows = first.optimizer.step_rows
         for page, where, local in self._by_page(rows):
             step_rows(page.value, local, grads if where is None else grads[where], page.state, lr=lr, unique_rows=True)
-        for shard in touched:
-            shard.version += 1
+        self.versions.index_add_(0, slots, torch.ones_like(slots))
 
-    def read(self, ids: torch.Tensor, shard_of: Callable[[int], Shard]) -> tuple[torch.Tensor, int]:
+    def read(
+        self, ids: torch.Tensor, shard_of: Callable[[int], Shard], generation: int | None = None
+    ) -> tuple[torch.Tensor, int]:
         """``(a copy of rows ids, the newest version among their ranges)``; ids in range."""
-        rows, touched = self._rows(ids, shard_of)
+        rows, slots, _ = self._rows(ids, shard_of, generation)
         parts = self._by_page(rows)
         if len(parts) == 1:
             page, _, local = parts[0]
@@ -77,16 +89,42 @@ class RowStore:
             out = torch.empty((ids.numel(), *self.pages[0].value.shape[1:]), dtype=self.pages[0].value.dtype)
             for page, where, local in parts:
                 out[where] = page.value[local]
-        return out, max(shard.version for shard in touched)
+        return out, int(self.versions[slots].max())
 
     # -- slots ---------------------------------------------------------------------------
 
-    def _rows(self, ids: torch.Tensor, shard_of: Callable[[int], Shard]) -> tuple[torch.Tensor, list[Shard]]:
-        """Where rows ``ids`` (non-empty) live (slot * rows_per_shard + row), and the touched shards."""
+    def _rows(
+        self, ids: torch.Tensor, shard_of: Callable[[int], Shard], generation: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor, Shard]:
+        """``(where rows ids (non-empty) live: slot * rows_per_shard + row, the touched slots
+        (unique), one touched shard)``.
+
+        Each touched range is checked against ``shard_of`` (its shard may have been replaced),
+        a Python call per range: a push of 1024 random ids touches a hundred or more. A caller
+        that counts its replacements passes ``generation`` (``ServerState.shards_generation``):
+        while it is the one the store last checked against, only ranges not packed yet are
+        looked up, and the packed ones are taken from ``slot_of_range`` in one tensor op."""
         ranges = ids // self.rows_per_shard
-        touched = [self._slot_for(r, shard_of(r)) for r in torch.unique(ranges).tolist()]
-        rows = self.slot_of_range[ranges] * self.rows_per_shard + (ids - ranges * self.rows_per_shard)
-        return rows, touched
+        slot_of_row = self.slot_of_range[ranges]
+        if generation is None or generation != self._generation:
+            check = torch.unique(ranges).tolist()  # every touched range
+        elif bool((slot_of_row < 0).any()):
+            check = torch.unique(ranges[slot_of_row < 0]).tolist()  # only the new ones
+        else:
+            check = []
+        for index in check:
+            self._slot_for(index, shard_of(index))
+        if generation is not None and generation != self._generation:
+            # Every range packed here may have been replaced since: check them all once.
+            for index in list(self.packed):
+                self._slot_for(index, shard_of(index))
+            self._generation = generation
+        if check:
+            slot_of_row = self.slot_of_range[ranges]
+        rows = slot_of_row * self.rows_per_shard + (ids - ranges * self.rows_per_shard)
+        slots = torch.unique(slot_of_row)
+        first = self.packed[int(ranges[0])]
+        return rows, slots, first
 
     def _by_page(self, rows: torch.Tensor) -> list[tuple[_Page, torch.Tensor | None, torch.Tensor]]:
         """``[(page, positions in rows or None for all, rows within the page)]``."""
@@ -106,6 +144,7 @@ class RowStore:
             return shard
         if index in self.packed:  # replaced since (an import or a restore): its slot takes the new data
             slot = int(self.slot_of_range[index])
+            self.packed[index].keep_version_in(None)  # the old shard's count is its own again
         else:
             slot = self._free.pop() if self._free else self._new_slot(shard)
         self._pack(slot, shard)
@@ -117,6 +156,7 @@ class RowStore:
         """Range ``index`` left this server: its slot is free again (the shard keeps its data)."""
         shard = self.packed.pop(index, None)
         if shard is not None:
+            shard.keep_version_in(None)
             # The shard owns its data again (an export may still be encoding it; the slot is reused).
             shard.value, shard.state = shard.value.clone(), {k: t.clone() for k, t in shard.state.items()}
             self._free.append(int(self.slot_of_range[index]))
@@ -128,6 +168,10 @@ class RowStore:
             self.slots_per_page = max(1, min(self.slot_of_range.numel(), PAGE_BYTES // slot_bytes))
         if self._slots_used == len(self.pages) * self.slots_per_page:
             self.pages.append(_Page(self.slots_per_page, self.rows_per_shard, shard))
+            self.versions = torch.cat([self.versions, torch.zeros(self.slots_per_page, dtype=torch.int64)])
+            for slot, packed in enumerate(self._by_slot()):  # the cells were views of the old tensor
+                if packed is not None:
+                    packed.keep_version_in(self.versions[slot : slot + 1])
         self._slots_used += 1
         return self._slots_used - 1
 
@@ -145,3 +189,11 @@ class RowStore:
         for key, tensor in state.items():
             tensor.copy_(shard.state[key])
         shard.value, shard.state = value, state
+        shard.keep_version_in(self.versions[slot : slot + 1])
+
+    def _by_slot(self) -> list[Shard | None]:
+        """The shard packed in each slot (None: free)."""
+        out: list[Shard | None] = [None] * self.versions.numel()
+        for index, shard in self.packed.items():
+            out[int(self.slot_of_range[index])] = shard
+        return out

@@ -99,6 +99,10 @@ class ServerState:
         self.dedup = DedupTable()
         self._decompressors: dict[str, Any] = {}
         self._row_stores: dict[str, RowStore] = {}  # sparse table -> the ranges held here, packed
+        # Advanced whenever a shard in ``shards`` is replaced or removed (a restore, an import,
+        # an export that removes): while it stays the same, a row store trusts the ranges it
+        # packed and looks up only new ones (RowStore._rows), instead of every touched range.
+        self.shards_generation = 0
         self.rounds = OpenRounds()  # sync pushes waiting for their round (sync_rounds.py)
         self.store = None
         if durability != "none":
@@ -128,6 +132,7 @@ class ServerState:
             if open_rounds:
                 self.rounds.load_chunks(open_rounds)
             self.shards = {sid: Shard.from_state(tensors, shard_meta) for sid, (tensors, shard_meta) in shards.items()}
+            self.shards_generation += 1
         return self.store.replay(mutate)
 
     def log_then(self, frame: bytes, apply: Callable[[], None]) -> None:
@@ -287,7 +292,9 @@ class ServerState:
                 )
             elif unique.numel():
                 updates.append(
-                    lambda store=store, shard_of=shard_of, ids=unique, g=summed: store.apply(ids, g, shard_of, lr=lr)
+                    lambda store=store, shard_of=shard_of, ids=unique, g=summed: store.apply(
+                        ids, g, shard_of, lr=lr, generation=self.shards_generation
+                    )
                 )
         if joins:
             updates.append(lambda: self.rounds.count_push(round_))
@@ -305,7 +312,7 @@ class ServerState:
         for table in entry.rows:
             ids, grads = entry.summed_rows(table)
             store, shard_of = self._table_rows(table, ids)
-            store.apply(ids, grads, shard_of, lr=entry.lr.get(table))
+            store.apply(ids, grads, shard_of, lr=entry.lr.get(table), generation=self.shards_generation)
 
     def _decompress(self, msg: Message, sid: str, info: dict) -> torch.Tensor:
         from trainmesh.compression import Compressed, get_compressor
@@ -335,7 +342,7 @@ class ServerState:
             ids = msg.tensors[ids_name]
             store, shard_of = self._table_rows(table, ids)  # checks the ids
             if ids.numel():
-                tensors[table], versions[table] = store.read(ids, shard_of)
+                tensors[table], versions[table] = store.read(ids, shard_of, self.shards_generation)
             else:
                 tensors[table], versions[table] = torch.empty(0, self.spec_of(table)["shape"][1]), 0
         return tensors, versions
@@ -357,6 +364,7 @@ class ServerState:
                 tensors.update({f"{sid}|{k}": t for k, t in own.items()})  # live: encoded before any update
             if meta.get("remove"):
                 del self.shards[sid]
+                self.shards_generation += 1
                 table, index = split_shard_id(sid)
                 if table in self._row_stores:
                     self._row_stores[table].forget(index)
@@ -379,5 +387,6 @@ class ServerState:
             for name, spec in params.items():
                 self.params.setdefault(name, spec)
             self.shards.update(built)
+            self.shards_generation += 1
 
         return apply

@@ -79,8 +79,30 @@ class Shard:
         self.value = value
         self.optimizer = optimizer
         self.state = state
+        self._version_cell: torch.Tensor | None = None  # set while a RowStore holds the version
         self.version = version  # number of updates applied
         self.init = init
+
+    @property
+    def version(self) -> int:
+        """Updates applied. While the range is packed in a ``RowStore`` the count lives in the
+        store's per-slot tensor (``_version_cell`` is a one-element view of it), so a push
+        advances every touched range's version in one tensor op, not a Python loop over them."""
+        cell = self._version_cell
+        return self._version if cell is None else int(cell[0])
+
+    @version.setter
+    def version(self, value: int) -> None:
+        if self._version_cell is None:
+            self._version = value
+        else:
+            self._version_cell[0] = value
+
+    def keep_version_in(self, cell: torch.Tensor | None) -> None:
+        """Move the version into ``cell`` (a one-element int64 view), or back out with None."""
+        version = self.version
+        self._version_cell = cell
+        self.version = version
 
     # -- construction --------------------------------------------------------------------
 
