@@ -1,24 +1,24 @@
 """``apply_context_parallel``: a transformers model's attention over a sequence split across a mesh axis.
 
-The batch arrives already split (``distribution/sequence_split.py``: head-tail chunks of every
-sequence, labels aligned before the split, a padding mask kept whole). This module makes the model
-compute exactly what one process computes on the whole sequence:
+In training the batch arrives already split (``distribution/sequence_split.py``: head-tail chunks of
+every sequence, labels aligned before the split, a padding mask kept whole); in ``evaluate`` and
+``predict`` whole sequences arrive and are split here (``context_parallel_eval.py``). This module
+makes the model compute exactly what one process computes on the whole sequence:
 
 * **positions**: a forward pre-hook on the transformers model passes ``position_ids`` of this
   process's chunks (global positions, so rotary embeddings are the one-process ones);
-* **attention**: the model's attention implementation is set to ``"trainmesh_context_parallel"``,
-  registered in transformers' ``AttentionInterface`` (an entry in transformers' table of attention
-  functions, used by the models that select it; nothing of torch is patched). It runs ring
-  attention (``ring_attention.py``) or Ulysses (``ulysses.py``) on training forwards, and plain
-  ``sdpa`` on whole sequences otherwise (evaluation, prediction, generation);
+* **attention**: the model's attention implementation is set to ``"trainmesh_context_parallel"``
+  (``context_parallel_attention.py``): ring attention or Ulysses on split forwards, ``sdpa`` on whole
+  sequences otherwise (generation);
 * **masks**: transformers builds none (a 4-D placeholder tells it the mask is prepared); the
   causal mask is the kernels' own, the padding mask comes from the pre-hook;
 * **gradients** are averaged over the batch and sequence axes together (``gradient_mesh``), and
   **the loss** is weighted so that it is the global token mean (:func:`token_weighted_loss`).
 
-Refused by name before the first step: sliding-window attention, attention sinks, attention
-dropout, a custom 4-D mask, and under ring attention packed sequences that need a document mask and
-padding that is not at the end. Ulysses takes both: the pre-hook hands it a ``[B, 1, S, S]`` mask.
+Refused by name before the first step (``context_parallel_checks.py``): sliding-window attention,
+attention sinks, attention dropout, a custom 4-D mask, and under ring attention packed sequences that
+need a document mask and padding that is not at the end. Ulysses takes both: the pre-hook hands it a
+``[B, 1, S, S]`` mask.
 """
 
 from __future__ import annotations
@@ -32,8 +32,11 @@ from torch import nn
 
 from trainmesh.distribution.sequence_split import SequenceSplit
 
-ATTENTION_NAME = "trainmesh_context_parallel"
-_PREPARED_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # "the mask is prepared": transformers builds none
+from .context_parallel_attention import _PREPARED_MASK, ATTENTION_NAME, _Call, _register_attention
+from .context_parallel_checks import check_config, resolve_method, transformers_model
+from .context_parallel_eval import chunk_of_whole, gather_hook
+
+__all__ = ["ATTENTION_NAME", "apply_context_parallel", "resolve_method", "sequence_context", "token_weighted_loss"]
 
 
 # --- where gradients are averaged ------------------------------------------------------------
@@ -64,6 +67,7 @@ class SequenceContext:
     method: str
     grad_group: object
     grad_size: int
+    split_whole: int = 0  # > 0 inside ``split_sequences``: eval forwards of whole sequences are split
     _cache: dict = field(default_factory=dict)
 
     def layout(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,141 +83,6 @@ class SequenceContext:
         return self._cache[key]
 
 
-@dataclass
-class _Call:
-    """One training forward's extras, handed to every attention layer through the model's kwargs."""
-
-    context: SequenceContext
-    seq_len: int
-    padding: torch.Tensor | None  # [B, S] bool, sequence order, or None
-    documents: torch.Tensor | None = None  # [B, S] packed sequences' document index, or None
-    _mask: torch.Tensor | None = None
-
-    def mask(self, device) -> torch.Tensor | None:
-        """Causal AND (key not padding OR the diagonal) AND (same document): a padding query attends to
-        itself, so no row is empty (an empty row is NaN, and NaN times a zero gradient is NaN). Built once
-        per forward."""
-        if self.padding is None and self.documents is None:
-            return None
-        if self._mask is None:
-            mask = torch.ones(self.seq_len, self.seq_len, dtype=torch.bool, device=device).tril()[None, None]
-            if self.padding is not None:
-                eye = torch.eye(self.seq_len, dtype=torch.bool, device=device)
-                mask = mask & (self.padding.to(device)[:, None, None, :] | eye)
-            if self.documents is not None:
-                docs = self.documents.to(device)
-                mask = mask & (docs[:, None, :, None] == docs[:, None, None, :])
-            self._mask = mask
-        return self._mask
-
-
-# --- the attention function ------------------------------------------------------------------
-def context_parallel_attention(
-    module,
-    query,
-    key,
-    value,
-    attention_mask,
-    dropout=0.0,
-    scaling=None,
-    trainmesh_sequence: _Call | None = None,
-    **kwargs,
-):
-    """A transformers attention function (``AttentionInterface``): ``[B, H, s, D]`` in, ``[B, s, H, D]`` out."""
-    if trainmesh_sequence is None:  # whole sequences: evaluation, prediction, generation
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    call = trainmesh_sequence
-    context = call.context
-    if context.method == "ulysses":
-        from .ulysses import ulysses_attention
-
-        _, order, restore = context.layout(call.seq_len, query.device)
-        out = ulysses_attention(
-            query,
-            key,
-            value,
-            group=context.group,
-            n=context.split.axis_size,
-            order=order,
-            restore=restore,
-            scale=scaling,
-            mask=call.mask(query.device),
-        )
-    else:
-        from .ring_attention import ring_attention
-
-        out = ring_attention(query, key, value, group=context.group, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
-
-    if ATTENTION_NAME not in AttentionInterface._global_mapping:
-        AttentionInterface.register(ATTENTION_NAME, context_parallel_attention)
-    if ATTENTION_NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-        # whole-sequence forwards (evaluation, generation) get sdpa's masks, as sdpa would
-        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-
-
-# --- checks ----------------------------------------------------------------------------------
-def transformers_model(model: nn.Module) -> nn.Module | None:
-    """The outermost transformers model inside ``model`` (a user's wrapper around one is fine)."""
-    for module in model.modules():
-        if hasattr(module, "config") and hasattr(module, "set_attn_implementation"):
-            return module
-    return None
-
-
-def resolve_method(method: str, heads: int, kv_heads: int, size: int) -> str:
-    """``auto``: Ulysses where the query heads divide over the axis (4 all-to-alls of 1/n of Q, K, V, O
-    per layer, one kernel call over the whole sequence), else ring (K/V of the whole sequence gathered
-    per layer, any head count)."""
-    if method == "auto":
-        return "ulysses" if heads % size == 0 else "ring"
-    if method == "ulysses" and heads % size:
-        raise ValueError(
-            f"Ulysses splits the attention heads over the sequence axis: {heads} heads do not divide "
-            f"over {size} processes. Use context_parallel='ring', or an axis size that divides the "
-            f"heads. Received: num_attention_heads={heads}, axis size {size}"
-        )
-    return method
-
-
-def check_config(config) -> tuple[int, int]:
-    """``(heads, kv_heads)``; unsupported attention features refused by name."""
-    for name in ("sliding_window", "attention_chunk_size"):
-        if getattr(config, name, None) and getattr(config, "use_sliding_window", True):
-            raise ValueError(
-                f"Context parallelism supports full causal attention only; this model uses a "
-                f"sliding window. Received: {name}={getattr(config, name)}"
-            )
-    if getattr(config, "layer_types", None) and any(t != "full_attention" for t in config.layer_types):
-        raise ValueError(
-            f"Context parallelism supports full causal attention only. Received: "
-            f"layer_types={sorted(set(config.layer_types))}"
-        )
-    if any("sink" in name for name in vars(config)):
-        raise ValueError(
-            "Context parallelism does not support attention sinks. Received: a config with "
-            f"{[n for n in vars(config) if 'sink' in n]}"
-        )
-    if getattr(config, "attention_dropout", 0.0):
-        raise ValueError(
-            f"Context parallelism does not support attention dropout. Received: "
-            f"attention_dropout={config.attention_dropout}"
-        )
-    heads = getattr(config, "num_attention_heads", None)
-    if not heads:
-        raise ValueError(f"Context parallelism needs num_attention_heads in the model's config. Received: {config!r}")
-    return heads, getattr(config, "num_key_value_heads", None) or heads
-
-
 # --- the pre-hook ----------------------------------------------------------------------------
 def _pre_hook(context: SequenceContext, module, args, kwargs):
     tokens = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
@@ -226,17 +95,32 @@ def _pre_hook(context: SequenceContext, module, args, kwargs):
                 "tensor as batches (each row one batch): pass (inputs,) or a Dataset. Received: input_ids of "
                 f"shape {tuple(tokens.shape)}"
             )
-        return None
+        if not context.split_whole or tokens is None:
+            return None
+        chunked = chunk_of_whole(context, args, kwargs, tokens)
+        if chunked is None:
+            return None
+        try:
+            args, kwargs = _prepare(context, module, *chunked, tokens.shape[0], tokens.shape[1], gather=True)
+        except ValueError:  # what the split does not take (ring and left padding, ...) runs whole, as before
+            return None
+        kwargs["use_cache"] = False  # a cache of this process's chunks would be no one's cache
+        return args, kwargs
     if tokens is None or tokens.dim() < 2:
         raise ValueError(
             "A model over a sequence axis takes [batch, seq] input_ids (or inputs_embeds). Received: "
             f"{type(tokens).__name__}"
         )
-    local = tokens.shape[1]
-    seq_len = local * context.split.axis_size
+    return _prepare(context, module, args, kwargs, tokens.shape[0], tokens.shape[1] * context.split.axis_size)
+
+
+def _prepare(context: SequenceContext, module, args, kwargs, batch: int, seq_len: int, *, gather: bool = False):
+    """The model's ``(args, kwargs)`` for this process's chunks of sequences of ``seq_len``: their global
+    positions, the whole padding mask and packed sequences' documents for attention."""
+    device = (args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))).device
     given = kwargs.get("position_ids")
     padding = kwargs.pop("attention_mask", None)
-    documents = _documents(module, kwargs, given, padding, seq_len, tokens.shape[0], context.method)
+    documents = _documents(module, kwargs, given, padding, seq_len, batch, context.method)
     if padding is not None:
         if padding.dim() != 2 or padding.shape[1] != seq_len:
             raise ValueError(
@@ -253,13 +137,13 @@ def _pre_hook(context: SequenceContext, module, args, kwargs):
                 "the causal mask for every real token); use context_parallel='ulysses' for "
                 "left padding. Received: an attention_mask with padding before real tokens"
             )
-    positions, _, _ = context.layout(seq_len, tokens.device)
+    positions, _, _ = context.layout(seq_len, device)
     if given is None:
-        kwargs["position_ids"] = positions.unsqueeze(0).expand(tokens.shape[0], -1)
+        kwargs["position_ids"] = positions.unsqueeze(0).expand(batch, -1)
     else:  # packed sequences: the user's positions (restarting), this process's columns of them
-        kwargs["position_ids"] = given.expand(tokens.shape[0], -1).index_select(1, positions.to(given.device))
-    kwargs["attention_mask"] = _PREPARED_MASK.to(tokens.device)
-    kwargs["trainmesh_sequence"] = _Call(context, seq_len, padding, documents)
+        kwargs["position_ids"] = given.expand(batch, -1).index_select(1, positions.to(given.device))
+    kwargs["attention_mask"] = _PREPARED_MASK.to(device)
+    kwargs["trainmesh_sequence"] = _Call(context, seq_len, padding, documents, gather=gather)
     return args, kwargs
 
 
@@ -317,6 +201,7 @@ def apply_context_parallel(model: nn.Module, distribution) -> nn.Module:
     _register_attention()
     hf.config._attn_implementation = ATTENTION_NAME
     hf.register_forward_pre_hook(lambda m, a, k: _pre_hook(context, m, a, k), with_kwargs=True)
+    hf.register_forward_hook(gather_hook, with_kwargs=True)  # split eval forwards' outputs made whole
     model._trainmesh_sequence = context
     return model
 

@@ -6,7 +6,8 @@ end, so the result is the same on 1, 2 or 4 processes. Under DDP the forward run
 unwrapped module (a forward with no collective, so an empty share can simply be skipped);
 DTensor models run on the global batch, which every process enters together; FSDP2 (ZeRO
 2-3) models all-gather parameters in forward, so every process runs every forward too, with
-its local rows (possibly none).
+its local rows (possibly none). Over a sequence axis the model splits each whole sequence over the
+axis and gathers its outputs back (``_torch/context_parallel_eval.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from trainmesh._torch.context_parallel_eval import split_sequences
 from trainmesh._torch.reduce import all_reduce_small, gather_batches
 from trainmesh._torch.sync import runs_collectives_in_forward, unwrap
 from trainmesh.runtime import to_local_device
@@ -69,7 +71,7 @@ def run_evaluation(trainer, data: Any, batch_size: int | None, metrics: list[Met
         metric.reset()
     sums = torch.zeros(2, dtype=torch.float64)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), split_sequences(trainer.model):
             for step, (rows, batch) in enumerate(eval_batches(data, trainer.distribution, batch_size=batch_size)):
                 trainer.callbacks.on_test_batch_begin(step, {})
                 if batch is None or (batch_rows(batch) == 0 and not _every_process_forwards(trainer)):
@@ -113,7 +115,7 @@ def run_prediction(trainer, data: Any, batch_size: int | None) -> torch.Tensor:
     model.eval()
     shares = []
     try:
-        with torch.no_grad():
+        with torch.no_grad(), split_sequences(trainer.model):
             for rows, batch in eval_batches(data, trainer.distribution, batch_size=batch_size):
                 if batch is None or (batch_rows(batch) == 0 and not _every_process_forwards(trainer)):
                     shares.append(None)

@@ -1,0 +1,94 @@
+"""``evaluate`` and ``predict`` over a sequence axis: whole sequences in, split like training, whole out.
+
+The Trainer's evaluation and prediction loops hand the model whole sequences (unequal shares of a
+batch's rows over the batch axis; the processes of one sequence hold the same rows). Inside
+:func:`split_sequences` the model's pre-hook (``context_parallel.py``) keeps this process's head-tail
+chunks of every sequence, with their global ``position_ids`` and the whole padding mask, exactly as
+in training, so attention's memory and work are split over the axis. A forward hook then all-gathers
+every output that has the chunk's length in dim 1 (the logits, a base model's hidden states) over the
+axis and puts it back in sequence order: ``predict`` returns the original sequences, and the loss
+function and metrics of ``evaluate`` see one process's outputs, so its loss is one process's (the sum
+over the global tokens over their count, per batch).
+
+What the split does not take runs on the whole sequence, as one process (and as before): a length
+that does not divide into ``2 x axis`` chunks, an empty share, a cache (generation), ``labels`` inside
+the inputs (the model would shift each chunk on its own), hidden states or attentions asked for,
+and what ring attention refuses in training (padding before real tokens, packed sequences needing a
+document mask). Every process of the axis sees the same rows, so all take the same branch.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_WHOLE_ONLY = ("past_key_values", "cache", "labels")
+
+
+@contextmanager
+def split_sequences(model):
+    """Within it, eval-mode forwards of ``model`` (if it has a sequence axis) run split over the axis."""
+    from .sync import unwrap
+
+    context = getattr(unwrap(model), "_trainmesh_sequence", None)
+    if context is None:
+        yield
+        return
+    context.split_whole += 1
+    try:
+        yield
+    finally:
+        context.split_whole -= 1
+
+
+def chunk_of_whole(context, args: tuple, kwargs: dict, tokens: torch.Tensor) -> tuple[tuple, dict] | None:
+    """``(args, kwargs)`` with this process's chunk of the tokens in place of the whole sequence, or None
+    where the forward must stay whole (the module doc's list)."""
+    seq_len = tokens.shape[1]
+    if tokens.shape[0] == 0 or seq_len % context.split.num_chunks:
+        return None
+    if any(kwargs.get(name) is not None for name in _WHOLE_ONLY):
+        return None
+    if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+        return None
+    keep, _, _ = context.layout(seq_len, tokens.device)
+    args, kwargs = list(args), dict(kwargs)  # the caller's kwargs stay as they were (a fallback reuses them)
+    chunk = tokens.index_select(1, keep)
+    if args:
+        args[0] = chunk
+    elif kwargs.get("input_ids") is not None:
+        kwargs["input_ids"] = chunk
+    else:
+        kwargs["inputs_embeds"] = chunk
+    return tuple(args), kwargs
+
+
+def gather_hook(module, args, kwargs, output):
+    """A forward hook: a split eval forward's outputs back in whole sequences (None otherwise)."""
+    call = kwargs.get("trainmesh_sequence")
+    if call is None or not call.gather:
+        return None
+    local = call.seq_len // call.context.split.axis_size
+    if isinstance(output, dict):  # transformers' ModelOutput (setting a key sets its attribute too)
+        for key in list(output.keys()):
+            output[key] = _gather(output[key], call, local)
+        return output
+    if isinstance(output, tuple):
+        return type(output)(_gather(value, call, local) for value in output)
+    return _gather(output, call, local)
+
+
+def _gather(value: Any, call, local: int) -> Any:
+    if hasattr(value, "full_tensor"):  # a DTensor output of a tensor-parallel model: its whole value first
+        value = value.full_tensor()
+    if not torch.is_tensor(value) or value.dim() < 2 or value.shape[1] != local:
+        return value
+    context = call.context
+    value = value.contiguous()
+    parts = [torch.empty_like(value) for _ in range(context.split.axis_size)]
+    dist.all_gather(parts, value, group=context.group)  # group rank = place on the axis (gathered_order's)
+    _, _, restore = context.layout(call.seq_len, value.device)
+    return torch.cat(parts, 1).index_select(1, restore)
