@@ -19,14 +19,19 @@ a step counts as long as its slowest process; the 1-minute load average is recor
   ``["data"]`` mesh: 4 experts per process, dense layers replicated (gradients all-reduced);
 * ``tm-ep4-zero3``: the same with ``zero_stage=3``: dense layers sharded by FSDP2 as well;
 * ``hf-ep4`` (the peer): ``from_pretrained(DIR, distributed_config=DistributedConfig(ep_size=4, fsdp_size=4))``:
-  transformers' own expert parallelism (its EP borrows the FSDP axis, so dense layers are FSDP2-sharded: the
-  same layout as ``tm-ep4-zero3``);
+  transformers' own expert parallelism. Its EP borrows the FSDP axis: ``DistributedConfig(ep_size=4)`` alone
+  (or with ``dp_replicate_size=4``) is refused ("`ep_size` must divide `fsdp_size * tp_size`"), and with
+  ``fsdp_size=4`` every dense parameter is an FSDP2 ``Shard(0)`` over the 4 processes (a unit per decoder
+  layer, the embedding alone, norm + head one unit kept gathered after forward). So transformers cannot
+  replicate the dense layers under EP; the same work in trainmesh is ``tm-ep4-zero3``;
 * ``tm-zero3``: ``tm.DataParallel(zero_stage=3)``: every expert gathered on every process at every step.
 
 Figures (``--json``'s top-level ``figures``):
 
-* ``moe_ep_step_vs_transformers_ep``: ``tm-ep4-zero3`` over ``hf-ep4`` (the same layout); ``tm-ep4`` over
-  ``hf-ep4`` beside it as ``moe_ep_dp_step_vs_transformers_ep``;
+* ``moe_ep_step_vs_transformers_ep``: ``tm-ep4-zero3`` over ``hf-ep4``: the same layout (experts EP 4, dense
+  FSDP2-sharded over the same 4 processes), the like-for-like figure; ``tm-ep4`` over ``hf-ep4`` beside it as
+  ``moe_ep_dp_step_vs_transformers_ep``: a layout transformers does not offer (dense replicated, gradients
+  all-reduced), so not the same work;
 * ``moe_ep_step_vs_zero3``: ``tm-ep4`` over ``tm-zero3``;
 * ``moe_ep_expert_state_vs_replicated``: the expert parameters, gradients and AdamW state one process holds
   under ``tm-ep4`` (counted from the tensors after a step) over DataParallel's (whole experts: parameters,
@@ -71,6 +76,14 @@ SIZES = {
     "quick": dict(hidden=64, layers=2, experts=8, moe_intermediate=64, heads=4, kv_heads=2, vocab=512, seq=32, rows=2),
 }
 TOP_K = 2
+# What each step figure compares, in the printout and the JSON (the peer's layout read from its parameters:
+# DistributedConfig(ep_size=4, fsdp_size=4) gives every dense parameter Shard(0) over the 4 processes)
+COMPARES = {
+    "moe_ep_step_vs_transformers_ep": "same work: experts EP 4 and dense FSDP2-sharded on both sides",
+    "moe_ep_dp_step_vs_transformers_ep": "not the same work: trainmesh's dense replicated (all-reduce), "
+    "which transformers' EP cannot do (ep_size must divide fsdp_size * tp_size)",
+    "moe_ep_step_vs_zero3": "EP 4 (dense replicated) over ZeRO-3 gathering every expert",
+}
 PARITY_LAYOUTS = [  # name, family, mesh shape, axes, expert axis, zero stage, EP (None: the whole axis)
     ("ep4", "qwen3_moe", (4,), ["data"], "data", 0, None),
     ("ep4_zero3", "qwen3_moe", (4,), ["data"], "data", 3, None),
@@ -295,6 +308,7 @@ def summarize(cfg: dict, result: dict, counts: dict) -> dict:
     figures["moe_remote_pair_fraction"] = result["remote_pairs"] / result["routed_pairs"]
     figures["moe_ep_parity_max_abs_diff"] = max(result["parity_diffs"].values())
     report["parity_diffs"] = result["parity_diffs"]
+    report["compares"] = {name: what for name, what in COMPARES.items() if name in figures}
     report["figures"] = figures
     return report
 
@@ -315,6 +329,8 @@ def print_report(report: dict) -> None:
     print("\nfigures:")
     for name, value in report["figures"].items():
         print(f"  {name:<40}{value:.4g}")
+    for name, what in report.get("compares", {}).items():
+        print(f"  {name}: {what}")
     print(f"load average per round: {[round(v, 2) for v in report['loads_per_round']]}")
 
 

@@ -47,6 +47,30 @@ def moe_model(
     if family == "olmoe":  # transformers' base_model_ep_plan names its experts; q/k norms over the whole width
         config = transformers.OlmoeConfig(intermediate_size=16, num_experts=num_experts, **common)
         return transformers.OlmoeForCausalLM(config).float()
+    if family == "deepseek_v3":
+        # sigmoid router over 2 groups of 2 experts (top-1 group) with the e_score_correction_bias buffer,
+        # a shared expert, multi-head latent attention, and a dense first layer before the MoE one
+        config = transformers.DeepseekV3Config(
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            n_routed_experts=num_experts,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+            **{**common, "num_key_value_heads": 4},
+        )
+        return transformers.DeepseekV3ForCausalLM(config).float()
+    if family == "gpt_oss":  # attention sinks, biased experts with a clamped SwiGLU, sliding-window layers
+        config = transformers.GptOssConfig(
+            intermediate_size=16, num_local_experts=num_experts, head_dim=8, sliding_window=4, **common
+        )
+        return transformers.GptOssForCausalLM(config).float()
     raise ValueError(f"unknown MoE family {family!r}")
 
 

@@ -1,8 +1,9 @@
-"""Expert parallelism on real gloo groups: tiny transformers Qwen3-MoE, Mixtral and OLMoE (built from a
-config) against one process on the same global batches, in fp32.
+"""Expert parallelism on real gloo groups: tiny transformers Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3 and GPT-OSS
+(built from a config) against one process on the same global batches, in fp32.
 
-Launch 1 (2 processes, a hand-written loop so gradients can be read): EP 2 over the data axis for the three
-models, for a router forced to send every token to experts 0 and 1 (both on the first process: the
+Launch 1 (2 processes, a hand-written loop so gradients can be read): EP 2 over the data axis for the five
+models (DeepSeek-V3: sigmoid group-limited router with its correction bias, a shared expert, a dense first
+layer; GPT-OSS: attention sinks, biased experts), for a router forced to send every token to experts 0 and 1 (both on the first process: the
 second receives no row), and with the auxiliary load-balancing loss over the global batch
 (``trainmesh.moe.load_balancing_loss`` against transformers' own on one process). Checked: losses and first-step gradients (1e-6), parameters after 3 AdamW
 steps (1e-6), one count exchange and two token exchanges forward and two backward per MoE layer, and
@@ -53,6 +54,8 @@ LOOP_CASES = [  # family, variant
     ("qwen3_moe", ""),
     ("mixtral", ""),
     ("olmoe", ""),
+    ("deepseek_v3", ""),
+    ("gpt_oss", ""),
     ("qwen3_moe", "skewed"),
     ("qwen3_moe", "aux"),
 ]
@@ -197,9 +200,12 @@ def test_collectives_per_moe_layer_and_expert_memory(loop_results):
     for rank_result in results:
         for case in LOOP_CASES:
             stats = rank_result[case]["stats"]
-            assert len(stats) == 2  # the two MoE layers; no dense layer dispatches
-            # c10d all-to-alls in a forward + backward, counted at the dispatcher: 2 layers x (1 + 2 + 2)
-            assert rank_result[case]["all_to_all"] == 2 * 5
+            # the MoE layers (DeepSeek-V3's first layer is dense: first_k_dense_replace=1); no dense layer
+            # dispatches
+            moe_layers = 1 if case[0] == "deepseek_v3" else 2
+            assert len(stats) == moe_layers
+            # c10d all-to-alls in a forward + backward, counted at the dispatcher: layers x (1 + 2 + 2)
+            assert rank_result[case]["all_to_all"] == moe_layers * 5
             for layer in stats.values():
                 assert (
                     layer["count_exchanges"],

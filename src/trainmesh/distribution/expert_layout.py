@@ -33,6 +33,10 @@ from .mesh import DeviceMesh
 
 # The call an experts module must accept: transformers' ``use_experts_implementation`` contract.
 _EXPERTS_CALL = ("hidden_states", "top_k_index", "top_k_weights")
+# The same call under other names: GPT-OSS's experts take (hidden_states, router_indices, routing_weights),
+# the same tensors in the same positions (indices and weights both (tokens, top_k)); the dispatcher calls
+# the local experts positionally, so these run unchanged.
+_EXPERTS_CALLS = (_EXPERTS_CALL, ("hidden_states", "router_indices", "routing_weights"))
 # The attribute names routers carry their k under (transformers' routers: ``top_k``).
 _TOP_K_NAMES = ("top_k", "num_experts_per_tok")
 
@@ -120,7 +124,7 @@ def check_supported(model: nn.Module, experts: ExpertsModule, axis: str) -> None
     wrapped = getattr(type(module).forward, "__wrapped__", None)  # transformers' experts interface
     if wrapped is not None:
         params = list(inspect.signature(wrapped).parameters)[1:4]
-    if tuple(params) != _EXPERTS_CALL:
+    if tuple(params) not in _EXPERTS_CALLS:
         raise ValueError(
             f"Experts module {experts.path!r} ({type(module).__name__}) cannot be laid out over axis {axis!r}: "
             f"trainmesh dispatches experts called as forward{_EXPERTS_CALL} (transformers' experts "
