@@ -4,10 +4,11 @@ global batches.
 
 Two launches: 2 processes (seq 2: both methods, Qwen3 under full activation checkpointing, GPT-2,
 packed sequences, collective counts per layer, activation bytes saved for backward (and the planner's
-against them), evaluate, predict after fit, bf16-mixed, the clear errors; model 2
-with sequence parallelism, and Qwen3 under plain tensor parallelism) and 4 processes (data 2 x seq 2
-with both methods and padding masks, seq 4, ZeRO-3 x seq 2 under ModelParallel, seq 2 x model 2 with
-tensor parallelism; predict and evaluate beside data, ZeRO-3 and TP). Tolerance: 1e-6 absolute on loss and parameters after 3 AdamW steps in fp32 at
+against them), evaluate, predict after fit (sequences split like training's, outputs gathered back),
+bf16-mixed, the clear errors; model 2 with sequence parallelism, and Qwen3 under plain tensor
+parallelism) and 4 processes (data 2 x seq 2 with both methods and padding masks, seq 4, ZeRO-3 x seq 2
+under ModelParallel, seq 2 x model 2 with tensor parallelism; split predict and evaluate beside data,
+ZeRO-3 and TP). Tolerance: 1e-6 absolute on loss and parameters after 3 AdamW steps in fp32 at
 lr 1e-3 (measured: ~2e-7; on one process, eager and sdpa attention differ by 1.2e-7 after the same
 steps, see ``cp_cases.make_optimizer``).
 """
@@ -38,7 +39,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 transformers = pytest.importorskip("transformers")
 
 TOLERANCE = 1e-6
-# predict / evaluate: the same weights on whole sequences, so only kernel summation order differs (TP's split
+# predict / evaluate: the same weights, split like training, so only kernel summation order differs (TP's split
 # matmuls): measured 1.2e-7 on logits of size ~1
 PREDICT_TOLERANCE = 1e-6
 
@@ -69,6 +70,7 @@ FOUR = [  # (name, family, mesh shape, axes, method, padding, distribution kind,
     ("seq4 ulysses qwen3", "qwen3", (4,), ["seq"], "ulysses", None, "dp", 0),
     ("zero3 x seq2 ring qwen3", "qwen3", (2, 2), ["data", "seq"], "ring", None, "mp", 3),
     ("seq2 x model2 ulysses (TP)", "llama", (1, 2, 2), ["data", "seq", "model"], "ulysses", None, "tp", 0),
+    ("seq2 x model2 ring (TP + SP)", "llama", (1, 2, 2), ["data", "seq", "model"], "ring", None, "sp", 0),
     ("data2xseq2 ulysses left+right padding", "llama", (2, 2), ["data", "seq"], "ulysses", "left", "dp", 0),
     ("data2xseq2 ring right padding", "llama", (2, 2), ["data", "seq"], "ring", "right", "dp", 0),
 ]
@@ -88,12 +90,18 @@ def _batches(padding):
 def _distribution(tm, model, mesh, kind: str, method: str):
     if kind == "dp":
         return tm.DataParallel(mesh, sequence_dim_name="seq", context_parallel=method)
-    # "mp": no parameter sharded; "tp": the model's own TP plan over "model"
+    # "mp": no parameter sharded; "tp": the model's own TP plan over "model"; "sp": that and sequence parallelism
     layout_map = (
-        tm.LayoutMap.auto(model, mesh, model_axis="model", verbose=False) if kind == "tp" else tm.LayoutMap(mesh)
+        tm.LayoutMap.auto(model, mesh, model_axis="model", verbose=False)
+        if kind in ("tp", "sp")
+        else tm.LayoutMap(mesh)
     )
     return tm.ModelParallel(
-        layout_map=layout_map, batch_dim_name="data", sequence_dim_name="seq", context_parallel=method
+        layout_map=layout_map,
+        batch_dim_name="data",
+        sequence_dim_name="seq",
+        context_parallel=method,
+        sequence_parallel=kind == "sp",
     )
 
 
@@ -105,15 +113,24 @@ def _four() -> dict:
         mesh = tm.DeviceMesh(shape, axes, devices=tm.list_devices())
         model = _build(family, padding)
         distribution = _distribution(tm, model, mesh, kind, method)
-        out[name] = _train(model, distribution, _batches(padding), zero_stage=stage)[:2]
-        if name in PREDICT_FOUR:  # predict and evaluate: whole sequences, uneven shares of 10 rows
+        state, loss, trainer = _train(model, distribution, _batches(padding), zero_stage=stage)
+        out[name] = state, loss
+        if kind == "sp":  # one forward's collectives: sequence parallelism's inside the seq axis's split
+            from trainmesh.distribution.sequence_split import SequenceSplit
+
+            split = SequenceSplit(axis="seq", axis_size=2)
+            local = split.split_batch(data(rows=2), split.index_of(mesh))
+            out["sp calls"] = _count_collectives(trainer.model, local)[0]
+        if name in PREDICT_FOUR:  # predict and evaluate: sequences split, uneven shares of 10 rows
             model = Logits(build_model(family))
             distribution = _distribution(tm, model, mesh, kind, method)
             predictor = tm.Trainer(
                 model, make_optimizer, logits_loss, distribution=distribution, zero_stage=stage, progress=False
             )
             x, y = data(rows=10)
-            out["predict", name] = predictor.predict((x,), batch_size=GLOBAL_BATCH)
+            out["predict", name], out["predict calls", name] = _predict_counting(
+                predictor, (x,), batch_size=GLOBAL_BATCH
+            )
             out["evaluate", name] = predictor.evaluate((x, y), batch_size=GLOBAL_BATCH)["loss"]
     return out
 
@@ -160,10 +177,20 @@ def test_four_processes_match_one(four, case):
     assert all(four[rank][name][1] == loss for rank in range(4))  # every process reports the same loss
 
 
+def test_sequence_parallelism_inside_a_sequence_axis(four):
+    """Model 2 x seq 2 with sequence parallelism (parity in test_four_processes_match_one): per block 2
+    all-gathers and 2 reduce-scatters over the model axis, the head's input and output gathered, and ring
+    attention's one K/V all-gather per layer over the seq axis."""
+    layers = 2
+    calls = four[0]["sp calls"]
+    assert calls == {"all_gather_into_tensor": 2 * layers + 2 + layers, "reduce_scatter_tensor": 2 * layers}, calls
+
+
 @pytest.mark.parametrize("name", PREDICT_FOUR)
-def test_four_processes_predict_and_evaluate_whole_sequences(four, name):
-    """``predict`` and ``evaluate`` under a sequence axis beside data, ZeRO-3 and tensor parallelism: one
-    process's logits and loss for the same weights (fp32, PREDICT_TOLERANCE), every process the same."""
+def test_four_processes_predict_and_evaluate_split_sequences(four, name):
+    """``predict`` and ``evaluate`` under a sequence axis beside data, ZeRO-3 and tensor parallelism, the
+    sequences split over the axis: one process's logits (whole sequences, in order) and loss for the same
+    weights (fp32, PREDICT_TOLERANCE), every process the same."""
     family = "qwen3" if "qwen3" in name else "llama"
     logits, loss = _one_process_eval(family, rows=10)
     predicted = four[0]["predict", name]
@@ -171,14 +198,19 @@ def test_four_processes_predict_and_evaluate_whole_sequences(four, name):
     assert (predicted - logits).abs().max().item() <= PREDICT_TOLERANCE
     assert abs(four[0]["evaluate", name] - loss) <= PREDICT_TOLERANCE
     assert all(torch.equal(four[rank]["predict", name], predicted) for rank in range(4))
+    # split over the sequence axis (3 batches of 4, 4 and 2 rows: every process forwards each); tensor
+    # parallelism adds its own all-reduces, so only the method's collective is compared
+    method = next(case[4] for case in FOUR if case[0] == name)
+    ((kind, count),) = _split_forward_calls(method, forwards=3).items()
+    assert four[0]["predict calls", name].get(kind) == count, four[0]["predict calls", name]
 
 
 # --- 2 processes ---------------------------------------------------------------------------
 COLLECTIVES = {"all_to_all_single", "all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor", "broadcast"}
 
 
-def _count_collectives(model, batch):
-    """Functional-collective calls of one forward and of its backward, by kind."""
+def _counting():
+    """A dispatch mode counting functional-collective calls by kind (``.calls``)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -193,13 +225,26 @@ def _count_collectives(model, batch):
                 self.calls[kind] = self.calls.get(kind, 0) + 1
             return func(*args, **(kwargs or {}))
 
+    return Count()
+
+
+def _count_collectives(model, batch):
+    """Functional-collective calls of one forward and of its backward, by kind."""
     x, y = batch
-    with Count() as forward:
+    with _counting() as forward:
         loss = lm_loss(model(x), y)
-    with Count() as backward:
+    with _counting() as backward:
         loss.backward()
     model.zero_grad(set_to_none=True)
     return forward.calls, backward.calls
+
+
+def _predict_counting(trainer, *args, **kwargs):
+    """``trainer.predict``'s result and its functional collectives (attention's, when the sequence is split;
+    the gather of the outputs is a plain all-gather, not counted)."""
+    with _counting() as count:
+        predicted = trainer.predict(*args, **kwargs)
+    return predicted, count.calls
 
 
 def _saved_bytes(model, x, y) -> int:
@@ -273,7 +318,7 @@ def _two() -> dict:
         out["parity"][(method, family)] = (state, loss)
         if family != "llama":
             continue
-        out["evaluate", method] = trainer.evaluate(data(), batch_size=GLOBAL_BATCH)["loss"]  # whole sequences
+        out["evaluate", method] = trainer.evaluate(data(), batch_size=GLOBAL_BATCH)["loss"]  # split, outputs gathered
         # one more forward/backward on this process's chunks of a longer batch: collectives, saved bytes
         split = SequenceSplit(axis="seq", axis_size=2)
         x, y = data(seq=256, rows=2)
@@ -315,7 +360,7 @@ def _predictions(tm, mesh) -> dict:
         trainer.fit(batches, epochs=1)
         out[method] = {
             "state": {k: v.detach().clone() for k, v in trainer.state_dict()["model"].items()},
-            "predict": trainer.predict([(inputs,) for inputs, _ in batches]),
+            "predict": _predict_counting(trainer, [(inputs,) for inputs, _ in batches]),
             "evaluate": trainer.evaluate(batches)["loss"],
         }
     try:  # a bare tensor is an iterable of batches: the model would get one 1-D row
@@ -466,10 +511,12 @@ def test_packed_sequences_match_one(two, method, use_cache):
 
 @pytest.mark.parametrize("method,padding", PREDICT_TWO)
 def test_predict_and_evaluate_after_fit_match_one_process(two, method, padding):
-    """After ``fit`` over a sequence axis, ``predict`` returns whole sequences' logits in order and
+    """After ``fit`` over a sequence axis, ``predict`` (the sequences split like training's) returns whole
+    sequences' logits in order and
     ``evaluate`` the loss, as one process computes them with the trained weights (fp32, PREDICT_TOLERANCE;
     padded dict batches, padding positions left out of the comparison)."""
     result = two[0]["predict"][method]
+    predicted, calls = result["predict"]
     model = Logits(build_model())
     model.load_state_dict(result["state"])
     batches = _batches(padding)
@@ -477,11 +524,21 @@ def test_predict_and_evaluate_after_fit_match_one_process(two, method, padding):
         logits = torch.cat([model(inputs) for inputs, _ in batches])
         loss = sum(logits_loss(model(inputs), targets).item() for inputs, targets in batches) / len(batches)
     real = torch.cat([inputs["attention_mask"] for inputs, _ in batches]).bool()
-    assert result["predict"].shape == logits.shape
-    assert (result["predict"][real] - logits[real]).abs().max().item() <= PREDICT_TOLERANCE
+    assert predicted.shape == logits.shape
+    assert (predicted[real] - logits[real]).abs().max().item() <= PREDICT_TOLERANCE
     assert abs(result["evaluate"] - loss) <= PREDICT_TOLERANCE
     assert max_diff(result["state"], Logits(build_model()).state_dict()) > 1e-4  # fit did train
-    assert torch.equal(two[1]["predict"][method]["predict"], result["predict"])
+    assert torch.equal(two[1]["predict"][method]["predict"][0], predicted)
+    # the sequences were split like training's: each forward ran the method's collectives per layer
+    assert calls == _split_forward_calls(method, forwards=len(batches)), calls
+
+
+def _split_forward_calls(method: str, *, forwards: int, layers: int = 2) -> dict:
+    """Attention's collectives over ``forwards`` split forwards (no backward): Ulysses' 4 all-to-alls per
+    layer, ring's one K/V all-gather per layer. A forward on whole sequences has none."""
+    if method == "ulysses":
+        return {"all_to_all_single": 4 * layers * forwards}
+    return {"all_gather_into_tensor": layers * forwards}
 
 
 PLAN_TOLERANCE = 0.10  # measured: the plan is 1-6% above (it counts the logits, not the loss's own tensors)

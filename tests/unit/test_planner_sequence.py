@@ -54,7 +54,7 @@ def test_kv_traffic_by_hand():
         ("data=2,seq=4", 8, 100, False, "divisible by 8"),
         ("data=2,seq=4", 8, None, False, "--seq-len must be given"),
         ("pipe=2,seq=2", 4, 64, False, "beside a pipe axis"),
-        ("seq=2,model=2", 4, 64, True, "no sequence axis"),
+        ("seq=2,data=2", 4, 64, True, "model axis of size > 1"),
         ("data=4", 4, 64, True, "model axis of size > 1"),
         ("seq=2,cp=2", 4, 64, False, "At most one sequence axis"),
     ],
@@ -62,6 +62,17 @@ def test_kv_traffic_by_hand():
 def test_refusals_name_the_problem(mesh, world, seq_len, sp, message):
     with pytest.raises(ValueError, match=message):
         sequence_axis_plan(mesh, world_size=world, seq_len=seq_len, sequence_parallel=sp)
+
+
+def test_sequence_parallelism_beside_a_sequence_axis():
+    """As training takes it: the dry run's mesh merges seq into the batch axis and keeps sequence parallelism
+    on the model axis, and the activations are those of this process's chunk."""
+    from trainmesh.planner.sequence import _SequenceParallelMesh
+
+    plan = sequence_axis_plan("seq=2,model=2", world_size=4, seq_len=64, sequence_parallel=True)
+    assert plan.sequence_parallel and isinstance(plan.spec, _SequenceParallelMesh)
+    assert (plan.axis, plan.size, plan.local_seq_len) == ("seq", 2, 32)
+    assert not sequence_axis_plan("seq=2,model=2", world_size=4, seq_len=64).sequence_parallel
 
 
 def test_plan_parallel_refuses_before_building_the_model():

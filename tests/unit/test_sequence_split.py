@@ -103,7 +103,7 @@ def test_auto_picks_ulysses_where_heads_divide():
         resolve_method("ulysses", 6, 2, 4)
 
 
-def test_sequence_parallel_needs_one_model_axis_and_no_sequence_axis():
+def test_sequence_parallel_needs_one_model_axis_and_takes_a_sequence_axis():
     mesh = tm.DeviceMesh((2, 2), ["data", "model"], devices=DEVICES4)
     assert tm.ModelParallel(layout_map=tm.LayoutMap(mesh), sequence_parallel=True).sequence_parallel
     assert not tm.ModelParallel(layout_map=tm.LayoutMap(mesh)).sequence_parallel
@@ -112,5 +112,9 @@ def test_sequence_parallel_needs_one_model_axis_and_no_sequence_axis():
             layout_map=tm.LayoutMap(tm.DeviceMesh((4,), ["data"], devices=DEVICES4)), sequence_parallel=True
         )
     three = tm.DeviceMesh((1, 2, 2), ["data", "seq", "model"], devices=DEVICES4)
-    with pytest.raises(ValueError, match="beside a sequence axis"):
-        tm.ModelParallel(layout_map=tm.LayoutMap(three), sequence_dim_name="seq", sequence_parallel=True)
+    # beside a sequence axis: the seq axis is not a model axis (parity in test_context_parallel.py)
+    assert tm.ModelParallel(
+        layout_map=tm.LayoutMap(three), sequence_dim_name="seq", sequence_parallel=True
+    ).sequence_parallel
+    with pytest.raises(ValueError, match="the mesh has 2"):  # without sequence_dim_name, "seq" is a model axis
+        tm.ModelParallel(layout_map=tm.LayoutMap(three), sequence_parallel=True)

@@ -132,9 +132,4 @@ def _check_sequence_parallel(enabled: bool, mesh, batch_dim_name, sequence, pipe
             f"sequence_parallel=True splits the sequence over the one model axis; the mesh has "
             f"{len(model_axes)}. Received: model axes {model_axes} of mesh axes {mesh.axis_names}"
         )
-    if sequence is not None:
-        raise ValueError(
-            "sequence_parallel=True beside a sequence axis is not supported yet; use one of them. "
-            f"Received: sequence_dim_name={sequence.axis!r}"
-        )
     return True

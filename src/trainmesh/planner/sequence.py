@@ -20,7 +20,7 @@ layer moves per process: Ulysses 4 all-to-alls of Q, K, V and O forward, ring on
 of the sequence by the real parallelize, not estimated.
 
 Refused before anything is built, as training refuses them: a sequence that does not divide into
-``2 x axis`` chunks, a sequence axis beside a pipe axis, sequence parallelism beside a sequence axis or
+``2 x axis`` chunks, a sequence axis beside a pipe axis, sequence parallelism
 without a model axis.
 
 >>> s = sequence_axis_plan("data=2,seq=4", world_size=8, seq_len=4096)
@@ -123,10 +123,10 @@ def sequence_axis_plan(
     if axis is None and not sequence_parallel:
         return None
     model_axis = user.model_axis if user.size(user.model_axis) > 1 else None
-    if sequence_parallel and (axis is not None or model_axis is None):
+    if sequence_parallel and model_axis is None:
         raise ValueError(
-            "sequence_parallel splits the sequence over the model axis: it needs a model axis of size > 1 and no "
-            f"sequence axis (training refuses it beside one). Received: mesh={user.text()!r}, sequence_parallel=True"
+            "sequence_parallel splits the sequence over the model axis: it needs a model axis of size > 1. "
+            f"Received: mesh={user.text()!r}, sequence_parallel=True"
         )
     if axis is None:
         return SequenceAxisPlan(user, _SequenceParallelMesh(user.axes, world_size), None, 1, seq_len, True)
@@ -152,4 +152,5 @@ def sequence_axis_plan(
         merged.append((name, n))
     if not placed:
         merged.insert(0, ("data", size))
-    return SequenceAxisPlan(user, MeshSpec(tuple(merged), world_size), axis, size, seq_len, False)
+    spec = (_SequenceParallelMesh if sequence_parallel else MeshSpec)(tuple(merged), world_size)
+    return SequenceAxisPlan(user, spec, axis, size, seq_len, sequence_parallel)
