@@ -158,15 +158,16 @@ class ServerOptimizer:
         unique_rows: bool = False,
     ) -> None:
         """Update rows ``local_rows`` of the 2-D ``value`` (and their state) in place.
-        ``unique_rows``: the caller vouches that no row appears twice (the server's row store
-        passes the ids of a push once summed), so they need no summing here."""
+        ``unique_rows``: the caller vouches that no row appears twice and that every row is in
+        range (the server's row store passes the ids of a push once summed and checked), so they
+        need no summing and no bounds check here."""
         _check_value(value, dims=2)
         rows, dim = value.shape
         if not isinstance(local_rows, torch.Tensor) or local_rows.dtype != torch.int64 or local_rows.dim() != 1:
             raise ValueError(f"local_rows must be a 1-D int64 tensor, got {_describe(local_rows)}")
         if not isinstance(grads, torch.Tensor) or grads.shape != (local_rows.numel(), dim):
             raise ValueError(f"row gradients must have shape {(local_rows.numel(), dim)}, got {_shape(grads)}")
-        if local_rows.numel() and (int(local_rows.min()) < 0 or int(local_rows.max()) >= rows):
+        if not unique_rows and local_rows.numel() and (int(local_rows.min()) < 0 or int(local_rows.max()) >= rows):
             bad = local_rows[(local_rows < 0) | (local_rows >= rows)][0]
             raise ValueError(f"local row {int(bad)} out of range for a shard of {rows} rows")
         lr = self._lr(lr)

@@ -29,7 +29,11 @@ import torch
 
 from .shard import Shard
 
-PAGE_BYTES = 64 << 20  # values per page; optimizer state adds its own tensors of the same rows
+# Values per page; optimizer state adds its own tensors of the same rows. Pages are allocated
+# empty, so an unused part costs address space, not memory: at 256 MB a server's half of a
+# 1M x 64 fp32 table is one page, and a push one optimizer step (at 64 MB it was two, each with
+# its own mask, gather and step).
+PAGE_BYTES = 256 << 20
 
 
 class _Page:

@@ -213,7 +213,9 @@ class ServerState:
             raise KeyError(f"this server holds no dense shard {sid!r}")
         return shard
 
-    def _table_rows(self, table: str, ids: torch.Tensor) -> tuple[RowStore, Callable[[int], Shard]]:
+    def _table_rows(
+        self, table: str, ids: torch.Tensor, increasing: bool = False
+    ) -> tuple[RowStore, Callable[[int], Shard]]:
         """The table's row store on this server, and ``shard_of(range index)`` (which creates an
         untouched range on first use, identically wherever it lands); ``ids`` are checked first."""
         spec = self.spec_of(table)
@@ -222,7 +224,10 @@ class ServerState:
         rows, dim = spec["shape"]
         if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
             raise TypeError(f"row ids for {table!r} must be a 1-D int64 tensor")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+        if ids.numel():
+            # ``increasing``: the caller checked the ids are sorted, so its ends bound them (no scans)
+            low, high = (int(ids[0]), int(ids[-1])) if increasing else (int(ids.min()), int(ids.max()))
+        if ids.numel() and (low < 0 or high >= rows):
             bad = ids[(ids < 0) | (ids >= rows)][0]
             raise ValueError(f"row id {int(bad)} out of range for table {table!r} with {rows} rows")
         rows_per_shard = spec["rows_per_shard"]
@@ -283,7 +288,7 @@ class ServerState:
             else:
                 unique, inverse = torch.unique(ids, return_inverse=True)
                 summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, grads.float())
-            store, shard_of = self._table_rows(table, unique)
+            store, shard_of = self._table_rows(table, unique, increasing=True)
             if unique.numel() and round_ is not None and self.spec_of(table)["mode"] == "sync":
                 self.rounds.check_open(round_, msg.sender)
                 joins = True
