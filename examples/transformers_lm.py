@@ -7,6 +7,7 @@
     trainmesh run -n 4 examples/transformers_lm.py --layout tp --init-from hf-out            # fine-tune from it
     trainmesh run -n 4 examples/transformers_lm.py --model qwen3_moe --layout ep             # experts over 4
     trainmesh run -n 4 examples/transformers_lm.py --layout cp --context-parallel ulysses --block 256  # long context
+    trainmesh run -n 4 examples/transformers_lm.py --layout cp+tp --context-parallel ring --block 256  # seq 2 x model 2
 
 ``--init-from DIR`` fine-tunes a local Hugging Face checkpoint (``config.json`` + safetensors): the
 model is built on the meta device from DIR's config and each process reads only its own shards of
@@ -47,7 +48,7 @@ import torch
 import trainmesh as tm
 from trainmesh.demo.corpus import CharVocab, CharWindows, read_sources, select_sources, stdlib_dir
 
-LAYOUTS = ("dp", "fsdp", "tp", "tp+fsdp", "pp", "3d", "ep", "ep+fsdp", "ep+tp", "cp", "cp+fsdp", "sp")
+LAYOUTS = ("dp", "fsdp", "tp", "tp+fsdp", "pp", "3d", "ep", "ep+fsdp", "ep+tp", "cp", "cp+fsdp", "cp+tp", "sp")
 MODELS = ("gpt2", "llama", "qwen3_moe", "mixtral")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv")
 
@@ -120,6 +121,16 @@ def build_distribution(
     layout: str, model: torch.nn.Module, schedule: str = "1f1b", microbatches: int = 4, context_parallel: str = "auto"
 ) -> tm.Distribution:
     world = tm.world_size()
+    if layout == "cp+tp":  # a sequence axis of 2, the model axis over the rest, with sequence parallelism
+        seq = 2 if world % 2 == 0 else 1
+        mesh = tm.DeviceMesh((1, seq, world // seq), ["data", "seq", "model"], devices=tm.list_devices())
+        return tm.ModelParallel(
+            layout_map=tm.LayoutMap.auto(model, mesh, model_axis="model"),
+            batch_dim_name="data",
+            sequence_dim_name="seq",
+            context_parallel=context_parallel,
+            sequence_parallel=world // seq > 1,
+        )
     if layout.startswith("cp"):  # a sequence axis of 2 (of 1 on one process), data over the rest
         seq = 2 if world % 2 == 0 else 1
         mesh = tm.DeviceMesh((world // seq, seq), ["data", "seq"], devices=tm.list_devices())
