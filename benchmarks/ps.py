@@ -3,7 +3,10 @@
     python benchmarks/ps.py [--rounds R] [--repeats N] [--window W] [--json PATH] [--quick] [--parts transport,...]
 
 Part 1 (one client process, 2 local server processes): dense push throughput and pull latency
-p50/p99 for 1 MB and 16 MB tensors, and for sparse rows (1024 rows x 64 of a 1M-row table),
+p50/p99 for 1 MB and 16 MB tensors, and for sparse rows (1024 rows x 64 of a 1M-row table; its raw side is the
+process echo only, which receives the ids and rows and applies them to its own 1M x 64 table
+with ``index_add_``, the PS server's SGD step: the same work, on one process where the PS
+splits the rows over two),
 interleaved round by round with raw ZeroMQ for the same message size and count, measured two
 ways: ``trainmesh.ps.loopback_bandwidth`` (client and echo server are threads of this
 process) and a plain pyzmq DEALER -> ROUTER echo in a separate process (the shape of a push:
@@ -60,13 +63,24 @@ def pct(values: list[float], q: float) -> float:
 
 # --- part 1: push / pull against raw ZeroMQ --------------------------------------------------------
 _ECHO_SERVER = """
-import zmq
+import sys, zmq
+table, applied = None, 0
 sock = zmq.Context().socket(zmq.ROUTER)
 print(sock.bind_to_random_port("tcp://127.0.0.1"), flush=True)
 while True:
-    peer, frame = sock.recv_multipart(copy=False)
-    if len(frame) == 0:
+    peer, *frames = sock.recv_multipart(copy=False)
+    if len(frames[0]) == 0:
+        sock.send_multipart([peer, str(applied).encode()])
         break
+    if len(frames) == 2:  # a sparse push: int64 ids, fp32 rows; applied as the PS applies SGD
+        import torch
+        if table is None:
+            torch.set_num_threads(1)
+            table = torch.zeros(int(sys.argv[1]), int(sys.argv[2]))
+        ids = torch.frombuffer(frames[0].buffer, dtype=torch.int64)
+        rows = torch.frombuffer(frames[1].buffer, dtype=torch.float32).view(ids.numel(), -1)
+        table.index_add_(0, ids, rows, alpha=-1.0)
+        applied += 1
     sock.send_multipart([peer, b"ack"])
 """
 
@@ -78,19 +92,27 @@ class ProcessLoopback:
     def __init__(self):
         import zmq
 
-        self.process = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER], stdout=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _ECHO_SERVER, str(ROWS), str(ROW_DIM)], stdout=subprocess.PIPE, text=True
+        )
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.connect(f"tcp://127.0.0.1:{int(self.process.stdout.readline())}")
 
-    def bandwidth(self, nbytes: int, repeats: int, window: int) -> tuple[float, int]:
-        """(bytes/s, messages acknowledged) over ``repeats`` messages after one warm-up message."""
-        payload = bytes(nbytes)
-        self.socket.send(payload, copy=False)
+    def bandwidth(self, nbytes: int, repeats: int, window: int, rows=None) -> tuple[float, int]:
+        """(bytes/s, messages acknowledged) over ``repeats`` messages after one warm-up message.
+        ``rows=(ids, grads)``: each message is those two buffers instead, and the echo process
+        applies them to its 1M-row table with ``index_add_`` (what a PS server's SGD does)."""
+        payload = [bytes(nbytes)] if rows is None else [rows[0].numpy(), rows[1].numpy()]
+
+        def send() -> None:
+            self.socket.send_multipart(payload, copy=False)
+
+        send()
         self.socket.recv()
         acked, in_flight = 0, 0
         started = time.perf_counter()
         for _ in range(repeats):
-            self.socket.send(payload, copy=False)
+            send()
             in_flight += 1
             if in_flight >= window:
                 self.socket.recv()
@@ -100,10 +122,13 @@ class ProcessLoopback:
             acked += 1
         return nbytes * repeats / (time.perf_counter() - started), acked
 
-    def close(self) -> None:
+    def close(self) -> int:
+        """Stop the echo; returns how many sparse messages it applied."""
         self.socket.send(b"")
+        applied = int(self.socket.recv())
         self.socket.close(linger=0)
         self.process.wait(10)
+        return applied
 
 
 def _pipelined(submit, repeats: int, window: int) -> tuple[float, int]:
@@ -144,6 +169,7 @@ def transport_part(rounds: int, repeats: int, window: int) -> dict:
         for label in labels
     }
     pushes = {label: 0 for label in labels}  # every push acknowledged, warm-ups included
+    raw_applied = 0  # sparse messages the raw echo acknowledged (each must have been applied)
     problems: list[str] = []
     echo = ProcessLoopback()
     with (
@@ -182,7 +208,9 @@ def transport_part(rounds: int, repeats: int, window: int) -> dict:
                             m["loopback_bps" + suffix].append(got["bytes_per_s"])
                             acked[side] = got["acked"]
                         elif side == "process":
-                            bps, acked[side] = echo.bandwidth(nbytes, repeats, w)
+                            rows = (ids, row_grads) if label == "sparse" else None
+                            bps, acked[side] = echo.bandwidth(nbytes, repeats, w, rows)
+                            raw_applied += (1 + acked[side]) if rows is not None else 0
                             m["process_loopback_bps" + suffix].append(bps)
                         else:
                             push().result()
@@ -209,10 +237,15 @@ def transport_part(rounds: int, repeats: int, window: int) -> dict:
                 )
         if not torch.equal(client.pull_rows("rows", ids).result(), -pushes["sparse"] * row_grads):
             problems.append(f"sparse: the pushed rows != -{pushes['sparse']} pushes x row gradients")
-    echo.close()
+    if echo.close() != raw_applied:
+        problems.append(f"raw sparse echo applied a different number of messages than it acknowledged ({raw_applied})")
     for label, m in out.items():
         for suffix in ("", "_w1"):
             raw = [max(lb, plb) for lb, plb in zip(m["loopback_bps" + suffix], m["process_loopback_bps" + suffix])]
+            if label == "sparse":
+                # Same work: only the process side receives the ids and rows and applies them
+                # (the thread side moves the bytes and applies nothing; shown as context).
+                raw = m["process_loopback_bps" + suffix]
             ratios = [p / b for p, b in zip(m["push_bps" + suffix], raw)]
             m["push_to_loopback" + suffix] = statistics.median(ratios)
             m["push_to_loopback_ci95" + suffix] = ci95(ratios)
@@ -361,7 +394,8 @@ def report(transport: dict, compression: dict, straggler: dict) -> dict:
             f"  PS push: client.push({{name: fp32 tensor}}) to 2 server processes; acked after the server applied "
             f"it (SGD); tensors leave from their own memory (multipart, copy=False)\n"
             f"  raw ZeroMQ, thread: DEALER send(bytes, copy=False) to a ROUTER in a thread of this process, 3-byte ack\n"
-            f"  raw ZeroMQ, process: the same to a ROUTER echo in another process (the PS's shape)\n"
+            f"  raw ZeroMQ, process: the same to a ROUTER echo in another process (the PS's shape); for sparse,\n"
+            f"    ids + rows as two frames, applied by the echo to its 1M x 64 table (index_add_), and the only raw side\n"
             f"  push/zmq: push throughput / the faster raw side, per round; median [95% range]"
         )
         print(
