@@ -6,11 +6,14 @@ Here are the extras:
 
 * :func:`load_balancing_loss`: transformers' auxiliary loss over the global batch (one process's value);
 * :func:`dispatch_stats` / :func:`reset_dispatch_stats`: per experts module, the collectives run, the bytes
-  sent to other processes and the tokens each expert received from this process.
+  sent to other processes and the tokens each expert received from this process;
+* :class:`RouterBiasBalancing`: DeepSeek-V3's bias balancing, updated from the global batch's expert loads
+  (the same bias on every process).
 
 >>> from trainmesh.moe import load_balancing_loss   # doctest: +SKIP
 """
 
 from ._torch.expert_parallel import dispatch_stats, load_balancing_loss, reset_dispatch_stats
+from ._torch.router_bias import RouterBiasBalancing
 
-__all__ = ["dispatch_stats", "load_balancing_loss", "reset_dispatch_stats"]
+__all__ = ["RouterBiasBalancing", "dispatch_stats", "load_balancing_loss", "reset_dispatch_stats"]

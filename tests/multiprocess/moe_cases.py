@@ -9,6 +9,7 @@ VOCAB, SEQ, GLOBAL_BATCH, STEPS, NUM_EXPERTS = 64, 8, 8, 3, 4
 
 
 AUX_COEF = 0.1  # large, so that the auxiliary loss moves the router visibly in 3 steps
+BIAS_RATE = 0.01  # DeepSeek-V3's bias update speed, large so that steps 2-3 route differently from step 1
 
 
 def moe_model(
@@ -49,7 +50,9 @@ def moe_model(
         return transformers.OlmoeForCausalLM(config).float()
     if family == "deepseek_v3":
         # sigmoid router over 2 groups of 2 experts (top-1 group) with the e_score_correction_bias buffer,
-        # a shared expert, multi-head latent attention, and a dense first layer before the MoE one
+        # a shared expert, multi-head latent attention, and a dense first layer before the MoE one. Top-1:
+        # at top-2 the top group's two experts are always both chosen, so the loads come in equal pairs and
+        # the bias update (BIAS_RATE) oscillated back to zero in 3 steps
         config = transformers.DeepseekV3Config(
             intermediate_size=64,
             moe_intermediate_size=16,
@@ -63,7 +66,7 @@ def moe_model(
             qk_rope_head_dim=4,
             qk_nope_head_dim=4,
             v_head_dim=8,
-            **{**common, "num_key_value_heads": 4},
+            **{**common, "num_key_value_heads": 4, "num_experts_per_tok": 1},
         )
         return transformers.DeepseekV3ForCausalLM(config).float()
     if family == "gpt_oss":  # attention sinks, biased experts with a clamped SwiGLU, sliding-window layers
@@ -122,12 +125,24 @@ def reference(
     max_norm: float | None = None,
     aux: bool = False,
     epochs: int = 1,
+    bias: bool = False,
 ) -> dict:
     """Losses, first-step gradients and final parameters of one process on the global batches; ``aux``
-    adds ``AUX_COEF`` x transformers' auxiliary loss to the cross-entropy."""
+    adds ``AUX_COEF`` x transformers' auxiliary loss to the cross-entropy; ``bias`` updates DeepSeek-V3's
+    router bias after each step, written out here (not trainmesh's class): ``BIAS_RATE x sign(mean load -
+    load)`` from the step's (token, expert) counts."""
     model = moe_model(family, router_logits=aux)
     if skew:
         skew_router(model)
+    loads = {}
+    if bias:
+        for name, module in model.named_modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.register_forward_hook(
+                    lambda m, a, out, name=name: loads.__setitem__(
+                        name, loads.get(name, 0) + torch.bincount(out[2].reshape(-1), minlength=NUM_EXPERTS)
+                    )
+                )
     opt = make_optimizer(model.parameters())
     x, y = data()
     losses, grads = [], None
@@ -149,6 +164,11 @@ def reference(
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
+        with torch.no_grad():
+            for name, load in loads.items():
+                load = load.float()
+                model.get_submodule(name).e_score_correction_bias.add_(BIAS_RATE * torch.sign(load.mean() - load))
+        loads.clear()
     return {"losses": losses, "grads": grads, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 

@@ -32,6 +32,7 @@ from trainmesh.testing import run_distributed
 
 from moe_cases import (
     AUX_COEF,
+    BIAS_RATE,
     GLOBAL_BATCH,
     NUM_EXPERTS,
     STEPS,
@@ -58,6 +59,7 @@ LOOP_CASES = [  # family, variant
     ("gpt_oss", ""),
     ("qwen3_moe", "skewed"),
     ("qwen3_moe", "aux"),
+    ("deepseek_v3", "bias"),
 ]
 TRAINER_CASES = [  # name, family, mesh shape, axes, expert axis, Trainer options
     ("ep4_clip", "qwen3_moe", (4,), ["data"], "data", dict(max_grad_norm=0.5)),
@@ -85,7 +87,7 @@ def _loop_cases(save_dir: str, checkpoint_dir: str) -> dict:
     import torch.distributed as dist
 
     import trainmesh as tm
-    from trainmesh.moe import dispatch_stats, load_balancing_loss, reset_dispatch_stats
+    from trainmesh.moe import RouterBiasBalancing, dispatch_stats, load_balancing_loss, reset_dispatch_stats
     from trainmesh.planner.collectives import CollectiveCounter, CollectiveLog
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -100,6 +102,7 @@ def _loop_cases(save_dir: str, checkpoint_dir: str) -> dict:
         distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data")
         model = distribution.distribute_model(model)
         opt = make_optimizer(model.parameters())
+        balancing = RouterBiasBalancing(model, BIAS_RATE, distribution=distribution) if variant == "bias" else None
         x, y = data()
         local = GLOBAL_BATCH // world
         losses, grads, stats = [], None, None
@@ -127,6 +130,8 @@ def _loop_cases(save_dir: str, checkpoint_dir: str) -> dict:
             if grads is None:
                 grads = {k: _full(p.grad).detach().clone() for k, p in model.named_parameters()}
             opt.step()
+            if balancing is not None:
+                balancing.step()
         local_expert_numel = sum(p.to_local().numel() for n, p in model.named_parameters() if ".experts." in n)
         state = {k: _full(v).detach().clone() for k, v in model.state_dict().items()}
         if variant == "" and family == "qwen3_moe":
@@ -166,7 +171,10 @@ def loop_results(tmp_path_factory):
     results[0]["save_dir"], results[0]["checkpoint_dir"] = save_dir, checkpoint_dir
     # the EP 2 checkpoint as launch 1 left it (the 4-process test resumes from checkpoint_dir and saves there)
     results[0]["ep2_checkpoint_copy"] = shutil.copytree(checkpoint_dir, tmp_path_factory.mktemp("ep2_copy") / "c")
-    return results, {case: reference(case[0], skew=case[1] == "skewed", aux=case[1] == "aux") for case in LOOP_CASES}
+    return results, {
+        case: reference(case[0], skew=case[1] == "skewed", aux=case[1] == "aux", bias=case[1] == "bias")
+        for case in LOOP_CASES
+    }
 
 
 def _max_diff(got: dict, want: dict) -> tuple[float, str]:
@@ -402,3 +410,18 @@ def test_ep2_checkpoint_resumes_on_one_process(loop_results, tmp_path):
     got = {k: v.detach() for k, v in trainer.model.state_dict().items()}
     diff, name = _max_diff(got, reference("qwen3_moe", epochs=2)["params"])
     assert diff <= TOL, name
+
+
+def test_router_bias_update_is_the_global_batch_s(loop_results):
+    """DeepSeek-V3's bias after 3 updates: moved (so steps 2-3 route by it), one process's value on the global
+    batch's loads (the parity case above checks it within 1e-6 with the rest of the state), and bit-identical
+    on every process."""
+    results, references = loop_results
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    want = references[("deepseek_v3", "bias")]["params"][name]
+    assert want.abs().min() > 0  # every expert's bias moved
+    # and the bias after step 1 changed step 2's routing: its loss differs from the run without updates
+    with_bias, without = references[("deepseek_v3", "bias")]["losses"], references[("deepseek_v3", "")]["losses"]
+    assert with_bias[0] == without[0] and abs(with_bias[1] - without[1]) > 1e-5
+    for rank_result in results:
+        assert torch.equal(rank_result[("deepseek_v3", "bias")]["params"][name], want)
