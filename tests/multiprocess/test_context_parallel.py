@@ -363,6 +363,12 @@ def _predictions(tm, mesh) -> dict:
             "predict": _predict_counting(trainer, [(inputs,) for inputs, _ in batches]),
             "evaluate": trainer.evaluate(batches)["loss"],
         }
+    # what the split does not take runs whole (no collective in attention): ring with left padding, and a
+    # length that does not divide into 2 x axis chunks (the ring trainer of the last round, its weights)
+    out["whole"] = {
+        "left padding": _predict_counting(trainer, [(inputs,) for inputs, _ in _batches("left")]),
+        "length 30": _predict_counting(trainer, (data(seq=30, rows=4)[0],), batch_size=GLOBAL_BATCH),
+    }
     try:  # a bare tensor is an iterable of batches: the model would get one 1-D row
         trainer.predict(batches[0][0]["input_ids"])
     except ValueError as error:
@@ -531,6 +537,24 @@ def test_predict_and_evaluate_after_fit_match_one_process(two, method, padding):
     assert torch.equal(two[1]["predict"][method]["predict"][0], predicted)
     # the sequences were split like training's: each forward ran the method's collectives per layer
     assert calls == _split_forward_calls(method, forwards=len(batches)), calls
+
+
+def test_what_the_split_cannot_take_is_predicted_whole(two):
+    """Ring attention refuses left padding, and 30 tokens do not divide into 4 chunks: predict then runs
+    those sequences whole on each process (no attention collective), still one process's logits."""
+    result = two[0]["predict"]["ring"]
+    model = Logits(build_model())
+    model.load_state_dict(result["state"])
+    with torch.no_grad():
+        left = torch.cat([model(inputs) for inputs, _ in _batches("left")])
+        short = model(data(seq=30, rows=4)[0])
+    real = torch.cat([inputs["attention_mask"] for inputs, _ in _batches("left")]).bool()
+    for name, expected, keep in (("left padding", left, real), ("length 30", short, None)):
+        predicted, calls = two[0]["predict"]["whole"][name]
+        assert calls == {}, (name, calls)
+        assert predicted.shape == expected.shape, name
+        diff = (predicted[keep] - expected[keep]) if keep is not None else predicted - expected
+        assert diff.abs().max().item() <= PREDICT_TOLERANCE, name
 
 
 def _split_forward_calls(method: str, *, forwards: int, layers: int = 2) -> dict:
