@@ -86,7 +86,7 @@ class SequenceContext:
 # --- the pre-hook ----------------------------------------------------------------------------
 def _pre_hook(context: SequenceContext, module, args, kwargs):
     tokens = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-    if not module.training:  # whole sequences (evaluation, prediction, generation)
+    if not module.training:  # whole sequences: split inside ``split_sequences`` (evaluate, predict), else not
         if tokens is not None and tokens.dim() < 2:
             # the usual cause: a bare tensor handed to predict/evaluate is an iterable of batches, each row
             # one batch; transformers then fails deep in the rotary embedding (q * cos, heads vs head_dim)

@@ -175,7 +175,8 @@ class Distribution(abc.ABC):
 
     def _batch_to_global_rows(self, local_batch, global_rows: int):
         """As ``_batch_to_global``, for unequal shares of a batch of ``global_rows`` rows (evaluation and
-        prediction: whole sequences, never split over a sequence axis)."""
+        prediction: whole sequences here; over a sequence axis the model splits them and gathers its
+        outputs back, ``_torch/context_parallel_eval.py``)."""
         if self._sequence is not None:
             from trainmesh.runtime import to_local_device
 
