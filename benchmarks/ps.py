@@ -17,6 +17,9 @@ Same work: every side must see an ack for each of its messages, and the servers'
 run must equal -(pushes applied) x gradient exactly (lr 1, integer gradients); otherwise the
 run prints INVALID and exits 1.
 Part 2: bytes on the wire for one 16 MB push without compression and with fp16, int8, topk:0.01.
+Part 4 (benchmarks/ps_embedding.py): ps_embedding_step_vs_torchrec, an embedding step (lookup +
+backward + update of 1,024 ids in a 1M x 64 table, 2 processes) on PSEmbedding against TorchRec's
+table-wise sharded EmbeddingBagCollection; skipped, with the reason, where TorchRec does not import.
 Part 3 (2 gloo worker processes): time until a linear-regression model reaches a target loss
 under ParameterServerStrategy sync / async / ssp:2 and under torch DDP all-reduce (gloo), with
 worker 1 a 2x straggler (every step sleeps COMPUTE_S, worker 1 twice that: simulated compute).
@@ -46,6 +49,10 @@ from trainmesh.ps.loopback_bandwidth import loopback_bandwidth
 from trainmesh.testing import run_distributed
 
 from trainmesh.testing.stats import ci95
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ps_embedding import FIGURE as EMBEDDING_FIGURE  # noqa: E402
+from ps_embedding import embedding_part  # noqa: E402
 
 MB = 1 << 20
 DENSE_SIZES = {"1 MB": MB, "16 MB": 16 * MB}
@@ -464,7 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, metavar="PATH")
     parser.add_argument("--quick", action="store_true", help="smoke test: 3 rounds of 40 messages, one straggler round")
     parser.add_argument(
-        "--parts", default="transport,compression,straggler", help="comma-separated parts to run (default: all three)"
+        "--parts",
+        default="transport,compression,straggler,embedding",
+        help="comma-separated parts to run (default: all four; embedding is the step against TorchRec)",
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -478,18 +487,32 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     started = time.perf_counter()
     parts = set(args.parts.split(","))
-    if not parts or parts - {"transport", "compression", "straggler"}:
-        parser.error(f"--parts must list transport, compression and/or straggler, got {args.parts!r}")
+    if not parts or parts - {"transport", "compression", "straggler", "embedding"}:
+        parser.error(f"--parts must list transport, compression, straggler and/or embedding, got {args.parts!r}")
     transport = transport_part(args.rounds, args.repeats, args.window) if "transport" in parts else {}
     compression = compression_part() if "compression" in parts else {}
     straggler = straggler_part(args.straggler_rounds) if "straggler" in parts else {}
+    # interleaved rounds of PS and TorchRec embedding steps (see ps_embedding.py)
+    embedding = (
+        embedding_part(*((3, 10) if args.quick else (5, 20)))
+        if "embedding" in parts
+        else {"skipped": "not selected by --parts"}
+    )
     verdict = report(transport, compression, straggler)
+    if "skipped" in embedding:
+        print(f"\n{EMBEDDING_FIGURE}: skipped ({embedding['skipped']})")
+    else:
+        print(
+            f"\nembedding step (1,024 ids, 1M x 64, 2 processes): PS {embedding['ps_step_ms']:.2f} ms, TorchRec "
+            f"{embedding['torchrec_step_ms']:.2f} ms, {EMBEDDING_FIGURE} {embedding[EMBEDDING_FIGURE]:.2f} (goal <= 1.0)"
+        )
     print(f"({time.perf_counter() - started:.0f}s, load average {os.getloadavg()[0]:.1f})")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(
                 {
                     "transport": transport,
+                    "embedding": embedding,
                     "compression": compression,
                     "straggler": straggler,
                     **verdict,
@@ -505,14 +528,19 @@ def main(argv: list[str] | None = None) -> int:
                     # push throughput / raw ZeroMQ loopback for the same 1 MB messages, both with
                     # --window in flight (higher is better); the same for a push of 1024 random rows
                     # of a 1M-row table (context, no target)
-                    "figures": (
-                        {
-                            "ps_push_1mb_vs_raw_zmq": transport["sizes"]["1 MB"]["push_to_loopback"],
-                            "ps_sparse_push_vs_raw_zmq": transport["sizes"]["sparse"]["push_to_loopback"],
-                        }
-                        if transport
-                        else {}
-                    ),
+                    "figures": {
+                        **(
+                            {
+                                "ps_push_1mb_vs_raw_zmq": transport["sizes"]["1 MB"]["push_to_loopback"],
+                                "ps_sparse_push_vs_raw_zmq": transport["sizes"]["sparse"]["push_to_loopback"],
+                            }
+                            if transport
+                            else {}
+                        ),
+                        # PS step time / TorchRec's (lower is better; goal <= 1.0)
+                        **({} if "skipped" in embedding else {EMBEDDING_FIGURE: embedding[EMBEDDING_FIGURE]}),
+                    },
+                    "figures_skipped": {EMBEDDING_FIGURE: embedding["skipped"]} if "skipped" in embedding else {},
                 },
                 fh,
                 indent=1,
