@@ -175,3 +175,41 @@ def test_expert_parallel_size_splits_the_batch_axis_into_groups(capsys):
     )
     with pytest.raises(ValueError, match=r"expert_parallel_size=2 smaller than expert axis 'model' \(4\).*batch"):
         build_expert_plan(model, tm.ModelParallel(layout_map=layout_map, batch_dim_name="data"))
+
+
+def test_router_bias_balancing_refuses_a_model_without_bias_router_and_a_bad_rate():
+    from trainmesh.moe import RouterBiasBalancing
+
+    with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM has no router with an 'e_score_correction_bias'"):
+        RouterBiasBalancing(_qwen3_moe(), rate=1e-3)
+    for rate in (0, -1e-3, True):
+        with pytest.raises(ValueError, match=r"needs a positive rate"):
+            RouterBiasBalancing(_qwen3_moe(), rate=rate)
+
+
+def test_router_bias_balancing_on_one_process_moves_each_bias_by_rate():
+    """One process, no distribution: each expert's bias moves by +-rate (or 0) by its own load; evaluation
+    forwards are not counted."""
+    from trainmesh.moe import RouterBiasBalancing
+
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_shared_experts=1, n_group=1,
+        topk_group=1, first_k_dense_replace=0, num_experts_per_tok=1, q_lora_rank=8, kv_lora_rank=8,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, max_position_embeddings=8,
+    )  # fmt: skip
+    model = transformers.DeepseekV3ForCausalLM(config)
+    gate = model.model.layers[0].mlp.gate
+    seen = []
+    gate.register_forward_hook(lambda m, a, out: seen.append(torch.bincount(out[2].reshape(-1), minlength=4)))
+    balancing = RouterBiasBalancing(model, rate=0.5)
+    tokens = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(1))
+    model(tokens)
+    with torch.no_grad():
+        model(tokens)  # not counted
+    counts = balancing.step()["model.layers.0.mlp.gate"]
+    assert torch.equal(counts, seen[0]) and int(counts.sum()) == 32
+    load = seen[0].float()
+    assert torch.equal(gate.e_score_correction_bias, 0.5 * torch.sign(load.mean() - load))
+    assert all(int(c.sum()) == 0 for c in balancing.counts)  # zeroed for the next step
