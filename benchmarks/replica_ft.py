@@ -3,15 +3,17 @@
     python benchmarks/replica_ft.py [--faults N] [--seed S] [--quick] [--json PATH]
 
 The job: an MLP (``--hidden``) on a seeded regression set, global batch 32, AdamW, a
-``ShardedCheckpoint`` every ``INTERVAL`` steps (synchronous) on both sides. Two processes either way:
+``ShardedCheckpoint`` every ``INTERVAL`` steps (synchronous) on both sides. Four processes either way
+(``--group-size 1``: two), ZeRO-2 over the processes of a job or of a group:
 
-* ``ft``: two replica groups of one process each under a torchft Lighthouse
-  (``Trainer(fault_tolerance=ReplicaGroups())``). A fault SIGKILLs a seeded group in the middle of a
-  backward (its peer is then in the step's all-reduce); the driver starts it again, it heals from
-  the survivor. While it starts, the survivor waits (*after* its step's record, so no measured time
+* ``ft``: two replica groups of ``--group-size`` processes each (default 2, ZeRO-2 inside a group),
+  each its own ``trainmesh run -n 2 --replica-group g``, under a torchft Lighthouse
+  (``Trainer(fault_tolerance=ReplicaGroups())``). A fault SIGKILLs the last rank of a seeded group in the
+  middle of a backward (the other groups are then in the step's all-reduce; torchrun ends the group's
+  other rank); the driver starts the group again, it heals from the survivors. While it starts, the survivor waits (*after* its step's record, so no measured time
   includes the wait) until the restarted process is about to join, so that 20 faults fit in a short job.
-* ``restart``: ``trainmesh run -n 2 --max-restarts N`` (DDP), the same fault on rank 1; torchrun
-  restarts both processes and ``fit(resume=True)`` continues from the newest checkpoint.
+* ``restart``: ``trainmesh run -n 4 --max-restarts N`` (ZeRO-2 over the 4), the same fault on its last
+  rank; torchrun restarts every process and ``fit(resume=True)`` continues from the newest checkpoint.
 
 Figures (issue 45):
 
@@ -23,11 +25,12 @@ Figures (issue 45):
 * ``ft_rejoin_identical_fraction``: rejoins whose parameters equal the survivor's at every common step;
 * ``ft_samples_exactly_once``: the fraction of the samples handed out that are in exactly one committed
   step, across all faults (the ft run);
-* ``ft_step_overhead_no_fault``: the median step time of the ft job with no fault over the same two
-  processes as one DDP job (interleaved rounds).
+* ``ft_step_overhead_no_fault``: the median step time of the ft job with no fault over the same
+  processes as one job without replica groups (interleaved rounds). Both sides make the same
+  collectives inside a group: ZeRO-2's reduce-scatter, and the loss all-reduce of the Trainer's
+  non-finite check; the ft side adds the quorum, the cross-group average and ``should_commit``.
 
-Deviation from the issue, printed with the figures: groups of one process each (trainmesh refuses groups
-of several processes so far), so no ZeRO-2 inside a group. ``--quick``: 2 faults, a small model.
+``--quick``: 2 faults, a small model, one no-fault round.
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ import time
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
 FEATURES, BATCH, INTERVAL = 64, 32, 10
-DEVIATION = "groups of 1 process each (groups of 2 are refused so far): no ZeRO-2 inside a group"
 
 
 # --- the worker: one process of either job ------------------------------------------------------
@@ -60,6 +62,10 @@ def pace(slow_file: str | None) -> None:
         time.sleep(0.05)
     if os.path.exists(slow_file):
         time.sleep(0.3)
+
+
+def _full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -84,12 +90,18 @@ def worker(args: argparse.Namespace) -> None:
         def on_train_batch_begin(self, step, logs=None):
             if args.die_file and rank == world - 1 and os.path.exists(args.die_file):
                 os.remove(args.die_file)  # one fault per file: the restarted process goes on
-                weight = next(self.trainer.unwrapped_model.parameters())
-                weight.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
+
+                # on the model's output: a hook on a ZeRO-sharded parameter never fires (FSDP2's backward
+                # runs through the gathered one); this one fires as the backward starts
+                def die(module, inputs, output):
+                    output.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
+
+                self.trainer.unwrapped_model.register_forward_hook(die)
 
         def on_train_batch_end(self, step, logs=None):
             record = {
                 "step": logs["global_step"],
+                "rank": rank,
                 "time": time.time(),
                 "step_time_s": logs["step_time_s"],
                 "healed": bool(logs.get("healed", False)),
@@ -98,7 +110,8 @@ def worker(args: argparse.Namespace) -> None:
             }
             if args.mode == "ft":
                 params = self.trainer.unwrapped_model.parameters()
-                record["param_sum"] = sum(p.double().sum().item() for p in params)
+                # a ZeRO shard's full tensor: a collective every rank of the group makes
+                record["param_sum"] = sum(_full(p).double().sum().item() for p in params)
             log.write(json.dumps(record) + "\n")
             log.flush()
             pace(args.slow_file)
@@ -108,6 +121,7 @@ def worker(args: argparse.Namespace) -> None:
                 open(args.slow_file + ".ready", "w").close()
 
     ft = None
+    zero_stage = 2 if world > 1 else 0
     if args.mode == "ft":
         ft = tm.ReplicaGroups(min_replicas=1, advertise_host="127.0.0.1", timeout_s=10, connect_timeout_s=5)
     callbacks = [Record(), tm.ShardedCheckpoint(args.ckpt, every_n_steps=INTERVAL, async_save=False)]
@@ -117,6 +131,7 @@ def worker(args: argparse.Namespace) -> None:
         torch.nn.MSELoss(),
         callbacks=callbacks,
         progress=False,
+        zero_stage=zero_stage,
         fault_tolerance=ft,
     )
     trainer.fit(data, epochs=1, batch_size=BATCH, shuffle=True, resume=True)
@@ -138,6 +153,20 @@ def _env() -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")])
     return env
+
+
+def _kill_family(proc: subprocess.Popen) -> None:
+    """A launcher still running and its workers (torchrun starts each in its own session)."""
+    if proc.poll() is not None:
+        return
+    import psutil
+
+    for member in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+        try:
+            member.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
 
 
 def _wait(predicate, timeout_s: float, what: str, procs=()) -> None:
@@ -175,9 +204,9 @@ def run_ft(args, folder: str, faults: int, rng: random.Random) -> dict:
         out = open(os.path.join(folder, f"ft_g{group}_{len(outs)}.out"), "w")
         outs.append(out)
         die = os.path.join(folder, f"die{group}")
-        env = {**_env(), "TRAINMESH_REPLICA_GROUP": str(group), "TORCHFT_LIGHTHOUSE": url}
-        argv = [sys.executable, *_worker_argv(args, "ft", folder, log, die, slow)]
-        procs[group] = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+        argv = [sys.executable, "-m", "trainmesh", "run", "-n", str(args.group_size), "--replica-group", str(group)]
+        argv += ["--lighthouse", url, *_worker_argv(args, "ft", folder, log, die, slow)]
+        procs[group] = subprocess.Popen(argv, env=_env(), stdout=out, stderr=subprocess.STDOUT)
 
     fault_times, started = [], time.monotonic()
     together = lambda: _records_with(log, replicas=2, since=(fault_times or [0])[-1]) >= 1  # noqa: E731
@@ -210,9 +239,7 @@ def run_ft(args, folder: str, faults: int, rng: random.Random) -> dict:
                 raise RuntimeError(f"ft group {group} exited {proc.returncode}: see {folder}")
     finally:
         for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            _kill_family(proc)
         for out in outs:
             out.close()
         lighthouse.shutdown()
@@ -225,7 +252,7 @@ def _records_with(prefix: str, replicas: int, since: float) -> int:
 
 def run_restart(args, folder: str, faults: int, rng: random.Random) -> dict:
     log, die = os.path.join(folder, "restart"), os.path.join(folder, "die")
-    command = [sys.executable, "-m", "trainmesh", "run", "-n", "2", "--max-restarts", str(faults)]
+    command = [sys.executable, "-m", "trainmesh", "run", "-n", str(2 * args.group_size), "--max-restarts", str(faults)]
     command += _worker_argv(args, "ddp", folder, log, die)
     started = time.monotonic()
     with open(os.path.join(folder, "restart.out"), "w") as out:
@@ -247,9 +274,7 @@ def run_restart(args, folder: str, faults: int, rng: random.Random) -> dict:
             if proc.wait(timeout=600) != 0:
                 raise RuntimeError(f"the restart job exited {proc.returncode}: see {folder}")
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            _kill_family(proc)
     return {"records": _records(log), "fault_times": fault_times, "wall_s": time.monotonic() - started}
 
 
@@ -259,7 +284,7 @@ def run_clean(args, folder: str, mode: str) -> float:
     if mode == "ft":
         result = run_ft(args, folder, 0, random.Random(0))["records"]
     else:
-        command = [sys.executable, "-m", "trainmesh", "run", "-n", "2"]
+        command = [sys.executable, "-m", "trainmesh", "run", "-n", str(2 * args.group_size)]
         command += _worker_argv(args, "ddp", folder, os.path.join(folder, "restart"))
         with open(os.path.join(folder, "ddp.out"), "w") as out:
             if subprocess.run(command, env=_env(), stdout=out, stderr=subprocess.STDOUT, timeout=600).returncode:
@@ -292,10 +317,10 @@ def fault_losses(records: dict[str, list[dict]], fault_times: list[float], media
 
 def ft_figures(ft: dict, median_step: float) -> dict:
     records = ft["records"]
-    by_step: dict[int, dict] = {}
+    by_step: dict[tuple, dict] = {}  # a group's ranks each hold their rows of the step's batch
     for rs in records.values():
         for r in rs:
-            by_step.setdefault(r["step"], r)
+            by_step.setdefault((r["step"], r["rank"]), r)
     # rejoins: processes that started healed after step 1; identical if equal to the others at every common step
     rejoins = [rs for rs in records.values() if rs and rs[0]["healed"] and rs[0]["step"] > 1]
     identical, heal_cost = 0, 0.0
@@ -340,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, metavar="PATH")
     parser.add_argument("--samples", type=int, default=None)
     parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--group-size", type=int, default=2, help="processes per replica group (ZeRO-2 if > 1)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="ft", help=argparse.SUPPRESS)
     parser.add_argument("--records", help=argparse.SUPPRESS)
@@ -369,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
         ft = run_ft(args, os.path.join(tmp, "ft"), args.faults, random.Random(rng.random()))
         restart = run_restart(args, os.path.join(tmp, "restart"), args.faults, random.Random(rng.random()))
     f, r = ft_figures(ft, median_step), restart_figures(restart, median_step)
+    deviation = [] if args.group_size == 2 else [f"groups of {args.group_size} processes (the issue: 2, ZeRO-2)"]
+    if args.faults != 20:
+        deviation.append(f"{len(ft['fault_times'])} faults (the issue: 20)")
+    deviation = "; ".join(deviation) or "none"
     ratios = [a / b for a, b in overhead]
     figures = {
         "ft_committed_steps_lost": f["lost_steps"],
@@ -378,20 +408,20 @@ def main(argv: list[str] | None = None) -> int:
         "ft_step_overhead_no_fault": statistics.median(ratios),
     }
     details = {
-        "deviation": DEVIATION,
+        "deviation": deviation,
         "faults": {"ft": len(ft["fault_times"]), "restart": len(restart["fault_times"])},
         "faults_measured": {"ft": f["faults_measured"], "restart": r["faults_measured"]},
         "ft_heal_cost_per_fault_s": f["heal_cost_s"],
         "time_lost_per_fault_s": {"ft": f["time_lost_s"], "restart": r["time_lost_s"]},
         "restart_lost_steps": r["lost_steps"],
-        "rejoins": f["rejoins"],
+        "rejoined_processes": f["rejoins"],  # each rank of a rejoining group
         "median_step_s": {"ft": statistics.median(a for a, _ in overhead), "ddp": median_step},
         "overhead_rounds": ratios,
         "hidden": args.hidden,
         "samples": args.samples,
         "load_avg_1min": os.getloadavg()[0],
     }
-    print(f"deviation: {DEVIATION}")
+    print(f"deviation from the issue: {deviation}")
     print(f"{'figure':32s} {'value':>10s}")
     for name, value in figures.items():
         print(f"{name:32s} {value:10.3f}")
