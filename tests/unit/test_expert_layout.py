@@ -187,11 +187,7 @@ def test_router_bias_balancing_refuses_a_model_without_bias_router_and_a_bad_rat
             RouterBiasBalancing(_qwen3_moe(), rate=rate)
 
 
-def test_router_bias_balancing_on_one_process_moves_each_bias_by_rate():
-    """One process, no distribution: each expert's bias moves by +-rate (or 0) by its own load; evaluation
-    forwards are not counted."""
-    from trainmesh.moe import RouterBiasBalancing
-
+def _tiny_deepseek_v3():
     torch.manual_seed(0)
     config = transformers.DeepseekV3Config(
         vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=1,
@@ -199,7 +195,15 @@ def test_router_bias_balancing_on_one_process_moves_each_bias_by_rate():
         topk_group=1, first_k_dense_replace=0, num_experts_per_tok=1, q_lora_rank=8, kv_lora_rank=8,
         qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, max_position_embeddings=8,
     )  # fmt: skip
-    model = transformers.DeepseekV3ForCausalLM(config)
+    return transformers.DeepseekV3ForCausalLM(config)
+
+
+def test_router_bias_balancing_on_one_process_moves_each_bias_by_rate():
+    """One process, no distribution: each expert's bias moves by +-rate (or 0) by its own load; evaluation
+    forwards are not counted."""
+    from trainmesh.moe import RouterBiasBalancing
+
+    model = _tiny_deepseek_v3()
     gate = model.model.layers[0].mlp.gate
     seen = []
     gate.register_forward_hook(lambda m, a, out: seen.append(torch.bincount(out[2].reshape(-1), minlength=4)))
@@ -213,3 +217,51 @@ def test_router_bias_balancing_on_one_process_moves_each_bias_by_rate():
     load = seen[0].float()
     assert torch.equal(gate.e_score_correction_bias, 0.5 * torch.sign(load.mean() - load))
     assert all(int(c.sum()) == 0 for c in balancing.counts)  # zeroed for the next step
+
+
+def test_router_bias_balancing_as_a_trainer_callback_skips_what_the_trainer_skipped():
+    """``callbacks=[RouterBiasBalancing(rate=...)]`` takes the trainer's model: the bias moves after each
+    applied step by the step's counts, not after a step the Trainer skipped (a non-finite loss: the
+    record's ``skipped``), and the evaluation forwards of ``eval_data`` are not counted. Refused: a rate
+    passed where the model goes."""
+    from trainmesh.moe import RouterBiasBalancing
+
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module \(pass the rate by name"):
+        RouterBiasBalancing(1e-3)
+    calls = []
+
+    def loss_fn(outputs, targets):  # the second step's loss (its 1 micro-batch) is nan
+        calls.append(1)
+        loss = torch.nn.functional.cross_entropy(outputs.logits.reshape(-1, 32), targets.reshape(-1))
+        return loss * float("nan") if len(calls) == 2 else loss
+
+    model = _tiny_deepseek_v3()
+    gate = model.model.layers[0].mlp.gate
+    loads = []  # every training forward's counts; evaluation forwards run under no_grad
+
+    def count(module, args, out):
+        if torch.is_grad_enabled():
+            loads.append(torch.bincount(out[2].reshape(-1), minlength=4))
+
+    gate.register_forward_hook(count)
+    balancing = RouterBiasBalancing(rate=0.5)
+    biases, at_test_end = [], []
+    watch = tm.LambdaCallback(
+        on_train_batch_end=lambda step, logs: biases.append(gate.e_score_correction_bias.clone()),
+        on_test_end=lambda logs: at_test_end.append(int(sum(c.sum() for c in balancing.counts))),
+    )
+    trainer = tm.Trainer(
+        model, lambda p: torch.optim.SGD(p, lr=0.1), loss_fn, progress=False, callbacks=[balancing, watch]
+    )
+    tokens = torch.randint(0, 32, (12, 9), generator=torch.Generator().manual_seed(1))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    trainer.fit((x, y), batch_size=4, shuffle=False, eval_data=(x[:4], y[:4]))
+    assert trainer.nonfinite_steps == 1 and len(loads) == 3 and len(biases) == 3
+    want = torch.zeros(4)
+    for step, load in enumerate(loads):
+        if step != 1:  # the skipped step: no update
+            want = want + 0.5 * torch.sign(load.float().mean() - load.float())
+        assert torch.equal(biases[step], want), step
+    assert biases[0].abs().min() > 0 and torch.equal(biases[1], biases[0])
+    assert at_test_end == [0]  # evaluate's forwards (no grad) were not counted
+    assert balancing.routers == [] and len(gate._forward_hooks) == 1  # its hook taken off at the end of fit
