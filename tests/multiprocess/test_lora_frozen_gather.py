@@ -87,7 +87,8 @@ def test_frozen_base_gathered_once_per_step_when_kept(results):
         # r=4 adapters on a 32-wide model are 22% of its base (> MOSTLY_FROZEN): only the base layers kept
         assert sizes["adapters"] > MOSTLY_FROZEN * sizes["frozen_blocks"]
         expected_on = sizes["root"] + sizes["frozen_blocks"] + 2 * sizes["adapters"]
-        expected_off = 2 * (sizes["root"] + sizes["frozen_blocks"] + sizes["adapters"])
+        # the root (embedding, norm, head) stays gathered from forward to backward either way (``zero.py``)
+        expected_off = sizes["root"] + 2 * (sizes["frozen_blocks"] + sizes["adapters"])
         assert on["gathered_per_step"] == pytest.approx(expected_on, rel=0.01), (on["gathered_per_step"], sizes)
         assert off["gathered_per_step"] == pytest.approx(expected_off, rel=0.01), (off["gathered_per_step"], sizes)
         whole = rank_result["whole"]  # mostly frozen blocks (and root) kept whole: every parameter once

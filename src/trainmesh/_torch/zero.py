@@ -32,7 +32,7 @@ On gloo (CPU processes) each unit's reduce-scatter is carried by an all-reduce o
 of its time.
 
 The units (which sub-modules are gathered at once) come from ``shard_unit``: see
-``select_shard_units``. At stages 1-2 on CPU processes, consecutive default units (transformer
+``select_shard_units`` (``shard_units.py``). At stages 1-2 on CPU processes, consecutive default units (transformer
 blocks) are grouped up to ``BLOCKING_BUCKET_BYTES`` (see ``group_for_blocking_collectives``). We use torch's engine rather than our own sharding because FSDP2
 already gives exact numerics (it reduce-scatters a SUM and divides by the group size, as
 DDP averages), overlap and sharded state dicts.
@@ -53,110 +53,15 @@ from trainmesh.comm.allreduce_scatter import carries_reduce_scatter_by_all_reduc
 
 from .frozen_units import decide, frozen_groups
 from .materialize import has_meta_tensors
+from .shard_units import (
+    first_of,
+    check_uniform_trainable_dtypes,
+    group_for_blocking_collectives,
+    select_shard_units,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _warned_offload = [False]
-
-
-def _param_bytes(module: nn.Module, skip: set[int]) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in skip)
-
-
-def _first_module_list(model: nn.Module) -> nn.ModuleList | None:
-    for _, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module):
-            return module
-    return None
-
-
-def _units_by_size(model: nn.Module, threshold: int) -> list[nn.Module]:
-    """Bottom-up, as FSDP1's size policy: a module becomes a unit when the parameters it holds
-    that no unit below it already holds exceed ``threshold`` bytes."""
-    units: list[nn.Module] = []
-    claimed: set[int] = set()
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            visit(child)
-        if module is not model and _param_bytes(module, claimed) > threshold:
-            units.append(module)
-            claimed.update(id(p) for p in module.parameters())
-
-    visit(model)
-    return units
-
-
-def select_shard_units(model: nn.Module, shard_unit) -> tuple[list[nn.Module], bool]:
-    """The sub-modules to shard as their own FSDP unit (children before parents; the root is
-    always a unit too and is not listed), and whether their order is the execution order.
-
-    * ``None``: each child of the first non-empty ``nn.ModuleList`` (the transformer blocks of
-      most models); without one, by size with a threshold of 1/8 of the model's bytes (so at
-      most ~8 units of comparable size; a tiny model stays one unit).
-    * a class or tuple of classes: every instance is a unit (e.g. each ``Block``).
-    * an int: a byte threshold (see ``_units_by_size``).
-    """
-    if shard_unit is None:
-        blocks = _first_module_list(model)
-        if blocks is not None:
-            return list(blocks), True
-        return _units_by_size(model, max(_param_bytes(model, set()) // 8, 1)), False
-    if isinstance(shard_unit, int):
-        return _units_by_size(model, shard_unit), False
-    units = [m for m in model.modules() if m is not model and isinstance(m, shard_unit)]
-    # A unit nested in another is fine for FSDP2 only when the inner one is sharded first.
-    units.sort(key=lambda m: -_depth(model, m))
-    in_order = [m for m in model.modules() if any(m is u for u in units)]
-    return units, _no_nesting(units) and len(in_order) == len(units)
-
-
-# DDP's default gradient bucket (``bucket_cap_mb=25``): the bytes worth one blocking collective.
-BLOCKING_BUCKET_BYTES = 25 * 2**20
-
-
-def group_for_blocking_collectives(
-    units: list[nn.Module], max_bytes: int = BLOCKING_BUCKET_BYTES
-) -> list[nn.Module | list[nn.Module]]:
-    """Consecutive units merged into groups of at most ``max_bytes`` parameter bytes (a unit larger
-    than that stays alone); a group of one is the module itself, a larger one the list
-    ``fully_shard`` takes as one unit.
-
-    Why, at stages 1-2 on CPU processes: there are no streams there, so FSDP2 runs each unit's
-    reduce-scatter inside backward and backward waits until every process has reached it; each unit
-    is one point where all processes wait for the slowest. Stages 1-2 keep every unit gathered
-    from its forward to its backward, so a larger unit costs no parameter memory, only its
-    gradient before the reduce (as a larger DDP or DeepSpeed bucket does). Measured on the
-    zero_memory benchmark's quick GPT (4 blocks of 3 MB, 4 processes on 2 cores, bf16): stage 1 at
-    0.129-0.130 s/step as one group against 0.17-0.18 with a unit per block."""
-    groups: list[list[nn.Module]] = []
-    size = 0
-    for unit in units:
-        unit_bytes = _param_bytes(unit, set())
-        if groups and size + unit_bytes <= max_bytes:
-            groups[-1].append(unit)
-            size += unit_bytes
-        else:
-            groups.append([unit])
-            size = unit_bytes
-    return [group[0] if len(group) == 1 else group for group in groups]
-
-
-def _first_of(unit: nn.Module | list[nn.Module]) -> nn.Module:
-    """The module that stands for a unit in FSDP2's prefetch lists (every module of a grouped unit
-    shares its one parameter group)."""
-    return unit[0] if isinstance(unit, list) else unit
-
-
-def _depth(root: nn.Module, target: nn.Module) -> int:
-    for name, module in root.named_modules():
-        if module is target:
-            return name.count(".") + 1
-    return 0
-
-
-def _no_nesting(units: list[nn.Module]) -> bool:
-    ids = {id(u) for u in units}
-    return all(not any(id(m) in ids for m in u.modules() if m is not u) for u in units)
 
 
 def build_mixed_precision(
@@ -186,24 +91,6 @@ def gather_dtype(model: nn.Module, compute_dtype: torch.dtype | None) -> torch.d
         return None
     stored_16_bit = any(p.is_floating_point() and p.element_size() < 4 for p in model.parameters())
     return None if stored_16_bit else compute_dtype
-
-
-def check_uniform_trainable_dtypes(units: list, model: nn.Module) -> None:
-    """FSDP2 reduce-scatters a unit's gradients as one flat tensor: its trainable parameters must share
-    a dtype (frozen ones may differ). Said here, naming the unit, not at the first backward."""
-    claimed: set[int] = set()
-    for unit in [*units, model]:  # children first: a parameter belongs to the innermost unit holding it
-        modules = unit if isinstance(unit, list) else [unit]
-        params = [p for m in modules for p in m.parameters() if id(p) not in claimed]
-        claimed.update(id(p) for p in params)
-        dtypes = sorted({str(p.dtype) for p in params if p.requires_grad})
-        if len(dtypes) > 1:
-            name = next((n for n, m in model.named_modules() if m is modules[0]), "") or "the root module"
-            raise ValueError(
-                f"ZeRO reduces each shard unit's gradients in one dtype; unit {name!r} holds "
-                f"trainable parameters in {dtypes}. Cast them to one dtype, or freeze the odd ones. "
-                f"Received: trainable dtypes {dtypes}"
-            )
 
 
 def offload_policy(cpu_offload: bool) -> tuple[OffloadPolicy, str]:
@@ -290,9 +177,12 @@ def apply_fsdp(
     root_members = kept.get(id(model))
     if root_members is not None and root_members != [model]:
         fully_shard(root_members, **{**options, "reshard_after_forward": False})
-    fully_shard(
-        model, **{**options, "reshard_after_forward": options["reshard_after_forward"] and root_members != [model]}
-    )
+    # The root stays gathered from its forward to its backward at every stage (FSDP2's and transformers'
+    # default for a root): its forward encloses every other unit's, so its parameters (embedding, final
+    # norm, head) are gathered through the whole forward anyway, and its backward begins as soon as
+    # the forward ends; resharding it in between freed nothing at the peak and cost a second all-gather
+    # of the model's largest unit, waited on before the first block's backward.
+    fully_shard(model, **{**options, "reshard_after_forward": False})
     if runtime.local_torch_device().type == "cpu":
         memory_trim.install(model)  # freed gather buffers back to the system between steps (RSS ~ live)
     if carries_reduce_scatter_by_all_reduce(group, runtime.local_torch_device()):
@@ -304,8 +194,8 @@ def apply_fsdp(
         # backward there, so the peak is unchanged (measured at 4 processes, bf16: 0.170-0.175 s/step
         # against 0.180-0.181 without).
         if zero_stage < 3:
-            model.set_modules_to_forward_prefetch([_first_of(units[0])])
-        for current, following in zip(map(_first_of, units), map(_first_of, units[1:])):
+            model.set_modules_to_forward_prefetch([first_of(units[0])])
+        for current, following in zip(map(first_of, units), map(first_of, units[1:])):
             current.set_modules_to_forward_prefetch([following])
             if zero_stage == 3:
                 following.set_modules_to_backward_prefetch([current])
