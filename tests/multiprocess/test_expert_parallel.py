@@ -7,7 +7,9 @@ layer; GPT-OSS: attention sinks, biased experts), for a router forced to send ev
 second receives no row), and with the auxiliary load-balancing loss over the global batch
 (``trainmesh.moe.load_balancing_loss`` against transformers' own on one process). Checked: losses and first-step gradients (1e-6), parameters after 3 AdamW
 steps (1e-6), one count exchange and two token exchanges forward and two backward per MoE layer, and
-expert parameters per process exactly 1/EP of the model's.
+expert parameters per process exactly 1/EP of the model's. In the same launch, ``tm.Trainer`` fits of
+DeepSeek-V3 with ``callbacks=[RouterBiasBalancing(rate=...)]`` (with and without accumulation 2) against
+the same fit on one process: the bias ``torch.equal``, parameters within 1e-6.
 
 Launch 2 (4 processes, ``tm.Trainer``): launch 1's sharded checkpoint (EP 2, after one epoch) resumed at
 EP 4 for a second epoch against one process's two epochs; EP 4 with global-norm clipping; EP 4 x ZeRO-3;
@@ -146,6 +148,10 @@ def _loop_cases(save_dir: str, checkpoint_dir: str) -> dict:
         }
         if variant == "aux":
             out[(family, variant)]["aux"] = (float(aux), aux_local)
+    for accumulation in (1, 2):  # DeepSeek-V3's bias balancing as a Trainer callback (the trainer's model)
+        out[("bias_callback", accumulation)] = _bias_callback_fit(
+            tm.DeviceMesh((world,), ["data"], devices=tm.list_devices()), accumulation
+        )
     # a sharded training checkpoint at EP 2, resumed at EP 4 by the second launch
     model = moe_model("qwen3_moe")
     layout_map = tm.LayoutMap.auto(
@@ -161,6 +167,32 @@ def _loop_cases(save_dir: str, checkpoint_dir: str) -> dict:
     )
     trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
     return out
+
+
+def _bias_callback_fit(mesh, accumulation: int) -> dict:
+    """``tm.Trainer`` with ``callbacks=[RouterBiasBalancing(rate=BIAS_RATE)]`` on DeepSeek-V3 for 3 steps;
+    ``mesh`` None: one process. This process's own bias (each process updates its copy) and the state."""
+    import trainmesh as tm
+    from trainmesh.moe import RouterBiasBalancing
+
+    model = moe_model("deepseek_v3")
+    distribution = None
+    if mesh is not None:
+        layout_map = tm.LayoutMap.auto(model, mesh, expert_axis="data", verbose=False)
+        distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data")
+    trainer = tm.Trainer(
+        model,
+        make_optimizer,
+        lm_loss,
+        progress=False,
+        distribution=distribution,
+        grad_accum_steps=accumulation,
+        callbacks=[RouterBiasBalancing(rate=BIAS_RATE)],
+    )
+    trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
+    bias = trainer.unwrapped_model.get_submodule("model.layers.1.mlp.gate").e_score_correction_bias
+    state = trainer.state_dict()["model"]  # gathered on the main process
+    return {"bias": _full(bias).detach().clone(), "params": {k: _full(v).detach().clone() for k, v in state.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -425,3 +457,25 @@ def test_router_bias_update_is_the_global_batch_s(loop_results):
     assert with_bias[0] == without[0] and abs(with_bias[1] - without[1]) > 1e-5
     for rank_result in results:
         assert torch.equal(rank_result[("deepseek_v3", "bias")]["params"][name], want)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_router_bias_callback_under_the_trainer_matches_one_process(loop_results, accumulation):
+    """``tm.Trainer(..., callbacks=[RouterBiasBalancing(rate=...)])`` at EP 2 (launch 1) against the same fit on
+    one process, with and without accumulation 2: the bias ``torch.equal`` on both processes and to one
+    process's, the parameters within 1e-6 after 3 steps; and one process's fit is the hand-written update
+    (``moe_cases.reference``: counts over all micro-batches of a step, one update per step)."""
+    results, _ = loop_results
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    one = _bias_callback_fit(None, accumulation)
+    written = reference("deepseek_v3", accumulation=accumulation, bias=True)["params"]
+    assert one["bias"].abs().min() > 0  # every expert's bias moved
+    assert torch.equal(one["bias"], written[name])
+    diff, worst = _max_diff(one["params"], written)
+    assert diff <= TOL, (worst, diff)
+    for rank_result in results:
+        assert torch.equal(rank_result[("bias_callback", accumulation)]["bias"], one["bias"])
+    assert torch.equal(results[0][("bias_callback", accumulation)]["params"][name], one["bias"])
+    diff, worst = _max_diff(results[0][("bias_callback", accumulation)]["params"], one["params"])
+    assert diff <= TOL, (worst, diff)
+    print(f"bias callback, accumulation {accumulation}: EP 2 vs one process max |diff| {diff:.2e} ({worst})")
