@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from trainmesh.checkpoint.hf_expert_files import with_fused_experts
 from trainmesh.checkpoint.safetensors_reader import WeightFileError, WeightFiles
 from trainmesh.distribution.adapters import adapter_tensor_names, base_checkpoint_name, is_peft_model
 
@@ -136,6 +137,8 @@ def prepare(model: nn.Module, weights=None, seed: int = 0) -> MaterializePlan | 
             f"build it wholly under `with torch.device('meta'):` or wholly on the CPU."
         )
     files = weights if weights is None or hasattr(weights, "fill") else open_weights(weights)
+    # a transformers MoE's fused experts, from the per-expert tensors its save_pretrained writes
+    files = with_fused_experts(model, files)
     plan = MaterializePlan(
         weights=files, seed=int(seed), meta=meta, aliases=_alias_groups(model), peft=is_peft_model(model)
     )
