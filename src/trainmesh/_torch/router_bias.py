@@ -136,6 +136,8 @@ class RouterBiasBalancing(Callback):
             )
         # the trainer's distribution, not the one current where the callback was built (often none)
         distribution = self._given_distribution or self.trainer.distribution
+        if self._from_trainer:  # a fit that raised never reached on_train_end: its hooks are still on
+            self.on_train_end()
         if not self.routers:
             self._attach(model, distribution)
             self._from_trainer = True
