@@ -46,11 +46,18 @@ class StepLog(tm.Callback):
     def __init__(self, path: str | None, step_sleep: float, slow_file: str | None, die_file: str | None):
         self.out = open(path, "a") if path and int(os.environ.get("RANK", "0")) == 0 else None
         self.step_sleep, self.slow_file, self.die_file = step_sleep, slow_file, die_file
+        self._die_armed = False
 
     def on_train_batch_begin(self, step, logs=None):
         if self.die_file and os.path.exists(self.die_file):
-            weight = next(self.trainer.unwrapped_model.parameters())
-            weight.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
+            # on the model's output, so that it fires under ZeRO too (a hook on a sharded parameter
+            # never does: FSDP2's backward runs through the gathered one)
+            def die(module, inputs, output):
+                output.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
+
+            if not self._die_armed:
+                self._die_armed = True
+                self.trainer.unwrapped_model.register_forward_hook(die)
 
     def on_train_batch_end(self, step, logs=None):
         param_sum = sum(_full(p).double().sum().item() for p in self.trainer.unwrapped_model.parameters())

@@ -15,7 +15,9 @@ The Trainer calls this at three points of each step and nowhere else:
 
 Each group trains on its rows of every global batch (``share``): the quorum's rank r of n groups
 takes rows [r*B/n, (r+1)*B/n). Its gradient is scaled by n*rows/B before the average, so the
-committed update is the whole batch's mean gradient with 1 group or with n.
+committed update is the whole batch's mean gradient with 1 group or with n. In a group of several
+processes each rank does this with its own rows of the batch (the group's data-parallel split comes
+first), and the cross-group average is of each rank's gradient shard (``group_state``).
 
 What a recovering group receives (tensors and plain types only, see ``tensor_codec``): model and
 optimizer state, the schedule, the loss scaler, the step counter and epoch, the data position, the
