@@ -189,13 +189,36 @@ def _forget_split_meshes() -> None:
     _split_meshes.clear()
 
 
+def _shard_experts(module: nn.Module, experts, plan: ExpertPlan, ep_mesh, index: int) -> None:
+    num_local = experts.num_experts // plan.size
+    for name in experts.param_names:
+        full = getattr(module, name)
+        local = full.detach()[index * num_local : (index + 1) * num_local].clone()
+        param = nn.Parameter(
+            DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False), requires_grad=full.requires_grad
+        )
+        param._trainmesh_expert = True  # zero.apply_fsdp leaves it to us
+        module._parameters[name] = param
+
+
+def lay_out_meta_experts(model: nn.Module, distribution, plan: ExpertPlan) -> None:
+    """A meta-built model's experts as ``Shard(0)`` meta DTensors, before TP fills the model at stage 0
+    (``materialize`` then allocates and reads only this process's experts: with ``weights=``, only their
+    tensors in the files); ``apply_expert_parallel`` does the rest after TP."""
+    ep_mesh, _, index, _ = _expert_group(distribution, plan)
+    for experts in plan.modules:
+        module = model.get_submodule(experts.path)
+        if not isinstance(getattr(module, experts.param_names[0]), DTensor):
+            _shard_experts(module, experts, plan, ep_mesh, index)
+            module._trainmesh_ep_meta = True
+
+
 def apply_expert_parallel(
     model: nn.Module, distribution, plan: ExpertPlan, *, zero_stage: int = 0, reduce_grads: bool = True
 ) -> nn.Module:
     """Lay ``plan``'s experts out over their axis and dispatch their tokens by all-to-all (see the module
     docstring); returns ``model``, changed in place. ``reduce_grads``: average expert gradients over the
     batch axis when the expert axis is another one (stage 0 without a pipeline, as TP's own hooks do)."""
-    from .materialize import has_meta_tensors
 
     batch_axis = distribution.batch_dim_name
     if plan.axis != batch_axis and zero_stage > 0:
@@ -203,11 +226,6 @@ def apply_expert_parallel(
             f"Experts laid out over {plan.axis!r} with zero_stage={zero_stage}: under ZeRO the experts go over the "
             f"batch axis {batch_axis!r} (expert_axis={batch_axis!r}), where no other reduction is needed. "
             f"Received: expert axis {plan.axis!r}, zero_stage={zero_stage}"
-        )
-    if has_meta_tensors(model):
-        raise ValueError(
-            f"Expert parallelism over {plan.axis!r} needs a model with real tensors (built on a device); a meta-built "
-            f"MoE model is not filled per expert shard yet. Received: meta parameters in {type(model).__name__}"
         )
     ep_mesh, group, index, replica_mesh = _expert_group(distribution, plan)
     dp_size = distribution.data_parallel_size
@@ -218,17 +236,18 @@ def apply_expert_parallel(
     scale = plan.size
     for experts in plan.modules:
         module = model.get_submodule(experts.path)
-        if isinstance(getattr(module, experts.param_names[0]), DTensor):
+        if getattr(module, "_trainmesh_ep_meta", False):
+            # laid out on the meta device before TP filled the model (lay_out_meta_experts): new Parameter
+            # objects, so that TP's batch-axis hooks stay on the old ones, as they do on a real model's
+            for name in experts.param_names:
+                old = getattr(module, name)
+                module._parameters[name] = nn.Parameter(old.detach(), requires_grad=old.requires_grad)
+                module._parameters[name]._trainmesh_expert = True
+            del module._trainmesh_ep_meta
+        elif isinstance(getattr(module, experts.param_names[0]), DTensor):
             raise ValueError(f"Experts module {experts.path!r} is already laid out; distribute_model applies once.")
-        num_local = experts.num_experts // plan.size
-        for name in experts.param_names:
-            full = getattr(module, name)
-            local = full.detach()[index * num_local : (index + 1) * num_local].clone()
-            param = nn.Parameter(
-                DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False), requires_grad=full.requires_grad
-            )
-            param._trainmesh_expert = True  # zero.apply_fsdp leaves it to us
-            module._parameters[name] = param
+        else:
+            _shard_experts(module, experts, plan, ep_mesh, index)  # a meta model's too: materialize fills its shard
         module._trainmesh_ep = _DispatchState(group, plan.size, index, experts.num_experts, 1.0 / scale)
         module.forward = types.MethodType(_dispatch_forward, module)
     from .data_axis_grads import DataAxisGradReducer

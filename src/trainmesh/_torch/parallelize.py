@@ -174,6 +174,11 @@ def _apply_layers(
         from trainmesh.distribution.expert_layout import build_expert_plan
 
         expert_plan = build_expert_plan(model, distribution)
+    if expert_plan is not None and fill is not None and fill.meta and options.zero_stage == 0:
+        # TP fills a meta model at stage 0: its experts must be this process's shards by then
+        from .expert_parallel import lay_out_meta_experts
+
+        lay_out_meta_experts(model, distribution, expert_plan)
     # 1. tensor parallelism (with ZeRO, FSDP2 reduces gradients over the batch axis instead of TP's hooks)
     if is_tp:
         from .tensor_parallel import apply_model_parallel
