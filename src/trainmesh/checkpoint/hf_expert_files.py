@@ -40,11 +40,13 @@ class FusedEntry:
 class ExpertFiles:
     """``files`` plus the fused tensors of ``fused``, under the model's names."""
 
-    def __init__(self, files: WeightFiles, fused: dict[str, FusedEntry]):
+    def __init__(self, files: WeightFiles, fused: dict[str, FusedEntry], renamed: dict[str, str] | None = None):
         self.files, self.fused, self.source = files, fused, files.source
-        consumed = {run[0] for entry in fused.values() for run in entry.runs}
+        self.renamed = renamed or {}  # model name -> the file's (Mixtral's router: block_sparse_moe.gate)
+        consumed = {run[0] for entry in fused.values() for run in entry.runs} | set(self.renamed.values())
         self.entries = {k: v for k, v in files.entries.items() if k not in consumed}
         self.entries.update(fused)
+        self.entries.update({name: files.entries[stored] for name, stored in self.renamed.items()})
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -60,6 +62,8 @@ class ExpertFiles:
             name, tensor, local, offsets, shape = item
             if name in self.fused:
                 plain += _pieces(self.fused[name], tensor, local, offsets, shape)
+            elif name in self.renamed:
+                plain.append((self.renamed[name], tensor, local, offsets, shape))
             else:
                 plain.append(item)
         self.files.fill(plain)
@@ -113,10 +117,35 @@ def with_fused_experts(model: nn.Module, files):
     their per-expert tensors are there; ``files`` itself otherwise (the check then names what is missing)."""
     if not isinstance(files, WeightFiles):
         return files
-    fused = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    fused, renamed = {}, {}
+    state = model.state_dict(keep_vars=True)
+    for name, tensor in state.items():
         if name not in files and ".experts." in name:
             entry = fused_entry(model, files, name, tuple(tensor.shape))
             if entry is not None:
                 fused[name] = entry
-    return ExpertFiles(files, fused) if fused else files
+    if not fused:
+        return files
+    # a model whose experts transformers converts may rename other tensors on save too (Mixtral's
+    # router, mlp.gate -> block_sparse_moe.gate): a plain rename with the same shape is read as is
+    for name, tensor in state.items():
+        if name not in files and name not in fused:
+            stored = _renamed(model, name, tuple(tensor.shape))
+            if stored is not None and stored in files and tuple(files.entries[stored].shape) == tuple(tensor.shape):
+                renamed[name] = stored
+    return ExpertFiles(files, fused, renamed)
+
+
+def _renamed(model: nn.Module, name: str, shape: tuple[int, ...]) -> str | None:
+    """The one name transformers writes ``name`` under when it only renames it, else None."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    try:
+        probe = torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape)
+        out = revert_weight_conversion(model, {name: probe})
+    except Exception:  # noqa: BLE001  a conversion this module cannot follow: the check names the key
+        return None
+    if len(out) != 1:
+        return None
+    ((stored, value),) = out.items()
+    return stored if stored != name and torch.equal(value, probe) else None
