@@ -13,7 +13,8 @@ Here are the extras:
 >>> from trainmesh.moe import load_balancing_loss   # doctest: +SKIP
 """
 
-from ._torch.expert_parallel import dispatch_stats, load_balancing_loss, reset_dispatch_stats
+from ._torch.expert_parallel import dispatch_stats, reset_dispatch_stats
+from ._torch.moe_balance import load_balancing_loss
 from ._torch.router_bias import RouterBiasBalancing
 
 __all__ = ["RouterBiasBalancing", "dispatch_stats", "load_balancing_loss", "reset_dispatch_stats"]

@@ -98,10 +98,10 @@ class RouterBiasBalancing(Callback):
     def step(self) -> dict[str, torch.Tensor]:
         """Update every router's bias from the counts since the last call (summed over the batch axis),
         zero the counts, and return the global counts per router (for logging)."""
-        from .expert_parallel import _batch_group
+        from .moe_balance import batch_group
 
         total = torch.cat(self.counts)  # one all-reduce for every router (they may differ in size)
-        group, _ = _batch_group(self.distribution)
+        group, _ = batch_group(self.distribution)
         if group is not None:
             bias = getattr(self.routers[0][1], _BIAS)
             # gloo reduces CPU tensors, NCCL those on the device: the counts go where the bias lives

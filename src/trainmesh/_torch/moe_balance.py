@@ -1,0 +1,78 @@
+"""Load balancing over the global batch: the quantities a MoE router is balanced by, summed over every
+process of the batch axis before they are used, so they equal one process on the whole batch.
+
+``load_balancing_loss`` is transformers' auxiliary loss over the global batch; ``batch_group`` is the
+group those sums run over, shared with DeepSeek-V3's bias balancing (``router_bias.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .mesh import to_torch_mesh
+
+__all__ = ["batch_group", "load_balancing_loss"]
+
+
+def batch_group(distribution):
+    """The batch axis's process group and size, or (None, 1) when there is nothing to reduce over."""
+    if distribution is None or not (dist.is_available() and dist.is_initialized()):
+        return None, 1
+    size = distribution.data_parallel_size
+    if size == 1:
+        return None, 1
+    torch_mesh = to_torch_mesh(distribution.device_mesh)
+    group = torch_mesh.get_group(distribution.batch_dim_name) if torch_mesh.ndim > 1 else torch_mesh.get_group()
+    return group, size
+
+
+def load_balancing_loss(
+    router_logits, num_experts: int, top_k: int, attention_mask: torch.Tensor | None = None, *, distribution=None
+) -> torch.Tensor:
+    """The Switch-Transformer auxiliary loss of transformers' MoE models (``load_balancing_loss_func``:
+    ``num_experts * sum_e f_e * P_e``, f the fraction of top-k assignments to expert e, P its mean router
+    probability) over the **global** batch: the per-expert sums of every process of the batch axis are
+    added (one all-reduce of ``2 * num_experts + 1`` numbers) before the product, so the value equals one
+    process on the whole batch; transformers computes it per process. The gradient reaches the router
+    through this process's own tokens, scaled by the batch axis size, so that the gradient averaging over
+    that axis gives one process's gradient.
+
+    ``router_logits``: the model output's ``router_logits`` (``output_router_logits=True``), a tuple of
+    ``(tokens, num_experts)`` tensors. ``distribution``: default the current one (``tm.distribution()``);
+    without one, or on one process, this is transformers' own value.
+
+    >>> loss = lm_loss(out, y) + config.router_aux_loss_coef * load_balancing_loss(   # doctest: +SKIP
+    ...     out.router_logits, config.num_experts, config.num_experts_per_tok)
+    """
+    if not isinstance(router_logits, (tuple, list)) or not router_logits:
+        raise ValueError(
+            "load_balancing_loss needs the model output's router_logits (a tuple of per-layer "
+            f"(tokens, num_experts) tensors; pass output_router_logits=True). Received: {type(router_logits)}"
+        )
+    if distribution is None:
+        from trainmesh.distribution.distribution import distribution as current
+
+        distribution = current()
+    device = router_logits[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    mask = None if attention_mask is None else attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+    for logits in router_logits:
+        weights = torch.softmax(logits.float(), dim=-1)
+        chosen = torch.topk(weights, top_k, dim=-1).indices.reshape(-1)
+        each = torch.ones_like(chosen, dtype=torch.float32) if mask is None else mask.repeat_interleave(top_k)
+        counts = counts + torch.zeros_like(counts).scatter_add_(0, chosen, each)
+        probs = probs + (weights if mask is None else weights * mask.unsqueeze(-1)).sum(dim=0)
+        rows = rows + (weights.shape[0] if mask is None else mask.sum())
+    group, size = batch_group(distribution)
+    if group is not None:
+        local = torch.cat([counts, probs.detach(), rows.reshape(1)])
+        total = local.clone()
+        dist.all_reduce(total, group=group)
+        counts, rows = total[:num_experts], total[-1]
+        others = total[num_experts : 2 * num_experts] - local[num_experts : 2 * num_experts]
+        # value: the global sum; gradient: this process's share times the batch axis size (see docstring)
+        probs = size * probs - (size - 1) * probs.detach() + others
+    return num_experts * torch.sum((counts / rows) * (probs / rows))
