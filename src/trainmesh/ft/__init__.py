@@ -1,4 +1,6 @@
-"""Fault-tolerant replica groups on torchft (issue 45, first slice): see docs/fault_tolerant_replicas.md.
+"""Training that survives a lost replica group without a restart, on torchft's Lighthouse and Managers:
+gradients averaged over the groups alive at each step, a rejoining group healed from a live peer, one
+group writing the shared checkpoints. See docs/fault_tolerant_replicas.md.
 
 torchft is optional (``pip install 'trainmesh[ft]'``); importing this package does not import it.
 """
