@@ -72,8 +72,10 @@ def test_a_value_is_shown_with_the_digits_its_verdict_needs(render):
     # four significant digits would show 1.0004 as 1, which reads as meeting "<= 1.00"
     assert render._fmt_against_target("zero2_step_vs_deepspeed", 1.0003640640018983) == "1.0004"
     assert render._fmt_against_target("zero2_step_vs_deepspeed", 0.98854) == "0.9885"  # four suffice
-    assert render._fmt_against_target("ps_push_1mb_vs_raw_zmq", 0.49996) == "0.49996"
-    assert render._fmt_against_target("ps_sparse_push_vs_raw_zmq", 0.0680123) == "0.06801"  # no target
+    assert render._fmt_against_target("ps_push_1mb_vs_raw_zmq", 0.59996) == "0.59996"  # goal >= 0.60
+    assert (
+        render._fmt_against_target("ps_sparse_push_vs_raw_zmq", 0.0680123) == "0.06801"
+    )  # far from its goal (>= 0.50): four digits
     rows = "\n".join(
         render.figure_rows(
             {"figures": {"zero2_step_vs_deepspeed": 1.0003640640018983}, "mode": "full"}, ["zero2_step_vs_deepspeed"]
