@@ -101,6 +101,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="EP",
         help="a mixture of experts' experts split over EP processes of the batch axis (planner/experts.py)",
     )
+    parser.add_argument(
+        "--replica-groups",
+        type=int,
+        default=None,
+        metavar="G",
+        help="torchft replica groups (trainmesh run --replica-groups G): plan one group of world-size/G "
+        "processes, whose per-process memory is every group's, and the cross-group gradient all-reduce",
+    )
     parser.add_argument("--search", action="store_true", help="rank meshes x ZeRO x checkpointing that fit")
     parser.add_argument("--calibrate", action="store_true", help="measure this machine's FLOP rate and links")
     parser.add_argument(
@@ -170,7 +178,13 @@ def handle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 0
     if args.world_size is None:
         parser.error("--world-size is required")
-    if args.model is not None or args.mesh is not None or args.search or args.expert_parallel_size:
+    if (
+        args.model is not None
+        or args.mesh is not None
+        or args.search
+        or args.expert_parallel_size
+        or args.replica_groups
+    ):
         return _handle_parallel(args, parser)
     return _handle_table(args, parser)
 
@@ -184,8 +198,18 @@ def _handle_parallel(args, parser) -> int:
         parser.error("give exactly one of --model, MODULE:FACTORY or --example")
     model = args.model or args.factory or _example_factory
     seq = args.seq_len if args.seq_len is not None or not args.example else 256
+    world_size = args.world_size
+    if args.replica_groups is not None:
+        from trainmesh.planner.replica_groups import group_world_size
+
+        if args.search:
+            parser.error("--search plans one job; drop --replica-groups (search with --world-size of one group)")
+        try:
+            world_size = group_world_size(args.world_size, args.replica_groups)
+        except ValueError as exc:
+            parser.error(str(exc))
     kwargs = dict(
-        world_size=args.world_size,
+        world_size=world_size,
         precision=args.precision or "bf16-mixed",
         micro_batch=args.micro_batch or 1,
         seq_len=seq,
@@ -218,7 +242,13 @@ def _handle_parallel(args, parser) -> int:
     except (ValueError, TypeError) as exc:
         print(f"trainmesh plan: error: {exc}", file=sys.stderr)
         return 2
-    _emit(args, plan.table(), plan.to_dict())
+    text, data = plan.table(), plan.to_dict()
+    if args.replica_groups is not None:
+        from trainmesh.planner.replica_groups import replica_group_summary
+
+        lines, data["replica_groups"] = replica_group_summary(plan, args.replica_groups)
+        text = "\n".join([text, *lines])
+    _emit(args, text, data)
     return 3 if plan.fits is False else 0
 
 
