@@ -8,6 +8,7 @@
     trainmesh run -n 4 examples/transformers_lm.py --model qwen3_moe --layout ep             # experts over 4
     trainmesh run -n 4 examples/transformers_lm.py --layout cp --context-parallel ulysses --block 256  # long context
     trainmesh run -n 4 examples/transformers_lm.py --layout cp+tp --context-parallel ring --block 256  # seq 2 x model 2
+    trainmesh run -n 4 --replica-groups 2 examples/transformers_lm.py --layout fsdp --replica-groups 2  # torchft
 
 ``--init-from DIR`` fine-tunes a local Hugging Face checkpoint (``config.json`` + safetensors): the
 model is built on the meta device from DIR's config and each process reads only its own shards of
@@ -31,6 +32,11 @@ Layouts, on N processes:
   cp+fsdp  cp with ZeRO-3 over "data" x "seq"
   sp       tp with sequence parallelism: norms and residual stream split over the sequence on "model"
 
+``--replica-groups G`` trains as one of G torchft replica groups (``tm.ReplicaGroups``; the ``ft`` extra),
+each group running ``--layout`` on its own processes: started by ``trainmesh run -n N --replica-groups G``
+(which starts the Lighthouse), a group that dies is left behind and the others go on without a restart;
+it heals from them when it comes back. The printed loss is each group's own rows'.
+
 The loss function is the same under every layout: it reads ``outputs.logits`` of the model's own
 output, which a pipeline's last stage rebuilds around its logits.
 
@@ -41,7 +47,9 @@ prints its loss and tokens/s and saves a sharded checkpoint (DCP) that any layou
 from __future__ import annotations
 
 import argparse
+import os
 import time
+import urllib.parse
 
 import torch
 
@@ -51,6 +59,22 @@ from trainmesh.demo.corpus import CharVocab, CharWindows, read_sources, select_s
 LAYOUTS = ("dp", "fsdp", "tp", "tp+fsdp", "pp", "3d", "ep", "ep+fsdp", "ep+tp", "cp", "cp+fsdp", "cp+tp", "sp")
 MODELS = ("gpt2", "llama", "qwen3_moe", "mixtral")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv")
+
+
+def replica_groups(groups: int | None, parser: argparse.ArgumentParser):
+    """``tm.ReplicaGroups`` for ``--replica-groups G``, checked against what the launcher started, before
+    any process group exists; None without the flag."""
+    if groups is None:
+        return None
+    launched = os.environ.get("TRAINMESH_REPLICA_GROUPS")
+    if os.environ.get("TRAINMESH_REPLICA_GROUP") is None or (launched is not None and int(launched) != groups):
+        parser.error(
+            f"--replica-groups {groups} needs the launcher's replica groups: trainmesh run -n N --replica-groups "
+            f"{groups} examples/transformers_lm.py ... (the launcher started {launched or 'none'})"
+        )
+    lighthouse = urllib.parse.urlparse(os.environ.get("TORCHFT_LIGHTHOUSE", "")).hostname
+    local = lighthouse in ("127.0.0.1", "localhost")  # all groups on this machine: peers meet on loopback
+    return tm.ReplicaGroups(min_replicas=1, advertise_host="127.0.0.1" if local else None)
 
 
 def build_model(family: str, vocab_size: int, block: int) -> torch.nn.Module:
@@ -204,7 +228,14 @@ def main() -> None:
         help="start from a local Hugging Face checkpoint (meta build, each process reading its own shards)",
     )
     parser.add_argument("--save-pretrained", metavar="OUT", help="save the trained model in the Hugging Face layout")
+    parser.add_argument(
+        "--replica-groups",
+        type=int,
+        metavar="G",
+        help="train as one of G torchft replica groups (launch with trainmesh run -n N --replica-groups G)",
+    )
     args = parser.parse_args()
+    groups = replica_groups(args.replica_groups, parser)
     tm.initialize()
 
     text = "".join(read_sources(select_sources(stdlib_dir(), 400_000, 20_000), 400_000, 20_000))
@@ -226,6 +257,7 @@ def main() -> None:
         max_grad_norm=1.0,
         callbacks=[tm.ShardedCheckpoint(args.out, async_save=False)],
         weights=args.init_from,
+        fault_tolerance=groups,
     )
     start = time.perf_counter()
     history = trainer.fit(subset, epochs=args.epochs, batch_size=args.batch_size, resume=args.resume)
