@@ -15,6 +15,6 @@ Here are the extras:
 
 from ._torch.expert_parallel import dispatch_stats, reset_dispatch_stats
 from ._torch.moe_balance import load_balancing_loss
-from ._torch.router_bias import RouterBiasBalancing
+from .trainer.router_bias import RouterBiasBalancing
 
 __all__ = ["RouterBiasBalancing", "dispatch_stats", "load_balancing_loss", "reset_dispatch_stats"]

@@ -2,7 +2,7 @@
 process of the batch axis before they are used, so they equal one process on the whole batch.
 
 ``load_balancing_loss`` is transformers' auxiliary loss over the global batch; ``batch_group`` is the
-group those sums run over, shared with DeepSeek-V3's bias balancing (``router_bias.py``).
+group those sums run over, shared with DeepSeek-V3's bias balancing (``trainer/router_bias.py``).
 """
 
 from __future__ import annotations

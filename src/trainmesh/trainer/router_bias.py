@@ -98,7 +98,7 @@ class RouterBiasBalancing(Callback):
     def step(self) -> dict[str, torch.Tensor]:
         """Update every router's bias from the counts since the last call (summed over the batch axis),
         zero the counts, and return the global counts per router (for logging)."""
-        from .moe_balance import batch_group
+        from trainmesh._torch.moe_balance import batch_group
 
         total = torch.cat(self.counts)  # one all-reduce for every router (they may differ in size)
         group, _ = batch_group(self.distribution)
