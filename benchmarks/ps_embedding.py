@@ -149,3 +149,36 @@ def embedding_part(rounds: int, steps: int) -> dict:
         "steps": steps,
         "torchrec": torchrec.__version__,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """This part alone (``ps.py --parts embedding`` runs the same inside the PS benchmark)."""
+    import argparse
+    import json
+    import os
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per side (default 5)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per side per round (default 20)")
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 10 steps")
+    parser.add_argument("--json", metavar="PATH", help="write the figures and the detail here")
+    args = parser.parse_args(argv)
+    rounds, steps = (3, 10) if args.quick else (args.rounds, args.steps)
+    result = embedding_part(rounds, steps)
+    load = os.getloadavg()[0]
+    if "skipped" in result:
+        print(f"{FIGURE}: skipped ({result['skipped']})")
+    else:
+        print(f"{'side':<10}{'median step ms':>16}\n{'PS':<10}{result['ps_step_ms']:>16.2f}")
+        print(f"{'TorchRec':<10}{result['torchrec_step_ms']:>16.2f}")
+        print(f"{FIGURE} {result[FIGURE]:.3f} (goal <= 1.0), load average {load:.1f}")
+    if args.json:
+        skipped = {FIGURE: result["skipped"]} if "skipped" in result else {}
+        figures = {} if skipped else {FIGURE: result[FIGURE]}
+        with open(args.json, "w") as fh:
+            json.dump({"figures": figures, "figures_skipped": skipped, "detail": result, "load_average": load}, fh)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
