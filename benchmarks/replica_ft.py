@@ -170,15 +170,9 @@ def _kill_family(proc: subprocess.Popen) -> None:
 
 
 def _wait(predicate, timeout_s: float, what: str, procs=()) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        for proc in procs:
-            if proc.poll() not in (None, 0):
-                raise RuntimeError(f"a process exited {proc.returncode} while waiting for {what}")
-        time.sleep(0.02)
-    raise RuntimeError(f"timed out after {timeout_s} s waiting for {what}")
+    from trainmesh.testing import wait_for
+
+    wait_for(predicate, timeout_s, what, procs, poll_s=0.02)  # finer than tests: times are figures here
 
 
 def _worker_argv(args, mode: str, folder: str, log: str, die: str | None = None, slow: str | None = None) -> list:

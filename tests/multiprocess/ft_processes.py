@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import time
+
+from trainmesh.testing import wait_for  # noqa: F401  (the ft tests take it from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,15 +36,3 @@ def records(path) -> list[dict]:
         return []
     with open(path) as fh:
         return [json.loads(line) for line in fh if line.endswith("\n")]
-
-
-def wait_for(predicate, timeout_s: float, what: str, procs) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        for proc in procs:
-            if proc.poll() not in (None, 0):
-                raise AssertionError(f"a group exited {proc.returncode} while waiting for {what}")
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")

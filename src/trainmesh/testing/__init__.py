@@ -6,6 +6,7 @@ imported here, so this package does not need pytest.
 
 from .cluster import Cluster, ClusterUnavailable, Host, LinkCounters, ShapingUnsupported
 from .harness import DistributedTestError, run_distributed
+from .waiting import wait_for
 
 __all__ = [
     "Cluster",
@@ -15,4 +16,5 @@ __all__ = [
     "LinkCounters",
     "ShapingUnsupported",
     "run_distributed",
+    "wait_for",
 ]
