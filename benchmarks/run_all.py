@@ -244,6 +244,19 @@ def merge_figures(benchmarks: dict) -> tuple[dict, dict]:
     return figures, sources
 
 
+def write_report(report: dict, path: str, unfinished: list[str]) -> None:
+    report["load_avg_end"] = os.getloadavg()
+    report["figures"], report["figure_sources"] = merge_figures(report["benchmarks"])
+    report["invalid"] = [n for n, r in report["benchmarks"].items() if r["status"] == "invalid"]
+    report["failed"] = [n for n, r in report["benchmarks"].items() if r["status"] == "failed"]
+    report["skipped"] = {n: r["reason"] for n, r in report["benchmarks"].items() if r["status"] == "skipped"}
+    report["unfinished"] = unfinished
+    partial = path + ".partial"
+    with open(partial, "w") as fh:
+        json.dump(scrub(report), fh, indent=1, sort_keys=False)
+    os.replace(partial, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="PATH", required=True, help="write the merged results here")
@@ -267,17 +280,12 @@ def main(argv: list[str] | None = None) -> int:
         "load_avg_start": os.getloadavg(),
         "benchmarks": {},
     }
-    for entry in REGISTRY:
-        if only and entry["name"] not in only:
-            continue
+    chosen = [entry for entry in REGISTRY if not only or entry["name"] in only]
+    for done, entry in enumerate(chosen, 1):
         report["benchmarks"][entry["name"]] = run_one(entry, args.quick, timeout)
-    report["load_avg_end"] = os.getloadavg()
-    report["figures"], report["figure_sources"] = merge_figures(report["benchmarks"])
-    report["invalid"] = [n for n, r in report["benchmarks"].items() if r["status"] == "invalid"]
-    report["failed"] = [n for n, r in report["benchmarks"].items() if r["status"] == "failed"]
-    report["skipped"] = {n: r["reason"] for n, r in report["benchmarks"].items() if r["status"] == "skipped"}
-    with open(args.json, "w") as fh:
-        json.dump(scrub(report), fh, indent=1, sort_keys=False)
+        # Written after every benchmark: a run cut short (a session's end, a kill) still leaves the
+        # figures it measured, with ``unfinished`` naming what it did not reach.
+        write_report(report, args.json, [e["name"] for e in chosen[done:]])
     print(
         f"\n{len(report['figures'])} figures; invalid {report['invalid']}; failed {report['failed']}; "
         f"skipped {sorted(report['skipped'])}; wrote {args.json}"
