@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--slow-file", default=None, help="while this file exists, each step takes 1 s (tests pace a group with it)"
     )
+    parser.add_argument("--timeout-s", type=float, default=10.0, help="how long a collective waits for a peer")
     parser.add_argument("--log", default=None)
     parser.add_argument("--save", default=None)
     args = parser.parse_args(argv)
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             lighthouse=args.lighthouse,
             min_replicas=args.min_replicas,
             advertise_host="127.0.0.1",
-            timeout_s=10,
+            timeout_s=args.timeout_s,
             quorum_timeout_s=30,
         ),
         scheduler=scheduler,
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                 "committed": committed,
                 "replicas": info.num_replicas,
                 "healed": info.healed,
+                "left": list(info.left),
                 "loss": loss.item(),
                 "time": time.time(),
                 "param_sum": sum(p.double().sum().item() for p in model.parameters()),

@@ -27,6 +27,7 @@ plus raw tensor bytes (``tensor_codec``): nothing a peer sends is unpickled.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -34,6 +35,7 @@ from typing import Any, Callable
 import torch
 
 from trainmesh.ft.group_state import group_store, load_model_local, load_optimizer_local, local, local_tree
+from trainmesh.ft.membership import QuorumWatch, replica_id_for
 from trainmesh.ft.tensor_codec import encode_state, parse_header, tensor_specs, decode_state
 
 __all__ = ["ReplicaGroups", "ReplicaGroupSync", "StepInfo", "SafeStateTransport", "torchft_available"]
@@ -104,6 +106,7 @@ class StepInfo:
     replica_rank: int  # this group's rank among the groups in this step's quorum
     num_replicas: int  # groups in this step's quorum
     healed: bool  # this group just received the live state from a peer
+    left: tuple[int | None, ...] = ()  # groups in the previous step's quorum and not in this one (named on stderr)
 
 
 def _build_transport_class():
@@ -213,13 +216,14 @@ class ReplicaGroupSync:
             store_addr=host,
             store_port=port,
             lighthouse_addr=config.lighthouse,
-            replica_id=f"trainmesh_group_{config.replica_group}",
+            replica_id=replica_id_for(config.replica_group, host),  # the host too: a group that leaves is named
             hostname=host,
             heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s),
             checkpoint_transport=SafeStateTransport(self._pg, timeout),
             init_sync=True,
             quorum_retries=config.quorum_retries,
         )
+        self._watch = QuorumWatch(self.manager, group_world, announce=group_rank == 0)
         self._healed = False
         self.uncommitted_steps = 0
 
@@ -256,11 +260,14 @@ class ReplicaGroupSync:
         self._healed = False
         self.manager.start_quorum()  # synchronous: returns with the quorum formed and any healing applied
         rank = self.manager.participating_rank()
+        step = self.manager.current_step()
+        left = self._watch.left(step)
         return StepInfo(
-            step=self.manager.current_step(),
+            step=step,
             replica_rank=0 if rank is None else rank,
             num_replicas=max(1, self.manager.num_participants()),
             healed=self._healed,
+            left=tuple(group.group for group in left),
         )
 
     def allreduce_gradients(self, scale: float = 1.0) -> None:
@@ -287,7 +294,10 @@ class ReplicaGroupSync:
 
     def finish_step(self) -> bool:
         """All-reduce, then commit (optimizer, schedule, step counter) only if every group agrees."""
+        started = time.monotonic()
         self.allreduce_gradients()
+        error = self.manager.errored()  # kept to say why a group that leaves the next quorum left
+        self._watch.note_error(None if error is None else error.original_exception, time.monotonic() - started)
         committed = self.manager.should_commit()
         if committed:
             self.optimizer.step()
