@@ -32,6 +32,7 @@ from trainmesh import runtime
 from .data_axis_grads import DataAxisGradReducer, no_grad_sync
 from .mesh import to_torch_mesh
 from .tp_plan import build_tp_plan, describe_plan, layer_kind
+from .vocab_parallel import VocabShards, head_path
 
 __all__ = ["apply_model_parallel", "batch_to_local", "no_grad_sync", "parameter_layouts"]
 
@@ -161,11 +162,15 @@ def apply_model_parallel(
         model_mesh = torch_mesh[tuple(model_axes)] if len(model_axes) > 1 else torch_mesh[model_axes[0]]
         units = set(_units_with_shared_input(plans))
         shared: dict[int, nn.Parameter] = {}
+        head = head_path(model, plans) if len(model_axes) == 1 else None
+        if head is not None:  # its output stays sharded when the loss runs on the shards (vocab_parallel.py)
+            model._trainmesh_vocab_shards = VocabShards(head)
         for plan in plans.values():
             module = model.get_submodule(plan.path)
             placements = {name: _placements_on(axes, model_axes) for name, axes in plan.axes.items()}
             if plan.style == "colwise":
-                style = LayoutColwise(placements, shared, gather_output=plan.gather_output)
+                keep = model._trainmesh_vocab_shards if plan.path == head else None
+                style = LayoutColwise(placements, shared, gather_output=plan.gather_output, keep_shards=keep)
             elif plan.style == "rowwise":
                 style = LayoutRowwise(
                     placements, shared, sharded_input=plan.sharded_input, embedding=layer_kind(module) == "embedding"

@@ -52,17 +52,31 @@ def _partition_with(placements: dict[str, list], shared: dict[int, nn.Parameter]
 class LayoutColwise(ColwiseParallel):
     """``ColwiseParallel`` with the layout map's placements; output gathered when ``gather_output``."""
 
-    def __init__(self, placements: dict[str, list], shared: dict[int, nn.Parameter], *, gather_output: bool):
+    def __init__(
+        self,
+        placements: dict[str, list],
+        shared: dict[int, nn.Parameter],
+        *,
+        gather_output: bool,
+        keep_shards: Callable[[], bool] | None = None,
+    ):
         super().__init__(output_layouts=Replicate() if gather_output else Shard(-1), use_local_output=True)
         self._partition = _partition_with(placements, shared)
+        self._keep_shards = keep_shards  # a head whose loss runs on the shards: output left Shard(-1) then
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        gathered = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
+        keep = self._keep_shards
+
+        def output_fn(mod, outputs, mesh):
+            return outputs if keep is not None and keep() else gathered(mod, outputs, mesh)
+
         return distribute_module(
             module,
             device_mesh,
             self._partition,
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            output_fn,
         )
 
 

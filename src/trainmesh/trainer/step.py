@@ -17,6 +17,7 @@ import torch.distributed as dist
 from trainmesh._torch.context_parallel import token_weighted_loss
 from trainmesh._torch.reduce import all_reduce_small
 from trainmesh._torch.sync import no_sync
+from trainmesh._torch.vocab_parallel import keep_vocab_shards, whole_outputs
 
 from .loss_tracking import LossAccumulator
 from .precision import Precision
@@ -67,7 +68,8 @@ def forward_backward(
         inputs, targets = split_batch(precision.convert_input(batch))
         final = index == k - 1
         with no_sync(model) if not final else contextlib.nullcontext():
-            with precision.forward_context():
+            # a loss on the vocabulary shards: the head keeps its shard for this forward (vocab_parallel.py)
+            with precision.forward_context(), keep_vocab_shards(model, loss_fn) as sharded:
                 outputs = model(inputs)
                 loss = token_weighted_loss(model, loss_fn(outputs, targets), targets)  # a sequence axis only
             if not torch.is_tensor(loss) or loss.dim() != 0:
@@ -83,6 +85,8 @@ def forward_backward(
                 before_last_backward()
             scaled.backward()
         if on_outputs is not None:
+            if sharded:  # metrics see whole logits, as from any other layout
+                outputs = whole_outputs(outputs.detach() if torch.is_tensor(outputs) else outputs)
             on_outputs(outputs.detach() if torch.is_tensor(outputs) else outputs, targets)
 
 
