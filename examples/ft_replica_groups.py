@@ -62,7 +62,6 @@ def main(argv: list[str] | None = None) -> int:
             replica_group=args.replica_group,
             lighthouse=args.lighthouse,
             min_replicas=args.min_replicas,
-            advertise_host="127.0.0.1",
             timeout_s=args.timeout_s,
             quorum_timeout_s=30,
         ),

@@ -13,8 +13,8 @@ from the same rank of a live group. So everything that crosses groups is the loc
   into the shards in place; optimizer state loaded, then each per-parameter tensor wrapped back into
   a DTensor with its parameter's mesh and placements.
 
-``group_store`` gives every rank of the group the address of one TCPStore its rank 0 serves (torchft's
-Manager finds its group's manager server there). The address goes as a tensor over the group's own
+``group_store`` gives every rank of the group the address of one TCPStore its rank 0 serves, listening
+on the advertised address only (torchft's Manager finds its group's manager server there). The address goes as a tensor over the group's own
 process group: nothing is unpickled.
 """
 
@@ -99,12 +99,19 @@ def group_store(advertise_host: str | None, timeout) -> tuple[Any, str, int]:
     import torch.distributed as dist
     from torch.distributed import TCPStore
 
+    from trainmesh.ft.binding import bind_address, listening_socket
+
     group_world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if group_world > 1 else 0
     store, host, port = None, advertise_host or socket.gethostname(), 0
     if rank == 0:
-        store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        port = store.port
+        # on the advertised address only (a TCPStore master alone would listen on every interface)
+        sock = listening_socket(bind_address(host))
+        port = sock.getsockname()[1]
+        store = TCPStore(
+            host, port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=sock.fileno()
+        )
+        sock.detach()  # the store's server owns the descriptor now
     if group_world > 1:
         encoded = host.encode()
         if len(encoded) > _HOST_BYTES:

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from trainmesh.ft.binding import bind_address, manager_server_bound_to
 from trainmesh.ft.group_state import group_store, load_model_local, load_optimizer_local, local, local_tree
 from trainmesh.ft.membership import QuorumWatch, replica_id_for
 from trainmesh.ft.tensor_codec import encode_state, parse_header, tensor_specs, decode_state
@@ -52,6 +53,19 @@ def torchft_available() -> bool:
     return True
 
 
+def _is_loopback_url(url: str) -> bool:
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url if "://" in url else f"http://{url}").hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass(kw_only=True)
 class ReplicaGroups:
     """How this process's replica group joins the others.
@@ -60,8 +74,9 @@ class ReplicaGroups:
     Lighthouse URL (default ``$TORCHFT_LIGHTHOUSE``). ``replica_group``: this group's number (default
     ``$TRAINMESH_REPLICA_GROUP``). ``quorum_retries``: how many failed quorum calls (a Lighthouse outage)
     are retried before the group gives up; torchft's default, 0, kills every group within 0.2 s of
-    losing the Lighthouse. ``advertise_host``: the address peers reach this group at (its manager
-    server and its gloo store); default this host's name.
+    losing the Lighthouse. ``advertise_host``: the address peers reach this group at,
+    and the only one its Manager server and its store listen on; default 127.0.0.1 when the Lighthouse is
+    on loopback (a job on one machine), else this host's name.
     """
 
     min_replicas: int = 1
@@ -89,6 +104,8 @@ class ReplicaGroups:
                 f"ReplicaGroups needs the Lighthouse's URL: lighthouse=... or ${LIGHTHOUSE_ENV}. "
                 f"Received: lighthouse={self.lighthouse!r}"
             )
+        if self.advertise_host is None and _is_loopback_url(self.lighthouse):
+            self.advertise_host = "127.0.0.1"  # every group reaches the Lighthouse on loopback: one machine
         if self.replica_group is None and os.environ.get(REPLICA_GROUP_ENV):
             self.replica_group = int(os.environ[REPLICA_GROUP_ENV])
         if not isinstance(self.replica_group, int) or self.replica_group < 0:
@@ -202,27 +219,29 @@ class ReplicaGroupSync:
         # and the quorum's gloo groups rendezvous in the first member's store.
         self._store, host, port = group_store(config.advertise_host, timeout)
         self._pg = ProcessGroupGloo(timeout=timeout)
-        self.manager = Manager(
-            pg=self._pg,
-            load_state_dict=self._load_state,
-            state_dict=self._state,
-            min_replica_size=config.min_replicas,
-            use_async_quorum=False,  # synchronous: a healed group has the live state before its forward
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
-            connect_timeout=timedelta(seconds=config.connect_timeout_s),
-            rank=group_rank,  # a group of several processes: torchft pairs rank r of every group
-            world_size=group_world,
-            store_addr=host,
-            store_port=port,
-            lighthouse_addr=config.lighthouse,
-            replica_id=replica_id_for(config.replica_group, host),  # the host too: a group that leaves is named
-            hostname=host,
-            heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s),
-            checkpoint_transport=SafeStateTransport(self._pg, timeout),
-            init_sync=True,
-            quorum_retries=config.quorum_retries,
-        )
+        # torchft would bind its Manager server on every interface: bind it where the group's store is
+        with manager_server_bound_to(bind_address(host)):
+            self.manager = Manager(
+                pg=self._pg,
+                load_state_dict=self._load_state,
+                state_dict=self._state,
+                min_replica_size=config.min_replicas,
+                use_async_quorum=False,  # synchronous: a healed group has the live state before its forward
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
+                connect_timeout=timedelta(seconds=config.connect_timeout_s),
+                rank=group_rank,  # a group of several processes: torchft pairs rank r of every group
+                world_size=group_world,
+                store_addr=host,
+                store_port=port,
+                lighthouse_addr=config.lighthouse,
+                replica_id=replica_id_for(config.replica_group, host),  # the host too: a group that leaves is named
+                hostname=host,
+                heartbeat_interval=timedelta(seconds=config.heartbeat_interval_s),
+                checkpoint_transport=SafeStateTransport(self._pg, timeout),
+                init_sync=True,
+                quorum_retries=config.quorum_retries,
+            )
         self._watch = QuorumWatch(self.manager, group_world, announce=group_rank == 0)
         self._healed = False
         self.uncommitted_steps = 0
