@@ -113,7 +113,21 @@ def _job(cfg) -> dict:
     for method in ("ring", "ulysses"):
         distribution = tm.DataParallel(seq_mesh, sequence_dim_name="seq", context_parallel=method)
         out["parity"][method] = _train(build_model(), distribution, data())[0]
-    # sequence parallelism vs plain TP at data 2 x model 2
+    out["saved"].update(_sp_job(cfg)["saved"])
+    return out
+
+
+def _sp_job(cfg) -> dict:
+    """Sequence parallelism vs plain TP at data 2 x model 2, each with the loss on whole logits (``lm_loss``)
+    and on the head's vocabulary shards (``trainmesh.losses.lm_cross_entropy``): saved bytes per process."""
+    import trainmesh as tm
+    from cp_cases import make_optimizer
+    from test_vocab_parallel_loss import _saved_bytes as saved_with
+    from trainmesh.losses import lm_cross_entropy
+
+    from cp_cases import lm_loss
+
+    saved = {}
     mesh = tm.DeviceMesh((2, 2), ["data", "model"], devices=tm.list_devices())
     x, y = _tokens(cfg, cfg["seq"], cfg["batch"])
     for sp in (False, True):
@@ -121,11 +135,15 @@ def _job(cfg) -> dict:
         distribution = tm.ModelParallel(
             layout_map=tm.LayoutMap.auto(model, mesh, verbose=False), batch_dim_name="data", sequence_parallel=sp
         )
-        trainer = tm.Trainer(model, make_optimizer, lm_loss, distribution=distribution, progress=False)
+        trainer = tm.Trainer(model, make_optimizer, lm_cross_entropy, distribution=distribution, progress=False)
         trainer.model.train()
         rows = slice(0, cfg["batch"] // 2) if distribution.data_index() == 0 else slice(cfg["batch"] // 2, None)
-        out["saved"][("sp" if sp else "tp", cfg["seq"])] = _saved_bytes(trainer.model, x[rows], y[rows])
-    return out
+        name = "sp" if sp else "tp"
+        saved[(name, cfg["seq"])] = saved_with(trainer.model, x[rows], y[rows], lm_loss, sharded=False)
+        saved[(f"{name}+vocab", cfg["seq"])] = saved_with(
+            trainer.model, x[rows], y[rows], lm_cross_entropy, sharded=True
+        )
+    return {"saved": saved}
 
 
 def _longest(saved: dict, key: str, lengths: tuple[int, int], budget: float) -> float:
@@ -135,12 +153,56 @@ def _longest(saved: dict, key: str, lengths: tuple[int, int], budget: float) -> 
     return b + (budget - saved[(key, b)]) / slope
 
 
+def _sp_ratios(results: list, seq: int) -> dict:
+    """Saved bytes per process (the larger process's), sequence parallelism over plain TP: with the same loss
+    on both sides (whole logits, or the vocabulary shards: the figure), and SP with the shards over TP
+    without."""
+
+    def per_process(key):
+        return max(r["saved"][(key, seq)] for r in results)
+
+    return {
+        "sp / tp": per_process("sp") / per_process("tp"),
+        "sp+vocab / tp+vocab": per_process("sp+vocab") / per_process("tp+vocab"),
+        "sp+vocab / tp": per_process("sp+vocab") / per_process("tp"),
+    }
+
+
+def _sp_main(cfg: dict, params: int, json_path: str | None) -> int:
+    from trainmesh.testing import run_distributed
+
+    load_before = os.getloadavg()[0]
+    results = run_distributed(_sp_job, world_size=4, args=(cfg,), timeout=900)
+    load_after = os.getloadavg()[0]
+    ratios = _sp_ratios(results, cfg["seq"])
+    print(
+        f"Llama {params / 1e6:.1f}M parameters, seq {cfg['seq']}, data 2 x model 2, "
+        f"load {load_before:.1f} -> {load_after:.1f}"
+    )
+    print(f"{'saved bytes per process':24} {'ratio':>8}")
+    for name, value in ratios.items():
+        print(f"{name:24} {value:8.3f}")
+    print(f"sp_activations_vs_tp (sp+vocab / tp+vocab) {ratios['sp+vocab / tp+vocab']:.3f}  goal <= 0.65")
+    if json_path:
+        report = {
+            "config": cfg,
+            "figures": {"sp_activations_vs_tp": ratios["sp+vocab / tp+vocab"]},
+            "sp_ratios": ratios,
+            "saved_bytes": {f"{k[0]}@{k[1]}": v for k, v in results[0]["saved"].items()},
+            "load_avg_1min": {"before": load_before, "after": load_after},
+        }
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small model and sequence (a smoke run)")
     parser.add_argument("--seq", type=int, help="sequence length (default 1024; --quick 256)")
     parser.add_argument("--rounds", type=int, help="interleaved timing rounds (default 3; --quick 2)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--sp-only", action="store_true", help="only the sequence-parallelism figure")
     args = parser.parse_args(argv)
     if args.quick:
         cfg = dict(vocab=2048, hidden=128, ffn=352, layers=2, heads=8, kv_heads=4, seq=256, batch=2, steps=2, rounds=2)
@@ -156,6 +218,8 @@ def main(argv=None) -> int:
     from trainmesh.testing import run_distributed
 
     params = sum(p.numel() for p in _model(cfg).parameters())
+    if args.sp_only:
+        return _sp_main(cfg, params, args.json)
     load_before = os.getloadavg()[0]
     results = run_distributed(_job, world_size=4, args=(cfg,), timeout=3000 if not args.quick else 900)
     load_after = os.getloadavg()[0]
@@ -170,7 +234,8 @@ def main(argv=None) -> int:
     parity = max(
         max((first["parity"][m][k] - expected[k]).abs().max().item() for k in expected) for m in ("ring", "ulysses")
     )
-    sp_ratio = max(r["saved"][("sp", seq)] for r in results) / max(r["saved"][("tp", seq)] for r in results)
+    sp_ratios = _sp_ratios(results, seq)
+    sp_ratio = sp_ratios["sp+vocab / tp+vocab"]
     ring, ulysses = first["steps"]["ring"], first["steps"]["ulysses"]
     ratios = [a / b for a, b in zip(ring, ulysses)]
     skipped = {}
@@ -199,6 +264,7 @@ def main(argv=None) -> int:
         "step_s": {"ring": ring, "ulysses": ulysses},
         "ring_over_ulysses_per_round": ratios,
         "saved_bytes": {f"{k[0]}@{k[1]}": v for k, v in saved.items()},
+        "sp_ratios": sp_ratios,
         "torch": torch.__version__,
     }
     targets = {
