@@ -145,16 +145,26 @@ def test_load_balancing_loss_on_one_process_is_transformers_own():
         load_balancing_loss(None, 4, 2)
 
 
-def test_experts_with_a_pipeline_are_refused_by_name():
+def test_experts_with_a_pipeline_are_planned_and_the_auxiliary_loss_refused_by_name():
+    """Pipe 2 x EP 2 is planned (its parity with one process: multiprocess/test_expert_pipeline.py); a model
+    asked for its router logits (the auxiliary loss) is refused under the pipe by name, before any collective."""
+    from trainmesh._torch.pipeline_experts import check_aux_loss, expert_layers
+
     model = _qwen3_moe()
     mesh = _mesh(2, 2, axes=("pipe", "data"))
-    layout_map = tm.LayoutMap.auto(model, mesh, expert_axis="data", model_axis="pipe", verbose=False)
     distribution = tm.ModelParallel(layout_map=tm.LayoutMap(mesh), batch_dim_name="data", pipeline=tm.Pipeline())
-    for key in layout_map:
-        if "experts" in key:
-            distribution.layout_map[key] = layout_map[key].axes
-    with pytest.raises(ValueError, match=r"Expert parallelism over 'data' with a pipeline over 'pipe' is not offered"):
-        build_expert_plan(model, distribution)
+    for name in ("gate_up_proj", "down_proj"):
+        distribution.layout_map[f"model.layers.*.mlp.experts.{name}"] = ("data", None, None)
+    plan = build_expert_plan(model, distribution)
+    assert (plan.axis, plan.size, len(plan.modules)) == ("data", 2, 2)
+    assert expert_layers(model, distribution) == [(f"model.layers.{i}.mlp.experts", 4) for i in range(2)]
+    check_aux_loss(model, "pipe")  # router logits not asked for: accepted
+    model.config.output_router_logits = True
+    with pytest.raises(
+        ValueError,
+        match=r"auxiliary load-balancing loss is not offered with a pipeline over 'pipe'.*output_router_logits",
+    ):
+        check_aux_loss(model, "pipe")
 
 
 def test_expert_parallel_size_splits_the_batch_axis_into_groups(capsys):

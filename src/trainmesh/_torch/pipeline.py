@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .pipeline_experts import average_expert_replicas, data_averaged
 from .pipeline_receives import ReceivePlan, posts_receives_ahead
 from .pipeline_split import KeyedBlocks, assign_blocks, build_stage_model, split_at
 from .pipeline_stage import StageModule, make_pipeline_stage  # noqa: F401 - StageModule is imported from here too
@@ -81,6 +82,9 @@ def split_for_pipeline(
 
 class PipelineRunner:
     """Runs training steps and forward-only passes of this process's stages."""
+
+    batch_axis: str | None = None  # set by apply_pipeline: experts laid out over it reduce apart
+    expert_layers: list[tuple[str, int]] = []  # every stage's experts modules, set by apply_pipeline
 
     def __init__(
         self,
@@ -203,8 +207,10 @@ class PipelineRunner:
                 if on_outputs is not None:
                     on_outputs(outputs.detach(), targets)
         self._sync_tied_grads()
-        if self.reduce_data_grads and self.data_size > 1:
-            _average_grads(self.parameters(), self.data_group, self.data_size)
+        if self.reduce_data_grads and self.data_size > 1:  # experts over the batch axis: pipeline_experts
+            dense = data_averaged(self.stage_models, self.parameters(), self.batch_axis)
+            _average_grads(dense, self.data_group, self.data_size)
+            average_expert_replicas(self.stage_models)
 
     def _step_context(self):
         if self.pipeline.schedule in SPLIT_BACKWARD:  # ZeRO-3 keeps a stage gathered through the step

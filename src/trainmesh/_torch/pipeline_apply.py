@@ -29,6 +29,7 @@ from trainmesh import runtime
 
 from .materialize import has_meta_tensors
 from .mesh import to_torch_mesh
+from .pipeline_experts import check_aux_loss, expert_layers
 from .pipeline import PipelineRunner, plan_split, split_for_pipeline, stage_owner
 from .pipeline_frozen import trainable_tied
 from .pipeline_split import merge_stage_models
@@ -49,6 +50,7 @@ def _check(model: nn.Module, distribution, options) -> None:
             "A pipeline shards optimizer state with its parameters at ZeRO stages 2-3 (FSDP2 over the "
             "batch axis of each stage); stage 1 alone is not offered there. Received: zero_stage=1"
         )
+    check_aux_loss(model, pipeline.axis)
     layout_map = getattr(distribution, "layout_map", None)
     if layout_map is not None:
         from .tensor_parallel import _warn_unmatched_keys
@@ -123,6 +125,7 @@ def apply_pipeline(
     tied = _tied_names(model)  # 3. (before the split)
     trainable = trainable_tied(model, tied)  # a frozen tied weight has no gradients to sum (pipeline_frozen)
     plan = plan_split(model, pipeline, pipe_size)  # raises on a bad split, before any collective
+    experts = expert_layers(model, distribution)  # every stage's, for the Trainer's expert counts
     if not meta:
         _broadcast_whole_model(model)  # 2.
     indices, stage_models = split_for_pipeline(model, pipeline, pipe_rank, pipe_size, plan)
@@ -143,6 +146,7 @@ def apply_pipeline(
         tied_groups=groups,
         device=device,
     )
+    runner.batch_axis, runner.expert_layers = data_axis, experts  # pipeline_experts
     runner.install_hooks()  # 5.
     _mark_replicas(runner, groups, pipe_size)
     merged = merge_stage_models(stage_models)

@@ -85,6 +85,7 @@ def make_pipeline_stage(module: StageModule, index: int, num_stages: int, device
     stage model inside (see the module docstring)."""
     from torch.distributed.pipelining import PipelineStage
 
+    from .pipeline_experts import not_counted
     from .pipeline_receives import ReceivesPostedAhead
 
     class _Stage(ReceivesPostedAhead, PipelineStage):
@@ -95,6 +96,11 @@ def make_pipeline_stage(module: StageModule, index: int, num_stages: int, device
         def perform_reduce_grad(self, grad_scale_factor: int):
             with _fsdp_seen(self):
                 return super().perform_reduce_grad(grad_scale_factor)
+
+        def _forward_metadata_inference(self, *args, **kwargs):
+            # torch's shape inference runs the stage on uninitialised tensors: not training tokens
+            with not_counted(module.stage_model):
+                return super()._forward_metadata_inference(*args, **kwargs)
 
     return _Stage(module, index, num_stages, device, group=group)
 

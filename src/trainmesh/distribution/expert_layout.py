@@ -278,15 +278,6 @@ def build_expert_plan(model: nn.Module, distribution) -> ExpertPlan | None:
             f"axis only ({distribution.batch_dim_name!r}). Received: expert axis {axis!r}, "
             f"expert_parallel_size={size}"
         )
-    pipeline = getattr(distribution, "pipeline", None)
-    if pipeline is not None and mesh.axis_size(pipeline.axis) > 1:
-        # The pipeline runner averages a stage's gradients over the batch axis itself, which would mix
-        # different experts' gradients: refused rather than trained wrong.
-        raise ValueError(
-            f"Expert parallelism over {axis!r} with a pipeline over {pipeline.axis!r} is not offered yet: lay the "
-            f"experts out without a pipeline axis, or keep them replicated. Received: expert axis {axis!r}, "
-            f"pipeline axis {pipeline.axis!r} of size {mesh.axis_size(pipeline.axis)}"
-        )
     modules = tuple(m for m in found if axes_by_module[m.path] == {axis})
     for experts in modules:
         check_supported(model, experts, axis)

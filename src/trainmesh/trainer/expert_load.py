@@ -51,19 +51,31 @@ class ExpertLoad:
     def __init__(self, model: torch.nn.Module, distribution: Any):
         from trainmesh._torch.expert_parallel import dispatch_states
 
-        is_module = isinstance(model, torch.nn.Module)  # a pipeline runner holds no experts (refused there)
-        self.states = [state for _, state in dispatch_states(model)] if is_module else []
-        width = self.states[0].num_experts if self.states else 0
-        self.local = torch.zeros(len(self.states) * width, dtype=torch.float64)
+        states = dispatch_states(model) if isinstance(model, torch.nn.Module) else []
+        self.states = [state for _, state in states]
+        # Under a pipeline a process holds its stage's MoE layers only: every process lays its counts out
+        # over all the model's layers (zeros for other stages'), so every process adds the same riders and
+        # each layer's sum comes from its own stage's processes (pipeline_experts.expert_layers).
+        runner = getattr(model, "_trainmesh_pipeline", None)
+        if runner is not None:
+            layers = list(runner.expert_layers)
+        else:
+            layers = [(path, state.num_experts) for path, state in states]
+        paths = [path for path, _ in layers]
+        self.slots = [paths.index(path) for path, _ in states]
+        self.width = layers[0][1] if layers else 0
+        self.layers = len(paths)
+        self.local = torch.zeros(self.layers * self.width, dtype=torch.float64)
         self.totals = torch.full_like(self.local, float("nan"))
         # processes that route the same tokens (a model axis): each of them adds the same counts
         holders = getattr(distribution, "data_parallel_size", 1) * _sequence_size(distribution)
-        self.copies = max(runtime.world_size() // max(holders, 1), 1)
+        pipe = _pipe_size(distribution) if runner is not None else 1
+        self.copies = max(runtime.world_size() // max(holders * pipe, 1), 1)
         self.riders = [_Rider(self, i) for i in range(self.local.numel())]
         self.checked = True  # riding on the loss check (start() says)
 
     def __bool__(self) -> bool:
-        return bool(self.states)
+        return self.layers > 0
 
     def start(self, checked: bool = True) -> None:
         """``checked``: the Trainer all-reduces the loss every step (``nonfinite_loss`` set); the counts
@@ -80,27 +92,35 @@ class ExpertLoad:
             remove_rider(rider)
 
     def take_local(self) -> None:
-        self.local = torch.cat([state.train_tokens.double() for state in self.states])
-        for state in self.states:
+        local = torch.zeros(self.layers, self.width, dtype=torch.float64)
+        for slot, state in zip(self.slots, self.states):
+            local[slot] = state.train_tokens.double()
             state.train_tokens.zero_()
+        self.local = local.view(-1)
 
     def step_record(self, logged: bool = True) -> dict[str, Any]:
         """The last checked step's figures (empty before one, or without experts). Unchecked, the step's
         own counts, reduced here when ``logged`` (the same on every process); empty otherwise."""
-        if self.states and not self.checked:
+        if self and not self.checked:
             self.take_local()  # this step's counts only: the next step starts from zero
             if not logged:  # not reduced: an earlier logged step's totals are not this step's
                 return {}
             self.totals = all_reduce_small(self.local.clone())
-        if not self.states or bool(torch.isnan(self.totals).any()):
+        if not self or bool(torch.isnan(self.totals).any()):
             return {}
-        counts = (self.totals / self.copies).round().view(len(self.states), -1)
+        counts = (self.totals / self.copies).round().view(self.layers, -1)
         self.totals.fill_(float("nan"))
         mean = counts.mean(dim=1).clamp_min(1e-12)
         return {
             "moe_imbalance": float((counts.max(dim=1).values / mean).max()),
             "moe_tokens_per_expert": [[int(c) for c in layer] for layer in counts.tolist()],
         }
+
+
+def _pipe_size(distribution: Any) -> int:
+    pipeline = getattr(distribution, "pipeline", None)
+    mesh = getattr(distribution, "device_mesh", None)
+    return mesh.axis_size(pipeline.axis) if pipeline is not None and mesh is not None else 1
 
 
 def _sequence_size(distribution: Any) -> int:
