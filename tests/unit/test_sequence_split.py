@@ -87,11 +87,19 @@ def test_constructor_errors():
         tm.DataParallel(mesh, sequence_dim_name="seq", context_parallel="ringg")
     with pytest.raises(ValueError, match="needs a sequence axis"):
         tm.DataParallel(mesh, context_parallel="ring")
+    # seq x pipe trains (tests/multiprocess/test_context_parallel_pipe.py) under gpipe, 1f1b and the looped
+    # schedules; the zero-bubble ones (split backward) are refused by name, before any group exists
     pipe = tm.DeviceMesh((2, 2), ["pipe", "seq"], devices=DEVICES4)
-    with pytest.raises(ValueError, match="beside a pipeline"):
-        tm.ModelParallel(layout_map=tm.LayoutMap(pipe), sequence_dim_name="seq", pipeline=tm.Pipeline(axis="pipe"))
-    with pytest.raises(ValueError, match="beside a pipeline"):  # DataParallel too, before any group exists
-        tm.DataParallel(pipe, sequence_dim_name="seq", pipeline=tm.Pipeline(axis="pipe"))
+    tm.ModelParallel(layout_map=tm.LayoutMap(pipe), sequence_dim_name="seq", pipeline=tm.Pipeline(axis="pipe"))
+    for schedule in ("zbv", "interleaved_zero_bubble"):
+        with pytest.raises(ValueError, match=f"zero-bubble schedules.*schedule='{schedule}'"):
+            tm.ModelParallel(
+                layout_map=tm.LayoutMap(pipe),
+                sequence_dim_name="seq",
+                pipeline=tm.Pipeline(axis="pipe", schedule=schedule),
+            )
+        with pytest.raises(ValueError, match="zero-bubble schedules"):  # DataParallel too
+            tm.DataParallel(pipe, sequence_dim_name="seq", pipeline=tm.Pipeline(axis="pipe", schedule=schedule))
 
 
 def test_auto_picks_ulysses_where_heads_divide():

@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -182,7 +183,9 @@ class PipelineRunner:
         k = len(micro_batches)
         self._context[0] = precision.forward_context
         scaler = precision.scaler
-        self._loss_fn[0] = lambda out, y: _scaled(_under(precision, loss_fn, out, y), k, scaler)
+        self._loss_fn[0] = lambda out, y: _scaled(
+            self._token_weighted(_under(precision, loss_fn, out, y), y), k, scaler
+        )
         self._follow_mode()
         for batch in micro_batches:
             inputs, targets = split_batch(precision.convert_input(batch))
@@ -211,6 +214,15 @@ class PipelineRunner:
             dense = data_averaged(self.stage_models, self.parameters(), self.batch_axis)
             _average_grads(dense, self.data_group, self.data_size)
             average_expert_replicas(self.stage_models)
+
+    def _token_weighted(self, loss: torch.Tensor, targets) -> torch.Tensor:
+        """Over a sequence axis, the last stage's microbatch loss weighted to the global token mean
+        (``token_weighted_loss``: one 8-byte all-reduce over data x seq, whose processes all hold the
+        last stage and reach this point in the same microbatch order)."""
+        from .context_parallel import token_weighted_loss
+
+        last = self.stage_models[self.indices.index(self.num_stages - 1)]
+        return token_weighted_loss(last, loss, targets)
 
     def _step_context(self):
         if self.pipeline.schedule in SPLIT_BACKWARD:  # ZeRO-3 keeps a stage gathered through the step
@@ -253,6 +265,10 @@ class PipelineRunner:
         """The last stage's output for ``inputs`` (whole batch, one microbatch), by send/recv along the
         stages; on every pipeline process when ``everywhere``, else on the last stage's only."""
         self._follow_mode()
+        with _whole_sequences(self.stage_models):
+            return self._forward_only(inputs, everywhere=everywhere)
+
+    def _forward_only(self, inputs: Any, *, everywhere: bool) -> torch.Tensor | None:
         x = None
         last_out = None
         for index in range(self.num_stages):
@@ -282,6 +298,22 @@ class PipelineRunner:
                     _send_tensor(last_out, self.pipe_group, peer)
             return last_out
         return _recv_tensor(self.pipe_group, src, self.device)
+
+
+@contextlib.contextmanager
+def _whole_sequences(stage_models: list[nn.Module]):
+    """Forward-only passes run whole sequences on every process of a sequence axis: the stages pass one
+    activation tensor, and a stage's split forward would gather its output back to whole sequences
+    (``context_parallel_eval``) that the next stage's split would not take apart again."""
+    contexts = [c for c in (getattr(m, "_trainmesh_sequence", None) for m in stage_models) if c is not None]
+    saved = [c.split_whole for c in contexts]
+    for c in contexts:
+        c.split_whole = 0
+    try:
+        yield
+    finally:
+        for c, value in zip(contexts, saved):
+            c.split_whole = value
 
 
 def _under(precision, loss_fn: Callable, output, target) -> torch.Tensor:

@@ -135,6 +135,10 @@ def apply_pipeline(
     data_axis = distribution.batch_dim_name
     data_group = torch_mesh.get_group(data_axis) if data_axis and torch_mesh.ndim > 1 else None
     data_size = distribution.data_parallel_size
+    if getattr(distribution, "sequence", None) is not None:  # a sequence axis: gradients averaged over data x seq
+        from .context_parallel import gradient_group
+
+        data_group, data_size = gradient_group(torch_mesh, distribution)
     runner = PipelineRunner(
         stage_models,
         indices,

@@ -34,6 +34,7 @@ import torch
 
 METHODS = ("ring", "ulysses", "auto")
 WHOLE = ("attention_mask", "position_ids")  # inputs every process keeps whole
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv")  # _torch/pipeline_zero_bubble.SPLIT_BACKWARD
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,9 +174,13 @@ def build_sequence_split(
         )
     if sequence_dim_name == batch_dim_name:
         raise ValueError(f"The sequence axis must differ from the batch axis. Received: both {sequence_dim_name!r}")
-    if pipeline is not None and mesh.axis_size(pipeline.axis) > 1:
+    if pipeline is not None and mesh.axis_size(pipeline.axis) > 1 and pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
+        # the zero-bubble schedules run a stage's input gradients and weight gradients as two
+        # backwards; attention's collectives over the sequence axis run inside the first, and that
+        # split is not checked against one process here
         raise ValueError(
-            "A sequence axis beside a pipeline axis is not supported yet. Received: "
-            f"sequence_dim_name={sequence_dim_name!r}, pipeline axis {pipeline.axis!r}"
+            "A sequence axis beside a pipeline takes the gpipe, 1f1b, interleaved_1f1b and looped_bfs "
+            "schedules; the zero-bubble schedules (split backward) are not supported with it. Received: "
+            f"sequence_dim_name={sequence_dim_name!r}, schedule={pipeline.schedule!r}"
         )
     return SequenceSplit(axis=sequence_dim_name, axis_size=mesh.axis_size(sequence_dim_name), method=context_parallel)
