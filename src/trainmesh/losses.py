@@ -36,3 +36,5 @@ def lm_cross_entropy(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
 
 
 lm_cross_entropy.vocab_parallel = True  # the Trainer's step keeps the head's shards for this loss
+# a mean over tokens: over a sequence axis ``evaluate`` sums it over each process's chunk, no whole logits
+lm_cross_entropy.token_mean = True

@@ -100,7 +100,41 @@ def _job() -> dict:
         case["fit logits"] = seen
         case["state"] = {k: v.detach().clone() for k, v in trainer.state_dict()["model"].items()}
         out[sp] = case
+    out["evaluate"] = _evaluate_on_chunks(tm, lm_cross_entropy)
     return out
+
+
+def _evaluate_on_chunks(tm, lm_cross_entropy) -> dict:
+    """evaluate over seq 2 with the token-mean loss: the loss on each process's chunks (no gather)."""
+    from cp_cases import Padded, padded_data
+
+    mesh = tm.DeviceMesh((2,), ["seq"], devices=tm.list_devices())
+    out = {}
+    for method in ("ring", "ulysses"):
+        for padding in (None, "right"):
+            lengths: list[int] = []
+
+            def recording_loss(outputs, targets):  # the logits' length the loss saw
+                lengths.append(outputs.logits.shape[1])
+                return lm_cross_entropy(outputs, targets)
+
+            recording_loss.token_mean = True
+            model = build_model() if padding is None else Padded(build_model())
+            distribution = tm.DataParallel(mesh, sequence_dim_name="seq", context_parallel=method)
+            trainer = tm.Trainer(model, make_optimizer, recording_loss, distribution=distribution, progress=False)
+            batches = data() if padding is None else _padded_batches(padded_data(left=False))
+            kwargs = {"batch_size": GLOBAL_BATCH} if padding is None else {}
+            loss = trainer.evaluate(batches, **kwargs)["loss"]
+            out[method, padding] = (loss, lengths)
+    return out
+
+
+def _padded_batches(padded):
+    inputs, targets = padded
+    return [
+        ({k: v[i : i + GLOBAL_BATCH] for k, v in inputs.items()}, targets[i : i + GLOBAL_BATCH])
+        for i in range(0, len(targets), GLOBAL_BATCH)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +183,23 @@ def test_the_loss_saves_half_the_logits(two, sp):
     half_logits = 2 * 64 * VOCAB * 4 // 2
     assert saved["whole"] - saved["sharded"] >= 0.9 * half_logits, saved
     assert saved["whole"] - saved["sharded"] <= 1.1 * half_logits + 2 * 64 * 8, saved
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+@pytest.mark.parametrize("padding", [None, "right"], ids=["plain", "right-padded"])
+def test_evaluate_over_a_sequence_axis_takes_the_loss_on_chunks(two, method, padding):
+    from cp_cases import padded_data
+
+    model = build_model()
+    if padding is None:
+        x, y = data()
+        batches = [(x[i : i + GLOBAL_BATCH], y[i : i + GLOBAL_BATCH]) for i in range(0, len(x), GLOBAL_BATCH)]
+    else:
+        batches = _padded_batches(padded_data(left=False))
+    with torch.no_grad():  # one process: each batch's mean over its tokens, batches weighted by rows (all equal)
+        losses = [lm_loss(model(**b) if isinstance(b, dict) else model(b), t).item() for b, t in batches]
+    for rank in (0, 1):
+        loss, lengths = two[rank]["evaluate"][method, padding]
+        assert abs(loss - sum(losses) / len(losses)) <= TOLERANCE, (loss, losses)
+        # the loss saw this process's half of each sequence: no whole logits were gathered
+        assert lengths == [data()[0].shape[1] // 2] * len(batches), lengths

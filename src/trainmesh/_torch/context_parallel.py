@@ -68,6 +68,7 @@ class SequenceContext:
     grad_group: object
     grad_size: int
     split_whole: int = 0  # > 0 inside ``split_sequences``: eval forwards of whole sequences are split
+    keep_chunks: int = 0  # > 0 inside ``loss_on_chunks``: their outputs stay this process's chunk
     _cache: dict = field(default_factory=dict)
 
     def layout(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from trainmesh._torch.context_parallel_eval import split_sequences
+from trainmesh._torch.context_parallel_eval import chunk_loss, loss_on_chunks, split_sequences
 from trainmesh._torch.reduce import all_reduce_small, gather_batches
 from trainmesh._torch.sync import runs_collectives_in_forward, unwrap
 from trainmesh.runtime import to_local_device
@@ -71,7 +71,11 @@ def run_evaluation(trainer, data: Any, batch_size: int | None, metrics: list[Met
         metric.reset()
     sums = torch.zeros(2, dtype=torch.float64)
     try:
-        with torch.no_grad(), split_sequences(trainer.model):
+        with (
+            torch.no_grad(),
+            split_sequences(trainer.model),
+            loss_on_chunks(trainer.model, trainer.loss_fn, metrics) as chunked,
+        ):
             for step, (rows, batch) in enumerate(eval_batches(data, trainer.distribution, batch_size=batch_size)):
                 trainer.callbacks.on_test_batch_begin(step, {})
                 if batch is None or (batch_rows(batch) == 0 and not _every_process_forwards(trainer)):
@@ -85,7 +89,10 @@ def run_evaluation(trainer, data: Any, batch_size: int | None, metrics: list[Met
                     trainer.callbacks.on_test_batch_end(step, {})
                     continue
                 with trainer.precision.forward_context():
-                    loss = trainer.loss_fn(_model_output(trainer, outputs), targets)
+                    if chunked is not None:  # a sequence axis, only the loss asked: on this process's chunks
+                        loss = chunk_loss(chunked, trainer.loss_fn, outputs, local_targets)
+                    else:
+                        loss = trainer.loss_fn(_model_output(trainer, outputs), targets)
                 value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
                 samples = batch_rows(local_targets)
                 if samples:
