@@ -100,6 +100,18 @@ def _count_backward(state: _DispatchState, rows_to_others: int, row_bytes: int):
 def _dispatch_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
+    return _dispatch(self, hidden_states, top_k_index, top_k_weights)
+
+
+# Under torch.compile the dispatch runs eager: its split sizes are host ints read from the exchanged
+# counts (``.tolist()``) and its row counts depend on the routing, which dynamo can only trace with
+# process-wide settings (capture_scalar_outputs) and a recompile per new split. Disabled here, dynamo
+# breaks the graph once per experts call and compiles the router before it and the combine after it.
+# The disabled function is an inner one, so the module's ``forward`` does not look compiled in place.
+@torch.compiler.disable
+def _dispatch(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     state: _DispatchState = self._trainmesh_ep
     if state.inner:  # the local experts' own computation (step 4), reached through functional_call
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
