@@ -19,9 +19,11 @@ layer moves per process: Ulysses 4 all-to-alls of Q, K, V and O forward, ring on
 ``ModelParallel(..., sequence_parallel=True)``, so the norms and residual stream are measured at 1/TP
 of the sequence by the real parallelize, not estimated.
 
+Beside a pipe axis, each stage holds the chunk's activations (the stages pass ``[B, S/C, H]``), so the
+dry run is the pipeline at ``S / C`` tokens, as for any other mesh.
+
 Refused before anything is built, as training refuses them: a sequence that does not divide into
-``2 x axis`` chunks, a sequence axis beside a pipe axis, sequence parallelism
-without a model axis.
+``2 x axis`` chunks, sequence parallelism without a model axis.
 
 >>> s = sequence_axis_plan("data=2,seq=4", world_size=8, seq_len=4096)
 >>> s.spec.text(), s.local_seq_len
@@ -136,11 +138,6 @@ def sequence_axis_plan(
             f"A sequence axis {axis}={size} splits every sequence into 2 x {size} chunks (head-tail): --seq-len must "
             f"be given and divisible by {2 * size}. Received: seq_len={seq_len}"
         )
-    if user.size(user.pipe_axis) > 1:
-        raise ValueError(
-            "A sequence axis beside a pipe axis is not composed yet (pipeline stages hand each other whole "
-            f"micro-batches, not sequence chunks). Received: mesh={user.text()!r}"
-        )
     # the sequence axis joins the batch axis: one gradient group over both, as training averages
     batch = next((a for a in user.names if a not in SEQUENCE_AXES and a == user.batch_axis), None)
     merged, placed = [], False
@@ -150,7 +147,8 @@ def sequence_axis_plan(
         if name == batch or (batch is None and not placed and name not in (user.model_axis, user.pipe_axis)):
             name, n, placed = name, n * size, True
         merged.append((name, n))
-    if not placed:
-        merged.insert(0, ("data", size))
+    if not placed:  # after a pipe axis, as the search's meshes are written (pipe=2,data=2)
+        names = [name for name, _ in merged]
+        merged.insert(names.index(user.pipe_axis) + 1 if user.pipe_axis in names else 0, ("data", size))
     spec = (_SequenceParallelMesh if sequence_parallel else MeshSpec)(tuple(merged), world_size)
     return SequenceAxisPlan(user, spec, axis, size, seq_len, sequence_parallel)
