@@ -116,16 +116,21 @@ def main(argv=None) -> int:
         for _ in range(3):
             train_step(next(it), weight, args.step_ms)
     results = {name: {"samples_per_s": [], "wait_fraction": []} for name in iters}
+    supply_ms = []  # per round: ms the prefetch thread spent getting each batch from the workers
     ratios = []
     delivered = {name: [] for name in iters}
+    load_start = os.getloadavg()[0]
     for r in range(args.rounds):
         order = ["trainmesh", "torch"] if r % 2 == 0 else ["torch", "trainmesh"]
         this = {}
         for name in order:
+            fetch_s, steps = ours.stats.fetch_s, ours.stats.steps
             sps, wait = run_round(iters[name], args.steps, weight, args.step_ms, args.batch, delivered[name])
             results[name]["samples_per_s"].append(sps)
             results[name]["wait_fraction"].append(wait)
             this[name] = sps
+            if name == "trainmesh":
+                supply_ms.append(1000 * (ours.stats.fetch_s - fetch_s) / max(1, ours.stats.steps - steps))
         ratios.append(this["trainmesh"] / this["torch"])
     ours.close()
     problems = {name: same_work(got, data, args.batch, args.rounds * args.steps) for name, got in delivered.items()}
@@ -142,6 +147,15 @@ def main(argv=None) -> int:
     print(
         f"throughput ratio trainmesh / torch: median {ratio:.3f} (per-round min {min(ratios):.3f}, "
         f"max {max(ratios):.3f}); target >= 1.00: {'met' if met else 'NOT met'}"
+    )
+    # What the step waits on: batches the workers hand over more slowly than the step (supply-bound:
+    # a deeper prefetch queue cannot hold what was never produced), or latency (supply well within).
+    supply = statistics.median(supply_ms)
+    bound = "supply-bound" if supply >= 0.8 * args.step_ms else "within supply"
+    print(
+        f"trainmesh's workers: a batch every {supply:.1f} ms (median per round; rounds {min(supply_ms):.1f}-"
+        f"{max(supply_ms):.1f}) against a {args.step_ms:.0f} ms step: {bound}; load average {load_start:.1f} "
+        f"at the start, {os.getloadavg()[0]:.1f} at the end"
     )
     print(
         f"same work: {args.rounds * args.steps} full batches of distinct samples equal to the dataset's, per loader: "
@@ -164,6 +178,10 @@ def main(argv=None) -> int:
                     "met": met,
                     "torch": torch.__version__,
                     "loadavg": os.getloadavg(),
+                    "loadavg_start": load_start,
+                    # ms the prefetch thread spent getting a batch from the workers, per round (LoaderStats.fetch_s)
+                    "supply_ms_per_batch": supply_ms,
+                    "supply_bound": bound == "supply-bound",
                     # trainmesh's loader: time blocked on the next batch / wall time, at a 30 ms step and
                     # 2 workers (the demo's loader settings on this 2-core machine)
                     "figures": {"data_wait_fraction": summary["trainmesh"]["median_wait_fraction"]},

@@ -42,6 +42,11 @@ class LoaderStats:
     cache_hits: int = 0  # samples served from the in-memory cache
     wait_s: float = 0.0  # total time the consumer blocked waiting for a step
     last_wait_s: float = 0.0
+    # Time the prefetch thread spent getting these steps' batches from the workers (un-pickling
+    # included). Why: it tells what a wait is. Per step above the step's own time, the workers are
+    # the bottleneck (too few, or starved of CPU) and no prefetch depth hides it; well below it,
+    # a wait is latency (the first batch of a pass, scheduling) that depth can hide.
+    fetch_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -175,10 +180,12 @@ class DataLoader:
         """Runs in the prefetch thread: the steps of ``plan``, fetched, checked and transferred."""
         torch_iter = iter(self._torch_loader) if self._batch_sampler.batches else None
         for (cursor, micro), flags in zip(plan, cached):
-            counts = {"batches": 0, "samples": 0, "retries": 0, "skipped": 0, "cache_hits": 0}
+            counts = {"batches": 0, "samples": 0, "retries": 0, "skipped": 0, "cache_hits": 0, "fetch_s": 0.0}
             parts = []
             for indices, hit in zip(micro, flags):
+                started = time.perf_counter()
                 fetched = self._from_cache(indices) if hit else next(torch_iter)
+                counts["fetch_s"] += time.perf_counter() - started
                 if hit:
                     counts["cache_hits"] += len(fetched.indices)
                 self._check(fetched, counts)
