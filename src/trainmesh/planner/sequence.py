@@ -27,7 +27,7 @@ Refused before anything is built, as training refuses them: a sequence that does
 
 >>> s = sequence_axis_plan("data=2,seq=4", world_size=8, seq_len=4096)
 >>> s.spec.text(), s.local_seq_len
-('data=8', 512)
+('data=8', 1024)
 """
 
 from __future__ import annotations
