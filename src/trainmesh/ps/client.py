@@ -324,32 +324,34 @@ class PSClient:
                 f"push_rows({name!r}): grads must have shape {(ids.numel(), dim)}, "
                 f"got {tuple(grads.shape) if isinstance(grads, torch.Tensor) else type(grads).__name__}"
             )
-        grads = grads.detach().to("cpu", torch.float32)
-        unique, order = ids.sort()
-        if unique.numel() < 2 or bool((unique[1:] > unique[:-1]).all()):
-            # No id twice (the usual batch of distinct rows): the rows only need the ids' order,
-            # one gather; no sum into a zeroed buffer.
+        grads = grads.detach()
+        if grads.dtype != torch.float32 or grads.device.type != "cpu":
+            grads = grads.to("cpu", torch.float32)
+        # One sort by (owning server, id): each server's rows come out contiguous and in id order,
+        # so its ids and rows are slices (views) of one gather, not a gather per server.
+        rows = spec["shape"][0]
+        server_of_row = self._servers_of_rows(name, spec, ids)
+        keys, order = (key := server_of_row * rows + ids).sort()
+        if keys.numel() < 2 or bool((keys[1:] > keys[:-1]).all()):
+            # No id twice (the usual batch of distinct rows): one gather, no sum into a zeroed buffer.
             summed = grads.index_select(0, order)
         else:
-            unique, inverse = torch.unique(ids, return_inverse=True)
-            summed = torch.zeros(unique.numel(), dim).index_add_(0, inverse, grads)
-        messages = []
-        for server, positions in self._rows_by_server(name, spec, unique):
-            meta: dict[str, Any] = {"shards": [], "rows": {name: ["ids", "grads"]}, "round": self.clock_value}
-            if lr is not None:
-                meta["lr"] = float(lr)
-            messages.append(
-                (
-                    server,
-                    Message(
-                        MessageType.PUSH,
-                        self.worker_id,
-                        0,
-                        meta=meta,
-                        tensors={"ids": unique[positions], "grads": summed[positions]},
-                    ),
+            keys, inverse = torch.unique(key, return_inverse=True)  # (inverse: in the grads' order)
+            summed = torch.zeros(keys.numel(), dim).index_add_(0, inverse, grads)
+        servers = keys // rows
+        counts = torch.bincount(servers, minlength=len(self.server_ids)).tolist()
+        meta: dict[str, Any] = {"shards": [], "rows": {name: ["ids", "grads"]}, "round": self.clock_value}
+        if lr is not None:
+            meta["lr"] = float(lr)
+        messages, start = [], 0
+        unique = keys - servers * rows
+        for server, count in enumerate(counts):
+            if count:
+                tensors = {"ids": unique[start : start + count], "grads": summed[start : start + count]}
+                messages.append(
+                    (server, Message(MessageType.PUSH, self.worker_id, 0, meta=dict(meta), tensors=tensors))
                 )
-            )
+                start += count
         return self._track_push(self.io.submit(messages))
 
     # -- clocks, stats, shutdown ----------------------------------------------------------------
@@ -440,25 +442,32 @@ class PSClient:
             raise ValueError(f"{name!r} is not a sparse table passed to init; known: {sorted(self.params)}")
         return spec
 
+    def _servers_of_rows(self, name: str, spec: dict, ids: torch.Tensor) -> torch.Tensor:
+        """The server index owning each row of ``ids`` (checked in range), as an int64 tensor."""
+        rows, rows_per_shard = spec["shape"][0], self.partitioner.rows_per_shard
+        if ids.numel():
+            low, high = (int(v) for v in torch.aminmax(ids))
+            for row in (low, high):
+                if not 0 <= row < rows:
+                    raise ValueError(f"row id {row} out of range for table {name!r} with {rows} rows")
+        # Vectorised: owners are hashed once per range and kept in a tensor per table (a push into
+        # a big table touches hundreds of ranges).
+        owner_of_range = self._range_owners.get(name)
+        if owner_of_range is None:
+            owner_of_range = self._range_owners[name] = torch.full((-(-rows // rows_per_shard),), -1)
+        ranges = ids // rows_per_shard
+        server_of_row = owner_of_range[ranges]
+        if ids.numel() and bool((server_of_row < 0).any()):
+            new = torch.unique(ranges[server_of_row < 0]).tolist()
+            owner_of_range[new] = torch.tensor([self._owner(shard_id(name, r)) for r in new], dtype=torch.int64)
+            server_of_row = owner_of_range[ranges]
+        return server_of_row
+
     def _rows_by_server(self, name: str, spec: dict, unique: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """``[(server, positions into unique)]`` for the servers owning the touched row ranges."""
         if unique.numel() == 0:
             return []
-        rows, rows_per_shard = spec["shape"][0], self.partitioner.rows_per_shard
-        for row in (int(unique[0]), int(unique[-1])):  # unique is sorted: its ends bound every id
-            if not 0 <= row < rows:
-                raise ValueError(f"row id {row} out of range for table {name!r} with {rows} rows")
-        # Vectorised: owners are hashed once per range and kept in a tensor per table (a push into
-        # a big table touches hundreds of ranges), then one mask per server (not per range).
-        owner_of_range = self._range_owners.get(name)
-        if owner_of_range is None:
-            owner_of_range = self._range_owners[name] = torch.full((-(-rows // rows_per_shard),), -1)
-        ranges = unique // rows_per_shard
-        server_of_row = owner_of_range[ranges]
-        if bool((server_of_row < 0).any()):
-            new = torch.unique(ranges[server_of_row < 0]).tolist()
-            owner_of_range[new] = torch.tensor([self._owner(shard_id(name, r)) for r in new], dtype=torch.int64)
-            server_of_row = owner_of_range[ranges]
+        server_of_row = self._servers_of_rows(name, spec, unique)
         owners = torch.unique(server_of_row).tolist()
         return [(server, (server_of_row == server).nonzero().reshape(-1)) for server in owners]
 
