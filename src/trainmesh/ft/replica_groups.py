@@ -26,6 +26,7 @@ plus raw tensor bytes (``tensor_codec``): nothing a peer sends is unpickled.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from trainmesh.ft.binding import bind_address, manager_server_bound_to
+from trainmesh.ft.binding import bind_address, manager_server_bound_to, wait_for_lighthouse
 from trainmesh.ft.group_state import group_store, load_model_local, load_optimizer_local, local, local_tree
 from trainmesh.ft.membership import QuorumWatch, replica_id_for
 from trainmesh.ft.tensor_codec import encode_state, parse_header, tensor_specs, decode_state
@@ -72,9 +73,12 @@ class ReplicaGroups:
 
     ``min_replicas``: a step commits only with at least this many groups in it. ``lighthouse``: the
     Lighthouse URL (default ``$TORCHFT_LIGHTHOUSE``). ``replica_group``: this group's number (default
-    ``$TRAINMESH_REPLICA_GROUP``). ``quorum_retries``: how many failed quorum calls (a Lighthouse outage)
+    ``$TRAINMESH_REPLICA_GROUP``). ``quorum_retries``: at least this many failed quorum calls (a Lighthouse outage)
     are retried before the group gives up; torchft's default, 0, kills every group within 0.2 s of
-    losing the Lighthouse. ``advertise_host``: the address peers reach this group at,
+    losing the Lighthouse. ``lighthouse_retry_s``: during an outage the Lighthouse is tried again about
+    this often (the retries are raised to ``quorum_timeout_s / lighthouse_retry_s``), so an outage of up to
+    ``quorum_timeout_s`` is survived and the job goes on within about 2 x ``lighthouse_retry_s`` + one
+    quorum of the Lighthouse's return, whatever the time-outs. ``advertise_host``: the address peers reach this group at,
     and the only one its Manager server and its store listen on; default 127.0.0.1 when the Lighthouse is
     on loopback (a job on one machine), else this host's name.
     """
@@ -87,12 +91,19 @@ class ReplicaGroups:
     connect_timeout_s: float = 30.0
     heartbeat_interval_s: float = 0.1
     quorum_retries: int = 3
+    lighthouse_retry_s: float = 1.0
     advertise_host: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_replicas, int) or self.min_replicas < 1:
             raise ValueError(f"min_replicas must be an int >= 1. Received: min_replicas={self.min_replicas!r}")
-        for name in ("timeout_s", "quorum_timeout_s", "connect_timeout_s", "heartbeat_interval_s"):
+        for name in (
+            "timeout_s",
+            "quorum_timeout_s",
+            "connect_timeout_s",
+            "heartbeat_interval_s",
+            "lighthouse_retry_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0. Received: {name}={getattr(self, name)!r}")
         if self.quorum_retries < 0:
@@ -220,7 +231,15 @@ class ReplicaGroupSync:
         self._store, host, port = group_store(config.advertise_host, timeout)
         self._pg = ProcessGroupGloo(timeout=timeout)
         # torchft would bind its Manager server on every interface: bind it where the group's store is
-        with manager_server_bound_to(bind_address(host)):
+        # the Lighthouse retried every lighthouse_retry_s at most (see binding): more, shorter retries
+        retries = max(config.quorum_retries, math.ceil(config.quorum_timeout_s / config.lighthouse_retry_s))
+        self.lighthouse_retries = retries
+        wait_for_lighthouse(config.lighthouse, config.connect_timeout_s)
+        with manager_server_bound_to(
+            bind_address(host),
+            connect_timeout=timedelta(seconds=config.lighthouse_retry_s),
+            quorum_retries=retries,
+        ):
             self.manager = Manager(
                 pg=self._pg,
                 load_state_dict=self._load_state,
