@@ -4,8 +4,10 @@
 ignored, the mean over the other tokens). Handed to ``tm.Trainer`` as its ``loss_fn`` under tensor
 parallelism, it lets the column-wise head keep its vocabulary shard for the training step and computes
 the cross-entropy on the shards (``_torch/vocab_parallel.py``), so no process holds or saves whole
-logits. Anywhere else (one process, data parallelism, ``evaluate``, ``predict``, a call by hand) it
-is ``F.cross_entropy`` on the whole logits: the script is the same for every layout.
+logits. Over a sequence axis, ``evaluate`` with no metrics computes it on each process's chunks of the
+sequence (``_torch/context_parallel_eval.py``). Anywhere else (one process, data parallelism,
+``predict``, a call by hand) it is ``F.cross_entropy`` on the whole logits: the script is the same for
+every layout.
 
     >>> import torch
     >>> from trainmesh.losses import lm_cross_entropy
