@@ -211,7 +211,11 @@ def _apply_layers(
         model = apply_context_parallel(model, distribution)
     # 2. activation checkpointing
     if activation_checkpointing is not None:
-        model = apply_activation_checkpointing(model, activation_checkpointing, model_mechanism=not pipelined)
+        # Compiled experts: torch's hooks, not the model's own checkpointing. Dynamo traces the model's
+        # checkpoint call as one region and cannot pass the eager dispatch inside it, so the whole block ran
+        # eager; the hooks run outside the compiled forward, which then breaks at the dispatch only.
+        own = not pipelined and not (compile is not False and expert_plan is not None)
+        model = apply_activation_checkpointing(model, activation_checkpointing, model_mechanism=own)
     # 3. compile: each repeated block (or the whole model) in place, before DDP / FSDP2 wrap them
     model = apply_compile(
         model, compile, backend=compile_backend, device_type=runtime.torch_device_type(), inductor_mode=compile_mode
