@@ -87,3 +87,29 @@ def test_plan_parallel_refuses_before_building_the_model():
 
     with pytest.raises(ValueError, match="divisible by 4"):
         plan_parallel(never, world_size=4, mesh="pipe=2,seq=2", seq_len=66)
+
+
+def test_search_proposes_the_smallest_sequence_axis_that_fits():
+    """tiny-llama at 2,048 tokens, fp32, ZeRO-3 on 4 processes: data=4 plans 221 MB a process, data=2,seq=2
+    122 MB and seq=4 72 MB; under 100 MB the search tries seq=2, then proposes seq=4 and says why."""
+    from trainmesh.planner.search import search, with_sequence_axis
+
+    assert with_sequence_axis("pipe=2,data=4,model=2", 2) == "pipe=2,data=2,seq=2,model=2"
+    assert with_sequence_axis("data=2", 4) is None
+    result = search(
+        "tiny-llama",
+        world_size=4,
+        device_memory=100 * 10**6,
+        zero_stages=(3,),
+        checkpointing_choices=(None,),
+        max_model=1,
+        max_pipe=1,
+        micro_batch=1,
+        seq_len=2048,
+        precision="fp32",
+    )
+    assert [p.mesh.text() for p in result.plans] == ["data=4", "data=2,seq=2", "seq=4"]
+    assert [p.fits for p in result.plans] == [False, False, True]
+    assert result.best.mesh.text() == "seq=4"
+    assert "seq=4, the smallest that fits" in result.proposal and "512 of them" in result.proposal
+    assert result.proposal in result.table() and result.to_dict()["proposal"] == result.proposal

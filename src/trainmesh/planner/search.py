@@ -8,6 +8,11 @@ full. A mesh the model cannot be split on (no layer divides the model axis, fewe
 stages) is skipped with a note.
 Each candidate is a full dry run; the ones that fit ``device_memory`` are ranked fastest first
 (estimated step time), ties to less communication.
+
+When nothing fits and a sequence length is given, the search proposes a sequence axis
+(``planner/sequence.py``): it plans the same candidates again with ``seq=2``, then 4, 8, ... taken
+from the batch axis (a size must divide the batch axis and split the sequence into ``2 x seq``
+chunks), stops at the smallest size under which something fits, and says why in ``proposal``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class SearchResult:
     plans: list[ParallelPlan]
     device_memory: int
     skipped: list[str] = field(default_factory=list)
+    proposal: str | None = None  # why a sequence axis was added, when one was
 
     @property
     def ranked(self) -> list[ParallelPlan]:
@@ -62,12 +68,15 @@ class SearchResult:
                 )
             )
         lines += [f"skipped: {s}" for s in self.skipped]
+        if self.proposal:
+            lines.append(self.proposal)
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "device_memory": self.device_memory,
             "skipped": self.skipped,
+            "proposal": self.proposal,
             "best": self.best.to_dict() if self.best else None,
             "ranked": [
                 {
@@ -134,7 +143,49 @@ def search(
     2 x its pipe axis) and ``schedule`` from ``kwargs`` like ``plan_parallel``."""
     meta = build_meta_model(model if isinstance(model, nn.Module) else model_factory(model))
     result = SearchResult([], device_memory)
-    for mesh, zero, checkpointing in candidates(world_size, max_model, zero_stages, checkpointing_choices, max_pipe):
+    meshes = candidates(world_size, max_model, zero_stages, checkpointing_choices, max_pipe)
+    _plan_all(result, model, meta, meshes, world_size, device_memory, progress, kwargs)
+    seq_len = kwargs.get("seq_len")
+    if result.best is not None or not seq_len or not result.plans:
+        return result
+    smallest = min(p.peak_bytes for p in result.plans)
+    size = 2
+    while size <= world_size and result.best is None:
+        with_seq = [(with_sequence_axis(m, size), z, c) for m, z, c in meshes]
+        with_seq = [(m, z, c) for m, z, c in with_seq if m is not None]
+        if with_seq and seq_len % (2 * size) == 0:
+            _plan_all(result, model, meta, with_seq, world_size, device_memory, progress, kwargs)
+            if result.best is not None:
+                result.proposal = (
+                    f"proposed: a sequence axis seq={size}, the smallest that fits: no mesh without one holds "
+                    f"{seq_len} tokens a sequence (smallest peak {format_bytes(smallest)} over "
+                    f"{format_bytes(device_memory)}); under seq={size} each process holds {seq_len // size} "
+                    f"of them"
+                )
+        size *= 2
+    return result
+
+
+def with_sequence_axis(mesh: str, size: int) -> str | None:
+    """``mesh`` with a ``seq`` axis of ``size`` taken from its batch axis, or None where it does not divide.
+
+    >>> with_sequence_axis("pipe=2,data=4,model=2", 2), with_sequence_axis("data=2", 4)
+    ('pipe=2,data=2,seq=2,model=2', None)
+    """
+    out = []
+    for axis in mesh.split(","):
+        name, n = axis.split("=")
+        if name == "data":
+            if int(n) % size:
+                return None
+            out += ([f"data={int(n) // size}"] if int(n) > size else []) + [f"seq={size}"]
+        else:
+            out.append(axis)
+    return ",".join(out)
+
+
+def _plan_all(result, model, meta, meshes, world_size, device_memory, progress, kwargs) -> None:
+    for mesh, zero, checkpointing in meshes:
         try:
             plan = plan_parallel(
                 meta,
@@ -155,4 +206,3 @@ def search(
                 f"  planned {mesh} zero {zero} checkpointing {checkpointing or 'none'}: peak "
                 f"{format_bytes(plan.peak_bytes)}, step {plan.step.seconds * 1e3:.1f} ms"
             )
-    return result
