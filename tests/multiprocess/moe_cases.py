@@ -126,12 +126,13 @@ def reference(
     aux: bool = False,
     epochs: int = 1,
     bias: bool = False,
+    layers: int = 2,
 ) -> dict:
     """Losses, first-step gradients and final parameters of one process on the global batches; ``aux``
     adds ``AUX_COEF`` x transformers' auxiliary loss to the cross-entropy; ``bias`` updates DeepSeek-V3's
     router bias after each step, written out here (not trainmesh's class): ``BIAS_RATE x sign(mean load -
     load)`` from the step's (token, expert) counts."""
-    model = moe_model(family, router_logits=aux)
+    model = moe_model(family, router_logits=aux, layers=layers)
     if skew:
         skew_router(model)
     loads = {}

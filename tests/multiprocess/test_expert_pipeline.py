@@ -23,7 +23,9 @@ from moe_cases import GLOBAL_BATCH, NUM_EXPERTS, data, lm_loss, moe_model, refer
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 pytest.importorskip("transformers")
 TOL = 1e-6
-CASES = [("gpipe", 0), ("1f1b", 0), ("1f1b", 3)]  # schedule, ZeRO stage
+# schedule, ZeRO stage; interleaved 1F1B: 4 stages of one MoE layer each, 2 per process (a 4-layer model)
+CASES = [("gpipe", 0), ("1f1b", 0), ("1f1b", 3), ("interleaved_1f1b", 0)]
+LAYERS = {"interleaved_1f1b": 4}
 
 
 def _full(tensor):
@@ -48,7 +50,7 @@ def _fit(schedule: str, zero_stage: int) -> dict:
 
     from moe_cases import make_optimizer
 
-    model = moe_model("qwen3_moe")
+    model = moe_model("qwen3_moe", layers=LAYERS.get(schedule, 2))
     distribution = _distribution(schedule)
     first_grads: dict = {}
     names: dict = {}
@@ -123,10 +125,8 @@ def _cases() -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(_cases, world_size=4, timeout=240), {
-        **reference("qwen3_moe"),
-        "routing": routing_counts("qwen3_moe"),
-    }
+    wants = {layers: reference("qwen3_moe", layers=layers) for layers in {2, *LAYERS.values()}}
+    return run_distributed(_cases, world_size=4, timeout=240), wants, routing_counts("qwen3_moe")
 
 
 def _merged(results: list[dict], case, key: str) -> dict:
@@ -146,7 +146,8 @@ def _max_diff(got: dict, want: dict) -> tuple[float, str]:
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{s}_zero{z}" for s, z in CASES])
 def test_pipe2_ep2_matches_one_process(results, case):
-    results, want = results
+    results, wants, routing = results
+    want = wants[LAYERS.get(case[0], 2)]
     losses = results[-1][case]["losses"]  # the Trainer reports the last stage's loss everywhere
     assert losses == pytest.approx(want["losses"], abs=TOL)
     grad_diff, name = _max_diff(_merged(results, case, "grads"), want["grads"])
@@ -155,13 +156,18 @@ def test_pipe2_ep2_matches_one_process(results, case):
     assert param_diff <= TOL, (name, param_diff)
     for rank_result in results:  # one MoE layer per stage, half its experts on each process of the stage
         rows = rank_result[case]["expert_rows"]
-        assert rows == [(NUM_EXPERTS // 2, NUM_EXPERTS)], rows  # ZeRO-3 leaves EP's experts alone
+        layers_held = LAYERS.get(case[0], 2) // 2
+        assert rows == [(NUM_EXPERTS // 2, NUM_EXPERTS)] * layers_held, rows  # ZeRO-3 leaves EP's experts alone
         # the Trainer's log: the global batch's tokens per expert of both layers, not shape inference's
-        assert rank_result[case]["tokens"][0] == want["routing"], rank_result[case]["tokens"]
+        tokens = rank_result[case]["tokens"][0]
+        if case[0] in LAYERS:  # a 4-layer model: every layer's counts add up to tokens x top-k
+            assert len(tokens) == 4 and all(sum(layer) == GLOBAL_BATCH * 8 * 2 for layer in tokens), tokens
+        else:
+            assert tokens == routing, tokens
 
 
 def test_auxiliary_loss_is_refused_under_the_pipe_by_name(results):
-    results, _ = results
+    results = results[0]
     for rank_result in results:
         assert "auxiliary load-balancing loss is not offered with a pipeline over 'pipe'" in rank_result["aux"]
         assert "output_router_logits=True" in rank_result["aux"]
