@@ -4,7 +4,8 @@ whose experts are split over the stage's two data processes, tokens dispatched w
 
 One launch of 4 processes, ``tm.Trainer``, 3 AdamW steps of the global batch in 2 microbatches, against one
 process on the same batches (``moe_cases.reference``): per-step losses, the first step's gradients and the
-parameters after 3 steps within 1e-6, under GPipe, 1F1B and 1F1B x ZeRO-3. Also checked: each process holds
+parameters after 3 steps within 1e-6, under GPipe, 1F1B, 1F1B x ZeRO-3 and interleaved 1F1B (a
+4-layer model: 4 stages, 2 per process). Also checked: each process holds
 half its stage's experts; the Trainer's per-expert token counts are one process's routing of the first batch
 (torch's shape inference on the first step routes uninitialised tensors, which must not count); a model asked
 for its router logits (the auxiliary loss) is refused by name under the pipe, on every process, before any
