@@ -103,7 +103,7 @@ def test_two_groups_of_two_with_zero2_equal_one_process(tmp_path, optimizer):
             torch.testing.assert_close(got[key], ref[key], rtol=0, atol=1e-6, msg=f"{name} {key}")
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_a_sigkilled_group_of_two_loses_no_committed_step_and_rejoins_equal(tmp_path):
     lighthouse, url = lighthouse_on_loopback(HEARTBEAT_TIMEOUT_S)
     slow = tmp_path / "slow"  # while it exists the survivors step once a second: the restart joins before the end
@@ -115,7 +115,9 @@ def test_a_sigkilled_group_of_two_loses_no_committed_step_and_rejoins_equal(tmp_
     try:
         survivor, victim = _launch(tmp_path, "g0", argv, 0, url), _launch(tmp_path, "g1", argv, 1, url)
         procs += [survivor, victim]
-        wait_for(lambda: sum(r["replicas"] == 2 for r in records(log["g1"])) >= 3, 60, "3 steps of both", procs)
+        # Start-up only (4 processes importing torch, two quorums): not a property under test, and above
+        # load ~25 on 2 cores it took over 60 s, on the unchanged code too.
+        wait_for(lambda: sum(r["replicas"] == 2 for r in records(log["g1"])) >= 3, 120, "3 steps of both", procs)
         assert _kill_group(victim) >= 3  # the launcher and both its workers
         killed_at = time.time()
         wait_for(

@@ -38,92 +38,10 @@ import torch
 from trainmesh.ft.binding import bind_address, manager_server_bound_to, wait_for_lighthouse
 from trainmesh.ft.group_state import group_store, load_model_local, load_optimizer_local, local, local_tree
 from trainmesh.ft.membership import QuorumWatch, replica_id_for
-from trainmesh.ft.tensor_codec import encode_state, parse_header, tensor_specs, decode_state
+from trainmesh.ft.replica_config import ReplicaGroups, torchft_available
+from trainmesh.ft.state_transport import SafeStateTransport
 
 __all__ = ["ReplicaGroups", "ReplicaGroupSync", "StepInfo", "SafeStateTransport", "torchft_available"]
-
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable, so its tools and ours agree
-REPLICA_GROUP_ENV = "TRAINMESH_REPLICA_GROUP"
-
-
-def torchft_available() -> bool:
-    try:
-        import torchft  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _is_loopback_url(url: str) -> bool:
-    import ipaddress
-    from urllib.parse import urlsplit
-
-    host = urlsplit(url if "://" in url else f"http://{url}").hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-@dataclass(kw_only=True)
-class ReplicaGroups:
-    """How this process's replica group joins the others.
-
-    ``min_replicas``: a step commits only with at least this many groups in it. ``lighthouse``: the
-    Lighthouse URL (default ``$TORCHFT_LIGHTHOUSE``). ``replica_group``: this group's number (default
-    ``$TRAINMESH_REPLICA_GROUP``). ``quorum_retries``: at least this many failed quorum calls (a Lighthouse outage)
-    are retried before the group gives up; torchft's default, 0, kills every group within 0.2 s of
-    losing the Lighthouse. ``lighthouse_retry_s``: during an outage the Lighthouse is tried again about
-    this often (the retries are raised to ``quorum_timeout_s / lighthouse_retry_s``), so an outage of up to
-    ``quorum_timeout_s`` is survived and the job goes on within about 2 x ``lighthouse_retry_s`` + one
-    quorum of the Lighthouse's return, whatever the time-outs. ``advertise_host``: the address peers reach this group at,
-    and the only one its Manager server and its store listen on; default 127.0.0.1 when the Lighthouse is
-    on loopback (a job on one machine), else this host's name.
-    """
-
-    min_replicas: int = 1
-    lighthouse: str | None = None
-    replica_group: int | None = None
-    timeout_s: float = 30.0
-    quorum_timeout_s: float = 60.0
-    connect_timeout_s: float = 30.0
-    heartbeat_interval_s: float = 0.1
-    quorum_retries: int = 3
-    lighthouse_retry_s: float = 1.0
-    advertise_host: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.min_replicas, int) or self.min_replicas < 1:
-            raise ValueError(f"min_replicas must be an int >= 1. Received: min_replicas={self.min_replicas!r}")
-        for name in (
-            "timeout_s",
-            "quorum_timeout_s",
-            "connect_timeout_s",
-            "heartbeat_interval_s",
-            "lighthouse_retry_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0. Received: {name}={getattr(self, name)!r}")
-        if self.quorum_retries < 0:
-            raise ValueError(f"quorum_retries must be >= 0. Received: quorum_retries={self.quorum_retries!r}")
-        if self.lighthouse is None:
-            self.lighthouse = os.environ.get(LIGHTHOUSE_ENV)
-        if not self.lighthouse:
-            raise ValueError(
-                f"ReplicaGroups needs the Lighthouse's URL: lighthouse=... or ${LIGHTHOUSE_ENV}. "
-                f"Received: lighthouse={self.lighthouse!r}"
-            )
-        if self.advertise_host is None and _is_loopback_url(self.lighthouse):
-            self.advertise_host = "127.0.0.1"  # every group reaches the Lighthouse on loopback: one machine
-        if self.replica_group is None and os.environ.get(REPLICA_GROUP_ENV):
-            self.replica_group = int(os.environ[REPLICA_GROUP_ENV])
-        if not isinstance(self.replica_group, int) or self.replica_group < 0:
-            raise ValueError(
-                f"replica_group must be an int >= 0 (or ${REPLICA_GROUP_ENV}). "
-                f"Received: replica_group={self.replica_group!r}"
-            )
 
 
 @dataclass(frozen=True)
@@ -135,57 +53,6 @@ class StepInfo:
     num_replicas: int  # groups in this step's quorum
     healed: bool  # this group just received the live state from a peer
     left: tuple[int | None, ...] = ()  # groups in the previous step's quorum and not in this one (named on stderr)
-
-
-def _build_transport_class():
-    from torchft.checkpointing.transport import CheckpointTransport
-
-    class _SafeStateTransport(CheckpointTransport):
-        """torchft's ``CheckpointTransport`` over the replica groups' own process group, without pickle:
-        a length, a JSON header (``tensor_codec``), then each tensor's bytes, each send a tagged gloo
-        message. The receiver checks the header before it allocates anything."""
-
-        def __init__(self, pg: Any, timeout: timedelta) -> None:
-            self._pg = pg
-            self._timeout = timeout
-
-        def metadata(self) -> str:
-            return "trainmesh-json-v1"  # no address: the bytes go over the quorum's process group
-
-        def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
-            header, tensors = encode_state({"step": step, "state": state_dict})
-            header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-            length = torch.tensor([len(header)], dtype=torch.int64)
-            for dst in dst_ranks:
-                self._pg.send([length], dst, tag=1).wait(timeout)
-                self._pg.send([header_t], dst, tag=2).wait(timeout)
-                for i, tensor in enumerate(tensors):
-                    raw = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                    self._pg.send([raw], dst, tag=3 + i).wait(timeout)
-
-        def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
-            length = torch.zeros(1, dtype=torch.int64)
-            self._pg.recv([length], src_rank, tag=1).wait(timeout)
-            header_t = torch.empty(int(length.item()), dtype=torch.uint8)
-            self._pg.recv([header_t], src_rank, tag=2).wait(timeout)
-            header = header_t.numpy().tobytes()
-            specs = tensor_specs(parse_header(header))  # refuses a pickle before any tensor is received
-            tensors = []
-            for i, (dtype, shape) in enumerate(specs):
-                out = torch.empty(shape, dtype=dtype)
-                self._pg.recv([out.reshape(-1).view(torch.uint8)], src_rank, tag=3 + i).wait(timeout)
-                tensors.append(out)
-            received = decode_state(header, tensors)
-            if received["step"] != step:
-                raise ValueError(f"recovery state is for step {received['step']}. Expected: step={step}")
-            return received["state"]
-
-    return _SafeStateTransport
-
-
-def SafeStateTransport(pg: Any, timeout: timedelta) -> Any:  # noqa: N802 (a class built on first use)
-    """torchft ``CheckpointTransport`` without pickle (built lazily: torchft is optional)."""
-    return _build_transport_class()(pg, timeout)
 
 
 def _group_rank_world() -> tuple[int, int]:

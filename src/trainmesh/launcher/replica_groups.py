@@ -21,8 +21,8 @@ import os
 import subprocess
 import sys
 
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable (trainmesh.ft.replica_groups reads it)
-REPLICA_GROUP_ENV = "TRAINMESH_REPLICA_GROUP"
+from trainmesh.ft.replica_config import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV  # the variables the groups read
+
 REPLICA_GROUPS_ENV = "TRAINMESH_REPLICA_GROUPS"
 
 
