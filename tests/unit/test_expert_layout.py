@@ -62,6 +62,21 @@ def test_auto_on_a_two_axis_mesh_adds_tensor_parallel_attention():
     assert layout_map["model.layers.0.mlp.experts.gate_up_proj"].axes == ("data", None, None)
 
 
+def test_auto_on_a_pipe_data_mesh_lays_out_experts_only_and_prints_them(capsys):
+    """("pipe", "data") has no model axis: no tensor-parallel entry (the last axis, "data", is the batch
+    axis), the experts over "data", printed; ("pipe", "model") keeps its tensor parallelism."""
+    model = _qwen3_moe()
+    layout_map = tm.LayoutMap.auto(model, _mesh(2, 2, axes=("pipe", "data")), expert_axis="data")
+    assert sorted(k.replace("\\", "") for k in layout_map) == sorted(EXPERT_PARAMS)
+    assert all(layout_map[p].axes == ("data", None, None) for p in EXPERT_PARAMS)
+    assert layout_map["model.layers.0.self_attn.q_proj.weight"] is None
+    printed = capsys.readouterr().out
+    assert "experts of Qwen3MoeForCausalLM" in printed and "tensor-parallel plan" not in printed
+    assert not len(tm.LayoutMap.auto(model, _mesh(2, 2, axes=("pipe", "data")), verbose=False))
+    piped_tp = tm.LayoutMap.auto(model, _mesh(2, 2, axes=("pipe", "model")), verbose=False)
+    assert piped_tp["model.layers.0.self_attn.q_proj.weight"].axes == ("model", None)
+
+
 def test_experts_are_found_by_structure_without_a_shipped_plan():
     model = _qwen3_moe()
     model.config.base_model_ep_plan = None

@@ -148,6 +148,23 @@ def _check(model: nn.Module, pattern: str, style: str, axis: str, size: int, not
     return layouts
 
 
+# Axis names a pipeline runs over (``tm.Pipeline(axis="pipe")``'s default and the planner's names): such an
+# axis splits layers, never tensors, so it is never the default tensor-parallel axis.
+PIPE_AXIS_NAMES = ("pipe", "pp", "pipeline")
+MODEL_AXIS_NAMES = ("model", "tensor", "tp")
+
+
+def default_model_axis(device_mesh: DeviceMesh) -> str | None:
+    """The mesh's last axis that is not a pipe axis, when it is named as a model axis or another non-pipe
+    axis (the batch axis, first by Keras's convention) precedes it; else None: ``("data",)`` and
+    ``("pipe", "data")`` have no model axis, so they get no tensor parallelism (taking "data" would
+    shard over the batch axis), while ``("pipe", "model")`` and ``("data", "mp")`` do."""
+    names = [a for a in device_mesh.axis_names if a not in PIPE_AXIS_NAMES]
+    if names and (len(names) > 1 or names[-1] in MODEL_AXIS_NAMES):
+        return names[-1]
+    return None
+
+
 def auto_layout_map(
     model: nn.Module,
     device_mesh: DeviceMesh,
@@ -157,9 +174,10 @@ def auto_layout_map(
     expert_axis: str | None = None,
     expert_parallel_size: int | None = None,
 ) -> LayoutMap:
-    """See the module docstring. ``model_axis`` defaults to the mesh's last axis (the first is the
-    batch axis, Keras's convention); a 1-axis mesh gets no tensor-parallel entries (pure data
-    parallelism). ``expert_axis`` adds the experts' layouts (``expert_layout.expert_layouts``)."""
+    """See the module docstring. ``model_axis`` defaults to the mesh's last axis other than a pipe axis
+    (the first is the batch axis, Keras's convention; ``default_model_axis``); a mesh with one axis
+    besides a pipe axis gets no tensor-parallel entries (pure data parallelism, with a pipeline or not).
+    ``expert_axis`` adds the experts' layouts (``expert_layout.expert_layouts``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"LayoutMap.auto needs a torch.nn.Module. Received: {type(model).__name__}")
     if not isinstance(device_mesh, DeviceMesh):
@@ -171,10 +189,10 @@ def auto_layout_map(
         experts, expert_notes, expert_source = expert_layouts(model, device_mesh, expert_axis, expert_parallel_size)
         layout_map.expert_parallel_size = expert_parallel_size
     if model_axis is None:
-        if len(device_mesh.axis_names) < 2 and expert_axis is None:
+        model_axis = default_model_axis(device_mesh)
+        if model_axis is None and expert_axis is None:
             return layout_map
-        model_axis = device_mesh.axis_names[-1] if len(device_mesh.axis_names) > 1 else None
-    if model_axis is None:  # a 1-axis mesh with experts: expert entries only
+    if model_axis is None:  # no model axis, with experts: expert entries only, dense layers replicated
         return _with_experts(model, layout_map, experts, expert_notes, expert_source, expert_axis, verbose)
     if model_axis not in device_mesh.axis_names:
         raise ValueError(
