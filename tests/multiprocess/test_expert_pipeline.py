@@ -4,8 +4,8 @@ whose experts are split over the stage's two data processes, tokens dispatched w
 
 One launch of 4 processes, ``tm.Trainer``, 3 AdamW steps of the global batch in 2 microbatches, against one
 process on the same batches (``moe_cases.reference``): per-step losses, the first step's gradients and the
-parameters after 3 steps within 1e-6, under GPipe, 1F1B, 1F1B x ZeRO-3 and interleaved 1F1B (a
-4-layer model: 4 stages, 2 per process). Also checked: each process holds
+parameters after 3 steps within 1e-6, under GPipe (its layout from ``LayoutMap.auto(model, mesh, expert_axis="data")``), 1F1B, 1F1B x ZeRO-3
+and interleaved 1F1B (a 4-layer model: 4 stages, 2 per process). Also checked: each process holds
 half its stage's experts; the Trainer's per-expert token counts are one process's routing of the first batch
 (torch's shape inference on the first step routes uninitialised tensors, which must not count); a model asked
 for its router logits (the auxiliary loss) is refused by name under the pipe, on every process, before any
@@ -33,15 +33,19 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _distribution(schedule: str):
-    """Experts over the data axis, written out (``LayoutMap.auto`` would take the mesh's last axis, "data",
-    for tensor parallelism too); everything else replicated within a stage."""
+def _distribution(schedule: str, model=None):
+    """Experts over the data axis, everything else replicated within a stage: written out, or (``model``
+    given: the GPipe case) by ``LayoutMap.auto(model, mesh, expert_axis="data")``, which on a
+    ("pipe", "data") mesh lays out no tensor parallelism."""
     import trainmesh as tm
 
     mesh = tm.DeviceMesh((2, 2), ["pipe", "data"], devices=tm.list_devices())
-    layout_map = tm.LayoutMap(mesh)
-    layout_map["model.layers.*.mlp.experts.gate_up_proj"] = ("data", None, None)
-    layout_map["model.layers.*.mlp.experts.down_proj"] = ("data", None, None)
+    if model is not None:
+        layout_map = tm.LayoutMap.auto(model, mesh, expert_axis="data", verbose=False)
+    else:
+        layout_map = tm.LayoutMap(mesh)
+        layout_map["model.layers.*.mlp.experts.gate_up_proj"] = ("data", None, None)
+        layout_map["model.layers.*.mlp.experts.down_proj"] = ("data", None, None)
     pipeline = tm.Pipeline(axis="pipe", schedule=schedule, microbatches=2)
     return tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", pipeline=pipeline)
 
@@ -52,7 +56,7 @@ def _fit(schedule: str, zero_stage: int) -> dict:
     from moe_cases import make_optimizer
 
     model = moe_model("qwen3_moe", layers=LAYERS.get(schedule, 2))
-    distribution = _distribution(schedule)
+    distribution = _distribution(schedule, model if schedule == "gpipe" else None)
     first_grads: dict = {}
     names: dict = {}
 
