@@ -33,7 +33,7 @@ class LiveTensorBytes(TorchDispatchMode):
 
     >>> with LiveTensorBytes("cpu") as memory:          # doctest: +SKIP
     ...     trainer.fit(data, epochs=1)
-    >>> memory.peak
+    >>> memory.peak                                      # doctest: +SKIP
     """
 
     def __init__(self, device_type: str | None = None) -> None:

@@ -42,9 +42,11 @@ def _reset_peak() -> None:
 
 
 class PeakRSSGrowth:
-    """>>> with PeakRSSGrowth() as growth:      # doctest: +SKIP
+    """How much this process's peak resident memory grew inside the block, in bytes.
+
+    >>> with PeakRSSGrowth() as growth:      # doctest: +SKIP
     ...     model = distribution.distribute_model(meta_model, weights="llama-dir")
-    >>> growth.bytes
+    >>> growth.bytes                          # doctest: +SKIP
     """
 
     def __enter__(self) -> "PeakRSSGrowth":

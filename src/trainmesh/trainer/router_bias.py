@@ -41,7 +41,7 @@ class RouterBiasBalancing(Callback):
     one; without one, or on one process, the counts are this process's.
 
     >>> trainer = tm.Trainer(model, opt, loss, callbacks=[RouterBiasBalancing(rate=1e-3)])  # doctest: +SKIP
-    >>> balancing = RouterBiasBalancing(model, rate=1e-3)   # a hand-written loop; doctest: +SKIP
+    >>> balancing = RouterBiasBalancing(model, rate=1e-3)  # a hand-written loop  # doctest: +SKIP
     >>> loss.backward(); opt.step(); balancing.step()              # doctest: +SKIP
     """
 
