@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainmesh.planner.experts import check_plan, expert_bytes
+from trainmesh.planner.experts import check_plan, expert_bytes, stage_expert_paths
 from trainmesh.planner.mesh_spec import MeshSpec
 from trainmesh.planner.parallel import plan_parallel
 
@@ -79,6 +79,42 @@ def test_bad_expert_plans_are_refused_before_any_dry_run():
         )
     with pytest.raises(ValueError, match="has none"):
         plan_parallel(dense, world_size=2, expert_parallel_size=2, hardware=None)
+
+
+def test_pipe_by_expert_parallel_counts_the_stage_experts_at_one_over_ep():
+    """Pipe 2 x EP 2 on 4: rank 0's stage holds layer 0, rank 2's layer 1 (the pipeline's own split); each
+    process holds half its stage's experts: half the layers' experts at 1/2. A model axis is still refused."""
+    model = _qwen3_moe(num_experts=8)
+    whole = LAYERS * 8 * 3 * HIDDEN * MOE_INTERMEDIATE * 4
+    spec = MeshSpec.parse("pipe=2,data=2", 4)
+    check_plan(model, spec, 2, 0)  # accepted: a pipe axis with EP over the batch axis
+    stages = [stage_expert_paths(model, spec, rank, microbatches=2, schedule="1f1b") for rank in (0, 1, 2)]
+    assert stages == [{"model.layers.0.mlp.experts"}] * 2 + [{"model.layers.1.mlp.experts"}]
+    assert stage_expert_paths(model, MeshSpec.parse("data=4", 4), 0, microbatches=1, schedule="1f1b") is None
+    counted = expert_bytes(model, spec, expert_parallel_size=2, zero_stage=0, precision="32", only=stages[0])
+    assert counted["all"] == (whole // LAYERS, whole // LAYERS // 2)
+    # ZeRO-3 within the stage: the dry run shards the stage's experts over data=2; EP 2 holds 4 whole ones
+    zero3 = expert_bytes(model, spec, expert_parallel_size=2, zero_stage=3, precision="32", only=stages[2])
+    assert zero3["all"] == (whole // LAYERS // 2,) * 2
+    with pytest.raises(ValueError, match="model=2"):
+        check_plan(model, MeshSpec.parse("pipe=2,data=2,model=2", 8), 2, 0)
+
+
+def test_plan_parallel_plans_pipe_by_expert_parallel():
+    """The whole planner at pipe 2 x EP 2 (a dry run of each stage; bf16: grouped_mm's meta kernel takes no
+    fp32): each stage's rank holds half its one MoE layer's experts, and its all-to-alls are that layer's
+    (1 count + 4 token exchanges per microbatch, 2 microbatches)."""
+    whole = LAYERS * 8 * 3 * HIDDEN * MOE_INTERMEDIATE * 2
+    kwargs = dict(world_size=4, mesh="pipe=2,data=2", seq_len=8, microbatches=2, hardware=None, precision="bf16-true")
+    plan = plan_parallel(_qwen3_moe(8), expert_parallel_size=2, **kwargs)
+    for rank in plan.ranks:
+        traffic = rank.collectives.traffic[("data", "all_to_all")]
+        assert traffic.count == 2 * 5
+        assert traffic.bytes == 2 * (8 * 8 + 4 * 8 * 2 * HIDDEN * 2)
+        assert any(
+            f"{whole // 4:,} expert parameter bytes per process instead of {whole // 2:,}" in n for n in rank.notes
+        )
+    assert {r.rank for r in plan.ranks} == {0, 2}
 
 
 def test_apply_expert_parallel_moves_expert_bytes_and_adds_the_dispatch():

@@ -18,6 +18,12 @@ count exchange (``num_experts`` int64) and four token exchanges (dispatch and co
 backward), each of a full buffer of ``tokens x top_k x hidden`` activation elements, of which
 ``(EP-1)/EP`` leave the process (``collectives.wire_bytes``).
 
+With a pipe axis (pipe x EP), a process holds the MoE layers of its stages only: the experts and the
+all-to-alls counted are those of the layers in the rank's stages, found by the same split the pipeline
+applies (``_torch.pipeline.plan_split``: the repeated blocks balanced by parameters, or the split points),
+each stage's experts split over EP processes of the batch axis as without a pipe. The traffic is per
+microbatch, times the step's microbatches (the dry run's ``microbatches``).
+
 Found by the same structure ``LayoutMap.auto`` uses (``distribution.expert_layout.find_experts``).
 ZeRO-1/2 partition whole tensors across the axis by size (``ZeroRedundancyOptimizer``), which no
 formula of rows follows, so a plan with EP takes stage 0 or 3 and says so otherwise.
@@ -39,17 +45,53 @@ def _rows(rows: int, shards: int) -> int:
     return math.ceil(rows / shards)
 
 
+def stage_expert_paths(
+    meta_model: nn.Module, spec: MeshSpec, rank: int, *, microbatches: int, schedule: str
+) -> set[str] | None:
+    """The paths of the experts modules in ``rank``'s pipeline stages, or None without a pipe axis (all of
+    them). The split is the one the dry run's ``tm.Pipeline(axis, schedule, microbatches)`` makes (its
+    defaults: blocks balanced by parameter count); experts outside the repeated blocks count on every stage."""
+    from trainmesh._torch.pipeline import plan_split, stage_indices
+    from trainmesh.distribution.pipeline import Pipeline
+
+    pipe = spec.pipe_axis
+    if not pipe or spec.size(pipe) <= 1:
+        return None
+    pipeline = Pipeline(axis=pipe, schedule=schedule, microbatches=microbatches)
+    container, parts = plan_split(meta_model, pipeline, spec.size(pipe))
+    mine = stage_indices(spec.coords(rank)[pipe], spec.size(pipe), pipeline.stages_per_rank, schedule)
+    prefix = f"{container}." if container else ""
+    held = tuple(f"{prefix}{block}." for i in mine for block in parts[i])
+    blocks = tuple(f"{prefix}{block}." for part in parts for block in part)
+    return {
+        e.path
+        for e in find_experts(meta_model)[0]
+        if e.path.startswith(held) or not e.path.startswith(blocks)  # outside every block: on each stage
+    }
+
+
+def _experts_in(meta_model: nn.Module, only: set[str] | None):
+    return [e for e in find_experts(meta_model)[0] if only is None or e.path in only]
+
+
 def expert_bytes(
-    meta_model: nn.Module, spec: MeshSpec, *, expert_parallel_size: int | None, zero_stage: int, precision: str
+    meta_model: nn.Module,
+    spec: MeshSpec,
+    *,
+    expert_parallel_size: int | None,
+    zero_stage: int,
+    precision: str,
+    only: set[str] | None = None,
 ) -> dict[str, tuple[int, int]]:
     """``{"all": (dry, held), "trainable": (dry, held), "numel": (dry, held)}``: bytes of the expert parameters the dry run's rank
     holds and the bytes it holds under EP, for the rank with the largest shards (coordinate 0); the
-    trainable ones alone have gradients and optimizer state; "numel" counts elements. EP None or 1: dry == held."""
+    trainable ones alone have gradients and optimizer state; "numel" counts elements. EP None or 1: dry == held.
+    ``only``: the experts modules counted (a pipeline stage's, ``stage_expert_paths``); None: all."""
     batch = spec.size(spec.batch_axis)
     ep = expert_parallel_size or 1
     zero = zero_stage == 3
     totals = {"all": [0, 0], "trainable": [0, 0], "numel": [0, 0]}
-    for experts in find_experts(meta_model)[0]:
+    for experts in _experts_in(meta_model, only):
         module = meta_model.get_submodule(experts.path)
         for name in experts.param_names:
             param = getattr(module, name)
@@ -69,12 +111,13 @@ def expert_bytes(
 def check_plan(meta_model: nn.Module, spec: MeshSpec, expert_parallel_size: int, zero_stage: int) -> None:
     """ValueError, before any dry run, for an EP plan this module cannot count: naming what is wrong."""
     axis = spec.batch_axis
-    for extra in (spec.model_axis, spec.pipe_axis):
-        if extra and spec.size(extra) > 1:
-            raise ValueError(
-                f"expert_parallel_size is planned over the batch axis {axis!r} of a mesh without a model or "
-                f"pipe axis; this mesh has {extra}={spec.size(extra)}. Received: mesh={spec.text()!r}"
-            )
+    model_axis = spec.model_axis
+    if model_axis and spec.size(model_axis) > 1:  # EP x TP is trained, not yet planned
+        raise ValueError(
+            f"expert_parallel_size is planned over the batch axis {axis!r} of a mesh without a model axis "
+            f"(a pipe axis may be there); this mesh has {model_axis}={spec.size(model_axis)}. "
+            f"Received: mesh={spec.text()!r}"
+        )
     if zero_stage in (1, 2):
         raise ValueError(
             "expert_parallel_size is planned with zero_stage 0 or 3: ZeRO-1/2 partition whole tensors by "
@@ -92,17 +135,18 @@ def check_plan(meta_model: nn.Module, spec: MeshSpec, expert_parallel_size: int,
 
 
 def dispatch_traffic(
-    meta_model: nn.Module, *, tokens: int, expert_parallel_size: int, precision: str
+    meta_model: nn.Module, *, tokens: int, expert_parallel_size: int, precision: str, only: set[str] | None = None
 ) -> tuple[int, int]:
     """``(calls, full-buffer bytes)`` of one micro-batch's dispatch all-to-alls on one process, at uniform
-    routing: per MoE layer 1 count exchange + 4 token exchanges of ``tokens x top_k x hidden`` elements."""
+    routing: per MoE layer 1 count exchange + 4 token exchanges of ``tokens x top_k x hidden`` elements.
+    ``only``: the MoE layers counted (a pipeline stage's); None: all."""
     from trainmesh.distribution.expert_layout import _TOP_K_NAMES
 
     if expert_parallel_size <= 1:
         return 0, 0
     element = 2 if precision in ("bf16-true", "bf16-mixed", "fp16-mixed") else 4
     calls = nbytes = 0
-    for experts in find_experts(meta_model)[0]:
+    for experts in _experts_in(meta_model, only):
         module = meta_model.get_submodule(experts.path)
         router = meta_model.get_submodule(experts.router_path) if experts.router_path else None
         top_k = next((getattr(router, n) for n in _TOP_K_NAMES if isinstance(getattr(router, n, None), int)), 1)
@@ -123,17 +167,25 @@ def apply_expert_parallel(
     zero_stage: int,
     precision: str,
     tokens: int | None = None,
+    schedule: str = "1f1b",
 ):
     """``result`` (a dry run's ``RankResult``) with its expert parameters, gradients and optimizer state
     counted at EP's shares, and (``tokens``: a micro-batch's tokens on this process) the dispatch's
-    all-to-alls added to its collectives; a note says how many expert bytes moved."""
+    all-to-alls added to its collectives; a note says how many expert bytes moved. With a pipe axis, only
+    the experts of the result's rank's stages count (``stage_expert_paths``, with ``schedule``)."""
+    only = stage_expert_paths(meta_model, spec, result.rank, microbatches=result.microbatches, schedule=schedule)
     counted = expert_bytes(
-        meta_model, spec, expert_parallel_size=expert_parallel_size, zero_stage=zero_stage, precision=precision
+        meta_model,
+        spec,
+        expert_parallel_size=expert_parallel_size,
+        zero_stage=zero_stage,
+        precision=precision,
+        only=only,
     )
     (dry, held), (dry_trained, held_trained) = counted["all"], counted["trainable"]
     if tokens:
         calls, nbytes = dispatch_traffic(
-            meta_model, tokens=tokens, expert_parallel_size=expert_parallel_size, precision=precision
+            meta_model, tokens=tokens, expert_parallel_size=expert_parallel_size, precision=precision, only=only
         )
         if calls:
             result.collectives.add(
@@ -147,6 +199,7 @@ def apply_expert_parallel(
     note = (
         f"experts: {expert_parallel_size}-way expert parallelism over {spec.batch_axis!r}: "
         f"{held:,} expert parameter bytes per process instead of {dry:,}"
+        + (f" (rank {result.rank}'s stage: {len(only)} MoE layers)" if only is not None else "")
     )
     return dataclasses.replace(
         result,

@@ -387,6 +387,7 @@ def plan_parallel(
                 zero_stage=zero_stage,
                 precision=precision,
                 tokens=micro_batch * seq_len if seq_len else None,
+                schedule=schedule,
             )
         ranks.append(result)
     dp = spec.size(spec.batch_axis)
