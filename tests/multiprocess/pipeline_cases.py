@@ -113,6 +113,7 @@ def reference(family: str, n_layer: int = 4, steps: int = STEPS, max_grad_norm=N
         losses.append(loss.item())
     return {
         "params": {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)},
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "losses": losses,
     }
 
@@ -142,6 +143,7 @@ def train_pipelined(
     precision: str = "fp32",
     tol: float = 0.0,
     loss: str = "auto",
+    state: bool = False,
 ) -> dict:
     import trainmesh as tm
 
@@ -178,6 +180,8 @@ def train_pipelined(
         "steps": steps,
         "steps_posted_ahead": [stage.steps_posted_ahead for stage in trainer.model._trainmesh_pipeline.stages],
     }
+    if state:  # the whole model on the main process, every stage's (collective); {} elsewhere
+        out["state"] = trainer.state_dict()["model"]
     if evaluate:
         logs = trainer.evaluate(data(1), batch_size=GLOBAL_BATCH)
         out["eval_loss"], out["eval_accuracy"] = logs["loss"], logs["accuracy"]

@@ -3,7 +3,10 @@
 Every configuration trains the same model on the same global batches as a plain single-process
 loop (SGD with momentum, fp32, 3 steps) and compares every parameter, each process contributing
 the ones its stages hold (names are global). Tolerance: 1e-5 absolute (measured: ~1e-8). One
-launch per world size runs many configurations, to pay process start-up once.
+launch per world size runs many configurations, to pay process start-up once. Each run also checks
+``trainer.state_dict()["model"]``: every stage's whole tensors on the main process under the unpiped
+names (empty elsewhere), loadable with a strict ``load_state_dict`` into a one-process model and
+within 1e-6 of the one-process run's state dict.
 
 Models: the project's GPT (``CharGPT``, a tied embedding and head, so the tied-gradient exchange
 between the first and last stage is exercised) and transformers GPT-2 / Llama built from configs.
@@ -35,6 +38,8 @@ def _check(configs, results_per_rank, references):
         worst = max(worst, diff)
         tol = config.get("tol") or TOL
         assert diff <= tol, f"{config}: parameters differ from one process by {diff:.3g}"
+        if config.get("state"):
+            _check_state(config, [rank_results[index] for rank_results in results_per_rank], got, references[key])
         mean_loss = sum(references[key]["losses"]) / len(references[key]["losses"])
         # on CPU every step after the first (which makes the buffers and records the order of the
         # receives) posts its receives when it starts (pipeline_receives.py), on every stage
@@ -52,6 +57,21 @@ def _check(configs, results_per_rank, references):
                     f"{config}: {run['reduce_scatters']} reduce-scatters in {run['steps']} steps of {run['fsdp_groups']} units"
                 )
     return worst
+
+
+def _check_state(config, runs, got, reference):
+    """``trainer.state_dict()["model"]``: on the main process every stage's whole tensors under the
+    unpiped names, exactly what the stages hold, loadable (strict) into a one-process model and equal
+    to the one-process run's state dict; on every other process empty."""
+    state = runs[0]["state"]
+    assert all(run["state"] == {} for run in runs[1:]), f"{config}: only the main process holds the state"
+    assert state.keys() == reference["state"].keys(), f"{config}: {sorted(set(reference['state']) ^ set(state))}"
+    for name, value in got.items():  # the gather moves the stages' values unchanged
+        assert torch.equal(state[name], value), f"{config}: {name} in state_dict differs from its stage's"
+    build_model(config["family"], config.get("n_layer", 4)).load_state_dict(state)  # strict
+    tol = config.get("tol") or 1e-6
+    for name, value in reference["state"].items():
+        assert torch.allclose(state[name], value, rtol=0, atol=tol), f"{config}: {name} differs from one process"
 
 
 def _references(configs):
@@ -79,6 +99,7 @@ def test_every_schedule_on_two_stages_matches_one_process():
         dict(family="gpt2", mesh_shape=(2, 1), axes=["pipe", "data"], schedule="1f1b"),
         dict(family="llama", mesh_shape=(2, 1), axes=["pipe", "data"], schedule="interleaved_1f1b"),
     ]
+    configs = [dict(config, state=True) for config in configs]  # and trainer.state_dict()
     results = run_distributed(run_configs, world_size=2, args=(configs,), timeout=500)
     _check(configs, results, _references(configs))
 
@@ -103,6 +124,7 @@ def test_pipe_by_data_with_zero_and_checkpointing_matches_one_process():
             checkpointing="full",
         )
     ]
+    configs = [dict(config, state=True) for config in configs]  # and trainer.state_dict()
     results = run_distributed(run_configs, world_size=4, args=(configs,), timeout=560)
     _check(configs, results, _references(configs))
 
@@ -128,6 +150,7 @@ def test_3d_pipe_data_model_matches_one_process_with_clipping_metrics_evaluate_a
             checkpointing="full",
         ),
     ]
+    configs = [dict(config, state=True) for config in configs]  # and trainer.state_dict()
     results = run_distributed(run_configs, world_size=8, args=(configs,), timeout=560)
     _check(configs, results, _references(configs))
     # evaluate and predict on the 3-D layout equal the single-process model with the same weights

@@ -40,6 +40,11 @@ def _quiet_gather() -> Iterator[None]:
 
 
 def full_model_state(model: nn.Module) -> dict[str, Any]:
+    from .pipeline_state import is_pipelined, pipeline_full_model_state
+
+    if is_pipelined(model):  # torch's gather sees this process's stages only
+        with _quiet_gather():
+            return pipeline_full_model_state(model)
     with _quiet_gather():
         return get_model_state_dict(model, options=_FULL)
 
