@@ -199,7 +199,7 @@ def apply_expert_parallel(
     note = (
         f"experts: {expert_parallel_size}-way expert parallelism over {spec.batch_axis!r}: "
         f"{held:,} expert parameter bytes per process instead of {dry:,}"
-        + (f" (rank {result.rank}'s stage: {len(only)} MoE layers)" if only is not None else "")
+        + (f" (the MoE layers of rank {result.rank}'s stages: {len(only)})" if only is not None else "")
     )
     return dataclasses.replace(
         result,
