@@ -75,6 +75,10 @@ def test_auto_on_a_pipe_data_mesh_lays_out_experts_only_and_prints_them(capsys):
     assert not len(tm.LayoutMap.auto(model, _mesh(2, 2, axes=("pipe", "data")), verbose=False))
     piped_tp = tm.LayoutMap.auto(model, _mesh(2, 2, axes=("pipe", "model")), verbose=False)
     assert piped_tp["model.layers.0.self_attn.q_proj.weight"].axes == ("model", None)
+    # a sequence axis splits the sequence, not tensors: ("data", "seq") gets no tensor parallelism either
+    assert not len(tm.LayoutMap.auto(model, _mesh(2, 2, axes=("data", "seq")), verbose=False))
+    beside_seq = tm.LayoutMap.auto(model, _mesh(1, 2, 2, axes=("data", "seq", "model")), verbose=False)
+    assert beside_seq["model.layers.0.self_attn.q_proj.weight"].axes == ("model", None)
 
 
 def test_experts_are_found_by_structure_without_a_shipped_plan():

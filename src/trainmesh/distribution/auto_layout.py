@@ -151,15 +151,18 @@ def _check(model: nn.Module, pattern: str, style: str, axis: str, size: int, not
 # Axis names a pipeline runs over (``tm.Pipeline(axis="pipe")``'s default and the planner's names): such an
 # axis splits layers, never tensors, so it is never the default tensor-parallel axis.
 PIPE_AXIS_NAMES = ("pipe", "pp", "pipeline")
+# Axis names a sequence is split over (``sequence_dim_name``; the planner's names): never the default
+# tensor-parallel axis either, so ``("data", "seq")`` gets none.
+SEQUENCE_AXIS_NAMES = ("seq", "cp", "context")
 MODEL_AXIS_NAMES = ("model", "tensor", "tp")
 
 
 def default_model_axis(device_mesh: DeviceMesh) -> str | None:
-    """The mesh's last axis that is not a pipe axis, when it is named as a model axis or another non-pipe
-    axis (the batch axis, first by Keras's convention) precedes it; else None: ``("data",)`` and
-    ``("pipe", "data")`` have no model axis, so they get no tensor parallelism (taking "data" would
-    shard over the batch axis), while ``("pipe", "model")`` and ``("data", "mp")`` do."""
-    names = [a for a in device_mesh.axis_names if a not in PIPE_AXIS_NAMES]
+    """The mesh's last axis that is not a pipe or sequence axis, when it is named as a model axis or another
+    such axis (the batch axis, first by Keras's convention) precedes it; else None: ``("data",)``,
+    ``("pipe", "data")`` and ``("data", "seq")`` have no model axis, so they get no tensor parallelism
+    (taking "data" would shard over the batch axis), while ``("pipe", "model")`` and ``("data", "mp")`` do."""
+    names = [a for a in device_mesh.axis_names if a not in PIPE_AXIS_NAMES + SEQUENCE_AXIS_NAMES]
     if names and (len(names) > 1 or names[-1] in MODEL_AXIS_NAMES):
         return names[-1]
     return None

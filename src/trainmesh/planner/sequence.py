@@ -34,10 +34,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainmesh.distribution.auto_layout import SEQUENCE_AXIS_NAMES as SEQUENCE_AXES
+
 from .mesh_spec import MeshSpec
 from .report import format_bytes
-
-SEQUENCE_AXES = ("seq", "cp", "context")
 
 
 @dataclass(frozen=True)
