@@ -114,6 +114,7 @@ def reference(family: str, n_layer: int = 4, steps: int = STEPS, max_grad_norm=N
     return {
         "params": {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)},
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "momentum": {k: opt.state[p]["momentum_buffer"].clone() for k, p in model.named_parameters()},
         "losses": losses,
     }
 
@@ -180,14 +181,41 @@ def train_pipelined(
         "steps": steps,
         "steps_posted_ahead": [stage.steps_posted_ahead for stage in trainer.model._trainmesh_pipeline.stages],
     }
-    if state:  # the whole model on the main process, every stage's (collective); {} elsewhere
-        out["state"] = trainer.state_dict()["model"]
+    if state:
+        out.update(state_round_trip(trainer))
     if evaluate:
         logs = trainer.evaluate(data(1), batch_size=GLOBAL_BATCH)
         out["eval_loss"], out["eval_accuracy"] = logs["loss"], logs["accuracy"]
         out["predict"] = trainer.predict(data(1), batch_size=GLOBAL_BATCH)
     out["loss_inputs"] = sorted(set(LOSS_INPUTS))
     return out
+
+
+def state_round_trip(trainer) -> dict:
+    """``trainer.state_dict()`` (collective: every stage's model and optimizer state on the main
+    process, ``{}`` elsewhere), then the weights and momentum moved and that state loaded back on
+    every process, as ``load_checkpoint`` and a rollback load it: the stages must hold their saved
+    values again."""
+    import torch.distributed as dist
+
+    saved = trainer.state_dict()
+    box = [saved]
+    dist.broadcast_object_list(box, src=0)
+    with torch.no_grad():
+        for param in trainer.model.parameters():
+            (param.to_local() if hasattr(param, "to_local") else param).add_(1.0)
+        for entry in trainer.optimizer.state.values():
+            buffer = entry["momentum_buffer"]
+            (buffer.to_local() if hasattr(buffer, "to_local") else buffer).add_(1.0)
+    trainer.load_state_dict(box[0])
+    again = trainer.state_dict()
+    return {
+        "state": saved["model"],
+        "optimizer_state": saved["optimizer"],
+        "reloaded_params": local_full_params(trainer.model),
+        "reloaded_state": again["model"],
+        "reloaded_optimizer_state": again["optimizer"],
+    }
 
 
 @contextlib.contextmanager

@@ -6,7 +6,9 @@ the ones its stages hold (names are global). Tolerance: 1e-5 absolute (measured:
 launch per world size runs many configurations, to pay process start-up once. Each run also checks
 ``trainer.state_dict()["model"]``: every stage's whole tensors on the main process under the unpiped
 names (empty elsewhere), loadable with a strict ``load_state_dict`` into a one-process model and
-within 1e-6 of the one-process run's state dict.
+within 1e-6 of the one-process run's state dict; the optimizer's momentum, every parameter's once
+under the one-process names, within 1e-6 too; and ``trainer.load_state_dict`` of that state, after
+the weights and momentum were moved, restoring both exactly.
 
 Models: the project's GPT (``CharGPT``, a tied embedding and head, so the tied-gradient exchange
 between the first and last stage is exercised) and transformers GPT-2 / Llama built from configs.
@@ -72,6 +74,27 @@ def _check_state(config, runs, got, reference):
     tol = config.get("tol") or 1e-6
     for name, value in reference["state"].items():
         assert torch.allclose(state[name], value, rtol=0, atol=tol), f"{config}: {name} differs from one process"
+    # the optimizer's: every parameter's momentum once, under the one-process names (a tied head's
+    # under the embedding's), as the one-process run's
+    optimizer = runs[0]["optimizer_state"]
+    assert optimizer["state"].keys() == reference["momentum"].keys(), (
+        config,
+        sorted(set(optimizer["state"]) ^ set(reference["momentum"])),
+    )
+    assert [p for g in optimizer["param_groups"] for p in g["params"]] == list(reference["momentum"]), config
+    for name, value in reference["momentum"].items():
+        momentum = optimizer["state"][name]["momentum_buffer"]
+        assert torch.allclose(momentum, value, rtol=0, atol=tol), f"{config}: {name}'s momentum differs"
+    # loaded back after the weights and momentum moved: the stages hold the saved values again
+    assert all(run["reloaded_state"] == {} for run in runs[1:]), config
+    assert merge([{"params": run["reloaded_params"]} for run in runs]).keys() == got.keys()
+    for name, value in merge([{"params": run["reloaded_params"]} for run in runs]).items():
+        assert torch.equal(value, got[name]), f"{config}: {name} not restored by load_state_dict"
+    for name, value in state.items():
+        assert torch.equal(runs[0]["reloaded_state"][name], value), f"{config}: {name} not restored"
+    for name, entry in optimizer["state"].items():
+        again = runs[0]["reloaded_optimizer_state"]["state"][name]["momentum_buffer"]
+        assert torch.equal(again, entry["momentum_buffer"]), f"{config}: {name}'s momentum not restored"
 
 
 def _references(configs):

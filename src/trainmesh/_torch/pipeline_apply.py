@@ -157,6 +157,7 @@ def apply_pipeline(
     merged._trainmesh_pipeline = runner
     runner.root = merged
     runner.aliases = _aliases(merged, tied)
+    runner.tied_names = tied  # the whole model's names of each tied weight (pipeline_state)
     merged._trainmesh_memory = {"zero_stage": options.zero_stage, "cpu_offload": "off"}
     return merged
 

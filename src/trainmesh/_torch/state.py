@@ -3,8 +3,9 @@
 Built on ``torch.distributed.checkpoint.state_dict``, which knows DDP prefixes and gathers
 DTensor parameters and optimizer state (FSDP2 included). ``ZeroRedundancyOptimizer`` (ZeRO
 stage 1) is the exception torch's helpers do not know: it is consolidated on the main process
-first (``zero_optimizer.full_state``) into the same FQN-keyed format. Every process must call
-these together.
+first (``zero_optimizer.full_state``) into the same FQN-keyed format. Under a pipeline each
+process holds its own stages only, so the stages' states are gathered and loaded apart
+(``pipeline_state``). Every process must call these together.
 """
 
 from __future__ import annotations
@@ -50,8 +51,12 @@ def full_model_state(model: nn.Module) -> dict[str, Any]:
 
 
 def full_optimizer_state(model: nn.Module, optimizer) -> dict[str, Any]:
+    from .pipeline_state import is_pipelined, pipeline_full_optimizer_state
     from .zero_optimizer import full_state, is_zero_optimizer
 
+    if is_pipelined(model):  # no ZeRO-1 under a pipeline (pipeline_apply refuses it)
+        with _quiet_gather():
+            return pipeline_full_optimizer_state(model, optimizer)
     if is_zero_optimizer(optimizer):
         return full_state(model, optimizer)
     with _quiet_gather():
@@ -59,11 +64,19 @@ def full_optimizer_state(model: nn.Module, optimizer) -> dict[str, Any]:
 
 
 def load_full_model_state(model: nn.Module, state: dict[str, Any]) -> None:
+    from .pipeline_state import is_pipelined, local_model_state
+
+    if is_pipelined(model):  # the other stages' entries are not this module's keys
+        state = local_model_state(model, state)
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
 def load_full_optimizer_state(model: nn.Module, optimizer, state: dict[str, Any]) -> None:
+    from .pipeline_state import is_pipelined, local_optimizer_state
     from .zero_optimizer import is_zero_optimizer, load_full_state
+
+    if is_pipelined(model):
+        state = local_optimizer_state(model, state)
 
     if is_zero_optimizer(optimizer):
         return load_full_state(model, optimizer, state)
