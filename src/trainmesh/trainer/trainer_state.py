@@ -39,7 +39,10 @@ class TrainerState:
     def state_dict(self) -> dict[str, Any]:
         """Full state, gathered onto the main process (the others get empty model/optimizer dicts).
 
-        Every process must call it: sharded parameters are gathered with collectives.
+        ``"model"`` holds every parameter and persistent buffer under the unwrapped model's names, whole,
+        as a one-process ``model.load_state_dict`` takes it: under ZeRO, tensor parallelism and a
+        pipeline alike (every stage's, not only the main process's own). Every process must call it:
+        sharded parameters are gathered with collectives.
         """
         return {
             "model": full_model_state(self.model),
