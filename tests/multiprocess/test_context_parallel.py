@@ -249,24 +249,12 @@ def _predict_counting(trainer, *args, **kwargs):
 
 def _saved_bytes(model, x, y) -> int:
     """Bytes of activations autograd saves for backward in one forward (each storage once, parameters not)."""
+    from trainmesh.testing.memory import SavedTensorBytes
 
-    def local(tensor):  # a DTensor's own shard; an in-flight collective's result tensor
-        tensor = tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
-        return tensor.elem if type(tensor).__name__ == "AsyncCollectiveTensor" else tensor
-
-    params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = local(tensor).untyped_storage()
-        if storage.data_ptr() not in params and storage.nbytes():
-            seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedTensorBytes(model) as saved:
         loss = lm_loss(model(x), y)
     del loss
-    return sum(seen.values())
+    return saved.bytes
 
 
 def _errors(tm, mesh) -> dict:

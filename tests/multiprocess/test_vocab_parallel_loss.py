@@ -32,25 +32,12 @@ def _targets_with_ignored(y):
 def _saved_bytes(model, x, y, loss_fn, sharded: bool) -> int:
     """Bytes autograd saves for backward in one forward and loss (each storage once, parameters not)."""
     from trainmesh._torch.vocab_parallel import keep_vocab_shards
+    from trainmesh.testing.memory import SavedTensorBytes
 
-    def local(tensor):
-        tensor = tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
-        return tensor.elem if type(tensor).__name__ == "AsyncCollectiveTensor" else tensor
-
-    params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = local(tensor).untyped_storage()
-        if storage.data_ptr() not in params and storage.nbytes():
-            seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with keep_vocab_shards(model, loss_fn if sharded else None):
-            loss = loss_fn(model(x), y)
+    with SavedTensorBytes(model) as saved, keep_vocab_shards(model, loss_fn if sharded else None):
+        loss = loss_fn(model(x), y)
     del loss
-    return sum(seen.values())
+    return saved.bytes
 
 
 def _job() -> dict:

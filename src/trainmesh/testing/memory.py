@@ -1,4 +1,5 @@
-"""``LiveTensorBytes``: the bytes held by live tensor storages, now and at most, seen from the dispatcher.
+"""``LiveTensorBytes``: the bytes held by live tensor storages, now and at most, seen from the dispatcher;
+``SavedTensorBytes``: the bytes autograd saves for backward inside a block.
 
 The measured side of every memory comparison (the planner against real steps, ZeRO against
 DeepSpeed) counts the same quantity the planner models: bytes of tensor storage, without the
@@ -22,7 +23,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveTensorBytes"]
+__all__ = ["LiveTensorBytes", "SavedTensorBytes"]
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -106,3 +107,41 @@ class LiveTensorBytes(TorchDispatchMode):
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._original_resize
         return super().__exit__(*exc)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's own shard; an in-flight collective's result tensor (what this rank's memory holds)."""
+    tensor = tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+    return tensor.elem if type(tensor).__name__ == "AsyncCollectiveTensor" else tensor
+
+
+class SavedTensorBytes:
+    """Bytes of the tensors autograd saves for backward inside the block (``saved_tensors_hooks``), each
+    storage once, ``model``'s parameters not: the activations a step keeps, as the planner counts them.
+
+    >>> with SavedTensorBytes(model) as saved:           # doctest: +SKIP
+    ...     loss = loss_fn(model(x), y)
+    >>> saved.bytes                                      # doctest: +SKIP
+    """
+
+    def __init__(self, model: nn.Module | None = None):
+        self._params = set() if model is None else {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        self._seen: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = _local(tensor).untyped_storage()
+        if storage.data_ptr() not in self._params and storage.nbytes():
+            self._seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._seen.values())
+
+    def __enter__(self) -> "SavedTensorBytes":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
