@@ -270,6 +270,19 @@ def build_expert_plan(model: nn.Module, distribution) -> ExpertPlan | None:
         raise ValueError(f"All experts modules must use one expert axis. Received: {sorted(named)}")
     axis = named.pop()
     axis_size = mesh.axis_size(axis)
+    sequence = getattr(distribution, "sequence", None)
+    if sequence is not None and sequence.axis_size > 1:
+        # The processes of a sequence axis hold the same experts and route different tokens to them, so their
+        # expert gradients would need a sum over that axis too, which the dispatch does not make: refused
+        # rather than trained with wrong expert gradients.
+        sequence_axis = sequence.axis
+        raise ValueError(
+            f"Experts laid out over {axis!r} beside a sequence axis {sequence_axis!r} "
+            f"({sequence.axis_size} processes) are not offered: experts module {found[0].path!r} "
+            f"would not average its gradients over {sequence_axis!r}. Split the sequence without experts laid out, "
+            f"or lay the experts out without a sequence axis. Received: expert axis {axis!r}, "
+            f"sequence_dim_name={sequence_axis!r}"
+        )
     size = check_expert_parallel_size(getattr(layout_map, "expert_parallel_size", None), axis, axis_size)
     if size < axis_size and axis != distribution.batch_dim_name:
         # Groups along a non-batch axis would see the same tokens; only the batch axis is offered.
