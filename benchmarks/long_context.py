@@ -20,8 +20,10 @@ a 2-layer one) measures:
 * ``ring_vs_ulysses_step``: training step time, ring over Ulysses at seq 4, in interleaved rounds
   (the order alternates, ``trainer_overhead.round_order``) after an untimed epoch each; the median
   ratio and its spread;
-* ``cp_step_vs_deepspeed_ulysses``: DeepSpeed's Ulysses on the same model, when DeepSpeed imports;
-  otherwise ``null`` with the reason under ``skipped``.
+* ``cp_step_vs_deepspeed_ulysses`` (``--deepspeed``): trainmesh's Ulysses step over DeepSpeed's Ulysses
+  for HF models (ALST, ``ds_ulysses.py``) on the same model, sequence, batch and AdamW, in the same
+  interleaved rounds: the slowest rank's step, median of the per-round ratios, withheld unless both first-step
+  losses are within ``LOSS_TOLERANCE`` of one process; otherwise ``null`` with the reason under ``skipped``.
 
 Absolute times on a shared CPU are noise; the load average before and after is recorded.
 """
@@ -76,7 +78,7 @@ def _job(cfg) -> dict:
     from trainer_overhead import round_order
 
     rank = torch.distributed.get_rank()
-    out: dict = {"saved": {}, "steps": {"ring": [], "ulysses": []}, "parity": {}}
+    out: dict = {"saved": {}, "steps": {"ring": [], "ulysses": []}, "parity": {}, "first_loss": {}}
     seq_mesh = tm.DeviceMesh((4,), ["seq"], devices=tm.list_devices())
     split = SequenceSplit(axis="seq", axis_size=4)
     trainers = {}
@@ -97,13 +99,28 @@ def _job(cfg) -> dict:
     # step times, interleaved rounds, after one untimed epoch each; each round is the next epoch (fit
     # trains up to ``epochs`` in all)
     x, y = _tokens(cfg, cfg["seq"], cfg["batch"] * cfg["steps"])
+    first = (x[: cfg["batch"]], y[: cfg["batch"]])
+    peer = _deepspeed_side(cfg, out) if cfg.get("deepspeed") else None
+    methods = ("ring", "ulysses") + (("deepspeed",) if peer else ())
+    # the first batch's loss at the initial weights, each side and one process (same seed, same batch)
+    if peer:
+        out["first_loss"]["ulysses"] = trainers["ulysses"].evaluate(first, batch_size=cfg["batch"])["loss"]
+        if rank == 0:
+            out["first_loss"]["single"] = lm_loss(_model(cfg)(first[0]), first[1]).item()
     for r in range(-1, cfg["rounds"]):
-        for method in round_order(("ring", "ulysses"), max(r, 0)):
-            trainer = trainers[method]
+        for method in round_order(methods, max(r, 0)):
             started = time.perf_counter()
-            trainer.fit((x, y), epochs=trainer.epoch + 1, batch_size=cfg["batch"], shuffle=False)
+            if method == "deepspeed":
+                for i in range(cfg["steps"]):
+                    rows = slice(i * cfg["batch"], (i + 1) * cfg["batch"])
+                    loss = peer.step(x[rows], y[rows])
+                    out["first_loss"].setdefault("deepspeed", loss)
+            else:
+                trainer = trainers[method]
+                trainer.fit((x, y), epochs=trainer.epoch + 1, batch_size=cfg["batch"], shuffle=False)
             if r >= 0:
                 out["steps"][method].append((time.perf_counter() - started) / cfg["steps"])
+    del peer
     del trainers
     # parity on the tests' tiny Llama
     from cp_cases import data
@@ -115,6 +132,25 @@ def _job(cfg) -> dict:
         out["parity"][method] = _train(build_model(), distribution, data())[0]
     out["saved"].update(_sp_job(cfg)["saved"])
     return out
+
+
+def _deepspeed_side(cfg, out: dict):
+    """DeepSpeed's Ulysses on the same model, sequence, batch and optimizer (``ds_ulysses``), or None with the
+    reason under ``out["deepspeed_error"]`` (DeepSpeed missing, or failing on CPU/gloo: the error and where)."""
+    import traceback
+
+    try:
+        from cp_cases import make_optimizer
+        from ds_ulysses import DeepSpeedUlysses
+
+        out["steps"]["deepspeed"] = []
+        return DeepSpeedUlysses(_model(cfg), make_optimizer, seq=cfg["seq"], batch=cfg["batch"])
+    except Exception as error:  # every rank fails alike (same model, same checks) before a collective
+        where = traceback.extract_tb(error.__traceback__)[-1]
+        out["deepspeed_error"] = (
+            f"{type(error).__name__}: {error} (at {os.path.basename(where.filename)}:{where.lineno})"
+        )
+        return None
 
 
 def _sp_job(cfg) -> dict:
@@ -196,12 +232,44 @@ def _sp_main(cfg: dict, params: int, json_path: str | None) -> int:
     return 0
 
 
+LOSS_TOLERANCE = 1e-5  # fp32 cross-entropy near log(vocab): summation order moves it by ~1e-6
+
+
+def _deepspeed_figure(results: list, skipped: dict):
+    """trainmesh's Ulysses step over DeepSpeed's, the slowest rank's time each round, median of the per-round
+    ratios; withheld (with the reason) where DeepSpeed did not run or the first-step losses disagree."""
+    first = results[0]
+    if "deepspeed" not in first["steps"] and "deepspeed_error" not in first:
+        skipped["cp_step_vs_deepspeed_ulysses"] = (
+            "not run by default: --deepspeed runs DeepSpeed's Ulysses (ALST) beside trainmesh's; on this shared "
+            "CPU (load ~12) its 4 processes had not finished building it (imports, groups) after 4 minutes"
+        )
+        return None, [], first["first_loss"]
+    if "deepspeed_error" in first:
+        skipped["cp_step_vs_deepspeed_ulysses"] = f"DeepSpeed's Ulysses did not start: {first['deepspeed_error']}"
+        return None, [], first["first_loss"]
+    slowest = {
+        m: [max(r["steps"][m][i] for r in results) for i in range(len(first["steps"][m]))] for m in first["steps"]
+    }
+    ratios = [a / b for a, b in zip(slowest["ulysses"], slowest["deepspeed"])]
+    losses = first["first_loss"]
+    gap = max(abs(losses[m] - losses["single"]) for m in ("ulysses", "deepspeed"))
+    losses = {**losses, "max_abs_diff_from_single": gap, "tolerance": LOSS_TOLERANCE}
+    if gap > LOSS_TOLERANCE:
+        skipped["cp_step_vs_deepspeed_ulysses"] = f"first-step losses differ by {gap:.3g} > {LOSS_TOLERANCE}: {losses}"
+        return None, ratios, losses
+    return statistics.median(ratios), ratios, losses
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small model and sequence (a smoke run)")
     parser.add_argument("--seq", type=int, help="sequence length (default 1024; --quick 256)")
     parser.add_argument("--rounds", type=int, help="interleaved timing rounds (default 3; --quick 2)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--deepspeed", action="store_true", help="also time DeepSpeed's Ulysses (cp_step_vs_deepspeed_ulysses)"
+    )
     parser.add_argument("--sp-only", action="store_true", help="only the sequence-parallelism figure")
     args = parser.parse_args(argv)
     if args.quick:
@@ -212,6 +280,7 @@ def main(argv=None) -> int:
         )
     cfg["seq"] = args.seq or cfg["seq"]
     cfg["rounds"] = args.rounds or cfg["rounds"]
+    cfg["deepspeed"] = args.deepspeed
     import torch
 
     from cp_cases import build_model, data, reference
@@ -239,18 +308,13 @@ def main(argv=None) -> int:
     ring, ulysses = first["steps"]["ring"], first["steps"]["ulysses"]
     ratios = [a / b for a, b in zip(ring, ulysses)]
     skipped = {}
-    try:
-        import deepspeed  # noqa: F401
-
-        skipped["cp_step_vs_deepspeed_ulysses"] = "DeepSpeed imports, but its Ulysses run is not wired here yet"
-    except Exception as error:  # ImportError, or DeepSpeed failing to start without CUDA
-        skipped["cp_step_vs_deepspeed_ulysses"] = f"DeepSpeed is not usable here: {type(error).__name__}: {error}"
+    ds_figure, ds_ratios, ds_loss = _deepspeed_figure(results, skipped)
     figures = {
         "cp_saved_activations_vs_single": saved_ratio,
         "cp_longest_seq_vs_single": longest,
         "cp_parity_max_abs_diff": parity,
         "sp_activations_vs_tp": sp_ratio,
-        "cp_step_vs_deepspeed_ulysses": None,
+        "cp_step_vs_deepspeed_ulysses": ds_figure,
         "ring_vs_ulysses_step": statistics.median(ratios),
     }
     report = {
@@ -263,6 +327,8 @@ def main(argv=None) -> int:
         "load_avg_1min": {"before": load_before, "after": load_after},
         "step_s": {"ring": ring, "ulysses": ulysses},
         "ring_over_ulysses_per_round": ratios,
+        "ulysses_over_deepspeed_per_round": ds_ratios,
+        "first_step_loss": ds_loss,
         "saved_bytes": {f"{k[0]}@{k[1]}": v for k, v in saved.items()},
         "sp_ratios": sp_ratios,
         "torch": torch.__version__,
@@ -286,6 +352,11 @@ def main(argv=None) -> int:
         f"ring / ulysses step per round: {', '.join(f'{r:.2f}' for r in ratios)} "
         f"(spread {min(ratios):.2f}-{max(ratios):.2f})"
     )
+    if ds_ratios:
+        print(
+            f"trainmesh ulysses / deepspeed ulysses step per round (slowest rank): "
+            f"{', '.join(f'{r:.2f}' for r in ds_ratios)}; first-step loss {ds_loss}"
+        )
     for name, reason in skipped.items():
         print(f"{name}: {reason}")
     if args.json:
