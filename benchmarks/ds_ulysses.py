@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from datetime import timedelta
 
 
@@ -43,7 +44,8 @@ class DeepSpeedUlysses:
         from deepspeed.comm import comm as ds_comm
         from deepspeed.comm.torch import TorchBackend
 
-        import deepspeed.comm.torch as ds_torch
+        # the module, not deepspeed.comm's ``torch`` attribute (torch itself), which ``import as`` would bind
+        ds_torch = sys.modules[TorchBackend.__module__]
 
         if ds_comm.cdb is None:
             # TorchBackend JIT-builds a shared-memory all-reduce op (ninja, C++) on the CPU accelerator: over
