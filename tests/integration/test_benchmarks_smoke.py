@@ -167,8 +167,9 @@ ELSEWHERE = {
     "finetune": "tests/integration/test_finetune_benchmark.py runs finetune.py --quick",
 }
 # Not benchmarks: the driver, the table renderer, and parts another benchmark imports (ps_embedding is
-# ps.py's part "embedding", against TorchRec, which CI does not install).
-NOT_BENCHMARKS = {"run_all", "render_tables", "ssp_straggler", "ps_embedding"}
+# ps.py's part "embedding", against TorchRec, which CI does not install; ds_ulysses is long_context.py's
+# DeepSpeed side, run with its --deepspeed).
+NOT_BENCHMARKS = {"run_all", "render_tables", "ssp_straggler", "ps_embedding", "ds_ulysses"}
 
 
 def _scripts() -> set[str]:
