@@ -18,9 +18,10 @@ a 2-layer one) measures:
 * ``sp_activations_vs_tp``: saved bytes per process with sequence parallelism over plain TP, data 2 x
   model 2;
 * ``ring_vs_ulysses_step``: training step time, ring over Ulysses at seq 4, in interleaved rounds
-  (the order alternates, ``trainer_overhead.round_order``) after an untimed epoch each; the median
-  ratio and its spread;
-* ``cp_step_vs_deepspeed_ulysses`` (``--deepspeed``): trainmesh's Ulysses step over DeepSpeed's Ulysses
+  (the order alternates, ``trainer_overhead.round_order``) after an untimed epoch each; each step is
+  timed on its own (the Trainer's ``step_time_s``) and a round is the mean after its first step; the
+  median ratio and its spread;
+* ``cp_step_vs_deepspeed_ulysses`` (where deepspeed is importable): trainmesh's Ulysses step over DeepSpeed's Ulysses
   for HF models (ALST, ``ds_ulysses.py``) on the same model, sequence, batch and AdamW, in the same
   interleaved rounds: the slowest rank's step, median of the per-round ratios, withheld unless both first-step
   losses are within ``LOSS_TOLERANCE`` of one process; otherwise ``null`` with the reason under ``skipped``.
@@ -31,6 +32,7 @@ Absolute times on a shared CPU are noise; the load average before and after is r
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -75,6 +77,7 @@ def _job(cfg) -> dict:
     from cp_cases import lm_loss, make_optimizer
     from test_context_parallel import _saved_bytes, _train
     from trainmesh.distribution.sequence_split import SequenceSplit
+    from trainmesh.trainer.callbacks import LambdaCallback
     from trainer_overhead import round_order
 
     rank = torch.distributed.get_rank()
@@ -82,10 +85,18 @@ def _job(cfg) -> dict:
     seq_mesh = tm.DeviceMesh((4,), ["seq"], devices=tm.list_devices())
     split = SequenceSplit(axis="seq", axis_size=4)
     trainers = {}
+    timer = {"times": []}  # each training step's own time, into the round's list (below)
+    step_times = LambdaCallback(on_train_batch_end=lambda step, logs: timer["times"].append(logs["step_time_s"]))
     for method in ("ring", "ulysses"):
         distribution = tm.DataParallel(seq_mesh, sequence_dim_name="seq", context_parallel=method)
         trainers[method] = tm.Trainer(
-            _model(cfg), make_optimizer, lm_loss, distribution=distribution, progress=False, nonfinite_loss=None
+            _model(cfg),
+            make_optimizer,
+            lm_loss,
+            distribution=distribution,
+            progress=False,
+            nonfinite_loss=None,
+            callbacks=[step_times],
         )
     # saved bytes per process at two lengths (for the budget line), and one process's at the same lengths
     for seq in (cfg["seq"] // 2, cfg["seq"]):
@@ -107,19 +118,27 @@ def _job(cfg) -> dict:
         out["first_loss"]["ulysses"] = trainers["ulysses"].evaluate(first, batch_size=cfg["batch"])["loss"]
         if rank == 0:
             out["first_loss"]["single"] = lm_loss(_model(cfg)(first[0]), first[1]).item()
+    # A round's figure is the mean step time after its first step, each step timed on its own: the Trainer's
+    # own ``step_time_s`` (batch fetch, split, forward, backward, all-reduce, AdamW) and, for DeepSpeed, the
+    # same span around ``step`` (slice, forward, backward, all-reduce, AdamW). A round's first step and
+    # ``fit``'s per-call set-up are left out on both sides: with a few steps a round they would swamp the
+    # step (fit starts its loader and prints its plan once per call).
     for r in range(-1, cfg["rounds"]):
         for method in round_order(methods, max(r, 0)):
-            started = time.perf_counter()
+            times = []
             if method == "deepspeed":
                 for i in range(cfg["steps"]):
                     rows = slice(i * cfg["batch"], (i + 1) * cfg["batch"])
+                    started = time.perf_counter()
                     loss = peer.step(x[rows], y[rows])
+                    times.append(time.perf_counter() - started)
                     out["first_loss"].setdefault("deepspeed", loss)
             else:
                 trainer = trainers[method]
+                timer["times"] = times
                 trainer.fit((x, y), epochs=trainer.epoch + 1, batch_size=cfg["batch"], shuffle=False)
             if r >= 0:
-                out["steps"][method].append((time.perf_counter() - started) / cfg["steps"])
+                out["steps"][method].append(statistics.mean(times[1:]))
     del peer
     del trainers
     # parity on the tests' tiny Llama
@@ -241,9 +260,8 @@ def _deepspeed_figure(results: list, skipped: dict):
     first = results[0]
     if "deepspeed" not in first["steps"] and "deepspeed_error" not in first:
         skipped["cp_step_vs_deepspeed_ulysses"] = (
-            "not run by default: --deepspeed runs DeepSpeed's Ulysses (ALST, benchmarks/ds_ulysses.py) beside "
-            "trainmesh's; its first-step loss was checked against one process (4.8e-7), its timed rounds have "
-            "not been run yet"
+            "DeepSpeed's Ulysses (ALST, benchmarks/ds_ulysses.py) was not run: deepspeed is not importable "
+            "(pip install deepspeed) or --no-deepspeed was given"
         )
         return None, [], first["first_loss"]
     if "deepspeed_error" in first:
@@ -269,19 +287,26 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, help="interleaved timing rounds (default 3; --quick 2)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument(
-        "--deepspeed", action="store_true", help="also time DeepSpeed's Ulysses (cp_step_vs_deepspeed_ulysses)"
+        "--deepspeed",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time DeepSpeed's Ulysses beside trainmesh's (cp_step_vs_deepspeed_ulysses); default: when "
+        "deepspeed is importable",
     )
     parser.add_argument("--sp-only", action="store_true", help="only the sequence-parallelism figure")
     args = parser.parse_args(argv)
     if args.quick:
-        cfg = dict(vocab=2048, hidden=128, ffn=352, layers=2, heads=8, kv_heads=4, seq=256, batch=2, steps=2, rounds=2)
+        cfg = dict(vocab=2048, hidden=128, ffn=352, layers=2, heads=8, kv_heads=4, seq=256, batch=2, steps=4, rounds=2)
     else:
         cfg = dict(
-            vocab=8192, hidden=512, ffn=1408, layers=6, heads=8, kv_heads=4, seq=1024, batch=2, steps=2, rounds=3
+            vocab=8192, hidden=512, ffn=1408, layers=6, heads=8, kv_heads=4, seq=1024, batch=2, steps=4, rounds=3
         )
     cfg["seq"] = args.seq or cfg["seq"]
     cfg["rounds"] = args.rounds or cfg["rounds"]
-    cfg["deepspeed"] = args.deepspeed
+    # DeepSpeed is an optional peer ('.[bench]'): run where importable unless --no-deepspeed
+    cfg["deepspeed"] = (
+        args.deepspeed if args.deepspeed is not None else importlib.util.find_spec("deepspeed") is not None
+    )
     import torch
 
     from cp_cases import build_model, data, reference
