@@ -146,13 +146,56 @@ def test_apply_expert_parallel_moves_expert_bytes_and_adds_the_dispatch():
     )
     assert (planned.params, planned.grads, planned.optimizer) == (1000 + whole // 2,) * 2 + (2 * (1000 + whole // 2),)
     assert planned.num_parameters_local == (1000 + whole // 2) // 4
-    traffic = planned.collectives.traffic[("data", "all_to_all")]
+    traffic = planned.collectives.traffic[("data_expert", "all_to_all")]  # within the EP group of 2
+    assert planned.collectives.group_sizes["data_expert"] == 2
     # per MoE layer: the counts (8 experts, int64), then 4 exchanges of tokens x top-2 x hidden fp32 rows
     assert traffic.count == LAYERS * 5
     assert traffic.bytes == LAYERS * (8 * 8 + 4 * tokens * 2 * HIDDEN * 4)
     token_bytes = LAYERS * 4 * tokens * 2 * HIDDEN * 4
     assert wire_bytes("all_to_all", token_bytes, 2) == token_bytes / 2  # (EP-1)/EP leave the process
     assert any(f"{whole // 2:,} expert parameter bytes per process instead of {whole:,}" in n for n in planned.notes)
+
+
+def _dense_bytes(model) -> int:
+    return sum(p.numel() * 2 for n, p in model.named_parameters() if ".experts." not in n)  # bf16-true
+
+
+def _data_traffic(plan, rank: int = 0) -> dict:
+    log = next(r for r in plan.ranks if r.rank == rank).collectives
+    return {(axis, kind): (t.count, t.bytes, log.group_sizes.get(axis)) for (axis, kind), t in log.traffic.items()}
+
+
+def test_expert_gradients_are_not_all_reduced_over_the_batch_axis():
+    """Data 4 x EP 4 (the experts 64% of the model): each process holds other experts, whose gradients arrive
+    whole from the dispatch's backward, so the planned batch-axis all-reduce is the dense parameters' bytes
+    only (the dry run alone counted every expert too: 19,168 bytes here, not 6,880). At EP 2 the 2 processes
+    holding the same experts all-reduce their half of them on their own group, and the dispatch's all-to-alls
+    run within the EP group of 2."""
+    model = _qwen3_moe(8)
+    dense = _dense_bytes(model)
+    experts = LAYERS * 8 * 3 * HIDDEN * MOE_INTERMEDIATE * 2
+    kwargs = dict(world_size=4, mesh="data=4", seq_len=8, hardware="h100", precision="bf16-true", zero_stage=0)
+    ep4 = _data_traffic(plan_parallel(_qwen3_moe(8), expert_parallel_size=4, **kwargs))
+    assert ep4[("data", "all_reduce")] == (1, dense, 4)
+    assert not any(axis.startswith("data_expert") for axis, _ in ep4)
+    plan2 = plan_parallel(_qwen3_moe(8), expert_parallel_size=2, **kwargs)
+    ep2 = _data_traffic(plan2)
+    assert ep2[("data", "all_reduce")] == (1, dense, 4)
+    assert ep2[("data_expert_replica", "all_reduce")] == (1, experts // 2, 2)
+    assert ep2[("data_expert", "all_to_all")][::2] == (10, 2)
+    assert ("data", "all_to_all") not in ep2
+    assert set(plan2.step.axes) == {"data", "data_expert", "data_expert_replica"}  # each priced on its group
+
+
+def test_zero3_under_ep_gathers_and_reduce_scatters_no_expert_over_the_batch_axis():
+    """ZeRO-3 at data 4 x EP 4: FSDP2 leaves the experts out. Doubling the experts (8 -> 16) then grows the
+    batch axis's gathers and reduce-scatters by the routers' new rows only (gathered twice, reduced once),
+    not by the experts' 12,288 bytes (gathered twice, reduced once, in the dry run alone)."""
+    kwargs = dict(world_size=4, mesh="data=4", seq_len=8, hardware=None, precision="bf16-true", zero_stage=3)
+    small, large = (_data_traffic(plan_parallel(_qwen3_moe(n), expert_parallel_size=4, **kwargs)) for n in (8, 16))
+    router_rows = LAYERS * 8 * HIDDEN * 2  # 8 more rows of each layer's (num_experts, hidden) gate weight
+    assert large[("data", "all_gather")][1] - small[("data", "all_gather")][1] == 2 * router_rows
+    assert large[("data", "reduce_scatter")][1] - small[("data", "reduce_scatter")][1] == router_rows
 
 
 def test_plan_cli_takes_an_expert_parallel_size(capsys):

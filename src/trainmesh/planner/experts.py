@@ -12,11 +12,23 @@ EP's, for the parameters, their gradients (same shards, same dtype) and the opti
 dry run's own state bytes per parameter byte: 2 for Adam, 1 for SGD with momentum). Dense layers keep
 the dry run's figures.
 
-The token dispatch's all-to-alls are added to the rank's collectives on the batch axis, at uniform
-routing (the issue's formula; real routing is measured by ``benchmarks/moe.py``): per MoE layer one
-count exchange (``num_experts`` int64) and four token exchanges (dispatch and combine, forward and
-backward), each of a full buffer of ``tokens x top_k x hidden`` activation elements, of which
-``(EP-1)/EP`` leave the process (``collectives.wire_bytes``).
+The token dispatch's all-to-alls are added to the rank's collectives at uniform routing (the issue's
+formula; real routing is measured by ``benchmarks/moe.py``): per MoE layer one count exchange
+(``num_experts`` int64) and four token exchanges (dispatch and combine, forward and backward), each of a
+full buffer of ``tokens x top_k x hidden`` activation elements, of which ``(EP-1)/EP`` leave the process
+(``collectives.wire_bytes``). They run within the EP group: the batch axis when EP is the whole axis,
+otherwise ``<batch>_expert`` (the training run's own name for the group: EP neighbouring processes).
+
+The dry run also reduces the experts' gradients over the whole batch axis, as any replicated (or ZeRO-3
+sharded) parameter's. Under EP they are not: each process of an EP group holds other experts, whose
+gradients arrive whole from the dispatch's backward. ``expert_gradient_traffic`` takes the experts out of
+the batch axis's gradient all-reduce (ZeRO 0) or all-gathers and reduce-scatters (ZeRO-3, where FSDP2
+leaves them out), and, where EP is smaller than the axis, adds what the ``batch / EP`` processes holding
+the same experts exchange, on ``<batch>_expert_replica``: the all-reduce of their gradients (ZeRO 0), or
+their own FSDP2 unit's gathers and reduce-scatter (ZeRO-3). The dry run's counts that this follows,
+measured by growing the experts: at ZeRO 0 the expert gradients are all-reduced once per step; at ZeRO-3
+they are gathered ``microbatches + 1`` times (each microbatch's forward, then once for the whole backward;
+1 + 1 without a pipe) and reduce-scattered once.
 
 With a pipe axis (pipe x EP), a process holds the MoE layers of its stages only: the experts and the
 all-to-alls counted are those of the layers in the rank's stages, found by the same split the pipeline
@@ -38,6 +50,7 @@ from torch import nn
 
 from trainmesh.distribution.expert_layout import check_divisible, check_expert_parallel_size, find_experts
 
+from .collectives import CollectiveLog
 from .mesh_spec import MeshSpec
 
 
@@ -158,6 +171,87 @@ def dispatch_traffic(
     return calls, nbytes
 
 
+def expert_axes(spec: MeshSpec, expert_parallel_size: int) -> tuple[str, str | None]:
+    """The names the rank's collectives file EP's traffic under: the EP group's (the batch axis when EP is
+    the whole axis) and the group of processes holding the same experts (None when there is one)."""
+    batch = spec.batch_axis
+    if expert_parallel_size >= spec.size(batch):
+        return batch, None
+    return f"{batch}_expert", f"{batch}_expert_replica"
+
+
+def expert_axis_strides(spec: MeshSpec, group_sizes: dict[str, int]) -> dict[str, int]:
+    """Rank strides of ``expert_axes``'s groups, for pricing their links: EP takes neighbouring processes of
+    the batch axis (``_torch.expert_parallel``), so its group has the axis's stride and the replicas' group
+    that stride times EP."""
+    batch = spec.batch_axis
+    stride, size = spec.stride(batch), spec.size(batch)
+    out = {}
+    if f"{batch}_expert" in group_sizes:
+        out[f"{batch}_expert"] = stride
+    if f"{batch}_expert_replica" in group_sizes:
+        out[f"{batch}_expert_replica"] = stride * (size // group_sizes[f"{batch}_expert_replica"])
+    return out
+
+
+def _whole_expert_bytes(meta_model: nn.Module, only: set[str] | None, element) -> tuple[int, int]:
+    """(all, trainable) bytes of the counted experts, unsharded, at ``element(param)`` bytes an element."""
+    total = trainable = 0
+    for experts in _experts_in(meta_model, only):
+        module = meta_model.get_submodule(experts.path)
+        for name in experts.param_names:
+            param = getattr(module, name)
+            nbytes = param.numel() * element(param)
+            total += nbytes
+            trainable += nbytes if param.requires_grad else 0
+    return total, trainable
+
+
+def _take(log: CollectiveLog, axis: str, kind: str, nbytes: int) -> None:
+    entry = log.traffic.get((axis, kind))
+    if entry is not None:
+        entry.bytes = max(0, entry.bytes - nbytes)
+
+
+def expert_gradient_traffic(
+    log: CollectiveLog,
+    meta_model: nn.Module,
+    spec: MeshSpec,
+    *,
+    expert_parallel_size: int,
+    zero_stage: int,
+    precision: str,
+    microbatches: int,
+    only: set[str] | None = None,
+) -> None:
+    """``log`` (a dry run's collectives) with the experts' gradient and parameter traffic as EP makes it
+    (see the module docstring): out of the batch axis, onto the replicas' group where there is one."""
+    batch = spec.batch_axis
+    ep = expert_parallel_size
+    if ep <= 1:
+        return
+    stored = 2 if precision == "bf16-true" else None  # the dry run casts every parameter then
+    gathered = 2 if precision in ("bf16-true", "bf16-mixed", "fp16-mixed") else None  # FSDP2's compute dtype
+    _, grad_bytes = _whole_expert_bytes(meta_model, only, lambda p: stored or p.element_size())
+    _, replica_axis = expert_axes(spec, ep)
+    modules = len(_experts_in(meta_model, only))
+    if zero_stage == 0:
+        _take(log, batch, "all_reduce", grad_bytes)
+        if replica_axis and grad_bytes:  # one flattened all-reduce of the held experts' gradients
+            log.add(replica_axis, "all_reduce", grad_bytes // ep, 1)
+    elif zero_stage == 3:
+        gather_bytes, _ = _whole_expert_bytes(meta_model, only, lambda p: gathered or p.element_size())
+        gathers = microbatches + 1
+        _take(log, batch, "all_gather", gathers * gather_bytes)
+        _take(log, batch, "reduce_scatter", grad_bytes)
+        if replica_axis:  # each experts module its own FSDP2 unit over the replicas
+            log.add(replica_axis, "all_gather", gathers * gather_bytes // ep, gathers * modules)
+            if grad_bytes:
+                log.add(replica_axis, "reduce_scatter", grad_bytes // ep, modules)
+    if replica_axis:
+        log.group_sizes[replica_axis] = spec.size(batch) // ep
+
+
 def apply_expert_parallel(
     result,
     meta_model: nn.Module,
@@ -183,14 +277,24 @@ def apply_expert_parallel(
         only=only,
     )
     (dry, held), (dry_trained, held_trained) = counted["all"], counted["trainable"]
+    ep_axis, _ = expert_axes(spec, expert_parallel_size)
     if tokens:
         calls, nbytes = dispatch_traffic(
             meta_model, tokens=tokens, expert_parallel_size=expert_parallel_size, precision=precision, only=only
         )
         if calls:
-            result.collectives.add(
-                spec.batch_axis, "all_to_all", nbytes * result.microbatches, calls * result.microbatches
-            )
+            result.collectives.add(ep_axis, "all_to_all", nbytes * result.microbatches, calls * result.microbatches)
+            result.collectives.group_sizes[ep_axis] = expert_parallel_size
+    expert_gradient_traffic(
+        result.collectives,
+        meta_model,
+        spec,
+        expert_parallel_size=expert_parallel_size,
+        zero_stage=zero_stage,
+        precision=precision,
+        microbatches=result.microbatches,
+        only=only,
+    )
     if dry == held:
         return result
     # the dry run's optimizer state bytes per gradient byte: 2 for Adam (exp_avg, exp_avg_sq), 1 for momentum

@@ -39,7 +39,7 @@ from torch import nn
 
 from .dry_run import RankResult, run_rank
 from .hardware import Hardware, axis_seconds, resolve_hardware
-from .experts import apply_expert_parallel, check_plan as check_expert_plan
+from .experts import apply_expert_parallel, check_plan as check_expert_plan, expert_axis_strides
 from .mesh_spec import MeshSpec
 from .sequence import sequence_axis_plan
 from .op_costs import price
@@ -253,6 +253,8 @@ def estimate_step(
 ) -> StepEstimate:
     """The slowest representative rank's step on ``hardware``; see the module docstring."""
     strides = {a: spec.stride(a) for a in spec.names}
+    for r in ranks:  # EP's groups within the batch axis (experts.py)
+        strides.update(expert_axis_strides(spec, r.collectives.group_sizes))
     overlap = hardware.overlaps(spec.world_size)
     worst = None
     for r in ranks:
