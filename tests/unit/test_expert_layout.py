@@ -296,16 +296,22 @@ def test_router_bias_balancing_as_a_trainer_callback_skips_what_the_trainer_skip
     assert balancing.routers == [] and len(gate._forward_hooks) == 1  # its hook taken off at the end of fit
 
 
-def test_experts_beside_a_sequence_axis_are_refused_by_name():
-    """The processes of a sequence axis hold the same experts and route different tokens to them; their
-    expert gradients are not averaged over that axis, so the layout is refused, not trained wrong (it ran
-    with expert parameters 5.3e-3 from one process after 3 steps before this check)."""
+def test_experts_beside_a_sequence_axis_are_planned_and_beside_a_pipeline_refused_by_name():
+    """Experts over the batch axis or over the sequence axis itself, beside a sequence axis, are planned
+    (their gradients are averaged over the processes holding the same experts, _torch/expert_grads.py;
+    parity in tests/multiprocess/test_expert_sequence.py). With a pipeline as well, the runner reduces a
+    stage's gradients its own way, unchecked with a sequence axis: refused by name before any collective."""
     model = _qwen3_moe()
     mesh = _mesh(2, 2, axes=("data", "seq"))
-    layout_map = tm.LayoutMap.auto(model, mesh, expert_axis="data", verbose=False)
-    distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", sequence_dim_name="seq")
-    with pytest.raises(ValueError, match=r"beside a sequence axis 'seq'.*model\.layers\.0\.mlp\.experts"):
+    for axis in ("data", "seq"):
+        layout_map = tm.LayoutMap.auto(model, mesh, expert_axis=axis, verbose=False)
+        distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", sequence_dim_name="seq")
+        plan = build_expert_plan(model, distribution)
+        assert plan.axis == axis and plan.size == 2 and len(plan.modules) == 2
+    piped = _mesh(2, 2, 2, axes=("pipe", "data", "seq"))
+    layout_map = tm.LayoutMap.auto(model, piped, expert_axis="data", verbose=False)
+    distribution = tm.ModelParallel(
+        layout_map=layout_map, batch_dim_name="data", sequence_dim_name="seq", pipeline=tm.Pipeline(axis="pipe")
+    )
+    with pytest.raises(ValueError, match=r"beside a sequence axis 'seq' and a pipeline over 'pipe'.*layers\.0"):
         build_expert_plan(model, distribution)
-    # without experts laid out, the same mesh and sequence axis are fine
-    plain = tm.ModelParallel(layout_map=tm.LayoutMap(mesh), batch_dim_name="data", sequence_dim_name="seq")
-    assert build_expert_plan(model, plain) is None

@@ -68,6 +68,7 @@ class SequenceContext:
     grad_group: object
     grad_size: int
     split_whole: int = 0  # > 0 inside ``split_sequences``: eval forwards of whole sequences are split
+    inner_mask: bool = False  # the prepared-mask placeholder handed to the base model only (_inner_mask)
     keep_chunks: int = 0  # > 0 inside ``loss_on_chunks``: their outputs stay this process's chunk
     _cache: dict = field(default_factory=dict)
 
@@ -143,7 +144,7 @@ def _prepare(context: SequenceContext, module, args, kwargs, batch: int, seq_len
         kwargs["position_ids"] = positions.unsqueeze(0).expand(batch, -1)
     else:  # packed sequences: the user's positions (restarting), this process's columns of them
         kwargs["position_ids"] = given.expand(batch, -1).index_select(1, positions.to(given.device))
-    kwargs["attention_mask"] = _PREPARED_MASK.to(device)
+    kwargs["attention_mask"] = None if context.inner_mask else _PREPARED_MASK.to(device)
     kwargs["trainmesh_sequence"] = _Call(context, seq_len, padding, documents, gather=gather)
     return args, kwargs
 
@@ -181,6 +182,17 @@ def _documents(module, kwargs, given, padding, seq_len: int, batch: int, method:
     return documents
 
 
+def _inner_mask(module, args, kwargs):
+    """The base model's pre-hook on a split forward: the prepared-mask placeholder, which the outer model
+    then never sees (see ``apply_context_parallel``)."""
+    if kwargs.get("trainmesh_sequence") is None or kwargs.get("attention_mask") is not None:
+        return None
+    tokens = args[0] if args else kwargs.get("input_ids")
+    tokens = tokens if tokens is not None else kwargs.get("inputs_embeds")
+    kwargs["attention_mask"] = _PREPARED_MASK.to(tokens.device if tokens is not None else "cpu")
+    return args, kwargs
+
+
 # --- applying it -----------------------------------------------------------------------------
 def apply_context_parallel(model: nn.Module, distribution) -> nn.Module:
     """Route ``model``'s attention through context parallelism over ``distribution.sequence``; returns it."""
@@ -202,6 +214,13 @@ def apply_context_parallel(model: nn.Module, distribution) -> nn.Module:
     _register_attention()
     hf.config._attn_implementation = ATTENTION_NAME
     hf.register_forward_pre_hook(lambda m, a, k: _pre_hook(context, m, a, k), with_kwargs=True)
+    inner = getattr(hf, "base_model", hf)
+    if hasattr(hf.config, "output_router_logits") and isinstance(inner, nn.Module) and inner is not hf:
+        # A MoE's outer model reads attention_mask itself, for its auxiliary loss (transformers'
+        # load_balancing_loss_func, given a [B, S] padding mask or None): the 4-D placeholder broke it, so
+        # the outer model gets None and its base model the placeholder (the outer kwargs carry the split down).
+        context.inner_mask = True
+        inner.register_forward_pre_hook(_inner_mask, with_kwargs=True)
     hf.register_forward_hook(gather_hook, with_kwargs=True)  # split eval forwards' outputs made whole
     model._trainmesh_sequence = context
     return model

@@ -1,5 +1,6 @@
 """Load balancing over the global batch: the quantities a MoE router is balanced by, summed over every
-process of the batch axis before they are used, so they equal one process on the whole batch.
+process of the batch axis (and of a sequence axis beside it) before they are used, so they equal one
+process on the whole batch.
 
 ``load_balancing_loss`` is transformers' auxiliary loss over the global batch; ``batch_group`` is the
 group those sums run over, shared with DeepSeek-V3's bias balancing (``trainer/router_bias.py``).
@@ -16,9 +17,16 @@ __all__ = ["batch_group", "load_balancing_loss"]
 
 
 def batch_group(distribution):
-    """The batch axis's process group and size, or (None, 1) when there is nothing to reduce over."""
+    """The process group and size of the processes that hold different tokens: the batch axis, times the
+    sequence axis where there is one (its processes hold different tokens of the same samples); (None, 1)
+    when there is nothing to reduce over."""
     if distribution is None or not (dist.is_available() and dist.is_initialized()):
         return None, 1
+    if getattr(distribution, "sequence", None) is not None:  # data x seq, as the gradients are averaged
+        from .context_parallel import gradient_group
+
+        group, size = gradient_group(to_torch_mesh(distribution.device_mesh), distribution)
+        return (group, size) if size > 1 else (None, 1)
     size = distribution.data_parallel_size
     if size == 1:
         return None, 1
@@ -32,11 +40,12 @@ def load_balancing_loss(
 ) -> torch.Tensor:
     """The Switch-Transformer auxiliary loss of transformers' MoE models (``load_balancing_loss_func``:
     ``num_experts * sum_e f_e * P_e``, f the fraction of top-k assignments to expert e, P its mean router
-    probability) over the **global** batch: the per-expert sums of every process of the batch axis are
-    added (one all-reduce of ``2 * num_experts + 1`` numbers) before the product, so the value equals one
+    probability) over the **global** batch: the per-expert sums of every process of the batch axis (times
+    a sequence axis, whose processes hold other tokens of the same samples) are added (one all-reduce of
+    ``2 * num_experts + 1`` numbers) before the product, so the value equals one
     process on the whole batch; transformers computes it per process. The gradient reaches the router
-    through this process's own tokens, scaled by the batch axis size, so that the gradient averaging over
-    that axis gives one process's gradient.
+    through this process's own tokens, scaled by the number of those processes, so that the gradient
+    averaging over them gives one process's gradient.
 
     ``router_logits``: the model output's ``router_logits`` (``output_router_logits=True``), a tuple of
     ``(tokens, num_experts)`` tensors. ``distribution``: default the current one (``tm.distribution()``);
@@ -59,6 +68,13 @@ def load_balancing_loss(
     probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
     rows = torch.zeros((), dtype=torch.float32, device=device)
     mask = None if attention_mask is None else attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+    if mask is not None and mask.numel() != router_logits[0].shape[0]:
+        # beside a sequence axis the router saw this process's chunk of each sequence, not the whole mask
+        raise ValueError(
+            f"load_balancing_loss's attention_mask must cover the tokens the router saw ({router_logits[0].shape[0]} "
+            f"rows: over a sequence axis, this process's chunk of each sequence, split like the inputs). "
+            f"Received: attention_mask of shape {tuple(attention_mask.shape)}"
+        )
     for logits in router_logits:
         weights = torch.softmax(logits.float(), dim=-1)
         chosen = torch.topk(weights, top_k, dim=-1).indices.reshape(-1)
@@ -73,6 +89,6 @@ def load_balancing_loss(
         dist.all_reduce(total, group=group)
         counts, rows = total[:num_experts], total[-1]
         others = total[num_experts : 2 * num_experts] - local[num_experts : 2 * num_experts]
-        # value: the global sum; gradient: this process's share times the batch axis size (see docstring)
+        # value: the global sum; gradient: this process's share times the group's size (see docstring)
         probs = size * probs - (size - 1) * probs.detach() + others
     return num_experts * torch.sum((counts / rows) * (probs / rows))

@@ -196,13 +196,20 @@ def _apply_layers(
     if expert_plan is not None:
         from .expert_parallel import apply_expert_parallel
 
+        beside_sequence = getattr(distribution, "sequence", None) is not None
         model = apply_expert_parallel(
             model,
             distribution,
             expert_plan,
             zero_stage=options.zero_stage,
-            reduce_grads=options.zero_stage == 0 and not pipelined,
+            reduce_grads=options.zero_stage == 0 and not pipelined and not beside_sequence,
         )
+        if beside_sequence:  # the sequence axis's processes hold the same experts: their gradients summed too
+            from .expert_grads import apply_expert_grads_beside_sequence
+
+            apply_expert_grads_beside_sequence(
+                model, distribution, expert_plan, reduce_grads=options.zero_stage == 0 and not pipelined
+            )
     # 1c. a sequence axis (context parallelism): attention over the split sequence, set before
     # checkpointing and compile, which recompute and trace the attention as it will run.
     if getattr(distribution, "sequence", None) is not None:

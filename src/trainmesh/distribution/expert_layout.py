@@ -271,17 +271,17 @@ def build_expert_plan(model: nn.Module, distribution) -> ExpertPlan | None:
     axis = named.pop()
     axis_size = mesh.axis_size(axis)
     sequence = getattr(distribution, "sequence", None)
-    if sequence is not None and sequence.axis_size > 1:
-        # The processes of a sequence axis hold the same experts and route different tokens to them, so their
-        # expert gradients would need a sum over that axis too, which the dispatch does not make: refused
-        # rather than trained with wrong expert gradients.
-        sequence_axis = sequence.axis
+    pipeline = getattr(distribution, "pipeline", None)
+    if sequence is not None and sequence.axis_size > 1 and pipeline is not None and mesh.axis_size(pipeline.axis) > 1:
+        # Beside a sequence axis the experts' gradients are averaged over the processes that hold the same
+        # experts (``_torch/expert_grads.py``); the pipeline runner reduces a stage's gradients its own way
+        # after the schedule, and that path has not been checked against one process with both axes.
         raise ValueError(
-            f"Experts laid out over {axis!r} beside a sequence axis {sequence_axis!r} "
-            f"({sequence.axis_size} processes) are not offered: experts module {found[0].path!r} "
-            f"would not average its gradients over {sequence_axis!r}. Split the sequence without experts laid out, "
-            f"or lay the experts out without a sequence axis. Received: expert axis {axis!r}, "
-            f"sequence_dim_name={sequence_axis!r}"
+            f"Experts laid out over {axis!r} beside a sequence axis {sequence.axis!r} and a pipeline over "
+            f"{pipeline.axis!r} are not offered: experts module {found[0].path!r} would have its gradients "
+            f"reduced by the pipeline runner, which is not checked against one process with a sequence axis. "
+            f"Drop one of the three axes. Received: expert axis {axis!r}, sequence_dim_name={sequence.axis!r}, "
+            f"pipeline axis {pipeline.axis!r}"
         )
     size = check_expert_parallel_size(getattr(layout_map, "expert_parallel_size", None), axis, axis_size)
     if size < axis_size and axis != distribution.batch_dim_name:
