@@ -94,8 +94,14 @@ def _fit(shape, axes, schedule, zero_stage, ep, layers) -> dict:
         "params": {n: _full(p).detach().clone() for n, p in trainer.model.named_parameters()},
         "grads": {names[i]: g for i, g in first_grads.items() if i in names},
         "losses": list(Logs.losses),
-        "expert_rows": [(p.to_local() if hasattr(p, "to_local") else p).shape[0] for p in experts],
+        "expert_rows": [_local(p).shape[0] for p in experts],
+        # rows of the attention's q_proj this process holds, of the whole (TP over a model axis halves them)
+        "q_rows": [(_local(p).shape[0], p.shape[0]) for n, p in trainer.model.named_parameters() if "q_proj" in n],
     }
+
+
+def _local(param):
+    return param.to_local() if hasattr(param, "to_local") else param
 
 
 def _zero1_refused() -> str:
@@ -171,6 +177,8 @@ def test_pipe_ep_compositions_match_one_process(results4, name):
     stage_layers = layers // 2  # per process: 2 pipe ranks
     for rank_result in results4:
         assert rank_result[name]["expert_rows"] == [held] * stage_layers, (name, rank_result[name]["expert_rows"])
+        if zero_stage == 0:  # no model axis here: whole attention weights (ZeRO-3 shards them over data)
+            assert all(local == whole for local, whole in rank_result[name]["q_rows"]), rank_result[name]["q_rows"]
 
 
 @pytest.mark.timeout(450)
@@ -186,3 +194,4 @@ def test_pipe2_ep2_tp2_on_eight_processes_matches_one_process():
     _check_parity(results, "pipe2_ep2_tp2", 2)
     for rank_result in results:
         assert rank_result["pipe2_ep2_tp2"]["expert_rows"] == [NUM_EXPERTS // 2]
+        assert rank_result["pipe2_ep2_tp2"]["q_rows"] == [(16, 32)]  # the stage's one layer, half on each
