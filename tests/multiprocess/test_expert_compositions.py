@@ -13,8 +13,10 @@ Launch 1 (4 processes):
 * ZeRO-1 with experts laid out: refused by name on every process before any collective (ModelParallel
   offers ZeRO 0, 2 and 3; ZeRO-2 x EP and ZeRO-3 x EP are tested in test_expert_parallel).
 
-Launch 2 (8 processes): pipe 2 x data 2 x model 2, experts over the data axis (EP 2), the
-rest tensor-parallel over the model axis as ``LayoutMap.auto`` lays it out (attention), 1F1B, 2 microbatches.
+Launch 2 (8 processes), 1F1B, 2 microbatches: pipe 2 x data 2 x model 2, experts over the data axis (EP 2),
+the rest tensor-parallel over the model axis as ``LayoutMap.auto`` lays it out (attention); and pipe 2 x
+data 4 with ``expert_parallel_size=2``: each stage's data axis in two groups of 2 that dispatch within
+themselves, each expert's gradient averaged over its 2 holders by the pipeline runner.
 """
 
 from __future__ import annotations
@@ -38,7 +40,11 @@ CASES4 = {
     "interleaved_zero_bubble_ep2": ((2, 2), ["pipe", "data"], "interleaved_zero_bubble", 0, None, 4),
     "zbv_ep2": ((2, 2), ["pipe", "data"], "zbv", 0, None, 4),
 }
-CASES8 = {"pipe2_ep2_tp2": ((2, 2, 2), ["pipe", "data", "model"], "1f1b", 0, None, 2)}
+CASES8 = {
+    "pipe2_ep2_tp2": ((2, 2, 2), ["pipe", "data", "model"], "1f1b", 0, None, 2),
+    # EP 2 on a stage's data axis of 4: two groups of 2 dispatching within themselves, replicas averaged
+    "pipe2_data4_ep2": ((2, 4), ["pipe", "data"], "1f1b", 0, 2, 2),
+}
 
 
 def _full(tensor):
@@ -189,9 +195,13 @@ def test_ep_with_zero1_is_refused_by_name(results4):
 
 
 @pytest.mark.timeout(450)
-def test_pipe2_ep2_tp2_on_eight_processes_matches_one_process():
+def test_eight_processes_match_one_process():
+    """pipe 2 x EP 2 x TP 2, and pipe 2 x data 4 with EP 2 (EP smaller than the stage's data axis), in one launch."""
     results = run_distributed(_cases, world_size=8, args=(CASES8,), timeout=400)
-    _check_parity(results, "pipe2_ep2_tp2", 2)
+    for name in CASES8:
+        _check_parity(results, name, 2)
     for rank_result in results:
         assert rank_result["pipe2_ep2_tp2"]["expert_rows"] == [NUM_EXPERTS // 2]
         assert rank_result["pipe2_ep2_tp2"]["q_rows"] == [(16, 32)]  # the stage's one layer, half on each
+        assert rank_result["pipe2_data4_ep2"]["expert_rows"] == [NUM_EXPERTS // 2]
+        assert all(local == whole for local, whole in rank_result["pipe2_data4_ep2"]["q_rows"])
