@@ -1,9 +1,10 @@
 """A chaos run: does a training job survive one fault at a random step with nothing lost?
 
-    python benchmarks/chaos.py [--runs N] [--seed S] [--quick] [--json PATH]
+    python benchmarks/chaos.py [--runs N] [--seed S] [--quick] [--nproc P] [--json PATH]
 
-The job: 4 processes (`trainmesh run -n 4`, torchrun's elastic agent with restarts), an MLP under
-ZeRO-2 with Adam, 2 epochs of 8 steps, ``tm.ShardedCheckpoint(every_n_steps=2, async_save=True)``
+The job: 4 processes (`trainmesh run -n 4`, torchrun's elastic agent with restarts; ``--nproc 2``, the test
+suite's smoke run, halves the process starts, each a torch import, and every fault kind strikes as with 4), an MLP
+under ZeRO-2 with Adam, 2 epochs of 8 steps, ``tm.ShardedCheckpoint(every_n_steps=2, async_save=True)``
 and ``fit(resume=True)``. One uninterrupted run is the reference. Every other run injects one fault,
 chosen with ``--seed`` (kind, step, rank), in the first attempt:
 
@@ -223,8 +224,10 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # --------------------------------------------------------------------------- the driver
-def plan_runs(runs: int, seed: int, quick: bool, kinds_allowed: tuple[str, ...] = KINDS) -> list[dict]:
-    """Each run's fault: kind, step (after which it strikes), rank, phase; seeded."""
+def plan_runs(
+    runs: int, seed: int, quick: bool, kinds_allowed: tuple[str, ...] = KINDS, nproc: int = NPROC
+) -> list[dict]:
+    """Each run's fault: kind, step (after which it strikes), rank (of ``nproc``), phase; seeded."""
     rng = random.Random(seed)
     if quick:
         kinds = list(kinds_allowed)
@@ -234,7 +237,7 @@ def plan_runs(runs: int, seed: int, quick: bool, kinds_allowed: tuple[str, ...] 
     save_steps = [s for s in range(2 * INTERVAL, TOTAL_STEPS - INTERVAL + 1, INTERVAL)]
     plans = []
     for kind in kinds:
-        plan = {"kind": kind, "rank": rng.randrange(NPROC), "phase": "-", "seed": rng.randrange(1 << 30)}
+        plan = {"kind": kind, "rank": rng.randrange(nproc), "phase": "-", "seed": rng.randrange(1 << 30)}
         if kind == "corrupt":  # two committed checkpoints: one to destroy, an older one to fall back to (an
             # async save commits by the next save at the latest: from step 3 intervals on there are two)
             plan.update(step=rng.randint(3 * INTERVAL, TOTAL_STEPS - 1), rank=0)
@@ -252,8 +255,8 @@ def plan_runs(runs: int, seed: int, quick: bool, kinds_allowed: tuple[str, ...] 
     return plans
 
 
-def _launch(out: str, ckpt: str, plan: dict, timeout_s: float) -> dict:
-    """One `trainmesh run -n 4` job (with restarts) until it exits; a stopped rank gets SIGCONT
+def _launch(out: str, ckpt: str, plan: dict, timeout_s: float, nproc: int) -> dict:
+    """One `trainmesh run -n nproc` job (with restarts) until it exits; a stopped rank gets SIGCONT
     2 collective timeouts after it stopped."""
     hang_timeout = HANG_TIMEOUT_S if plan["kind"] == "sigstop" else TIMEOUT_S
     cmd = [
@@ -262,7 +265,7 @@ def _launch(out: str, ckpt: str, plan: dict, timeout_s: float) -> dict:
         "trainmesh",
         "run",
         "-n",
-        str(NPROC),
+        str(nproc),
         "--max-restarts",
         "2",
         "--monitor-interval",
@@ -484,7 +487,7 @@ def _unmount(path: str) -> None:
     subprocess.run(["umount", path], capture_output=True, timeout=60)
 
 
-def run_one(root: str, index: int, plan: dict, reference: dict | None, timeout_s: float) -> dict:
+def run_one(root: str, index: int, plan: dict, reference: dict | None, timeout_s: float, nproc: int = NPROC) -> dict:
     out = os.path.join(root, f"run{index:02d}_{plan['kind']}")
     os.makedirs(out)
     ckpt_parent = os.path.join(out, "disk")
@@ -496,7 +499,7 @@ def run_one(root: str, index: int, plan: dict, reference: dict | None, timeout_s
             return {**plan, "skipped": reason}
         mounted = True
     try:
-        launch = _launch(out, os.path.join(ckpt_parent, "ckpt"), plan, timeout_s)
+        launch = _launch(out, os.path.join(ckpt_parent, "ckpt"), plan, timeout_s, nproc)
     finally:
         if mounted:
             _unmount(ckpt_parent)
@@ -562,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         "--kinds", default=",".join(KINDS), help=f"comma list of fault kinds (default: all: {','.join(KINDS)})"
     )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per job before it counts as hung")
+    parser.add_argument("--nproc", type=int, default=NPROC, help=f"processes per job (default {NPROC})")
     # the job's own arguments (run by `trainmesh run`)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -577,18 +581,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.runs < 1:
         parser.error(f"--runs must be >= 1. Received: --runs {args.runs}")
+    if args.nproc < 2 or GLOBAL_BATCH % args.nproc:  # a fault needs a peer; the global batch splits evenly
+        parser.error(f"--nproc must be >= 2 and divide the global batch {GLOBAL_BATCH}. Received: --nproc {args.nproc}")
     kinds = tuple(k for k in args.kinds.split(",") if k)
     if not kinds or any(k not in KINDS for k in kinds):
         parser.error(f"--kinds must name kinds among {KINDS}. Received: --kinds {args.kinds}")
     import torch
 
-    plans = plan_runs(args.runs, args.seed, args.quick, kinds)
+    plans = plan_runs(args.runs, args.seed, args.quick, kinds, args.nproc)
     root = args.dir or tempfile.mkdtemp(prefix="trainmesh-chaos-")
     os.makedirs(root, exist_ok=True)
     started = time.monotonic()
     try:
         ref_plan = {"kind": "none", "rank": 0, "phase": "-", "seed": 0, "step": 0}
-        ref = run_one(root, 0, ref_plan, None, args.timeout)
+        ref = run_one(root, 0, ref_plan, None, args.timeout, args.nproc)
         ref_final = os.path.join(root, "run00_none", "final.pt")
         if ref["exit_code"] != 0 or not os.path.exists(ref_final):
             print(f"INVALID: the uninterrupted run failed (exit {ref['exit_code']}):\n{ref.get('stderr_tail', '')}")
@@ -596,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
         reference = torch.load(ref_final, weights_only=True)
         results = []
         for i, plan in enumerate(plans, start=1):
-            result = run_one(root, i, plan, reference, args.timeout)
+            result = run_one(root, i, plan, reference, args.timeout, args.nproc)
             results.append(result)
             print(table(results).splitlines()[-1], flush=True)
     finally:
@@ -606,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"uninterrupted run: {ref['seconds']:.0f} s, resumed at {ref['resumed_at']}; checkpoint interval "
-        f"{INTERVAL} steps, {TOTAL_STEPS} steps, {NPROC} processes, ZeRO-2, async sharded checkpoints; steps "
+        f"{INTERVAL} steps, {TOTAL_STEPS} steps, {args.nproc} processes, ZeRO-2, async sharded checkpoints; steps "
         f"from a save to its commit: {ref['commit_lag_steps']}"
     )
     print(table(results))
@@ -618,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "figures": figures,
         "settings": {
-            "nproc": NPROC,
+            "nproc": args.nproc,
             "zero_stage": 2,
             "checkpoint_interval": INTERVAL,
             "total_steps": TOTAL_STEPS,
