@@ -231,19 +231,41 @@ def sequence_context(model: nn.Module) -> SequenceContext | None:
     return getattr(module, "_trainmesh_sequence", None)
 
 
-def token_weighted_loss(model: nn.Module, loss: torch.Tensor, targets) -> torch.Tensor:
+def _token_count(targets: torch.Tensor) -> torch.Tensor:
+    """Targets other than -100 (cross-entropy's ``ignore_index``); every position for float targets."""
+    local = (targets != -100).sum() if not targets.is_floating_point() else torch.tensor(targets.shape[:2].numel())
+    return local.to(torch.float64).reshape(1)  # on the targets' device: NCCL groups take CUDA tensors
+
+
+def global_token_count(model: nn.Module, targets) -> float | None:
+    """The tokens of ``targets`` summed over the data x seq processes (one 8-byte all-reduce), or None
+    without a sequence axis. A pipeline counts a whole schedule step's once, before its microbatches."""
+    context = sequence_context(model)
+    if context is None or not torch.is_tensor(targets):
+        return None
+    total = _token_count(targets)
+    dist.all_reduce(total, group=context.grad_group)
+    return total.item()
+
+
+def token_weighted_loss(
+    model: nn.Module, loss: torch.Tensor, targets, *, total: float | None = None, parts: int = 1
+) -> torch.Tensor:
     """Over a sequence axis, ``loss`` (this process's mean over its tokens) times
     ``its tokens x processes / all tokens``: gradients averaged over the processes are then those of the
     global token mean, and so is the reported loss, padding or not. Tokens are targets other than -100
-    (cross-entropy's ``ignore_index``). One 8-byte all-reduce per micro-batch."""
+    (cross-entropy's ``ignore_index``). One 8-byte all-reduce per micro-batch, unless ``total`` gives the
+    tokens of all ``parts`` pieces the caller then averages (a pipeline step's microbatches, whose token
+    counts differ with padding: weighting each to its own mean would give the mean of their means)."""
     context = sequence_context(model)
     if context is None or not torch.is_tensor(targets):
         return loss
-    local = (targets != -100).sum() if not targets.is_floating_point() else torch.tensor(targets.shape[:2].numel())
-    count = local.to(torch.float64).reshape(1)  # on the targets' device: NCCL groups take CUDA tensors
-    total = count.clone()
-    dist.all_reduce(total, group=context.grad_group)
-    if total.item() == 0:
+    count = _token_count(targets)
+    if total is None:
+        total = count.clone()
+        dist.all_reduce(total, group=context.grad_group)
+        total = total.item()
+    if total == 0:
         return loss * 0.0
-    weight = count.item() * context.grad_size / total.item()
+    weight = count.item() * context.grad_size * parts / total
     return loss if math.isclose(weight, 1.0, rel_tol=0, abs_tol=0) else loss * weight

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .context_parallel import global_token_count, token_weighted_loss
 from .pipeline_experts import average_expert_replicas, data_averaged
 from .pipeline_receives import ReceivePlan, posts_receives_ahead
 from .pipeline_split import KeyedBlocks, assign_blocks, build_stage_model, split_at
@@ -119,6 +120,7 @@ class PipelineRunner:
             for module, index in zip(self.modules, indices)
         ]
         self._loss_fn: list[Callable | None] = [None]
+        self._step_tokens: list[float | None] = [None]  # a sequence axis: the schedule step's global tokens
         self.schedule = self._build_schedule()
         self.receive_plan = ReceivePlan(self.stages) if posts_receives_ahead(self.stages, pipe_group) else None
 
@@ -189,9 +191,12 @@ class PipelineRunner:
         self._follow_mode()
         for batch in micro_batches:
             inputs, targets = split_batch(precision.convert_input(batch))
+            _check_tensor_inputs(inputs)
             self.pipeline.validate(self.pipe_size, batch_rows(targets))
             step_losses: list[torch.Tensor] = []
             args = (inputs,) if self.holds_first else ()
+            if self.holds_last:  # before the schedule: every process of the last stage's data x seq group
+                self._step_tokens[0] = global_token_count(self._last_stage_model(), targets)
             if self.receive_plan is not None:
                 self.receive_plan.before_step(self.schedule)
             with self._step_context():
@@ -216,13 +221,16 @@ class PipelineRunner:
             average_expert_replicas(self.stage_models)
 
     def _token_weighted(self, loss: torch.Tensor, targets) -> torch.Tensor:
-        """Over a sequence axis, the last stage's microbatch loss weighted to the global token mean
-        (``token_weighted_loss``: one 8-byte all-reduce over data x seq, whose processes all hold the
-        last stage and reach this point in the same microbatch order)."""
-        from .context_parallel import token_weighted_loss
+        """Over a sequence axis, the last stage's microbatch loss weighted to the global token mean of the
+        whole schedule step (``token_weighted_loss``, with the step's tokens counted by one 8-byte
+        all-reduce over data x seq before the schedule): microbatches with more padding weigh less, as
+        their tokens do in one process's mean over the batch."""
+        return token_weighted_loss(
+            self._last_stage_model(), loss, targets, total=self._step_tokens[0], parts=self.pipeline.microbatches
+        )
 
-        last = self.stage_models[self.indices.index(self.num_stages - 1)]
-        return token_weighted_loss(last, loss, targets)
+    def _last_stage_model(self) -> nn.Module:
+        return self.stage_models[self.indices.index(self.num_stages - 1)]
 
     def _step_context(self):
         if self.pipeline.schedule in SPLIT_BACKWARD:  # ZeRO-3 keeps a stage gathered through the step
@@ -314,6 +322,21 @@ def _whole_sequences(stage_models: list[nn.Module]):
     finally:
         for c, value in zip(contexts, saved):
             c.split_whole = value
+
+
+def _check_tensor_inputs(inputs: Any) -> None:
+    """A pipeline hands its first stage one tensor and the stages pass one activation tensor on, so a dict
+    of inputs (an ``attention_mask`` or ``position_ids`` beside ``input_ids``) has no way to the later
+    stages' attention. torch's stage refused it on the first stage only, after the later stages had
+    begun waiting for its shapes (they then failed on a closed connection); every process holds the
+    batch, so all refuse it here, before the schedule's first message."""
+    if not isinstance(inputs, torch.Tensor):
+        detail = f"a dict with keys {sorted(inputs)}" if isinstance(inputs, dict) else type(inputs).__name__
+        raise ValueError(
+            "A pipeline takes one tensor of inputs (token ids): the stages pass one activation tensor "
+            "on, so a padding mask, position_ids or other inputs beside the tokens cannot reach the later "
+            f"stages. Pass the token tensor, with -100 targets for the positions to ignore. Received: {detail}"
+        )
 
 
 def _under(precision, loss_fn: Callable, output, target) -> torch.Tensor:

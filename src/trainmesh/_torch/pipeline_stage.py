@@ -102,7 +102,27 @@ def make_pipeline_stage(module: StageModule, index: int, num_stages: int, device
             with not_counted(module.stage_model):
                 return super()._forward_metadata_inference(*args, **kwargs)
 
-    return _Stage(module, index, num_stages, device, group=group)
+    return _Stage(module, index, num_stages, device, group=group, get_mesh=lambda names, _: _mesh_named(module, names))
+
+
+def _mesh_named(module: StageModule, names: tuple[str, ...]):
+    """The device mesh a received DTensor activation lives on, by its axis names: torch's stage sends a
+    DTensor's layout with its mesh's names only. Under sequence parallelism a stage's output is the
+    residual stream, a ``Shard(1)`` DTensor on the model axis, and the receiving stage's own parameters
+    live on that axis's mesh of its own processes."""
+    from torch.distributed.tensor import DTensor
+
+    for param in module.stage_model.parameters():
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh
+            if mesh.mesh_dim_names == tuple(names):
+                return mesh
+            if mesh.mesh_dim_names and set(names) <= set(mesh.mesh_dim_names):
+                return mesh[tuple(names)]
+    raise ValueError(
+        f"A pipeline stage received a DTensor on a mesh of axes {tuple(names)}, and none of the stage's own "
+        f"parameters lives on such a mesh. Received: mesh axes {tuple(names)}"
+    )
 
 
 @contextlib.contextmanager
