@@ -163,7 +163,7 @@ SLOW = {
 ROOT_ONLY = {"communication", "multihost"}
 # Benchmarks whose smallest run is in another test, and where.
 ELSEWHERE = {
-    "chaos": "tests/integration/test_chaos.py runs chaos.py --quick",
+    "chaos": "tests/integration/test_chaos.py runs chaos.py --quick --nproc 2",
     "finetune": "tests/integration/test_finetune_benchmark.py runs finetune.py --quick",
 }
 # Not benchmarks: the driver, the table renderer, and parts another benchmark imports (ps_embedding is
