@@ -30,10 +30,14 @@ batch axis each of those processes' losses is a mean over its own slice, so divi
 axis size gives exactly one process's gradient on the global batch. Over another axis (a model axis,
 whose processes share a batch slice) every row arrives once per process of the axis: the gradient
 is divided by that size and then averaged over the batch axis like every other parameter.
+The 1/EP is applied to the gradient of the expert rows (output rows times 1/EP, input rows times EP:
+rows x hidden elements a layer) rather than to the experts' own gradients (every local weight, every
+step), which is the same number bit for bit when EP is a power of two (``_DispatchState``).
 """
 
 from __future__ import annotations
 
+import math
 import types
 
 import torch
@@ -71,8 +75,14 @@ class _DispatchState:
     def __init__(self, group, size: int, index: int, num_experts: int, grad_scale: float):
         self.group, self.size, self.index, self.grad_scale = group, size, index, grad_scale
         self.num_experts, self.num_local = num_experts, num_experts // size
-        self.inner = False
         self.local_ids = torch.arange(self.num_local).repeat(size)
+        # Scaling the experts' gradients by ``grad_scale`` (1/EP) where they are made costs a pass over every
+        # local expert's weights per backward (75% of a Qwen3-MoE's parameters). Scaling the gradient of
+        # the expert outputs' rows by it instead, and that of their input rows back by 1/grad_scale, gives
+        # the same weight gradients and input gradients in rows x hidden elements; exactly the same when
+        # grad_scale is a power of two (the backward is linear in the incoming gradient: each product and
+        # sum is the same binary exponent shift). Otherwise the weights' gradients are scaled as made.
+        self.rows_grad_scale = grad_scale != 1.0 and math.frexp(grad_scale)[0] == 0.5
         # tokens per expert routed by this process in training forwards (not in no-grad evaluation nor in
         # the forward activation checkpointing recomputes in backward), read and zeroed by the Trainer
         self.train_tokens = torch.zeros(num_experts, dtype=torch.int64)
@@ -113,8 +123,6 @@ def _dispatch(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     state: _DispatchState = self._trainmesh_ep
-    if state.inner:  # the local experts' own computation (step 4), reached through functional_call
-        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
     num_tokens, top_k = top_k_index.shape
     hidden = hidden_states.shape[-1]
     flat = top_k_index.reshape(-1)
@@ -123,34 +131,46 @@ def _dispatch(
     counts = torch.bincount(flat, minlength=state.num_experts)
     received_counts = torch.empty_like(counts)
     dist.all_to_all_single(received_counts, counts, group=state.group)  # 2. num_experts/EP per process
-    send_splits = counts.view(state.size, state.num_local).sum(1).tolist()
-    recv_splits = received_counts.view(state.size, state.num_local).sum(1).tolist()
+    # one host read of both splits (the layer's one sync), as transformers' AllToAllEP does
+    send_splits, recv_splits = torch.stack(
+        [counts.view(state.size, state.num_local).sum(1), received_counts.view(state.size, state.num_local).sum(1)]
+    ).tolist()
     received = all_to_all_single_autograd(send, recv_splits, send_splits, state.group)  # 3.
     # Rows arrive grouped by source process, then by local expert: their local expert ids.
-    local_ids = state.local_ids.to(received_counts.device).repeat_interleave(received_counts)
-    local = {
-        name: _local_experts(p, state.grad_scale)
-        for name, p in self.named_parameters(recurse=False)
-        if isinstance(p, DTensor)
-    }
-    state.inner = True
-    saved_num = self.num_experts if hasattr(self, "num_experts") else None
-    try:  # 4. the model's own experts (grouped_mm), on this process's experts only
-        if saved_num is not None:
-            self.num_experts = state.num_local
-        ones = torch.ones(received.shape[0], 1, dtype=top_k_weights.dtype, device=received.device)
-        out = torch.func.functional_call(self, local, (received, local_ids[:, None], ones), strict=False)
-    finally:
-        state.inner = False
-        if saved_num is not None:
-            self.num_experts = saved_num
+    local_ids = state.local_ids.to(counts.device).repeat_interleave(received_counts, output_size=received.shape[0])
+    rows_scale = state.rows_grad_scale and torch.is_grad_enabled()
+    if rows_scale:  # the experts' gradients scaled through their rows (see _DispatchState.rows_grad_scale)
+        received = _ScaleGrad.apply(received, 1.0 / state.grad_scale)
+    ones = torch.ones(received.shape[0], 1, dtype=top_k_weights.dtype, device=received.device)
+    out = _run_local_experts(self, state, received, local_ids[:, None], ones, scale_params=not rows_scale)  # 4.
+    if rows_scale:
+        out = _ScaleGrad.apply(out, state.grad_scale)
     back = all_to_all_single_autograd(out, send_splits, recv_splits, state.group)  # 5.
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    pairs = back[inverse].view(num_tokens, top_k, hidden)
+    # Back to the pairs' order by a scatter (its backward a gather) rather than a gather through the
+    # inverse permutation, whose backward is an accumulating index_put
+    pairs = torch.empty_like(back).index_copy(0, order, back).view(num_tokens, top_k, hidden)
     result = (pairs * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(dim=1)
     _record(state, counts, send, out, send_splits, recv_splits, hidden_states.element_size() * hidden)
     return result.to(hidden_states.dtype)
+
+
+def _run_local_experts(self: nn.Module, state: _DispatchState, rows, ids, weights, *, scale_params: bool):
+    """The model's own expert computation (``type(self).forward``: transformers' experts interface,
+    ``grouped_mm`` by default) on this process's experts only: the DTensor parameters swapped for their
+    local shards for the call (what transformers' ``_use_local_dtensor_params`` does; cheaper than
+    ``torch.func.functional_call``), ``num_experts`` the local count."""
+    originals = {name: p for name, p in self._parameters.items() if isinstance(p, DTensor)}
+    scale = state.grad_scale if scale_params else 1.0
+    saved_num = self.__dict__.get("num_experts")
+    self._parameters.update({name: _local_experts(p, scale) for name, p in originals.items()})
+    if saved_num is not None:
+        self.num_experts = state.num_local
+    try:
+        return type(self).forward(self, rows, ids, weights)
+    finally:
+        self._parameters.update(originals)
+        if saved_num is not None:
+            self.num_experts = saved_num
 
 
 def _local_experts(param: DTensor, grad_scale: float) -> torch.Tensor:
