@@ -50,8 +50,15 @@ def run(nproc: int, out, *args: str, launcher: tuple[str, ...] = ()) -> tuple[fl
     return float(found[-1]), done.stdout + done.stderr
 
 
-def test_tp_fsdp_checkpoint_resumes_under_dp_on_another_world_size(tmp_path):
-    uninterrupted, _ = run(2, tmp_path / "a", "--layout", "dp", "--epochs", "2")
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> float:
+    """The uninterrupted run both resume tests end against (2 epochs of DataParallel on 2 processes): one launch
+    for the module; the tests only read its final loss."""
+    loss, _ = run(2, tmp_path_factory.mktemp("uninterrupted"), "--layout", "dp", "--epochs", "2")
+    return loss
+
+
+def test_tp_fsdp_checkpoint_resumes_under_dp_on_another_world_size(tmp_path, uninterrupted):
     first, _ = run(4, tmp_path / "b", "--layout", "tp+fsdp", "--epochs", "1")
     resumed, log = run(2, tmp_path / "b", "--layout", "dp", "--epochs", "2", "--resume")
     assert "resumed from" in log and "at epoch 1, step 3" in log  # it did not start afresh
@@ -84,12 +91,11 @@ def test_save_pretrained_then_fine_tune_from_it_on_any_layout(tmp_path):
     assert tensor_parallel < first  # it went on from the trained weights, not from a fresh model
 
 
-def test_replica_groups_checkpoint_resumes_under_dp_and_ends_where_dp_ends(tmp_path):
+def test_replica_groups_checkpoint_resumes_under_dp_and_ends_where_dp_ends(tmp_path, uninterrupted):
     """``--replica-groups 2`` on 4 processes (``trainmesh run --replica-groups 2`` starts the Lighthouse and
     two groups of 2, ZeRO-3 inside each): the groups average their gradients over the global batch, and one
     of them writes the checkpoint, which DataParallel on 2 processes resumes to the uninterrupted end."""
     pytest.importorskip("torchft")
-    uninterrupted, _ = run(2, tmp_path / "a", "--layout", "dp", "--epochs", "2")
     _, log = run(
         4,
         tmp_path / "b",
