@@ -51,7 +51,8 @@ Measurements, each in the same run:
   counter (``trainmesh.planner.collectives.CollectiveCounter``, the planner's definition: the full buffer of
   each c10d call; on gloo FSDP2's reduce-scatter is carried by an all-reduce, ``comm/allreduce_scatter.py``,
   and filed as the reduce-scatter it is). The gradient collectives of ZeRO-3 are its reduce-scatters; of DDP its
-  bucket all-reduces (calls above 1 KiB: the Trainer's loss and flag all-reduces are a few bytes);
+  bucket all-reduces (calls above 1 KiB: the Trainer's loss and flag all-reduces are a few bytes); a mostly frozen
+  model's adapters under ZeRO-3 are replicated and all-reduced in one flat buffer, counted with the reduce-scatters;
 * step time: every timed side built in the same 4 processes, rounds interleaved (each side W warmup + S timed
   steps a round, the order rotating and reversing, ``trainer_overhead.round_order``); a Trainer step is the time
   between two ``on_train_batch_end`` callbacks inside ``fit`` (batch fetch, forward/backward, reduction, the
@@ -369,8 +370,12 @@ def memory_worker(cfg: dict, side: str) -> dict:
             runner.run(x[steps * batch :], y[steps * batch :])
     calls = getattr(log, "calls", [])
     out["collectives"] = {kind: sum(n for k, n in calls if k == kind) for kind in {k for k, _ in calls}}
-    grad_kind = "reduce_scatter" if side in ("tm-full", "tm-lora", "tm-lora-regather") else "all_reduce"
-    out["grad_bytes"] = sum(n for k, n in calls if k == grad_kind and n > SMALL_COLLECTIVE)
+    # ZeRO-3's gradients: its reduce-scatters, and the one flat all-reduce of a mostly frozen model's replicated
+    # adapters (``_torch/replicated_grads.py``); DDP's: its bucket all-reduces
+    grad_kinds = (
+        ("reduce_scatter", "all_reduce") if side in ("tm-full", "tm-lora", "tm-lora-regather") else ("all_reduce",)
+    )
+    out["grad_bytes"] = sum(n for k, n in calls if k in grad_kinds and n > SMALL_COLLECTIVE)
     out["gather_bytes"] = sum(n for k, n in calls if k == "all_gather")
     out["vmhwm"] = peak_rss_bytes()
     return out

@@ -6,8 +6,9 @@ One launch of 2 gloo processes trains the tiny peft LoRA Llama of ``lora_cases``
 * the all-gather bytes of one step, counted at the dispatcher (``CollectiveCounter``: the full
   buffer of each c10d call, over 3 steps): with the option on, the frozen base once and the adapters
   twice (r=4 adapters are 22% of this tiny base: the blocks keep only their base layers gathered);
-  with lora_A frozen too (5%: the blocks are kept whole) every parameter once; off, everything twice. Equal within 1% (FSDP2 pads each parameter to the world size);
-* parity: every tensor after 3 AdamW steps equals a plain one-process peft loop (fp32, 1e-5), both
+  with lora_A frozen too (the model is then mostly frozen) the adapters are replicated, their gradients one
+  flat all-reduce a step, and the frozen base is gathered once, the adapters never; off, everything twice. Equal within 1% (FSDP2 pads each parameter to the world size);
+* parity: every tensor after 3 AdamW steps equals a plain one-process peft loop (fp32, 1e-5), all three
   ways, and the frozen base is unchanged;
 * the choice is reported in ``_trainmesh_memory``; a wrong value is refused before any collective.
 """
@@ -20,7 +21,7 @@ import torch
 from trainmesh._torch.frozen_units import MOSTLY_FROZEN
 from trainmesh.testing import run_distributed
 
-from lora_cases import GLOBAL_BATCH, STEPS, data, lm_loss, lora_model, make_optimizer, reference
+from lora_cases import GLOBAL_BATCH, STEPS, data, lm_loss, lora_model, make_optimizer, reference, train_reference
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 pytest.importorskip("transformers")
@@ -52,6 +53,7 @@ def _run(keep_values) -> dict:
             for name, p in model.named_parameters():
                 p.requires_grad_(p.requires_grad and "lora_A" not in name)
         sizes = _sizes(model)
+        sizes["count"] = sum(p.requires_grad for p in model.parameters())
         trainer = tm.Trainer(
             model,
             make_optimizer,
@@ -62,11 +64,17 @@ def _run(keep_values) -> dict:
         log = CallLog()
         with CollectiveCounter({}, log=log):
             trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
-        gathered = sum(n for kind, n in getattr(log, "calls", []) if kind == "all_gather") / STEPS
+        calls = getattr(log, "calls", [])
+        gathered = sum(n for kind, n in calls if kind == "all_gather") / STEPS
         state = trainer.state_dict()["model"]
         out[keep] = {
             "sizes": sizes,
             "gathered_per_step": gathered,
+            "broadcasts": sum(kind == "broadcast" for kind, _ in calls),
+            # gradient collectives: reduce-scatters, and all-reduces above the Trainer's few-byte loss and flags
+            "grad_calls": [
+                (kind, n) for kind, n in calls if kind == "reduce_scatter" or (kind == "all_reduce" and n > 64)
+            ],
             "memory": dict(getattr(trainer.model, "_trainmesh_memory", {})),
             "state": {k: v.detach().clone() for k, v in state.items()},
         }
@@ -91,10 +99,21 @@ def test_frozen_base_gathered_once_per_step_when_kept(results):
         expected_off = sizes["root"] + 2 * (sizes["frozen_blocks"] + sizes["adapters"])
         assert on["gathered_per_step"] == pytest.approx(expected_on, rel=0.01), (on["gathered_per_step"], sizes)
         assert off["gathered_per_step"] == pytest.approx(expected_off, rel=0.01), (off["gathered_per_step"], sizes)
-        whole = rank_result["whole"]  # mostly frozen blocks (and root) kept whole: every parameter once
-        assert whole["sizes"]["adapters"] <= MOSTLY_FROZEN * whole["sizes"]["frozen_blocks"]
-        expected_whole = sum(whole["sizes"].values())
+        # lora_A frozen too: the model is mostly frozen (adapters at most MOSTLY_FROZEN of the frozen bytes), so
+        # the adapters are replicated, never gathered, and every unit is kept whole: the frozen base once a step
+        whole = rank_result["whole"]
+        assert whole["sizes"]["adapters"] <= MOSTLY_FROZEN * (whole["sizes"]["frozen_blocks"] + whole["sizes"]["root"])
+        expected_whole = whole["sizes"]["frozen_blocks"] + whole["sizes"]["root"]
         assert whole["gathered_per_step"] == pytest.approx(expected_whole, rel=0.01), whole["gathered_per_step"]
+        # their gradients: one flat all-reduce per step (the adapters and a flag each), no reduce-scatter
+        assert [kind for kind, _ in whole["grad_calls"]] == ["all_reduce"] * STEPS, whole["grad_calls"]
+        assert whole["sizes"]["adapters"] <= whole["grad_calls"][0][1] < whole["sizes"]["adapters"] + 1024
+        assert whole["broadcasts"] == 0  # stepped whole on every process, not partitioned and broadcast (ZeRO-1)
+        assert whole["memory"]["replicated_trainables"].startswith(f"{whole['sizes']['count']} parameters"), whole[
+            "memory"
+        ]
+        assert on["memory"]["replicated_trainables"] == "none"  # 18% of the frozen bytes: adapters stay ZeRO-3
+        assert sum(kind == "reduce_scatter" for kind, _ in on["grad_calls"]) == 2 * STEPS  # one per block
         assert on["memory"]["keep_frozen_gathered"].startswith("on (3 units")
         assert off["memory"]["keep_frozen_gathered"].startswith("off (keep_frozen_gathered=False")
 
@@ -110,6 +129,17 @@ def test_parity_with_one_process_either_way(results):
             assert diff <= 1e-5, f"keep_frozen_gathered={keep}: {name} differs from one process by {diff:.3g}"
             if "lora_" not in name:
                 assert torch.equal(state[name], start[name]), f"frozen {name} changed"
+    # the replicated adapters (lora_B; lora_A frozen) against one process with the same ones frozen
+    model = lora_model("llama")
+    for name, p in model.named_parameters():
+        p.requires_grad_(p.requires_grad and "lora_A" not in name)
+    expected = train_reference(model)
+    state = got[0]["whole"]["state"]
+    moved = max((expected[k] - start[k]).abs().max().item() for k in expected if "lora_B" in k)
+    assert moved > 1e-3  # the adapters trained
+    for name, value in expected.items():
+        diff = (state[name] - value).abs().max().item()
+        assert diff <= 1e-5, f"replicated adapters: {name} differs from one process by {diff:.3g}"
 
 
 def test_bad_value_refused_by_name():

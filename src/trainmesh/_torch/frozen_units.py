@@ -14,6 +14,14 @@ unit, ``fully_shard([m1, m2, ...], reshard_after_forward=False)``, and the train
 The price: by the end of forward a process holds the whole frozen base gathered in its gather dtype,
 as a DDP replica would (``held_bytes``).
 
+When the whole model is mostly frozen (a LoRA fine-tune), its adapters are left out of FSDP2
+(``replicated_trainables``): replicated on every process as under DDP, their gradients averaged by one
+flat all-reduce per backward (``replicated_grads.py``). Every kept unit is then wholly frozen as FSDP2
+sees it and is kept whole: one all-gather per unit and step, no gradient collective per unit, and the
+optimizer steps plain tensors. (Measured on ``benchmarks/finetune.py --quick``, whose blocks' adapters are
+20% of their base, so each block was mixed: three all-gathers and a reduce-scatter per block a step, more
+blocking collectives than regathering whole blocks, which is why the kept mode stepped slower there.)
+
 The choice is made from shapes and options only, so every process makes the same one (the units, and
 so the collectives, must match): ``True`` and ``False`` are the user's; ``"auto"`` keeps them gathered
 when the held bytes are at most ``KEEP_FROZEN_AUTO_BYTES``. The planner reads the resulting units
@@ -113,3 +121,19 @@ def decide(choice, groups: dict[int, list[nn.Module]], gather_dtype) -> tuple[bo
         f"off (auto: keeping it would hold {mib}, > {KEEP_FROZEN_AUTO_BYTES / 2**30:.0f} GiB; the frozen base "
         f"is gathered again in backward; keep_frozen_gathered=True overrides)"
     )
+
+
+def replicated_trainables(model: nn.Module, kept: dict[int, list[nn.Module]], excluded: set[int]) -> list[str]:
+    """The names of the trainable parameters to replicate rather than shard: all of them (none in
+    ``excluded``), when frozen groups are kept and the model is mostly frozen (trainable bytes at most
+    ``MOSTLY_FROZEN`` of the frozen: replicated, their gradient and two Adam moments then cost at most
+    half a byte per frozen byte on each process). Otherwise none: a model that trains more than that
+    keeps ZeRO-3's sharding of what it trains."""
+    if not kept:
+        return []
+    named = list(model.named_parameters())
+    trainable = sum(p.numel() * p.element_size() for _, p in named if p.requires_grad)
+    frozen = sum(p.numel() * p.element_size() for _, p in named if not p.requires_grad)
+    if not 0 < trainable <= MOSTLY_FROZEN * frozen:
+        return []
+    return [n for n, p in named if p.requires_grad and id(p) not in excluded]

@@ -51,8 +51,9 @@ from trainmesh import runtime
 from trainmesh.runtime import memory_trim
 from trainmesh.comm.allreduce_scatter import carries_reduce_scatter_by_all_reduce, install_all_reduce_scatter
 
-from .frozen_units import decide, frozen_groups
+from .frozen_units import decide, frozen_groups, replicated_trainables
 from .materialize import has_meta_tensors
+from .replicated_grads import FlatGradAllReduce
 from .shard_units import (
     first_of,
     check_uniform_trainable_dtypes,
@@ -163,11 +164,18 @@ def apply_fsdp(
             fully_shard(module, **{**options, "mesh": replica_mesh})
     kept: dict[int, list[nn.Module]] = {}
     keep_state = "n/a (stages 1-2 keep every unit gathered)"
+    replicated: list[str] = []
     if zero_stage == 3:
         excluded = _excluded_from_groups(model, experts if replica_mesh is None else set())
         candidates = frozen_groups([*units, model], excluded)  # the root's too: FSDP2 regathers it in backward
         keep, keep_state = decide(keep_frozen_gathered, candidates, options["mp_policy"].param_dtype)
         kept = candidates if keep else {}
+        replicated = _replicated(model, kept, excluded, group)
+        if replicated:  # left to FSDP2 as plain tensors (FlatGradAllReduce averages their gradients), so
+            # every kept unit is wholly frozen as FSDP2 sees it: kept whole, one all-gather a step
+            named = dict(model.named_parameters())
+            options["ignored_params"] = set(options.get("ignored_params", ())) | {named[n] for n in replicated}
+            kept = {id(u): [u] for u in [*units, model] if isinstance(u, nn.Module) and id(u) in kept}
     for unit in units:
         members = kept.get(id(unit))
         if members is not None and members != [unit]:  # a mixed unit: its frozen part first (children first)
@@ -200,13 +208,40 @@ def apply_fsdp(
             if zero_stage == 3:
                 following.set_modules_to_backward_prefetch([current])
         _prefetch_kept(model, units, kept)
+    if replicated:
+        model._trainmesh_replicated_grads = FlatGradAllReduce(model, replicated, group)
     model._trainmesh_memory = {
         "zero_stage": zero_stage,
         "shard_units": len(units) + 1,
         "cpu_offload": offload_state,
         "keep_frozen_gathered": keep_state,
     }
+    if zero_stage == 3:
+        model._trainmesh_memory["replicated_trainables"] = _replicated_state(model, replicated)
     return model
+
+
+def _replicated(model: nn.Module, kept: dict, excluded: set[int], group) -> list[str]:
+    """The trainable parameters to replicate (``frozen_units.replicated_trainables``),
+    where that is the whole story: a plain model (no tensor-parallel or expert parameters) whose batch axis is
+    the whole job. Under a pipeline, a model axis or a sequence axis the gradient norm and the checkpoints
+    would count a plain parameter as held by every process, so those keep their adapters ZeRO-3."""
+    params = list(model.parameters())
+    if dist.get_world_size(group) != dist.get_world_size() or any(
+        hasattr(p, "placements") or getattr(p, "_trainmesh_expert", False) for p in params
+    ):
+        return []
+    return replicated_trainables(model, kept, excluded)
+
+
+def _replicated_state(model: nn.Module, replicated: list[str]) -> str:
+    if not replicated:
+        return "none"
+    nbytes = sum(model.get_parameter(n).numel() * model.get_parameter(n).element_size() for n in replicated)
+    return (
+        f"{len(replicated)} parameters ({nbytes / 2**20:.2f} MiB) replicated, gradients averaged by one flat "
+        "all-reduce per backward"
+    )
 
 
 def _excluded_from_groups(model: nn.Module, ignored: set) -> set[int]:

@@ -32,9 +32,11 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, distribution) -> tor
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"zero_stage=1 needs a torch.optim.Optimizer. Received: {type(optimizer).__name__}")
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if any(hasattr(p, "placements") for p in params):
+    if any(hasattr(p, "placements") for p in params) or getattr(distribution, "zero_stage", 0) >= 3:
         # An FSDP2 model (``zero.apply_fsdp``, stages 1-3): the parameters are this process's shards,
-        # so the optimizer's state is created sharded with them; nothing to wrap.
+        # so the optimizer's state is created sharded with them; nothing to wrap. At stage 3 a plain
+        # trainable parameter is one FSDP2 leaves replicated (a mostly frozen model's adapters,
+        # ``frozen_units.replicated_trainables``), its gradient averaged as under DDP: stepped whole.
         return use_fused_adam_kernel(optimizer)
     if any(optimizer.state.values()):
         raise ValueError(
