@@ -33,6 +33,9 @@ Figures (``--json``'s top-level ``figures``):
   ``moe_ep_dp_step_vs_transformers_ep``: a layout transformers does not offer (dense replicated, gradients
   all-reduced), so not the same work;
 * ``moe_ep_step_vs_zero3``: ``tm-ep4`` over ``tm-zero3``;
+* beside the times (not figures): each side's CPU seconds per timed step per process (``getrusage``, every thread,
+  gloo's included; mean over the processes, median over the rounds) and the per-round CPU ratios of the two
+  transformers comparisons: the work done, which a loaded machine's waits to be scheduled do not inflate;
 * ``moe_ep_expert_state_vs_replicated``: the expert parameters, gradients and AdamW state one process holds
   under ``tm-ep4`` (counted from the tensors after a step) over DataParallel's (whole experts: parameters,
   gradients and two AdamW moments, 4x the experts' bytes, from the model's shapes);
@@ -144,18 +147,24 @@ def build_side(side: str, cfg: dict):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def step(model, opt, x, y) -> float:
-    """One training step; its time on the slowest process."""
+def step(model, opt, x, y) -> tuple[float, float]:
+    """One training step: its time on the slowest process, and this process's CPU seconds (every thread:
+    the main one and gloo's, from ``getrusage``), which waiting to be scheduled on a loaded machine does
+    not inflate as it does the time."""
+    import resource
+
     import torch.distributed as dist
 
     dist.barrier()
-    start = time.perf_counter()
+    start, used = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     lm_loss(model(x), y).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    now = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
+    return float(elapsed), cpu
 
 
 def expert_state_bytes(model, opt) -> tuple[int, int]:
@@ -215,14 +224,22 @@ def timing_worker(cfg: dict) -> dict:
         except Exception as error:  # noqa: BLE001  the peer may not run here: recorded, not fatal
             skipped[side] = f"{type(error).__name__}: {error}"[:300]
     times = {side: [] for side in sides}
+    cpu = {side: [] for side in sides}  # per round: this process's mean CPU seconds per timed step
     loads = []
     for r in range(cfg["rounds"]):
         for side in round_order(tuple(sides), r):
             model, opt = sides[side]
             for _ in range(cfg["warmup"]):
                 step(model, opt, x, y)
-            times[side].append([step(model, opt, x, y) for _ in range(cfg["steps"])])
+            timed = [step(model, opt, x, y) for _ in range(cfg["steps"])]
+            times[side].append([t for t, _ in timed])
+            cpu[side].append(statistics.fmean(c for _, c in timed))
         loads.append(os.getloadavg()[0])
+    cpu_mean = {}  # per side and round: the mean over the processes
+    for side, rounds in cpu.items():
+        total = torch.tensor(rounds, dtype=torch.float64)
+        dist.all_reduce(total)
+        cpu_mean[side] = (total / WORLD).tolist()
     model, opt = sides["tm-ep4"]
     reset_dispatch_stats(model)
     lm_loss(model(x), y).backward()
@@ -250,6 +267,7 @@ def timing_worker(cfg: dict) -> dict:
     sides.clear()
     return {
         "times": times,
+        "cpu": cpu_mean,
         "skipped": skipped,
         "loads": loads,
         "dispatch_bytes": float(sent[0]),
@@ -286,6 +304,21 @@ def summarize(cfg: dict, result: dict, counts: dict) -> dict:
         }
         return statistics.median(per_round)
 
+    # CPU seconds per step per process (mean over the processes, median over the rounds) and their
+    # per-round ratios: the work each side does, apart from the waits a loaded machine adds to the times
+    report["cpu_step_seconds"] = {side: statistics.median(v) for side, v in result["cpu"].items()}
+    report["cpu_ratios"] = {}
+    for name, a, b in (
+        ("moe_ep_step_vs_transformers_ep", "tm-ep4-zero3", "hf-ep4"),
+        ("moe_ep_dp_step_vs_transformers_ep", "tm-ep4", "hf-ep4"),
+    ):
+        if a in result["cpu"] and b in result["cpu"]:
+            per_round = [x / y for x, y in zip(result["cpu"][a], result["cpu"][b])]
+            report["cpu_ratios"][f"{a} / {b}"] = {
+                "median": statistics.median(per_round),
+                "min": min(per_round),
+                "max": max(per_round),
+            }
     figures = {}
     for name, a, b in (
         ("moe_ep_step_vs_transformers_ep", "tm-ep4-zero3", "hf-ep4"),
@@ -318,14 +351,17 @@ def print_report(report: dict) -> None:
         f"\nQwen3-MoE, {report['params']['total'] / 1e6:.1f}M parameters ({report['params']['experts'] / 1e6:.1f}M "
         f"in experts), {WORLD} gloo processes"
     )
-    print(f"{'side':<16}{'median s/step':>14}{'min':>10}{'max':>10}")
+    print(f"{'side':<16}{'median s/step':>14}{'min':>10}{'max':>10}{'CPU s/step/process':>20}")
     for side, s in report["step_seconds"].items():
-        print(f"{side:<16}{s['median']:>14.4f}{s['min']:>10.4f}{s['max']:>10.4f}")
+        cpu = report["cpu_step_seconds"].get(side, float("nan"))
+        print(f"{side:<16}{s['median']:>14.4f}{s['min']:>10.4f}{s['max']:>10.4f}{cpu:>20.4f}")
     for side, why in report["skipped"].items():
         print(f"{side:<16} not run: {why}")
     print(f"\n{'ratio':<34}{'median':>10}{'min':>10}{'max':>10}")
     for name, r in report["ratios"].items():
         print(f"{name:<34}{r['median']:>10.3f}{r['min']:>10.3f}{r['max']:>10.3f}")
+    for name, r in report["cpu_ratios"].items():
+        print(f"{'CPU ' + name:<34}{r['median']:>10.3f}{r['min']:>10.3f}{r['max']:>10.3f}")
     print("\nfigures:")
     for name, value in report["figures"].items():
         print(f"  {name:<40}{value:.4g}")
