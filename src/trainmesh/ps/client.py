@@ -24,6 +24,7 @@ from .client_io import ClientIO
 from .param_entries import normalize_entry
 from .placement import HashRing, Partitioner, shard_id
 from .protocol import Message, MessageType
+from .row_routing import RowRouter
 
 DEFAULT_OPTIMIZER = {"name": "sgd", "lr": 0.01}
 
@@ -102,7 +103,7 @@ class PSClient:
         self._index = {sid: i for i, sid in enumerate(self.server_ids)}
         self._owner_cache: dict[str, int] = {}  # the ring never changes for a client: hash each shard once
         self._shard_cache: dict[tuple[str, int], list] = {}  # (name, numel) -> partitioner parts
-        self._range_owners: dict[str, torch.Tensor] = {}  # table -> server index per row range (-1: not hashed yet)
+        self._routers: dict[str, RowRouter] = {}  # table -> its ranges' owners (row_routing.py)
         identity = f"w{self.worker_id}-{uuid.uuid4().hex[:10]}".encode()
         self.io = ClientIO(
             endpoints,
@@ -290,7 +291,7 @@ class PSClient:
         unique, inverse = torch.unique(_check_ids(name, ids), return_inverse=True)
         clock = self.clock_value
         messages, placed = [], []
-        for server, positions in self._rows_by_server(name, spec, unique):
+        for server, positions in self._router(name, spec).split_pull(unique):
             messages.append(
                 (
                     server,
@@ -327,31 +328,13 @@ class PSClient:
         grads = grads.detach()
         if grads.dtype != torch.float32 or grads.device.type != "cpu":
             grads = grads.to("cpu", torch.float32)
-        # One sort by (owning server, id): each server's rows come out contiguous and in id order,
-        # so its ids and rows are slices (views) of one gather, not a gather per server.
-        rows = spec["shape"][0]
-        server_of_row = self._servers_of_rows(name, spec, ids)
-        keys, order = (key := server_of_row * rows + ids).sort()
-        if keys.numel() < 2 or bool((keys[1:] > keys[:-1]).all()):
-            # No id twice (the usual batch of distinct rows): one gather, no sum into a zeroed buffer.
-            summed = grads.index_select(0, order)
-        else:
-            keys, inverse = torch.unique(key, return_inverse=True)  # (inverse: in the grads' order)
-            summed = torch.zeros(keys.numel(), dim).index_add_(0, inverse, grads)
-        servers = keys // rows
-        counts = torch.bincount(servers, minlength=len(self.server_ids)).tolist()
         meta: dict[str, Any] = {"shards": [], "rows": {name: ["ids", "grads"]}, "round": self.clock_value}
         if lr is not None:
             meta["lr"] = float(lr)
-        messages, start = [], 0
-        unique = keys - servers * rows
-        for server, count in enumerate(counts):
-            if count:
-                tensors = {"ids": unique[start : start + count], "grads": summed[start : start + count]}
-                messages.append(
-                    (server, Message(MessageType.PUSH, self.worker_id, 0, meta=dict(meta), tensors=tensors))
-                )
-                start += count
+        messages = [
+            (server, Message(MessageType.PUSH, self.worker_id, 0, meta=dict(meta), tensors={"ids": i, "grads": g}))
+            for server, i, g in self._router(name, spec).split_push(ids, grads, len(self.server_ids))
+        ]
         return self._track_push(self.io.submit(messages))
 
     # -- clocks, stats, shutdown ----------------------------------------------------------------
@@ -442,34 +425,15 @@ class PSClient:
             raise ValueError(f"{name!r} is not a sparse table passed to init; known: {sorted(self.params)}")
         return spec
 
-    def _servers_of_rows(self, name: str, spec: dict, ids: torch.Tensor) -> torch.Tensor:
-        """The server index owning each row of ``ids`` (checked in range), as an int64 tensor."""
-        rows, rows_per_shard = spec["shape"][0], self.partitioner.rows_per_shard
-        if ids.numel():
-            low, high = (int(v) for v in torch.aminmax(ids))
-            for row in (low, high):
-                if not 0 <= row < rows:
-                    raise ValueError(f"row id {row} out of range for table {name!r} with {rows} rows")
-        # Vectorised: owners are hashed once per range and kept in a tensor per table (a push into
-        # a big table touches hundreds of ranges).
-        owner_of_range = self._range_owners.get(name)
-        if owner_of_range is None:
-            owner_of_range = self._range_owners[name] = torch.full((-(-rows // rows_per_shard),), -1)
-        ranges = ids // rows_per_shard
-        server_of_row = owner_of_range[ranges]
-        if ids.numel() and bool((server_of_row < 0).any()):
-            new = torch.unique(ranges[server_of_row < 0]).tolist()
-            owner_of_range[new] = torch.tensor([self._owner(shard_id(name, r)) for r in new], dtype=torch.int64)
-            server_of_row = owner_of_range[ranges]
-        return server_of_row
-
-    def _rows_by_server(self, name: str, spec: dict, unique: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """``[(server, positions into unique)]`` for the servers owning the touched row ranges."""
-        if unique.numel() == 0:
-            return []
-        server_of_row = self._servers_of_rows(name, spec, unique)
-        owners = torch.unique(server_of_row).tolist()
-        return [(server, (server_of_row == server).nonzero().reshape(-1)) for server in owners]
+    def _router(self, name: str, spec: dict) -> RowRouter:
+        router = self._routers.get(name)
+        if router is None:
+            rows, dim = spec["shape"]
+            rows_per_shard = self.partitioner.rows_per_shard
+            router = self._routers[name] = RowRouter(
+                name, rows, dim, rows_per_shard, lambda index: self._owner(shard_id(name, index))
+            )
+        return router
 
     def _batches(self, items):
         """Group ``(server, tensors, info)`` per server into messages of at most ``batch_bytes``."""

@@ -110,6 +110,7 @@ class ClientIO:
         # Seqs restart with every client: the server dedups per (worker, session).
         self.session = identity.decode("ascii", "replace")
         self.retry_after_s, self.heartbeat_s, self.request_timeout_s = retry_after_s, heartbeat_s, request_timeout_s
+        self._resend_scan_s = min(0.025, retry_after_s / 4)
         self._clock = clock
         self._endpoints, self._from_addresses = list(endpoints), from_addresses
         self._servers = [_Server(name) for name in server_names]
@@ -308,8 +309,10 @@ class ClientIO:
                 while (frame := transport.recv(0)) is not None:
                     self._on_frame(index, frame)
             now = time.monotonic()
-            if now >= next_resend_check:  # resends are due after retry_after_s: a scan every 5 ms is enough
-                next_resend_check = now + 0.005
+            if now >= next_resend_check:  # resends are due after retry_after_s: a scan every
+                # quarter of it (at most 25 ms) is enough; at 5 ms a loaded loop scanned (a lock per
+                # waiting request) on nearly every ack
+                next_resend_check = now + self._resend_scan_s
                 self._resend_due(now)
             if self.heartbeat_s is not None and now - last_heartbeat >= self.heartbeat_s:
                 last_heartbeat = now
