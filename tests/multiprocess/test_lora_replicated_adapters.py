@@ -8,9 +8,11 @@ bytes 5% of the frozen) takes it. One launch of 2 gloo processes checks, against
 * the path is taken: the memory line says so, the adapters are plain tensors (the base DTensor shards);
 * accumulation 2 + clipping (max norm 0.03, below every step's norm): one reduction per micro-step,
   each step's gradient norm and the adapters after 3 AdamW steps within 1e-5 of one process;
-* gradients of one backward, with and without ``compression="fp16"``: a parameter with no gradient on
+* gradients of one backward, uncompressed and with ``compression="fp16"`` and ``"int8"`` (the two
+  branches of the compressed reduce-scatter the flat buffer goes through): a parameter with no gradient on
   rank 0 only gets rank 1's half, one with no gradient anywhere stays None, the rest the mean; fp32
-  within 1e-6, fp16 within its rounding (2^-11 of each rank's value and of their sum) and not bit-equal to fp32;
+  within 1e-6, fp16 within its rounding (2^-11 of each rank's value and of their sum), int8 within its
+  quantisation step (each rank's largest magnitude / 254), neither bit-equal to fp32;
 * resume: a ``ShardedCheckpoint`` after step 2 loaded by a fresh Trainer, which trains step 3: every
   model and optimizer tensor bit-identical to the 3 uninterrupted steps; the same checkpoint loaded
   on 1 process (plain Trainer) gives equal adapters and optimizer moments;
@@ -38,6 +40,7 @@ WORLD, ACCUM, MAX_NORM = 2, 2, 0.03
 PREFIX = "base_model.model.model.layers."
 PART = PREFIX + "0.self_attn.q_proj.lora_B.default"  # no gradient on rank 0 (its output detached there)
 NONE = PREFIX + "1.self_attn.v_proj.lora_B.default"  # no gradient on any process
+COMPRESSIONS = [None, "fp16", "int8"]  # int8: all-to-all of quantised rows; fp16: a reduce-scatter in fp16
 
 
 def whole_model() -> torch.nn.Module:
@@ -118,8 +121,8 @@ def _run(root: str) -> dict:
     trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False, resume=True)
     out["resumed_steps"] = trainer.global_step
     out["resumed"] = _full_state(trainer)
-    # one backward, its gradients as the optimizer would get them, uncompressed and through fp16
-    for compression in (None, "fp16"):
+    # one backward, its gradients as the optimizer would get them, uncompressed and compressed
+    for compression in COMPRESSIONS:
         trainer = _trainer(compression=compression)
         flat = trainer.model._trainmesh_replicated_grads
         out[f"grads_{compression}"] = local_grads(trainer.model, rank)
@@ -199,10 +202,11 @@ def _expected_grads():
     return per_rank, expected
 
 
-@pytest.mark.parametrize("compression", [None, "fp16"])
+@pytest.mark.parametrize("compression", COMPRESSIONS)
 def test_gradients_with_missing_ones(results, compression):
     _, got, _, _ = results
     per_rank, expected = _expected_grads()
+    amax = [max(v.abs().max().item() for v in g.values() if v is not None) for g in per_rank]
     assert expected[NONE + ".weight"] is None and per_rank[0][PART + ".weight"] is None
     for r in got:
         grads = r[f"grads_{compression}"]
@@ -216,17 +220,22 @@ def test_gradients_with_missing_ones(results, compression):
             diff = (grads[name] - value).abs()
             if compression is None:
                 assert diff.max().item() <= 1e-6, f"{name} differs from one process by {diff.max().item():.3g}"
-            else:  # fp16 rounds each rank's value and their sum (reduce-scattered in fp16): 2^-11 each
+            elif compression == "fp16":  # each rank's value and their sum (reduce-scattered in fp16) rounded
                 parts = [g[name].abs() for g in per_rank if g[name] is not None]
                 bound = 2.0**-10 * sum(parts) / WORLD + 1e-7
                 assert bool((diff <= bound).all()), f"{name}: {(diff - bound).max().item():.3g} beyond fp16 rounding"
+            else:  # int8: each rank's row quantised to 1/254 of its block's largest magnitude, summed in fp32
+                bound = sum(amax) / 254 / WORLD + 1e-7
+                assert diff.max().item() <= bound, f"{name}: {diff.max().item():.3g} beyond int8's step {bound:.3g}"
     # the same values on both processes (a replicated parameter must stay replicated)
     for name in expected:
         a, b = got[0][f"grads_{compression}"][name], got[1][f"grads_{compression}"][name]
         assert (a is None and b is None) or torch.equal(a, b), name
     if compression is not None:  # the adapters really went through the compressor
         exact = got[0]["grads_None"]
-        assert any(not torch.equal(exact[n], got[0]["grads_fp16"][n]) for n in expected if expected[n] is not None)
+        assert any(
+            not torch.equal(exact[n], got[0][f"grads_{compression}"][n]) for n in expected if expected[n] is not None
+        )
 
 
 def test_resume_is_bit_identical_and_loads_on_one_process(results):
