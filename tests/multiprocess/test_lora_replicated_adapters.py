@@ -5,7 +5,8 @@ process holds them whole and ``replicated_grads.FlatGradAllReduce`` averages the
 flat all-reduce per backward. The tiny peft Llama of ``lora_cases`` with lora_A frozen too (trainable
 bytes 5% of the frozen) takes it. One launch of 2 gloo processes checks, against one process in fp32:
 
-* the path is taken: the memory line says so, the adapters are plain tensors (the base DTensor shards);
+* the path is taken: the memory line says so, the adapters are plain tensors (the base DTensor shards),
+  stepped whole by fused AdamW (not a ZeroRedundancyOptimizer) under ``Trainer(zero_stage=3)``;
 * accumulation 2 + clipping (max norm 0.03, below every step's norm): one reduction per micro-step,
   each step's gradient norm and the adapters after 3 AdamW steps within 1e-5 of one process;
 * gradients of one backward, uncompressed and with ``compression="fp16"`` and ``"int8"`` (the two
@@ -13,6 +14,8 @@ bytes 5% of the frozen) takes it. One launch of 2 gloo processes checks, against
   rank 0 only gets rank 1's half, one with no gradient anywhere stays None, the rest the mean; fp32
   within 1e-6, fp16 within its rounding (2^-11 of each rank's value and of their sum), int8 within its
   quantisation step (each rank's largest magnitude / 254), neither bit-equal to fp32;
+* two trainable dtypes (a bf16 norm weight beside the fp32 adapters) through int8 with error feedback:
+  two flat buffers, each under its own residual key;
 * resume: a ``ShardedCheckpoint`` after step 2 loaded by a fresh Trainer, which trains step 3: every
   model and optimizer tensor bit-identical to the 3 uninterrupted steps; the same checkpoint loaded
   on 1 process (plain Trainer) gives equal adapters and optimizer moments;
@@ -75,11 +78,11 @@ def _full_state(trainer) -> dict:
     return tensors
 
 
-def _trainer(checkpoint=None, **options):
+def _trainer(checkpoint=None, model=None, **options):
     import trainmesh as tm
 
     return tm.Trainer(
-        whole_model(),
+        model if model is not None else whole_model(),
         make_optimizer,
         lm_loss,
         zero_stage=3,
@@ -106,6 +109,7 @@ def _run(root: str) -> dict:
     out["plain_trainable"] = sorted(n for n, p in params.items() if p.requires_grad and not isinstance(p, DTensor))
     out["dtensor_frozen"] = sum(isinstance(p, DTensor) for p in params.values() if not p.requires_grad)
     out["reductions"] = trainer.model._trainmesh_replicated_grads.calls
+    out["optimizer"] = (type(trainer.optimizer).__name__, all(g.get("fused") for g in trainer.optimizer.param_groups))
     out["grad_norms"] = [r.get("grad_norm") for r in history.steps]
     out["uninterrupted"] = _full_state(trainer)
     tm.save_pretrained(trainer.model, os.path.join(root, "adapters"))
@@ -126,8 +130,22 @@ def _run(root: str) -> dict:
         trainer = _trainer(compression=compression)
         flat = trainer.model._trainmesh_replicated_grads
         out[f"grads_{compression}"] = local_grads(trainer.model, rank)
-        out[f"compressed_{compression}"] = flat._compressed() is not None
+        out[f"compressed_{compression}"] = flat._compressed(torch.float32) is not None
         out[f"calls_{compression}"] = flat.calls
+    # two trainable dtypes (the root's norm weight made trainable, in bf16: its ones are exact there, so the
+    # forward is unchanged) through int8 with error feedback: two flat buffers, each under its own residual key
+    from trainmesh.compression.int8 import Int8Compressor
+
+    model = whole_model()
+    norm = model.base_model.model.model.norm
+    norm.weight = torch.nn.Parameter(norm.weight.detach().to(torch.bfloat16))
+    trainer = _trainer(model=model, compression=Int8Compressor(error_feedback=True))
+    flat = trainer.model._trainmesh_replicated_grads
+    for _ in range(2):  # the second backward adds the first's residuals
+        trainer.model.zero_grad(set_to_none=True)
+        grads = local_grads(trainer.model, rank)
+    out["grads_mixed"], out["calls_mixed"] = grads, flat.calls
+    out["residual_keys"] = sorted(trainer.communication.compressor.residuals)
     return out
 
 
@@ -174,6 +192,9 @@ def test_the_replicated_path_is_taken(results):
         assert len(r["plain_trainable"]) == r["trainable"] > 0  # every adapter a plain tensor, whole
         assert r["dtensor_frozen"] > 0  # the frozen base stays sharded
         assert r["reductions"] == STEPS * ACCUM  # one flat all-reduce per micro-step's backward
+        # stepped whole with fused AdamW (Trainer(zero_stage=3) over a stage-0 DataParallel wrapped them in a
+        # ZeroRedundancyOptimizer: partitioned, broadcast after every step)
+        assert r["optimizer"] == ("AdamW", True), r["optimizer"]
 
 
 def test_accumulation_and_clipping_match_one_process(results):
@@ -236,6 +257,32 @@ def test_gradients_with_missing_ones(results, compression):
         assert any(
             not torch.equal(exact[n], got[0][f"grads_{compression}"][n]) for n in expected if expected[n] is not None
         )
+
+
+def test_two_trainable_dtypes_through_int8_with_error_feedback(results):
+    """Two flat buffers (fp32 adapters, a bf16 norm weight), each under its own residual key: borrowing the
+    root unit's reduce-scatter gave both one key, and the second shape was refused at the first backward."""
+    _, got, _, _ = results
+    per_rank, expected = _expected_grads()
+    amax = [max(v.abs().max().item() for v in g.values() if v is not None) for g in per_rank]
+    norm = "base_model.model.model.norm.weight"
+    for r in got:
+        assert r["calls_mixed"] == 2 * 2  # two backwards, two dtypes each
+        assert r["residual_keys"] == sorted(
+            f"<replicated {dtype}>/shard {j} of {WORLD}"
+            for dtype in ("torch.float32", "torch.bfloat16")
+            for j in range(WORLD)
+        )
+        grads = r["grads_mixed"]
+        assert grads[norm] is not None and grads[norm].dtype == torch.bfloat16
+        assert grads[NONE + ".weight"] is None
+        # the second backward (zero_grad before it) sends its gradient plus the first's residual and keeps
+        # its own: each rank's value within two quantisation steps (of a corrected amax a little larger)
+        bound = 1.01 * sum(amax) / 127 / WORLD + 1e-7
+        for name, value in expected.items():
+            if value is not None:
+                assert (grads[name] - value).abs().max().item() <= bound, name
+    assert torch.equal(got[0]["grads_mixed"][norm], got[1]["grads_mixed"][norm])
 
 
 def test_resume_is_bit_identical_and_loads_on_one_process(results):

@@ -7,10 +7,10 @@ from __future__ import annotations
 from trainmesh.distribution.backend import register_engine
 
 
-def _prepare_optimizer(optimizer, distribution):
+def _prepare_optimizer(optimizer, distribution, zero_stage=None):
     from .zero_optimizer import shard_optimizer_state
 
-    return shard_optimizer_state(optimizer, distribution)
+    return shard_optimizer_state(optimizer, distribution, zero_stage=zero_stage)
 
 
 def _global_mean(value):

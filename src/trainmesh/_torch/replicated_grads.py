@@ -34,6 +34,7 @@ class FlatGradAllReduce:
         self._hooked: list[nn.Parameter] = []
         self._queued = False
         self.calls = 0  # all-reduces issued (tests count them)
+        self._comms: dict = {}  # dtype -> its compressed reduce-scatter, or None (found at the first backward)
         # The parameters are looked up at each forward: a meta-built model's are replaced when it is materialised.
         model.register_forward_pre_hook(self._hook_params)
 
@@ -54,15 +55,28 @@ class FlatGradAllReduce:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
 
-    def _compressed(self):
-        """The compressed reduce-scatter the Trainer gave the FSDP2 units (``compression=`` at ZeRO 2-3), if any:
-        the adapters' gradients then travel through it too, as the rest of a ZeRO model's do."""
-        state = self.model._get_fsdp_state()
-        for group in getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]:
-            comm = getattr(group, "_reduce_scatter_comm", None)
-            if getattr(comm, "compressor", None) is not None:
-                return comm
-        return None
+    def _compressed(self, dtype: torch.dtype):
+        """A compressed reduce-scatter for the flat buffer of ``dtype``, when the Trainer gave the FSDP2 units
+        one (``compression=`` at ZeRO 2-3): the adapters' gradients then travel compressed too, as the rest of
+        a ZeRO model's do. Its own instance, under its own residual key (``<replicated float32>``), sharing the
+        units' compressor and byte counter: borrowing a unit's (the root's, as first written) made the flat
+        buffers of two dtypes, and that unit's own reduce-scatter, share one error-feedback residual key,
+        which ``Compressor.compress`` refuses at the second shape. Looked for in every unit: the root may
+        hold no parameters (no param group, so no custom reduce-scatter) when its children hold them all."""
+        if dtype not in self._comms:
+            from trainmesh.comm.reduce_scatter import CompressedReduceScatter
+
+            from .zero import fsdp_units  # zero.py imports this module
+
+            self._comms[dtype] = None
+            for _, unit in fsdp_units(self.model):
+                state = unit._get_fsdp_state()
+                groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+                comm = next((g._reduce_scatter_comm for g in groups if _compressor_of(g) is not None), None)
+                if comm is not None:
+                    self._comms[dtype] = CompressedReduceScatter(comm.compressor, f"<replicated {dtype}>", comm.counter)
+                    break
+        return self._comms[dtype]
 
     def _all_reduce(self, flat: torch.Tensor, compressed) -> torch.Tensor:
         self.calls += 1
@@ -79,7 +93,7 @@ class FlatGradAllReduce:
     def _reduce(self) -> None:
         self._queued = False
         params = self._hooked
-        compressed = self._compressed()
+        compressed = self._compressed(params[0].dtype) if params else None  # whether any: the same for each
         flags = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, p in enumerate(params):
@@ -91,6 +105,8 @@ class FlatGradAllReduce:
             ]
             if n == 0 and compressed is None:  # one flag per parameter (which have a gradient somewhere) rides along
                 parts.append(flags.to(dtype))
+            if compressed is not None:
+                compressed = self._compressed(dtype)
             flat = self._all_reduce(torch.cat(parts), compressed)
             offset = 0
             for i in indices:
@@ -108,3 +124,7 @@ class FlatGradAllReduce:
         for i, p in enumerate(params):
             if flags[i] == 0:
                 p.grad = None  # no process had one: left without, as on one process
+
+
+def _compressor_of(group):
+    return getattr(getattr(group, "_reduce_scatter_comm", None), "compressor", None)

@@ -25,14 +25,20 @@ from trainmesh import runtime
 from .mesh import to_torch_mesh
 
 
-def shard_optimizer_state(optimizer: torch.optim.Optimizer, distribution) -> torch.optim.Optimizer:
-    """The same optimizer class and hyper-parameters over the same parameters, state sharded."""
+def shard_optimizer_state(optimizer: torch.optim.Optimizer, distribution, zero_stage=None) -> torch.optim.Optimizer:
+    """The same optimizer class and hyper-parameters over the same parameters, state sharded.
+
+    ``zero_stage``: the stage the model was distributed with (a Trainer's ``zero_stage`` overrides the
+    distribution's; reading ``distribution.zero_stage`` alone wrapped a ``Trainer(zero_stage=3)`` model's
+    replicated adapters in a ``ZeroRedundancyOptimizer``: partitioned and broadcast after every step,
+    and refused outright for adapters of two dtypes)."""
+    stage = zero_stage if zero_stage is not None else getattr(distribution, "zero_stage", 0)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"zero_stage=1 needs a torch.optim.Optimizer. Received: {type(optimizer).__name__}")
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if any(hasattr(p, "placements") for p in params) or getattr(distribution, "zero_stage", 0) >= 3:
+    if any(hasattr(p, "placements") for p in params) or stage >= 3:
         # An FSDP2 model (``zero.apply_fsdp``, stages 1-3): the parameters are this process's shards,
         # so the optimizer's state is created sharded with them; nothing to wrap. At stage 3 a plain
         # trainable parameter is one FSDP2 leaves replicated (a mostly frozen model's adapters,

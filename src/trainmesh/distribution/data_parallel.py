@@ -132,4 +132,4 @@ class DataParallel(Distribution):
         stage = getattr(model, "_trainmesh_memory", {}).get("zero_stage", self._memory.zero_stage)
         if stage == 0:
             return optimizer
-        return engine("prepare_optimizer")(optimizer, self)
+        return engine("prepare_optimizer")(optimizer, self, zero_stage=stage)
