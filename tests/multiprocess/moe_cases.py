@@ -118,6 +118,33 @@ def make_optimizer(params):
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, eps=1e-5)
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (within its mesh: a pipeline stage's), a plain tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def recording_optimizer(first_grads: dict):
+    """``make_optimizer`` whose first step first records every gradient, whole, into ``first_grads``
+    (keyed by ``id`` of the parameter)."""
+
+    def optimizer(params):
+        params = list(params)
+        opt = make_optimizer(params)
+        step = opt.step
+
+        def recorded(*args, **kwargs):
+            if not first_grads:
+                for p in params:
+                    if p.grad is not None:
+                        first_grads[id(p)] = whole(p.grad).detach().clone()
+            return step(*args, **kwargs)
+
+        opt.step = recorded
+        return opt
+
+    return optimizer
+
+
 def reference(
     family: str,
     skew: bool = False,

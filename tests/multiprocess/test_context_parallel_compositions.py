@@ -20,6 +20,8 @@ import torch
 
 from trainmesh.testing import run_distributed
 
+from test_context_parallel_pipe import _distribution as _pipe_distribution
+
 from cp_cases import GLOBAL_BATCH, Padded, build_model, data, lm_loss, make_optimizer, max_diff, padded_data
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
@@ -201,17 +203,6 @@ def _token_padding(padding):
         return data()
     inputs, targets = padded_data(left=False)
     return inputs["input_ids"], targets
-
-
-def _pipe_distribution(tm, schedule: str, method: str):
-    mesh = tm.DeviceMesh((2, 1, 2), ["pipe", "data", "seq"], devices=tm.list_devices())
-    return tm.ModelParallel(
-        layout_map=tm.LayoutMap(mesh),
-        batch_dim_name="data",
-        sequence_dim_name="seq",
-        context_parallel=method,
-        pipeline=tm.Pipeline(axis="pipe", schedule=schedule, microbatches=2),
-    )
 
 
 def _pipe() -> dict:

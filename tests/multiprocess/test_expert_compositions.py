@@ -28,7 +28,17 @@ import torch
 
 from trainmesh.testing import run_distributed
 
-from moe_cases import GLOBAL_BATCH, NUM_EXPERTS, data, lm_loss, make_optimizer, moe_model, reference
+from moe_cases import (
+    GLOBAL_BATCH,
+    NUM_EXPERTS,
+    data,
+    lm_loss,
+    make_optimizer,
+    moe_model,
+    recording_optimizer,
+    reference,
+)
+from moe_cases import whole as _full
 
 pytestmark = [pytest.mark.dist]
 pytest.importorskip("transformers")
@@ -47,10 +57,6 @@ CASES8 = {
 }
 
 
-def _full(tensor):
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
 def _fit(shape, axes, schedule, zero_stage, ep, layers) -> dict:
     import trainmesh as tm
 
@@ -61,20 +67,7 @@ def _fit(shape, axes, schedule, zero_stage, ep, layers) -> dict:
     distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", pipeline=pipeline)
     first_grads: dict = {}
 
-    def optimizer(params):
-        params = list(params)
-        opt = make_optimizer(params)
-        step = opt.step
-
-        def recorded(*args, **kwargs):  # the first step's gradients, whole (full_tensor: within the stage)
-            if not first_grads:
-                for p in params:
-                    if p.grad is not None:
-                        first_grads[id(p)] = _full(p.grad).detach().clone()
-            return step(*args, **kwargs)
-
-        opt.step = recorded
-        return opt
+    optimizer = recording_optimizer(first_grads)  # the first step's gradients, whole (within the stage)
 
     class Logs(tm.Callback):
         losses: list = []

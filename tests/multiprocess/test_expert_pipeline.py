@@ -19,7 +19,17 @@ import torch
 
 from trainmesh.testing import run_distributed
 
-from moe_cases import GLOBAL_BATCH, NUM_EXPERTS, data, lm_loss, moe_model, reference, routing_counts
+from moe_cases import (
+    GLOBAL_BATCH,
+    NUM_EXPERTS,
+    data,
+    lm_loss,
+    moe_model,
+    recording_optimizer,
+    reference,
+    routing_counts,
+)
+from moe_cases import whole as _full
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 pytest.importorskip("transformers")
@@ -27,10 +37,6 @@ TOL = 1e-6
 # schedule, ZeRO stage; interleaved 1F1B: 4 stages of one MoE layer each, 2 per process (a 4-layer model)
 CASES = [("gpipe", 0), ("1f1b", 0), ("1f1b", 3), ("interleaved_1f1b", 0)]
 LAYERS = {"interleaved_1f1b": 4}
-
-
-def _full(tensor):
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def _distribution(schedule: str, model=None):
@@ -53,27 +59,12 @@ def _distribution(schedule: str, model=None):
 def _fit(schedule: str, zero_stage: int) -> dict:
     import trainmesh as tm
 
-    from moe_cases import make_optimizer
-
     model = moe_model("qwen3_moe", layers=LAYERS.get(schedule, 2))
     distribution = _distribution(schedule, model if schedule == "gpipe" else None)
     first_grads: dict = {}
     names: dict = {}
 
-    def optimizer(params):
-        params = list(params)
-        opt = make_optimizer(params)
-        step = opt.step
-
-        def recorded(*args, **kwargs):  # the first step's gradients, whole (full_tensor: within the stage)
-            if not first_grads:
-                for p in params:
-                    if p.grad is not None:
-                        first_grads[id(p)] = _full(p.grad).detach().clone()
-            return step(*args, **kwargs)
-
-        opt.step = recorded
-        return opt
+    optimizer = recording_optimizer(first_grads)  # the first step's gradients, whole (within the stage)
 
     class Logs(tm.Callback):
         losses, tokens = [], []
