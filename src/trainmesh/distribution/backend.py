@@ -14,7 +14,7 @@ _ENGINE: dict[str, Callable[..., Any]] = {}
 
 
 def register_engine(**functions: Callable[..., Any]) -> None:
-    """``apply_model(model, distribution, **options)``, ``prepare_optimizer(optimizer, distribution)``,
+    """``apply_model(model, distribution, **options)``, ``prepare_optimizer(optimizer, distribution, zero_stage=None)``,
     ``global_mean(value)``: the engine's entry points."""
     _ENGINE.update(functions)
 
