@@ -145,6 +145,31 @@ def recording_optimizer(first_grads: dict):
     return optimizer
 
 
+def fit_recording(model: torch.nn.Module, distribution, zero_stage: int = 0) -> tuple:
+    """One epoch of ``data()`` under ``tm.Trainer`` with a loss logged every step: ``(trainer, params, grads,
+    logs)``, the parameters after training and the first step's gradients whole (within a pipeline stage),
+    by name, and each step's log record."""
+    import trainmesh as tm
+
+    first_grads: dict = {}
+    logs: list = []
+    trainer = tm.Trainer(
+        model,
+        recording_optimizer(first_grads),
+        lm_loss,
+        distribution=distribution,
+        zero_stage=zero_stage,
+        progress=False,
+        log_every_n_steps=1,
+        callbacks=[tm.LambdaCallback(on_train_batch_end=lambda step, record: logs.append(dict(record)))],
+    )
+    trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    params = {n: whole(p).detach().clone() for n, p in trainer.model.named_parameters()}
+    grads = {names[i]: g for i, g in first_grads.items() if i in names}
+    return trainer, params, grads, logs
+
+
 def reference(
     family: str,
     skew: bool = False,

@@ -29,16 +29,13 @@ import torch
 from trainmesh.testing import run_distributed
 
 from moe_cases import (
-    GLOBAL_BATCH,
     NUM_EXPERTS,
-    data,
     lm_loss,
     make_optimizer,
     moe_model,
-    recording_optimizer,
+    fit_recording,
     reference,
 )
-from moe_cases import whole as _full
 
 pytestmark = [pytest.mark.dist]
 pytest.importorskip("transformers")
@@ -65,34 +62,12 @@ def _fit(shape, axes, schedule, zero_stage, ep, layers) -> dict:
     layout_map = tm.LayoutMap.auto(model, mesh, expert_axis="data", expert_parallel_size=ep, verbose=False)
     pipeline = tm.Pipeline(axis="pipe", schedule=schedule, microbatches=2)
     distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", pipeline=pipeline)
-    first_grads: dict = {}
-
-    optimizer = recording_optimizer(first_grads)  # the first step's gradients, whole (within the stage)
-
-    class Logs(tm.Callback):
-        losses: list = []
-
-        def on_train_batch_end(self, step, logs=None):
-            Logs.losses.append(logs.get("loss"))
-
-    Logs.losses = []
-    trainer = tm.Trainer(
-        model,
-        optimizer,
-        lm_loss,
-        distribution=distribution,
-        zero_stage=zero_stage,
-        progress=False,
-        log_every_n_steps=1,
-        callbacks=[Logs()],
-    )
-    trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
-    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    trainer, params, grads, logs = fit_recording(model, distribution, zero_stage)
     experts = [p for n, p in trainer.model.named_parameters() if n.endswith("experts.gate_up_proj")]
     return {
-        "params": {n: _full(p).detach().clone() for n, p in trainer.model.named_parameters()},
-        "grads": {names[i]: g for i, g in first_grads.items() if i in names},
-        "losses": list(Logs.losses),
+        "params": params,
+        "grads": grads,
+        "losses": [record.get("loss") for record in logs],
         "expert_rows": [_local(p).shape[0] for p in experts],
         # rows of the attention's q_proj this process holds, of the whole (TP over a model axis halves them)
         "q_rows": [(_local(p).shape[0], p.shape[0]) for n, p in trainer.model.named_parameters() if "q_proj" in n],

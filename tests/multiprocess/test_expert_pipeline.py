@@ -22,14 +22,12 @@ from trainmesh.testing import run_distributed
 from moe_cases import (
     GLOBAL_BATCH,
     NUM_EXPERTS,
-    data,
     lm_loss,
     moe_model,
-    recording_optimizer,
+    fit_recording,
     reference,
     routing_counts,
 )
-from moe_cases import whole as _full
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 pytest.importorskip("transformers")
@@ -57,41 +55,16 @@ def _distribution(schedule: str, model=None):
 
 
 def _fit(schedule: str, zero_stage: int) -> dict:
-    import trainmesh as tm
 
     model = moe_model("qwen3_moe", layers=LAYERS.get(schedule, 2))
     distribution = _distribution(schedule, model if schedule == "gpipe" else None)
-    first_grads: dict = {}
-    names: dict = {}
-
-    optimizer = recording_optimizer(first_grads)  # the first step's gradients, whole (within the stage)
-
-    class Logs(tm.Callback):
-        losses, tokens = [], []
-
-        def on_train_batch_end(self, step, logs=None):
-            Logs.losses.append(logs.get("loss"))
-            Logs.tokens.append(logs.get("moe_tokens_per_expert"))
-
-    trainer = tm.Trainer(
-        model,
-        optimizer,
-        lm_loss,
-        distribution=distribution,
-        zero_stage=zero_stage,
-        progress=False,
-        log_every_n_steps=1,
-        callbacks=[Logs()],
-    )
-    trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
-    for name, p in trainer.model.named_parameters():
-        names[id(p)] = name
+    trainer, params, grads, logs = fit_recording(model, distribution, zero_stage)
     experts = [p for n, p in trainer.model.named_parameters() if n.endswith("experts.gate_up_proj")]
     return {
-        "params": {n: _full(p).detach().clone() for n, p in trainer.model.named_parameters()},
-        "grads": {names[i]: g for i, g in first_grads.items() if i in names},
-        "losses": list(Logs.losses),
-        "tokens": list(Logs.tokens),
+        "params": params,
+        "grads": grads,
+        "losses": [record.get("loss") for record in logs],
+        "tokens": [record.get("moe_tokens_per_expert") for record in logs],
         "expert_rows": [(_local_rows(p), p.shape[0]) for p in experts],
     }
 
