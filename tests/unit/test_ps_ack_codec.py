@@ -3,7 +3,8 @@
 import pytest
 
 from trainmesh.ps.ack_codec import AckWriter, read_ack
-from trainmesh.ps.protocol import Message, MessageType, ProtocolError, _check_secret, decode, encode
+from trainmesh.ps.protocol import Message, MessageType, ProtocolError, _check_secret, encode
+from trainmesh.ps.frame_decode import decode
 
 pytestmark = pytest.mark.timeout(60)
 

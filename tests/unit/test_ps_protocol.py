@@ -20,11 +20,11 @@ from trainmesh.ps.protocol import (
     Message,
     MessageType,
     ProtocolError,
-    decode,
     encode,
     encode_parts,
     payload_nbytes,
 )
+from trainmesh.ps.frame_decode import decode
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,7 +10,8 @@ import torch
 
 from trainmesh.ps.client import PSClient
 from trainmesh.ps.errors import PSError, PSTimeoutError
-from trainmesh.ps.protocol import Message, MessageType, decode, encode
+from trainmesh.ps.protocol import Message, MessageType, encode
+from trainmesh.ps.frame_decode import decode
 from trainmesh.ps.server import ParameterServer
 from trainmesh.ps.shard import init_rows
 from trainmesh.ps.inprocess_transport import FaultInjectingTransport, InProcessHub

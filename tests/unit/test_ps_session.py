@@ -14,7 +14,8 @@ from trainmesh.ps import auth
 from trainmesh.ps.client import PSClient
 from trainmesh.ps.errors import PSAuthError
 from trainmesh.ps.inprocess_transport import InProcessHub
-from trainmesh.ps.protocol import TOKEN_SIZE, AuthenticationError, Message, MessageType, decode, encode, frame_flags
+from trainmesh.ps.protocol import TOKEN_SIZE, AuthenticationError, Message, MessageType, encode, frame_flags
+from trainmesh.ps.frame_decode import decode
 from trainmesh.ps.server import ParameterServer
 from trainmesh.ps.session import ClientSession, ServerSessions, session_token, signed_record
 

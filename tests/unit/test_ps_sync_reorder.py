@@ -18,7 +18,8 @@ import torch
 
 from trainmesh.ps.param_entries import normalize_entry
 from trainmesh.ps.placement import Partitioner
-from trainmesh.ps.protocol import Message, MessageType, ProtocolError, decode, encode
+from trainmesh.ps.protocol import Message, MessageType, ProtocolError, encode
+from trainmesh.ps.frame_decode import decode
 from trainmesh.ps.server import ParameterServer
 
 pytestmark = pytest.mark.timeout(120)

@@ -223,7 +223,8 @@ def test_zmq_server_refuses_exposed_bind_without_secret():
 def test_a_message_sent_as_parts_arrives_whole_and_decodes_like_one_frame(factory):
     import torch
 
-    from trainmesh.ps.protocol import Message, decode, encode, encode_parts
+    from trainmesh.ps.frame_decode import decode
+    from trainmesh.ps.protocol import Message, encode, encode_parts
 
     grad = torch.arange(65536, dtype=torch.float32)  # 256 KiB: sent from the tensor's memory
     msg = Message("push", "w", 1, tensors={"g": grad, "ids": torch.tensor([3, 1])}, meta={"k": 1})

@@ -4,7 +4,7 @@ Every push gets one ack, so at 1 MB pushes its encode (server) and decode (clien
 measurable share of the Python per push. ``AckWriter`` writes, byte for byte, what
 ``protocol.encode`` writes for ``Message(ACK, sender, seq, meta={"seq": seq})``; ``read_ack``
 accepts only frames of exactly that shape (after the HMAC check, when there is a secret) and
-returns None for anything else, which then goes through ``protocol.decode`` and all its checks.
+returns None for anything else, which then goes through ``frame_decode.decode`` and all its checks.
 So the fast path never accepts a frame the general decoder would refuse.
 """
 

@@ -30,7 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from .protocol import Message, MessageType, ProtocolError, _check_secret, decode, encode
+from .protocol import Message, MessageType, ProtocolError, _check_secret, encode
+from .frame_decode import decode
 from .transport import SECRET_ENV  # the shared secret itself
 
 SECRET_FILE_ENV = "TRAINMESH_PS_SECRET_FILE"  # or the path of a 0600 file holding it

@@ -22,7 +22,8 @@ from typing import Any, Callable
 from .ack_codec import read_ack
 from .auth import UNAUTHENTICATED, refusal_text, rejection_code, rejection_in, resolve_secret
 from .errors import PSAuthError, PSError, PSTimeoutError
-from .protocol import Message, MessageType, ProtocolError, decode, encode, encode_parts, frame_flags
+from .protocol import Message, MessageType, ProtocolError, encode, encode_parts, frame_flags
+from .frame_decode import decode
 from .session import HANDSHAKE_MAX_BYTES, ClientSession
 
 # Handshakes in a row that end refused, with no request served between them: then the refusal

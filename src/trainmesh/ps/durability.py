@@ -16,7 +16,8 @@ from typing import Callable
 
 import torch
 
-from .protocol import FLAG_SESSION, Message, MessageType, ProtocolError, decode, encode, frame_flags
+from .protocol import FLAG_SESSION, Message, MessageType, ProtocolError, encode, frame_flags
+from .frame_decode import decode
 from .session import signed_record
 from .wal import WriteAheadLog, read_snapshot, write_snapshot
 

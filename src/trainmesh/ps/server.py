@@ -29,7 +29,8 @@ from .ack_codec import AckWriter
 from .auth import MALFORMED, SECRET_ENV, UNAUTHENTICATED, RejectGuard, rejection_frame, resolve_secret
 from .clock import ClockTable
 from .durability import DURABILITY
-from .protocol import DEFAULT_MAX_BYTES, AuthenticationError, Message, MessageType, ProtocolError, decode, encode
+from .protocol import DEFAULT_MAX_BYTES, AuthenticationError, Message, MessageType, ProtocolError, encode
+from .frame_decode import decode
 from .server_state import ServerState
 from .session import ServerSessions
 from .sync_rounds import RoundClosed

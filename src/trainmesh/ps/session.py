@@ -27,16 +27,8 @@ import hashlib
 import hmac
 import secrets
 
-from .protocol import (
-    FLAG_HMAC,
-    FLAG_SESSION,
-    TOKEN_SIZE,
-    AuthenticationError,
-    Message,
-    MessageType,
-    decode,
-    frame_flags,
-)
+from .protocol import FLAG_HMAC, FLAG_SESSION, TOKEN_SIZE, AuthenticationError, Message, MessageType, frame_flags
+from .frame_decode import decode
 from .transport import frame_nbytes, joined
 
 HANDSHAKE_MAX_BYTES = 4096  # an unsealed frame (handshake or rejection) is never larger

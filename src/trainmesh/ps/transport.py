@@ -93,7 +93,7 @@ class ServerTransport(_Transport, abc.ABC):
     @abc.abstractmethod
     def recv(self, timeout_s: float | None) -> tuple[bytes, bytes] | None:
         """Next `(peer, frame)`, or None after `timeout_s` (None: wait forever). A message sent as
-        several parts arrives as their list (``protocol.decode`` reads either)."""
+        several parts arrives as their list (``frame_decode.decode`` reads either)."""
 
     @abc.abstractmethod
     def send(self, peer: bytes, data: bytes | list) -> None:
