@@ -145,10 +145,13 @@ def recording_optimizer(first_grads: dict):
     return optimizer
 
 
-def fit_recording(model: torch.nn.Module, distribution, zero_stage: int = 0) -> tuple:
-    """One epoch of ``data()`` under ``tm.Trainer`` with a loss logged every step: ``(trainer, params, grads,
-    logs)``, the parameters after training and the first step's gradients whole (within a pipeline stage),
-    by name, and each step's log record."""
+def fit_recording(
+    model: torch.nn.Module, distribution, zero_stage: int = 0, *, loss_fn=lm_loss, batches=None, **options
+) -> tuple:
+    """One epoch of ``data()`` (or of ``batches``, a list of global batches) under ``tm.Trainer`` with a loss
+    logged every step: ``(trainer, params, grads, logs)``, the parameters after training and the first
+    step's gradients whole (within a pipeline stage), by name, and each step's log record. ``options``: more
+    of the Trainer's keywords (``max_grad_norm=``)."""
     import trainmesh as tm
 
     first_grads: dict = {}
@@ -156,14 +159,18 @@ def fit_recording(model: torch.nn.Module, distribution, zero_stage: int = 0) -> 
     trainer = tm.Trainer(
         model,
         recording_optimizer(first_grads),
-        lm_loss,
+        loss_fn,
         distribution=distribution,
         zero_stage=zero_stage,
         progress=False,
         log_every_n_steps=1,
         callbacks=[tm.LambdaCallback(on_train_batch_end=lambda step, record: logs.append(dict(record)))],
+        **options,
     )
-    trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
+    if batches is None:
+        trainer.fit(data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False)
+    else:
+        trainer.fit(batches, epochs=1)
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     params = {n: whole(p).detach().clone() for n, p in trainer.model.named_parameters()}
     grads = {names[i]: g for i, g in first_grads.items() if i in names}
@@ -239,3 +246,66 @@ def routing_counts(family: str) -> list[list[int]]:
     with torch.no_grad():
         model(data()[0][:GLOBAL_BATCH])
     return counts
+
+
+class DictInputs(torch.nn.Module):
+    """A user's wrapper that takes dict batches (``input_ids`` + ``attention_mask``)."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, batch):
+        return self.lm(**batch)
+
+
+def padded_batches(left: bool) -> list:
+    """``data()`` as global batches of dicts with 0-6 padding tokens per row, at the end (``left=False``) or,
+    on odd rows, at the start; padded inputs are the pad token, their targets -100 (so ``targets != -100``
+    is the attention mask). A list of ``({"input_ids", "attention_mask"}, targets)``."""
+    x, y = data()
+    x, y = x.clone(), y.clone()
+    mask = torch.ones_like(x)
+    for row in range(len(x)):
+        pad = (row * 3) % 7
+        cols = slice(0, pad) if left and row % 2 else slice(SEQ - pad, SEQ)
+        mask[row, cols], x[row, cols], y[row, cols] = 0, 2, -100
+    return [
+        ({"input_ids": x[i : i + GLOBAL_BATCH], "attention_mask": mask[i : i + GLOBAL_BATCH]}, y[i : i + GLOBAL_BATCH])
+        for i in range(0, len(x), GLOBAL_BATCH)
+    ]
+
+
+def aux_lm_loss(distribution=None, masked: bool = False):
+    """``lm_loss + AUX_COEF x`` trainmesh's global ``load_balancing_loss`` (transformers' value on one
+    process), over the real tokens only when ``masked`` (their mask is ``targets != -100``, split like the
+    inputs over a sequence axis)."""
+    from trainmesh.moe import load_balancing_loss
+
+    def loss_fn(outputs, targets):
+        mask = (targets != -100) if masked else None
+        aux = load_balancing_loss(outputs.router_logits, NUM_EXPERTS, 2, mask, distribution=distribution)
+        return lm_loss(outputs, targets) + AUX_COEF * aux
+
+    return loss_fn
+
+
+def padded_reference(left: bool, aux: bool = False, masked: bool = False, max_norm: float | None = None) -> dict:
+    """``reference`` on ``padded_batches(left)``: one process, the dict-taking model, the global token mean
+    (plus ``aux_lm_loss`` when ``aux``), clipped to ``max_norm`` (the first step's gradients after clipping,
+    as the optimizer sees them); names as ``DictInputs`` gives them."""
+    model = DictInputs(moe_model("qwen3_moe", router_logits=aux))
+    loss_fn = aux_lm_loss(masked=masked) if aux else lm_loss
+    opt = make_optimizer(model.parameters())
+    losses, grads = [], None
+    for inputs, targets in padded_batches(left):
+        opt.zero_grad()
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if grads is None:  # as the optimizer sees them (fit_recording's), clipped
+            grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+        opt.step()
+    return {"losses": losses, "grads": grads, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}

@@ -249,14 +249,17 @@ def global_token_count(model: nn.Module, targets) -> float | None:
 
 
 def token_weighted_loss(
-    model: nn.Module, loss: torch.Tensor, targets, *, total: float | None = None, parts: int = 1
+    model: nn.Module, loss: torch.Tensor, targets, *, total: float | None = None, parts: int = 1, aux: list = ()
 ) -> torch.Tensor:
     """Over a sequence axis, ``loss`` (this process's mean over its tokens) times
     ``its tokens x processes / all tokens``: gradients averaged over the processes are then those of the
     global token mean, and so is the reported loss, padding or not. Tokens are targets other than -100
     (cross-entropy's ``ignore_index``). One 8-byte all-reduce per micro-batch, unless ``total`` gives the
     tokens of all ``parts`` pieces the caller then averages (a pipeline step's microbatches, whose token
-    counts differ with padding: weighting each to its own mean would give the mean of their means)."""
+    counts differ with padding: weighting each to its own mean would give the mean of their means).
+
+    ``aux``: global auxiliary losses inside ``loss`` (``moe_balance.recording_aux_terms``), whose gradient
+    is one process's share already: their part of ``loss`` keeps the weight 1 (``moe_balance.aux_part``)."""
     context = sequence_context(model)
     if context is None or not torch.is_tensor(targets):
         return loss
@@ -265,7 +268,14 @@ def token_weighted_loss(
         total = count.clone()
         dist.all_reduce(total, group=context.grad_group)
         total = total.item()
-    if total == 0:
-        return loss * 0.0
-    weight = count.item() * context.grad_size * parts / total
-    return loss if math.isclose(weight, 1.0, rel_tol=0, abs_tol=0) else loss * weight
+    weight = 0.0 if total == 0 else count.item() * context.grad_size * parts / total
+    if math.isclose(weight, 1.0, rel_tol=0, abs_tol=0):
+        return loss
+    weighted = loss * weight
+    if aux:
+        from .moe_balance import aux_part
+
+        part = aux_part(loss, aux)
+        if part is not None:
+            weighted = weighted + (1.0 - weight) * part
+    return weighted

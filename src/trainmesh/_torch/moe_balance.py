@@ -4,16 +4,54 @@ process on the whole batch.
 
 ``load_balancing_loss`` is transformers' auxiliary loss over the global batch; ``batch_group`` is the
 group those sums run over, shared with DeepSeek-V3's bias balancing (``trainer/router_bias.py``).
+
+Beside a sequence axis the Trainer weights each process's loss by its share of the real tokens
+(``context_parallel.token_weighted_loss``), which is right for a token mean but not for this loss: its
+gradient is already one process's share of the global one, and that weight would scale it again (with
+padding the shares differ, and the router's averaged gradient was no longer one process's). So the
+Trainer records the values returned here during its forward and loss (``recording_aux_terms``) and
+weights the loss's part through them by 1 instead (``aux_part``).
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 import torch.distributed as dist
 
 from .mesh import to_torch_mesh
 
-__all__ = ["batch_group", "load_balancing_loss"]
+__all__ = ["aux_part", "batch_group", "load_balancing_loss", "recording_aux_terms"]
+
+# set by the Trainer around its forward and loss only, so a user's own loop keeps no graph alive here
+_recorded: contextvars.ContextVar[list | None] = contextvars.ContextVar("trainmesh_aux_terms", default=None)
+
+
+@contextlib.contextmanager
+def recording_aux_terms():
+    """Within it, every ``load_balancing_loss`` value that needs a gradient is appended to the list it yields."""
+    terms: list = []
+    token = _recorded.set(terms)
+    try:
+        yield terms
+    finally:
+        _recorded.reset(token)
+
+
+def aux_part(loss: torch.Tensor, terms: list) -> torch.Tensor | None:
+    """The first-order part of ``loss`` that comes through ``terms``: ``sum_i (dloss/dterm_i) * term_i``
+    with the derivatives held constant (for ``lm + c * aux``, ``c * aux``), so that ``w * loss + (1 - w) *
+    aux_part`` has the gradient ``w * d lm + c * d aux`` (exact for any loss: only its gradient here
+    matters). One small backward from ``loss`` to the terms (the ops of the loss function between them);
+    None when no term reaches ``loss``."""
+    terms = [t for t in terms if t.requires_grad]
+    if not terms or not (torch.is_tensor(loss) and loss.requires_grad and loss.dim() == 0):
+        return None
+    slopes = torch.autograd.grad(loss, terms, retain_graph=True, allow_unused=True)
+    parts = [s.detach() * t for s, t in zip(slopes, terms) if s is not None]
+    return sum(parts[1:], parts[0]) if parts else None
 
 
 def batch_group(distribution):
@@ -91,4 +129,8 @@ def load_balancing_loss(
         others = total[num_experts : 2 * num_experts] - local[num_experts : 2 * num_experts]
         # value: the global sum; gradient: this process's share times the group's size (see docstring)
         probs = size * probs - (size - 1) * probs.detach() + others
-    return num_experts * torch.sum((counts / rows) * (probs / rows))
+    value = num_experts * torch.sum((counts / rows) * (probs / rows))
+    recorded = _recorded.get()
+    if recorded is not None and value.requires_grad:
+        recorded.append(value)  # weighted by 1 by the Trainer, beside a token-weighted loss (module docstring)
+    return value

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from trainmesh._torch.context_parallel import token_weighted_loss
+from trainmesh._torch.moe_balance import recording_aux_terms
 from trainmesh._torch.reduce import all_reduce_small
 from trainmesh._torch.sync import no_sync
 from trainmesh._torch.vocab_parallel import keep_vocab_shards, whole_outputs
@@ -70,8 +71,10 @@ def forward_backward(
         with no_sync(model) if not final else contextlib.nullcontext():
             # a loss on the vocabulary shards: the head keeps its shard for this forward (vocab_parallel.py)
             with precision.forward_context(), keep_vocab_shards(model, loss_fn) as sharded:
-                outputs = model(inputs)
-                loss = token_weighted_loss(model, loss_fn(outputs, targets), targets)  # a sequence axis only
+                with recording_aux_terms() as aux:  # global aux losses keep their weight (moe_balance.py)
+                    outputs = model(inputs)
+                    loss = loss_fn(outputs, targets)
+                loss = token_weighted_loss(model, loss, targets, aux=aux)  # a sequence axis only
             if not torch.is_tensor(loss) or loss.dim() != 0:
                 raise ValueError(
                     f"loss_fn must return a scalar tensor. Received: {type(loss).__name__} "
