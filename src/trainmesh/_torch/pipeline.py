@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .context_parallel import global_token_count, token_weighted_loss
+from .context_parallel import global_token_count, sequence_context, token_weighted_loss
 from .pipeline_experts import average_expert_replicas, data_averaged
+from .pipeline_inputs import split_inputs
 from .pipeline_receives import ReceivePlan, posts_receives_ahead
 from .pipeline_split import KeyedBlocks, assign_blocks, build_stage_model, split_at
 from .pipeline_stage import StageModule, make_pipeline_stage  # noqa: F401 - StageModule is imported from here too
@@ -121,6 +122,7 @@ class PipelineRunner:
         ]
         self._loss_fn: list[Callable | None] = [None]
         self._step_tokens: list[float | None] = [None]  # a sequence axis: the schedule step's global tokens
+        self._replica_tokens: list[int | None] = [None]  # no sequence axis: the step's tokens, where some are -100
         self.schedule = self._build_schedule()
         self.receive_plan = ReceivePlan(self.stages) if posts_receives_ahead(self.stages, pipe_group) else None
 
@@ -191,12 +193,13 @@ class PipelineRunner:
         self._follow_mode()
         for batch in micro_batches:
             inputs, targets = split_batch(precision.convert_input(batch))
-            _check_tensor_inputs(inputs)
+            tokens, side = self._split_inputs(inputs, training=True)  # every process, before any message
             self.pipeline.validate(self.pipe_size, batch_rows(targets))
             step_losses: list[torch.Tensor] = []
-            args = (inputs,) if self.holds_first else ()
+            args = (tokens,) if self.holds_first else ()
             if self.holds_last:  # before the schedule: every process of the last stage's data x seq group
                 self._step_tokens[0] = global_token_count(self._last_stage_model(), targets)
+                self._replica_tokens[0] = _ignored_tokens(targets)
             if self.receive_plan is not None:
                 self.receive_plan.before_step(self.schedule)
             with self._step_context():
@@ -205,6 +208,7 @@ class PipelineRunner:
                     target=targets if self.holds_last else None,
                     losses=step_losses,
                     return_outputs=on_outputs is not None and self.holds_last,
+                    **side,  # every stage's forward gets its microbatch of them (pipeline_inputs)
                 )
             if self.receive_plan is not None:
                 self.receive_plan.after_step()
@@ -220,11 +224,27 @@ class PipelineRunner:
             _average_grads(dense, self.data_group, self.data_size)
             average_expert_replicas(self.stage_models)
 
+    def _split_inputs(self, inputs: Any, *, training: bool) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The first stage's token ids and every stage's side inputs (``pipeline_inputs``); tells the
+        stages whether to hand their model a dict, as the user's batch is."""
+        context = sequence_context(self.stage_models[0]) if training else None  # evaluation: whole sequences
+        tokens, side = split_inputs(
+            inputs,
+            sequential=isinstance(self.stage_models[0], KeyedBlocks),
+            seq_factor=context.split.axis_size if context is not None else 1,
+        )
+        for module in self.modules:
+            module.dict_inputs = isinstance(inputs, dict)
+        return tokens, side
+
     def _token_weighted(self, loss: torch.Tensor, targets) -> torch.Tensor:
         """Over a sequence axis, the last stage's microbatch loss weighted to the global token mean of the
         whole schedule step (``token_weighted_loss``, with the step's tokens counted by one 8-byte
         all-reduce over data x seq before the schedule): microbatches with more padding weigh less, as
-        their tokens do in one process's mean over the batch."""
+        their tokens do in one process's mean over the batch. Without one, the same weighting to the token
+        mean of this data replica's batch (``_microbatch_weighted``, no collective)."""
+        if sequence_context(self._last_stage_model()) is None:
+            return _microbatch_weighted(loss, targets, self._replica_tokens[0], self.pipeline.microbatches)
         return token_weighted_loss(
             self._last_stage_model(), loss, targets, total=self._step_tokens[0], parts=self.pipeline.microbatches
         )
@@ -277,6 +297,7 @@ class PipelineRunner:
             return self._forward_only(inputs, everywhere=everywhere)
 
     def _forward_only(self, inputs: Any, *, everywhere: bool) -> torch.Tensor | None:
+        tokens, side = self._split_inputs(inputs, training=False)
         x = None
         last_out = None
         for index in range(self.num_stages):
@@ -285,12 +306,12 @@ class PipelineRunner:
                 continue
             module = self.modules[self.indices.index(index)]
             if index == 0:
-                x = inputs
+                x = tokens
             else:
                 prev = stage_owner(index - 1, self.pipe_size, self.pipeline.schedule)
                 if prev != self.pipe_rank or x is None:
                     x = _recv_tensor(self.pipe_group, prev, self.device)
-            x = module(x)
+            x = module(x, **side)
             if index == self.num_stages - 1:
                 last_out = x
             else:
@@ -324,19 +345,25 @@ def _whole_sequences(stage_models: list[nn.Module]):
             c.split_whole = value
 
 
-def _check_tensor_inputs(inputs: Any) -> None:
-    """A pipeline hands its first stage one tensor and the stages pass one activation tensor on, so a dict
-    of inputs (an ``attention_mask`` or ``position_ids`` beside ``input_ids``) has no way to the later
-    stages' attention. torch's stage refused it on the first stage only, after the later stages had
-    begun waiting for its shapes (they then failed on a closed connection); every process holds the
-    batch, so all refuse it here, before the schedule's first message."""
-    if not isinstance(inputs, torch.Tensor):
-        detail = f"a dict with keys {sorted(inputs)}" if isinstance(inputs, dict) else type(inputs).__name__
-        raise ValueError(
-            "A pipeline takes one tensor of inputs (token ids): the stages pass one activation tensor "
-            "on, so a padding mask, position_ids or other inputs beside the tokens cannot reach the later "
-            f"stages. Pass the token tensor, with -100 targets for the positions to ignore. Received: {detail}"
-        )
+def _ignored_tokens(targets) -> int | None:
+    """The targets other than -100 (cross-entropy's ``ignore_index``) of a step's integer targets where
+    some are -100, else None (every microbatch then holds as many tokens: the plain mean is the mean)."""
+    if not torch.is_tensor(targets) or targets.is_floating_point():
+        return None
+    ignored = targets == -100
+    return int(targets.numel() - ignored.sum()) if bool(ignored.any()) else None
+
+
+def _microbatch_weighted(loss: torch.Tensor, targets, total: int | None, parts: int) -> torch.Tensor:
+    """A microbatch's mean loss times ``its tokens x parts / the step's tokens``: the schedule's mean over
+    the microbatches is then the token mean over the whole batch, as one process computes it on that
+    batch, when padding (-100 targets, a left-padding mask) leaves the microbatches unequal counts. A
+    pipeline's microbatches are its own cut of the batch, not the user's accumulation steps."""
+    if total is None or not torch.is_tensor(targets):
+        return loss
+    if total == 0:
+        return loss * 0.0
+    return loss * (int((targets != -100).sum()) * parts / total)
 
 
 def _under(precision, loss_fn: Callable, output, target) -> torch.Tensor:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .pipeline_inputs import stage_inputs
 from .pipeline_output import split_output
 from .pipeline_split import KeyedBlocks
 from .pipeline_zero_bubble import not_a_view
@@ -33,6 +34,7 @@ class StageModule(nn.Module):
         self.is_first = is_first
         self.forward_context = forward_context
         self._incoming: list[torch.Tensor] = []
+        self.dict_inputs = False  # set by the runner per step: the user's batch is a dict (pipeline_inputs)
         self.model_output: Callable[[torch.Tensor], Any] = lambda tensor: tensor  # set by each forward
 
     def install_entry_hook(self) -> None:
@@ -53,7 +55,9 @@ class StageModule(nn.Module):
 
         first.register_forward_pre_hook(substitute, with_kwargs=True, prepend=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, **side: torch.Tensor) -> torch.Tensor:
+        """``x``: the token ids (first stage) or the received activation; ``side``: this microbatch's
+        attention_mask / position_ids, which torch's schedule hands every stage (``pipeline_inputs``)."""
         if isinstance(self.stage_model, KeyedBlocks):  # an nn.Sequential model: a plain chain
             with self.forward_context():
                 for block in self.stage_model:
@@ -66,7 +70,7 @@ class StageModule(nn.Module):
             self._incoming.append(x)
         try:
             with self.forward_context():
-                out = self.stage_model(ids)
+                out = self.stage_model(stage_inputs(ids, side, self.dict_inputs))
         finally:
             self._incoming.clear()
         tensor, self.model_output = split_output(out)
