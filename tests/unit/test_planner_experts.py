@@ -53,6 +53,11 @@ def test_expert_bytes_per_process():
         whole // 16,
         whole // 16,
     )
+    # ZeRO-2: FSDP2's dim-0 shards as at ZeRO-3 (tests/multiprocess/test_planner_experts_zero2.py: a real run)
+    for ep in (2, 4):
+        assert expert_bytes(model, spec8, expert_parallel_size=ep, zero_stage=2, precision="32") == expert_bytes(
+            model, spec8, expert_parallel_size=ep, zero_stage=3, precision="32"
+        )
     # frozen experts (layer 0's): held, but without gradients or optimizer state
     frozen = _qwen3_moe(num_experts=8)
     for name, param in frozen.named_parameters():
@@ -67,8 +72,10 @@ def test_bad_expert_plans_are_refused_before_any_dry_run():
         check_plan(_qwen3_moe(num_experts=6), MeshSpec.parse("data=4", 4), 4, 0)
     with pytest.raises(ValueError, match="positive divisor"):
         check_plan(moe, MeshSpec.parse("data=4", 4), 3, 0)
-    with pytest.raises(ValueError, match="zero_stage 0 or 3"):
+    # ZeRO-1 alone is refused by ModelParallel, which EP needs: named as the user passed it
+    with pytest.raises(ValueError, match=r"does not offer stage 1 alone.*Received: zero_stage=1"):
         check_plan(moe, MeshSpec.parse("data=4", 4), 2, 1)
+    check_plan(moe, MeshSpec.parse("data=4", 4), 2, 2)  # ZeRO-2: planned
     with pytest.raises(ValueError, match="model=2"):
         check_plan(moe, MeshSpec.parse("data=2,model=2", 4), 2, 0)
     with torch.device("meta"):
@@ -154,6 +161,42 @@ def test_apply_expert_parallel_moves_expert_bytes_and_adds_the_dispatch():
     token_bytes = LAYERS * 4 * tokens * 2 * HIDDEN * 4
     assert wire_bytes("all_to_all", token_bytes, 2) == token_bytes / 2  # (EP-1)/EP leave the process
     assert any(f"{whole // 2:,} expert parameter bytes per process instead of {whole:,}" in n for n in planned.notes)
+
+
+def test_zero2_under_ep_holds_gathers_and_reduces_what_training_does():
+    """EP x ZeRO-2 on a made-up data 4 dry run at stage 2 (the experts sharded over all 4, gathered once a step
+    and reduce-scattered once, every unit gathered at once: what the dry run counts at stage 2). EP 4: the
+    experts leave the batch axis's gathers, reduce-scatters and gathered buffers (FSDP2 leaves them out);
+    EP 2: a quarter of them are held (half by EP, half of that over the 2 replicas), and the replicas gather
+    their half once and reduce-scatter it once, one unit per experts module."""
+    from trainmesh.planner.collectives import CollectiveLog
+    from trainmesh.planner.dry_run import RankResult
+    from trainmesh.planner.experts import apply_expert_parallel
+
+    model = _qwen3_moe(num_experts=8)
+    whole = LAYERS * 8 * 3 * HIDDEN * MOE_INTERMEDIATE * 4
+    spec = MeshSpec.parse("data=4", 4)
+
+    def dry():
+        log = CollectiveLog()
+        log.add("data", "all_gather", 1000 + whole, 3)
+        log.add("data", "reduce_scatter", 1000 + whole, 3)
+        log.group_sizes["data"] = 4
+        shard = (1000 + whole) // 4
+        return RankResult(0, {"data": 0}, shard, shard, 2 * shard, 0, 1000 + whole, 0, log, shard // 4, 0.0)
+
+    ep4 = apply_expert_parallel(dry(), model, spec, expert_parallel_size=4, zero_stage=2, precision="32")
+    assert (ep4.params, ep4.grads, ep4.optimizer) == (1000 // 4 + whole // 4,) * 2 + (2 * (1000 // 4 + whole // 4),)
+    assert ep4.buffers == 1000
+    assert {k: t.bytes for k, t in ep4.collectives.traffic.items()} == {
+        ("data", "all_gather"): 1000,
+        ("data", "reduce_scatter"): 1000,
+    }
+    ep2 = apply_expert_parallel(dry(), model, spec, expert_parallel_size=2, zero_stage=2, precision="32")
+    assert (ep2.params, ep2.grads, ep2.buffers) == (1000 // 4 + whole // 4, 1000 // 4 + whole // 4, 1000 + whole // 2)
+    replica = {k[1]: (t.count, t.bytes) for k, t in ep2.collectives.traffic.items() if k[0] == "data_expert_replica"}
+    assert replica == {"all_gather": (LAYERS, whole // 2), "reduce_scatter": (LAYERS, whole // 2)}
+    assert ep2.collectives.group_sizes["data_expert_replica"] == 2
 
 
 def _dense_bytes(model) -> int:

@@ -36,9 +36,17 @@ applies (``_torch.pipeline.plan_split``: the repeated blocks balanced by paramet
 each stage's experts split over EP processes of the batch axis as without a pipe. The traffic is per
 microbatch, times the step's microbatches (the dry run's ``microbatches``).
 
+ZeRO-2 (``_torch/zero.py``: FSDP2 at stages 1-3, dim-0 shards of every parameter over the batch axis, as
+ZeRO-3; the stages differ in when a unit is gathered): the dry run shards each expert tensor over the
+whole axis; under EP the experts are held as at ZeRO-3 (EP the whole axis: FSDP2 leaves them out, whole
+experts at ``1/EP``; EP smaller: each experts module its own FSDP2 unit over the ``batch / EP``
+replicas), their gradients and AdamW state with the same shards. A stage-2 unit stays gathered from its
+forward to its backward (one all-gather a step, not ``microbatches + 1``), and the dry run counts every
+unit gathered at once (``dry_run._unsharded_buffers``): the experts' share of that is replaced by EP's
+(nothing when FSDP2 leaves them out, ``1/EP`` of them gathered over the replicas otherwise).
+``ModelParallel`` (which EP needs) refuses ZeRO-1 alone, so the plan does too.
+
 Found by the same structure ``LayoutMap.auto`` uses (``distribution.expert_layout.find_experts``).
-ZeRO-1/2 partition whole tensors across the axis by size (``ZeroRedundancyOptimizer``), which no
-formula of rows follows, so a plan with EP takes stage 0 or 3 and says so otherwise.
 """
 
 from __future__ import annotations
@@ -102,7 +110,7 @@ def expert_bytes(
     ``only``: the experts modules counted (a pipeline stage's, ``stage_expert_paths``); None: all."""
     batch = spec.size(spec.batch_axis)
     ep = expert_parallel_size or 1
-    zero = zero_stage == 3
+    zero = zero_stage >= 2  # FSDP2's dim-0 shards at stages 2 and 3 alike (stage 1 is refused under EP)
     totals = {"all": [0, 0], "trainable": [0, 0], "numel": [0, 0]}
     for experts in _experts_in(meta_model, only):
         module = meta_model.get_submodule(experts.path)
@@ -131,10 +139,11 @@ def check_plan(meta_model: nn.Module, spec: MeshSpec, expert_parallel_size: int,
             f"(a pipe axis may be there); this mesh has {model_axis}={spec.size(model_axis)}. "
             f"Received: mesh={spec.text()!r}"
         )
-    if zero_stage in (1, 2):
+    if zero_stage == 1:  # as training: _torch.parallelize refuses ModelParallel(zero_stage=1)
         raise ValueError(
-            "expert_parallel_size is planned with zero_stage 0 or 3: ZeRO-1/2 partition whole tensors by "
-            f"size, not expert rows. Received: zero_stage={zero_stage}"
+            "expert_parallel_size trains under ModelParallel, which shards optimizer state with the parameters "
+            "at zero_stage 2 or 3 and does not offer stage 1 alone; plan zero_stage 0, 2 or 3. "
+            f"Received: zero_stage={zero_stage}"
         )
     ep = check_expert_parallel_size(expert_parallel_size, axis, spec.size(axis))
     found = find_experts(meta_model)[0]
@@ -239,9 +248,11 @@ def expert_gradient_traffic(
         _take(log, batch, "all_reduce", grad_bytes)
         if replica_axis and grad_bytes:  # one flattened all-reduce of the held experts' gradients
             log.add(replica_axis, "all_reduce", grad_bytes // ep, 1)
-    elif zero_stage == 3:
+    elif zero_stage >= 2:
         gather_bytes, _ = _whole_expert_bytes(meta_model, only, lambda p: gathered or p.element_size())
-        gathers = microbatches + 1
+        # ZeRO-3 gathers each microbatch's forward and once more for the backward; a stage-2 unit stays
+        # gathered from its forward to its backward: once a step, with or without a pipe (the dry run's counts)
+        gathers = microbatches + 1 if zero_stage == 3 else 1
         _take(log, batch, "all_gather", gathers * gather_bytes)
         _take(log, batch, "reduce_scatter", grad_bytes)
         if replica_axis:  # each experts module its own FSDP2 unit over the replicas
@@ -295,7 +306,13 @@ def apply_expert_parallel(
         microbatches=result.microbatches,
         only=only,
     )
-    if dry == held:
+    buffers = result.buffers
+    if zero_stage == 2:  # every unit gathered at once in the dry run, the experts whole among them
+        gathered = 2 if precision in ("bf16-true", "bf16-mixed", "fp16-mixed") else None
+        whole, _ = _whole_expert_bytes(meta_model, only, lambda p: gathered or p.element_size())
+        _, replica_axis = expert_axes(spec, expert_parallel_size)
+        buffers += (whole // expert_parallel_size if replica_axis else 0) - whole  # left out by FSDP2: none
+    if dry == held and buffers == result.buffers:
         return result
     # the dry run's optimizer state bytes per gradient byte: 2 for Adam (exp_avg, exp_avg_sq), 1 for momentum
     states = round(result.optimizer / result.grads) if result.grads else 0
@@ -308,6 +325,7 @@ def apply_expert_parallel(
     return dataclasses.replace(
         result,
         params=result.params + held - dry,
+        buffers=buffers,
         grads=result.grads + trained,
         optimizer=result.optimizer + states * trained,
         num_parameters_local=result.num_parameters_local + counted["numel"][1] - counted["numel"][0],
