@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("serial")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHAOS = os.path.join(ROOT, "benchmarks", "chaos.py")

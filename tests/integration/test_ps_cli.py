@@ -18,7 +18,7 @@ import torch
 
 from trainmesh.launcher import cli
 
-pytestmark = [pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("serial")]
 
 _JOB_VARS = (
     "RANK",

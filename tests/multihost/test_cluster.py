@@ -12,7 +12,7 @@ import pytest
 
 from trainmesh.testing.cluster import ShapingUnsupported, _ip, unavailable_reason
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("serial")]
 
 # A TCP sink on the receiving host and a sender that reports how long `nbytes` took.
 SINK = """

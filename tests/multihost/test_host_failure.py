@@ -39,7 +39,7 @@ ENV = {"OMP_NUM_THREADS": "1", "TRAINMESH_TIMEOUT_S": "10"}
 # an elastic round closes 2 s after its minimum is there.
 RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2"
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("serial")]
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,8 @@ import pytest
 
 from trainmesh.testing.cluster import unavailable_reason
 
+pytestmark = [pytest.mark.xdist_group("serial")]
+
 RATE_BYTES = 200e6 / 8  # 200 Mbit/s
 
 

@@ -26,7 +26,7 @@ import torch
 pytest.importorskip("torchft", reason="torchft is not installed (pip install 'trainmesh[ft]')")
 from ft_processes import group_env, lighthouse_on_loopback, records, wait_for  # noqa: E402
 
-pytestmark = [pytest.mark.dist]
+pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("serial")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "ft_trainer.py")

@@ -9,7 +9,7 @@ import torch
 
 from trainmesh.testing import run_distributed
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(180), pytest.mark.xdist_group("serial")]
 
 STALL_AT_STEP = 3  # global step (1-based) that rank 1 never reaches in time
 

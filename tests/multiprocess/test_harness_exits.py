@@ -14,7 +14,7 @@ import pytest
 from trainmesh.testing import run_distributed
 from trainmesh.testing.harness import DistributedTestError
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(120), pytest.mark.xdist_group("serial")]
 
 LATE_S = 5.0  # how long rank 1 keeps working after rank 0 has aborted; more than the harness's 2 s grace
 

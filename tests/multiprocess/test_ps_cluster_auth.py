@@ -13,7 +13,7 @@ from trainmesh.ps.cluster import AdminConnection, LocalCluster
 from trainmesh.ps.errors import PSAuthError
 from trainmesh.ps.protocol import MessageType
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(90), pytest.mark.xdist_group("serial")]
 
 
 def test_a_default_local_cluster_refuses_a_strangers_shutdown_push_and_export(monkeypatch):

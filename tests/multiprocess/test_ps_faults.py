@@ -14,7 +14,7 @@ from trainmesh.ps.client import PSClient
 from trainmesh.ps.cluster import LocalCluster
 from trainmesh.ps.errors import PSTimeoutError
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(90), pytest.mark.xdist_group("serial")]
 
 SGD = {"name": "sgd", "lr": 0.1}
 

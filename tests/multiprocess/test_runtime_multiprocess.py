@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(120), pytest.mark.xdist_group("serial")]
 
 WORKER = os.path.join(os.path.dirname(__file__), "runtime_worker.py")
 CLUSTER_VARS = (

@@ -11,7 +11,7 @@ import torch
 
 from trainmesh.data import CorruptSampleError, DataLoader, GlobalBatchSampler
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("serial")]
 
 
 class Squares(torch.utils.data.Dataset):

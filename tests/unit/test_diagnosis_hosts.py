@@ -12,7 +12,7 @@ import pytest
 
 from trainmesh.comm.diagnosis import CollectiveTimeoutError, ProgressBeacon, host_identity
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.timeout(30), pytest.mark.xdist_group("serial")]
 
 
 class DictStore:

@@ -19,7 +19,7 @@ from trainmesh.ps.inprocess_transport import InProcessHub
 from trainmesh.ps.protocol import Message, MessageType, encode
 from trainmesh.ps.server import ParameterServer
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.xdist_group("serial")]
 
 SECRET = b"the-job-secret"
 

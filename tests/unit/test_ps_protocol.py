@@ -26,7 +26,7 @@ from trainmesh.ps.protocol import (
 )
 from trainmesh.ps.frame_decode import decode
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("serial")]
 
 SECRET = b"test-secret"
 

@@ -16,7 +16,7 @@ from trainmesh.ps.server import ParameterServer
 from trainmesh.ps.shard import init_rows
 from trainmesh.ps.inprocess_transport import FaultInjectingTransport, InProcessHub
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.xdist_group("serial")]
 
 SGD = {"name": "sgd", "lr": 0.1}
 

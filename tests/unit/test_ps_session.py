@@ -19,7 +19,7 @@ from trainmesh.ps.frame_decode import decode
 from trainmesh.ps.server import ParameterServer
 from trainmesh.ps.session import ClientSession, ServerSessions, session_token, signed_record
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.timeout(30), pytest.mark.xdist_group("serial")]
 
 SECRET = b"the-job-secret"
 SGD = {"name": "sgd", "lr": 1.0}

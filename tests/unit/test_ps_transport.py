@@ -20,7 +20,7 @@ from trainmesh.ps.transport import (
     normalize_address,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.xdist_group("serial")]
 
 
 class _ZmqFactory:

@@ -16,7 +16,7 @@ from trainmesh.trainer.throughput import (
     meta_copy,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("serial")]
 
 
 def mlp():
