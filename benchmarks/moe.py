@@ -1,6 +1,7 @@
 """Mixture of experts on 4 processes: trainmesh expert parallelism against transformers' own and against ZeRO-3.
 
-    python benchmarks/moe.py [--quick] [--rounds R] [--steps S] [--warmup W] [--seed N] [--json PATH]
+    python benchmarks/moe.py [--quick] [--rounds R] [--steps S] [--warmup W] [--dispatch-steps D] [--seed N]
+        [--json PATH]
 
 Defaults: 6 interleaved rounds x (1 warmup + 3 timed steps) per side; ``--quick``: 2 x (1 + 2), a tiny model.
 
@@ -39,16 +40,26 @@ Figures (``--json``'s top-level ``figures``):
 * ``moe_ep_expert_state_vs_replicated``: the expert parameters, gradients and AdamW state one process holds
   under ``tm-ep4`` (counted from the tensors after a step) over DataParallel's (whole experts: parameters,
   gradients and two AdamW moments, 4x the experts' bytes, from the model's shapes);
-* ``moe_dispatch_bytes_vs_formula`` (the issue's name and definition): the all-to-all bytes one step sends to
+* ``moe_dispatch_bytes_vs_formula`` (the issue's name and definition): the all-to-all bytes a step sends to
   other processes, summed over the processes and MoE layers (``expert_parallel.dispatch_stats``: token rows,
-  forward and backward), over tokens x hidden x top-k x (EP-1)/EP x 4 x 4 bytes x layers. That formula
-  assumes uniform routing (75% of the pairs leave their process at EP 4), so it measures the routing as
-  much as the dispatch: ``moe_remote_pair_fraction`` x 4/3 when the dispatch sends nothing extra;
-* ``moe_dispatch_bytes_vs_routed_formula``: the same bytes over the formula at the routing that happened:
+  forward and backward), over tokens x hidden x top-k x (EP-1)/EP x 4 x 4 bytes x layers. That formula is
+  the expectation at uniform routing (75% of the pairs leave their process at EP 4), so the figure is the
+  mean over ``--dispatch-steps`` steps (default 160; ``--quick`` 64) of ``tm-ep4``'s training continued after
+  the rounds on fresh rows (forward, backward, AdamW; a new sequence per process and step, seeded), not one
+  step. One step cannot estimate it: the rows are drawn alike for every process, so a process's share of
+  pairs kept at home is 1/4 in expectation whatever the router prefers, but a sequence's tokens route
+  together (on the full model at initialisation, a sequence's remote share has an sd of 0.19-0.23 at layers
+  1-3, against 0.027 for 256 independent uniform pairs; its most used process takes 36-77% of its pairs),
+  so one step's 4 sequences scatter the figure with an sd of ~0.058 (fraction 0.043 over 60 fresh batches)
+  and the same rows repeated do not average it out (the full model's timed rows: a remote share of 0.657 at
+  initialisation, 0.726-0.736 after 4-16 steps on them in one process; ``--quick``'s: 0.769, a figure of
+  1.025, where 64 fresh-row steps gave 1.005 with a standard error of 0.004). The JSON's ``dispatch`` keeps
+  every step's figure, their standard error and the one step on the timed rows;
+* ``moe_dispatch_bytes_vs_routed_formula``: the same steps' bytes over the formula at the routing that happened:
   the (token, expert) pairs each router sent to an expert on another process (its own bincount) x hidden x
   4 bytes x 4 (dispatch and combine, forward and backward). 1.0 says the dispatch sends those rows and
   nothing else (the forward half agrees by construction; the backward exchanges are what it checks);
-* ``moe_remote_pair_fraction``: the share of (token, expert) pairs routed to another process;
+* ``moe_remote_pair_fraction``: the share of (token, expert) pairs routed to another process over those steps;
 * ``moe_ep_parity_max_abs_diff``: after the rounds, a tiny Qwen3-MoE and Mixtral (``tests/multiprocess/
   moe_cases.py``) under EP 4, EP 4 x ZeRO-3, EP 2 x TP 2 and EP 2 x ZeRO-3 on 4 through ``tm.Trainer``, 3 AdamW
   steps against one process on the same global batches: the largest parameter difference.
@@ -208,7 +219,7 @@ def parity() -> dict:
 def timing_worker(cfg: dict) -> dict:
     import torch.distributed as dist
 
-    from trainmesh._torch.expert_parallel import dispatch_stats, reset_dispatch_stats
+    from trainmesh._torch.expert_parallel import reset_dispatch_stats
 
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -246,11 +257,45 @@ def timing_worker(cfg: dict) -> dict:
     opt.step()
     state_local, state_full = expert_state_bytes(model, opt)  # gradients and moments both alive here
     opt.zero_grad(set_to_none=True)
+    same_rows = step_dispatch(model)
+    # The dispatch bytes per step of tm-ep4's training continued on fresh rows (a new sequence per process
+    # and step, as training reads them): the issue's formula is their expectation at uniform routing. One
+    # step's 4 sequences cannot estimate it: a sequence's tokens route together (see the docstring), so
+    # one step's remote share scatters ~0.04 around 0.75 at the full size
+    g = torch.Generator().manual_seed(cfg["seed"] + 2)
+    per_step = []
+    for _ in range(cfg["dispatch_steps"]):
+        rows = torch.randint(0, size["vocab"], (WORLD * size["rows"], size["seq"] + 1), generator=g)
+        mine = rows[rank * size["rows"] : (rank + 1) * size["rows"]]
+        reset_dispatch_stats(model)
+        lm_loss(model(mine[:, :-1].contiguous()), mine[:, 1:].contiguous()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        per_step.append(step_dispatch(model))
+    sides.clear()
+    return {
+        "times": times,
+        "cpu": cpu_mean,
+        "skipped": skipped,
+        "loads": loads,
+        "dispatch_same_rows": same_rows,
+        "dispatch_per_step": per_step,
+        "expert_state": (state_local, state_full),
+        "parity": parity(),
+    }
+
+
+def step_dispatch(model) -> dict:
+    """The last step's all-to-all bytes to other processes, (token, expert) pairs routed to another process
+    and pairs routed, summed over the processes and MoE layers; and the MoE layers."""
+    import torch.distributed as dist
+
+    from trainmesh._torch.expert_parallel import dispatch_stats
+
     stats = dispatch_stats(model)
     # (token, expert) pairs this process's router sent to experts on other processes: the routing itself
     # (its bincount), apart from the splits the all-to-alls were called with, which bytes_to_others counts
-    rank, per = dist.get_rank(), None
-    remote = 0
+    rank, remote = dist.get_rank(), 0
     for layer in stats.values():
         counts = layer["tokens_per_expert"]
         per = counts.numel() // WORLD
@@ -264,23 +309,10 @@ def timing_worker(cfg: dict) -> dict:
         dtype=torch.float64,
     )
     dist.all_reduce(sent)
-    sides.clear()
-    return {
-        "times": times,
-        "cpu": cpu_mean,
-        "skipped": skipped,
-        "loads": loads,
-        "dispatch_bytes": float(sent[0]),
-        "remote_pairs": float(sent[1]),
-        "routed_pairs": float(sent[2]),
-        "moe_layers": len(stats),
-        "expert_state": (state_local, state_full),
-        "parity": parity(),
-    }
+    return {"bytes": float(sent[0]), "remote": float(sent[1]), "routed": float(sent[2]), "layers": len(stats)}
 
 
 def summarize(cfg: dict, result: dict, counts: dict) -> dict:
-    size = cfg["size"]
     medians = {side: [statistics.median(r) for r in rounds] for side, rounds in result["times"].items()}
     report = {
         "config": {k: v for k, v in cfg.items() if k != "dir"},
@@ -330,20 +362,41 @@ def summarize(cfg: dict, result: dict, counts: dict) -> dict:
             figures[name] = value
     local, full = result["expert_state"]
     figures["moe_ep_expert_state_vs_replicated"] = local / (4 * full)
-    global_tokens = WORLD * size["rows"] * size["seq"]
-    # The issue's formula (uniform routing: (EP-1)/EP of the pairs leave their process) against the same
-    # formula at the pairs the router actually sent away; the first measures the routing, the second the
-    # dispatch (rows x hidden x 4 bytes, dispatch and combine, forward and backward, nothing more)
-    uniform = global_tokens * size["hidden"] * TOP_K * (WORLD - 1) / WORLD * 4 * 4 * result["moe_layers"]
-    routed = result["remote_pairs"] * size["hidden"] * 4 * 4
-    figures["moe_dispatch_bytes_vs_formula"] = result["dispatch_bytes"] / uniform
-    figures["moe_dispatch_bytes_vs_routed_formula"] = result["dispatch_bytes"] / routed
-    figures["moe_remote_pair_fraction"] = result["remote_pairs"] / result["routed_pairs"]
+    figures.update(dispatch_figures(cfg, result, report))
     figures["moe_ep_parity_max_abs_diff"] = max(result["parity_diffs"].values())
     report["parity_diffs"] = result["parity_diffs"]
     report["compares"] = {name: what for name, what in COMPARES.items() if name in figures}
     report["figures"] = figures
     return report
+
+
+def dispatch_figures(cfg: dict, result: dict, report: dict) -> dict:
+    """The issue's formula (uniform routing: (EP-1)/EP of the pairs leave their process) against the mean
+    bytes per step over the fresh-row steps, and the same formula at the pairs the router actually sent away;
+    the first measures the routing, the second the dispatch (rows x hidden x 4 bytes, dispatch and combine,
+    forward and backward, nothing more). The report keeps each step's figure, their standard error and the
+    figure of the one step on the timed rounds' rows."""
+    size = cfg["size"]
+    steps = result["dispatch_per_step"]
+    layers = result["dispatch_same_rows"]["layers"]
+    tokens = WORLD * size["rows"] * size["seq"]
+    uniform = tokens * size["hidden"] * TOP_K * (WORLD - 1) / WORLD * 4 * 4 * layers  # bytes per step
+    ratios = [s["bytes"] / uniform for s in steps]
+    same = result["dispatch_same_rows"]
+    report["dispatch"] = {
+        "steps": len(steps),
+        "per_step_vs_formula": ratios,
+        "per_step_sd": statistics.stdev(ratios) if len(ratios) > 1 else None,
+        "standard_error": statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else None,
+        "timed_rows_step_vs_formula": same["bytes"] / uniform,
+        "timed_rows_remote_pair_fraction": same["remote"] / same["routed"],
+    }
+    remote = sum(s["remote"] for s in steps)
+    return {
+        "moe_dispatch_bytes_vs_formula": statistics.fmean(ratios),
+        "moe_dispatch_bytes_vs_routed_formula": sum(s["bytes"] for s in steps) / (remote * size["hidden"] * 4 * 4),
+        "moe_remote_pair_fraction": remote / sum(s["routed"] for s in steps),
+    }
 
 
 def print_report(report: dict) -> None:
@@ -367,6 +420,13 @@ def print_report(report: dict) -> None:
         print(f"  {name:<40}{value:.4g}")
     for name, what in report.get("compares", {}).items():
         print(f"  {name}: {what}")
+    d = report["dispatch"]
+    if d["standard_error"] is not None:
+        print(
+            f"  dispatch bytes over the formula: mean of {d['steps']} fresh-row steps, standard error "
+            f"{d['standard_error']:.4f} (one step's sd {d['per_step_sd']:.4f}); the timed rounds' rows alone: "
+            f"{d['timed_rows_step_vs_formula']:.4f} (remote share {d['timed_rows_remote_pair_fraction']:.4f})"
+        )
     print(f"load average per round: {[round(v, 2) for v in report['loads_per_round']]}")
 
 
@@ -376,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 6; --quick 2)")
     parser.add_argument("--steps", type=int, help="timed steps per side per round (default 3; --quick 2)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per side per round")
+    parser.add_argument(
+        "--dispatch-steps", type=int, help="tm-ep4 steps on fresh rows for the dispatch bytes (default 160; --quick 64)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="write the report (with a top-level 'figures') here")
     args = parser.parse_args(argv)
@@ -392,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds or (2 if args.quick else 6),
         "steps": args.steps or (2 if args.quick else 3),
         "warmup": args.warmup,
+        "dispatch_steps": args.dispatch_steps or (64 if args.quick else 160),
         "seed": args.seed,
     }
     started, scratch = time.time(), tempfile.mkdtemp(prefix="moe-")
