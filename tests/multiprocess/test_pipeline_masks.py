@@ -102,8 +102,9 @@ def _fit(family, kind, distribution) -> dict:
     return {"loss": history.history["loss"][0], "grads": grads, "state": state, "trainer": trainer}
 
 
-def _refusal(tm, inputs) -> str:
-    trainer = tm.Trainer(Padded(build_model()), make_optimizer, lm_loss, distribution=_distribution(tm, "1f1b"))
+def _refusal(tm, inputs, distribution=None) -> str:
+    distribution = distribution or _distribution(tm, "1f1b")
+    trainer = tm.Trainer(Padded(build_model()), make_optimizer, lm_loss, distribution=distribution, progress=False)
     try:
         trainer.fit([(inputs, padded_data(left=True)[1][:GLOBAL_BATCH])], epochs=1)
     except ValueError as error:
@@ -137,6 +138,8 @@ def _four() -> dict:
         result = _fit(family, kind, _distribution(tm, schedule, method))
         result.pop("trainer")
         out[name] = result
+    inputs = {k: v[:GLOBAL_BATCH] for k, v in padded_data(left=True)[0].items()}
+    out["ring left padding"] = _refusal(tm, inputs, _distribution(tm, "1f1b", "ring"))
     return out
 
 
@@ -223,3 +226,11 @@ def test_pipe2_refuses_what_cannot_reach_the_stages(two, key, words):
 def test_pipe2_x_seq2_dict_batches_match_one_process(four, case):
     name, family, _, kind, _ = case
     _check(four, name, _reference(family, kind))
+
+
+def test_pipe2_x_seq2_ring_left_padding_is_refused_everywhere(four):
+    """Ring attention takes padding at the end only; under a pipeline the refusal comes on every process
+    before the schedule (from the stage's forward, the later stages would wait for the first's activations)."""
+    message = four[0]["ring left padding"]
+    assert "Ring attention takes padding at the end of sequences only" in message, message
+    assert all(rank["ring left padding"] == message for rank in four)

@@ -33,7 +33,7 @@ from torch import nn
 
 from .context_parallel import global_token_count, sequence_context, token_weighted_loss
 from .pipeline_experts import average_expert_replicas, data_averaged
-from .pipeline_inputs import split_inputs
+from .pipeline_inputs import check_sequence_rules, split_inputs
 from .pipeline_receives import ReceivePlan, posts_receives_ahead
 from .pipeline_split import KeyedBlocks, assign_blocks, build_stage_model, split_at
 from .pipeline_stage import StageModule, make_pipeline_stage  # noqa: F401 - StageModule is imported from here too
@@ -233,6 +233,8 @@ class PipelineRunner:
             sequential=isinstance(self.stage_models[0], KeyedBlocks),
             seq_factor=context.split.axis_size if context is not None else 1,
         )
+        if context is not None:
+            check_sequence_rules(self.stage_models[0], context, tokens, side)
         for module in self.modules:
             module.dict_inputs = isinstance(inputs, dict)
         return tokens, side
