@@ -52,7 +52,7 @@ Figures (``--json``'s top-level ``figures``):
   1-3, against 0.027 for 256 independent uniform pairs; its most used process takes 36-77% of its pairs),
   so one step's 4 sequences scatter the figure with an sd of ~0.058 (fraction 0.043 over 60 fresh batches)
   and the same rows repeated do not average it out (the full model's timed rows: a remote share of 0.657 at
-  initialisation, 0.726-0.736 after 4-16 steps on them in one process; ``--quick``'s: 0.769, a figure of
+  initialisation, 0.731 after the rounds' 24 steps on them in one process (a full run: 0.733); ``--quick``'s: 0.769, a figure of
   1.025, where 64 fresh-row steps gave 1.005 with a standard error of 0.004). The JSON's ``dispatch`` keeps
   every step's figure, their standard error and the one step on the timed rows;
 * ``moe_dispatch_bytes_vs_routed_formula``: the same steps' bytes over the formula at the routing that happened:
