@@ -5,7 +5,8 @@ ZeRO-3, ModelParallel with ``LayoutMap.auto`` on a (1, 2) mesh and a 2-stage pip
 small enough for several files (both processes write); injects a writer failure and a failure
 mid-commit; and trains GPT-2 under ZeRO-3 with a ``ShardedCheckpoint``. The test process then
 loads every folder with ``AutoModelForCausalLM.from_pretrained``: parameters must equal the
-model's exactly (a copy of bytes, no arithmetic), and a failed save must never load.
+model's exactly (a copy of bytes, no arithmetic), every weight file must be byte for byte the one
+transformers' own ``save_pretrained`` writes, and a failed save must never load.
 """
 
 from __future__ import annotations
@@ -147,6 +148,14 @@ def test_every_layout_loads_back_exactly(saved, family):
         assert {"config.json", "generation_config.json"} <= set(files)
         assert not any(f.startswith(".") for f in files), f"{layout}: staging left behind: {files}"
         _assert_same(_loaded(root / f"{family}-{layout}"), expected, f"{family} {layout}")
+        # byte for byte what transformers writes (ZeRO-3's and the pipeline's files are written in place)
+        reference = root.parent / f"reference-{family}-{layout}"
+        if not reference.exists():
+            build_model(family, n_layer=2).save_pretrained(reference, max_shard_size="5GB" if layout == "dp" else SMALL)
+        for name in (f for f in files if f.endswith(".safetensors")):
+            assert (root / f"{family}-{layout}" / name).read_bytes() == (reference / name).read_bytes(), (
+                f"{family} {layout}: {name} is not the file transformers writes"
+            )
     if family == "gpt2":  # the tied head is written once, under the name transformers keeps
         import json
 

@@ -57,6 +57,21 @@ def expert_runs(module: nn.Module, name: str, shape: tuple[int, ...]) -> list[tu
     return runs
 
 
+def none_converted(module: nn.Module | None, shapes: dict[str, tuple[int, ...]]) -> bool:
+    """Whether transformers' save converts none of these tensors, from one call over all of them on
+    meta tensors: then ``expert_runs``' per-tensor probes (0.13 s of CPU for a 57-tensor Llama, on
+    every process of every save) are skipped."""
+    if module is None or not _converts(module):
+        return True
+    from transformers.core_model_loading import revert_weight_conversion
+
+    try:
+        names = revert_weight_conversion(module, {n: torch.empty(s, device="meta") for n, s in shapes.items()})
+    except Exception:  # noqa: BLE001  let the per-tensor probes decide, as before
+        return False
+    return set(names) == set(shapes)
+
+
 def _converts(module: nn.Module) -> bool:
     try:
         from transformers import PreTrainedModel

@@ -70,6 +70,25 @@ _DTYPES = {
     torch.uint64: "U64",
 }
 
+# safetensors' Dtype enum, last first: the order its writer lays tensors out in (read off save_file)
+_WRITE_ORDER = [
+    torch.uint64,
+    torch.int64,
+    torch.float64,
+    torch.float32,
+    torch.uint32,
+    torch.int32,
+    torch.bfloat16,
+    torch.float16,
+    torch.uint16,
+    torch.int16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
+
 
 def parse_size(size: int | str) -> int:
     """Bytes in ``size``: an int, or a string as transformers reads it ("5GB" = 5e9, "2GiB" = 2**31)."""
@@ -117,8 +136,9 @@ class FilePlan:
 
 
 def plan_files(entries: list[Entry], max_bytes: int) -> list[FilePlan]:
-    """transformers' split: in state-dict order, a new file when the next tensor would tip the
-    current one over ``max_bytes``; a tensor larger than that gets a file of its own."""
+    """transformers' split (huggingface_hub's): in state-dict order, a new file when the next tensor
+    would tip the current one over ``max_bytes``; a tensor larger than that gets a file of its own,
+    numbered where it comes, while the current file keeps filling."""
     for entry in entries:
         if entry.dtype not in _DTYPES:  # checked before any tensor moves
             raise ValueError(f"safetensors cannot store {entry.name!r} of dtype {entry.dtype}.")
@@ -126,6 +146,9 @@ def plan_files(entries: list[Entry], max_bytes: int) -> list[FilePlan]:
     current: list[Entry] = []
     size = 0
     for entry in sorted(entries, key=lambda e: e.position):
+        if entry.nbytes > max_bytes:  # as huggingface_hub splits: a file of its own, the current one goes on
+            groups.append([entry])
+            continue
         if current and size + entry.nbytes > max_bytes:
             groups.append(current)
             current, size = [], 0
@@ -138,9 +161,10 @@ def plan_files(entries: list[Entry], max_bytes: int) -> list[FilePlan]:
         if len(groups) == 1
         else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     )
-    # Wider dtypes first, as safetensors' own writer does: every tensor starts aligned to its element size.
+    # safetensors' own order (what transformers' save_pretrained writes, byte for byte): its dtypes
+    # widest first (every tensor starts aligned to its element size), then by name.
     return [
-        FilePlan(name, sorted(group, key=lambda e: (-e.dtype.itemsize, e.position)))
+        FilePlan(name, sorted(group, key=lambda e: (_WRITE_ORDER.index(e.dtype), e.name)))
         for name, group in zip(names, groups)
     ]
 
@@ -154,6 +178,25 @@ def index_json(files: list[FilePlan]) -> dict[str, Any]:
     }
 
 
+def header_bytes(plan: FilePlan, metadata: dict[str, str] | None = None) -> tuple[bytes, dict[str, int]]:
+    """The file's first bytes (the header's length, then its JSON, padded so the data starts 8-byte
+    aligned) and each tensor's byte offset in the file: fixed by names, shapes and dtypes alone."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offsets, offset = {}, 0
+    for entry in plan.entries:
+        header[entry.name] = {
+            "dtype": _DTYPES[entry.dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes],
+        }
+        offsets[entry.name] = offset
+        offset += entry.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    head = struct.pack("<Q", len(raw)) + raw
+    return head, {name: len(head) + at for name, at in offsets.items()}
+
+
 class SafetensorsWriter:
     """Writes one planned file: the header at once, then each tensor, in plan order, as it comes."""
 
@@ -161,19 +204,8 @@ class SafetensorsWriter:
         if sys.byteorder != "little":  # safetensors stores little-endian bytes; we write memory as is
             raise RuntimeError("Writing safetensors needs a little-endian machine.")
         self.path, self.plan, self._next, self._done = path, plan, 0, 0  # entry, elements of it written
-        header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
-        offset = 0
-        for entry in plan.entries:
-            header[entry.name] = {
-                "dtype": _DTYPES[entry.dtype],
-                "shape": list(entry.shape),
-                "data_offsets": [offset, offset + entry.nbytes],
-            }
-            offset += entry.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
         self._file = open(path, "wb")
-        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._file.write(header_bytes(plan, metadata)[0])
         self._skip_empty()
 
     def write(self, name: str, tensor: torch.Tensor) -> None:

@@ -2,25 +2,21 @@
 
 Collective: every process calls it. The plan (which tensors, under which names, in which file,
 written by which process) is made from every process's list of what it holds, so it is the same
-everywhere, and then the tensors go one at a time, file after file:
+everywhere. The file layout is transformers' own (its split by ``max_shard_size``, safetensors'
+order of tensors inside a file), so the files are byte for byte what its ``save_pretrained`` writes.
 
-* a shard that is one contiguous run of the full tensor (ZeRO-3's, a column-wise tensor-parallel
-  weight's) goes to the writer of its file as it is, and is written at its place: the writer
-  holds one shard at a time and nobody holds the whole tensor;
-* a replicated tensor (DDP, ZeRO-1) is one such piece held everywhere: the writer reads its own;
-* any other shard (a row-wise tensor-parallel weight) is gathered by the processes holding it
-  (``full_tensor``); the writer keeps the result, the others drop it at once;
-* under a pipeline each stage holds its own layers, and pieces travel to a writer of another
-  stage the same way (point to point, over a gloo group).
+* A file whose tensors are all held in contiguous runs of their row-major elements (ZeRO-3's dim-0
+  shards, column-wise tensor-parallel weights, a pipeline stage's tensors, replicated ones) is
+  written in place (``hf_save_direct``): its header, fixed by the plan, by its writer, and each
+  run by the process holding it, at its byte offset. Nothing travels between processes; each
+  writes about its own share of the model.
+* A file with a tensor that must be gathered whole (a row-wise tensor-parallel weight: ``full_tensor``,
+  a collective) goes through ``hf_save_transfer``: the pieces travel to the file's writer, which
+  streams the file tensor by tensor and fsyncs it in a thread.
 
-The plan is ``hf_save_plan``; moving and writing the pieces is ``hf_save_transfer``.
-Files go to writers in turn (the one holding most of a file's bytes among the least busy). Files
-with distinct writers whose tensors all travel in runs form a round: their pieces move at once
-and the writers write in parallel, each holding at most its one file in flight; a file with a
-tensor gathered whole is streamed tensor by tensor (``hf_layout``). Each writer fsyncs its files
-in a thread beside the next rounds. A writer that fails still receives every piece sent to
-it, so no process hangs; every process then raises, and nothing is published
-(``hf_layout.commit``).
+The plan is ``hf_save_plan``. A process that fails keeps taking part in every collective, so no
+process hangs; every process then raises, and nothing is published (``hf_layout.commit``), which
+happens only after every file was fsynced.
 """
 
 from __future__ import annotations
@@ -36,6 +32,7 @@ from torch import nn
 
 from .. import runtime
 from . import hf_layout
+from .hf_save_direct import in_runs, write_in_place
 from .hf_save_plan import make_plan as _plan
 from .hf_save_transfer import gather_and_write as _gather_and_write
 
@@ -108,7 +105,7 @@ def _save(model, directory, max_bytes, dtype, group, view=None) -> str:
     staging, problem = _broadcast((staging, problem), group)
     if problem is not None:
         raise RuntimeError(f"save_pretrained could not prepare {directory!r}: {problem}")
-    error = _gather_and_write(local, items, files, staging, rank, group)
+    error = _write_files(local, items, files, staging, rank, group)
     extra: list[str] = []
     if rank == 0 and error is None:
         try:
@@ -131,6 +128,24 @@ def _save(model, directory, max_bytes, dtype, group, view=None) -> str:
             error = exc
     _raise_if_any_failed(error, group, rank, None, "publishing")
     return directory
+
+
+def _write_files(local, items, files, staging, rank, group) -> BaseException | None:
+    """Files whose tensors are all held in runs: each process writes its runs in place
+    (``hf_save_direct``, no transfer); the rest: pieces moved to each file's writer."""
+    direct, moved, position = ([], []), ([], []), 0
+    for plan in files:
+        file_items = items[position : position + len(plan.entries)]
+        position += len(plan.entries)
+        side = direct if in_runs(file_items) else moved
+        side[0].extend(file_items)
+        side[1].append(plan)
+    error = None
+    if direct[1]:
+        error, _ = write_in_place(local, *direct, staging, rank)
+    if moved[1]:
+        error = _gather_and_write(local, *moved, staging, rank, group) or error
+    return error
 
 
 # --- what this process holds ------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from . import hf_layout
-from .hf_expert_names import expert_runs
+from .hf_expert_names import expert_runs, none_converted
 from .hf_layout import Entry, FilePlan
 
 
@@ -61,6 +61,8 @@ def make_plan(
             written.pop(name, None)
         written[keep] = min((n for n in group if n in info), key=lambda n: (n != keep, order[n]))
     items = []
+    if none_converted(module, {name: tuple(info[source]["shape"]) for name, source in written.items()}):
+        module = None  # no fused experts: no per-tensor probes
     for name, source in written.items():
         meta = info[source]
         out_dtype = dtype if dtype is not None and meta["dtype"].is_floating_point else meta["dtype"]
