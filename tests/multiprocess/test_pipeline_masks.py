@@ -11,9 +11,10 @@ seq 2 on 4 (Ulysses with left padding and packed sequences, ring with right padd
 
 Tolerance: 1e-6 absolute on the mean loss, the first step's gradients and the parameters after 3 AdamW
 steps at lr 1e-3 (``cp_cases.make_optimizer``). The data make the side inputs matter: one process's
-first-step gradients without them differ by more than 1e-3 (asserted below; measured 1.8e-2 to 2.4e-2). With the mask and positions handed to the first
-stage only (the later stage's attention then unmasked, the earlier ``_check_tensor_inputs`` refusal aside),
-the first-step gradients differ from one process by 2e-2 and more (measured when this file was added).
+first-step gradients without them differ by more than 1e-3 (asserted below; measured 1.8e-2 to 2.4e-2).
+With the mask and positions handed to the first stage only (the later stage's attention then unmasked, and
+packed rows' rotary positions counted from 0), every case of the pipe 2 launch fails: the mean loss alone
+is 1.8e-4 to 7.9e-4 off one process (measured when this file was added).
 """
 
 from __future__ import annotations
