@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
+from trainmesh.data.batch_slots import BatchSlots
 from trainmesh.data.guard import CorruptSampleError, FetchedBatch, GuardedCollate, GuardedDataset
 from trainmesh.data.prefetch import DeviceTransfer, Prefetcher
 from trainmesh.data.sampler import GlobalBatchSampler
@@ -111,11 +112,16 @@ class DataLoader:
             retry_delay=retry_delay,
             stop_at_first_failure=on_corrupt == "raise",
         )
+        # Workers stack batches into reused shared-memory slots (batch_slots.py), not a fresh shared
+        # block per batch (its allocation and page faults were 1-2 ms of a worker's ~11 ms per batch
+        # at the dataloader benchmark's setting). Torch keeps prefetch_factor (2) results per worker
+        # in flight, so 3 slots each; a user's collate_fn allocates its own output: torch's path.
+        self._slots = BatchSlots(num_workers, 3, self._transfer.pin_memory) if num_workers and not collate_fn else None
         self._torch_loader = torch.utils.data.DataLoader(
             guarded,
             batch_sampler=self._batch_sampler,
             num_workers=num_workers,
-            collate_fn=GuardedCollate(collate_fn, keep_samples=cache),
+            collate_fn=GuardedCollate(self._slots.collate if self._slots else collate_fn, keep_samples=cache),
             persistent_workers=bool(persistent_workers and num_workers > 0),
             pin_memory=False,  # pinned in our thread, only when it pays (CUDA)
             multiprocessing_context=multiprocessing_context,
@@ -241,6 +247,8 @@ class DataLoader:
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
         self._torch_loader._iterator = None
+        if self._slots is not None:
+            self._slots.close()
 
     def __enter__(self) -> "DataLoader":
         return self

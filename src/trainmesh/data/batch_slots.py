@@ -1,0 +1,175 @@
+"""Batches from workers through reused shared-memory slots, instead of a fresh shared block each.
+
+Torch's workers collate every batch into a newly allocated shared-memory block and send its file
+descriptor; the main process maps it, and both sides fault its pages in anew and unmap it later.
+Measured at the dataloader benchmark's setting (64 samples of 3x64x64 float32, 3 MiB a batch),
+that collation cost 4.5 ms of CPU in a probe where stacking into memory already touched cost
+0.3 ms; in the workers, CPU per batch fell from 10.0-11.8 ms to 8.8-9.5 ms (load 19-35, 2 cores).
+
+Here each worker keeps a few slots (a shared uint8 arena each, grown to the largest batch seen) and
+stacks the batch's tensors into one whose flag is free. What travels is the layout (offsets,
+shapes, dtypes), plus the arena itself the first time the main process sees it. Un-pickling in the
+main process copies the tensors out (straight into pinned memory when the loader pins) and frees
+the slot. The copy is what makes reuse safe: the training step may hold a batch for as long as it
+likes. Whatever does not fit, a custom collate function, or no free slot (a result dropped unread
+at shutdown) takes torch's own path, so this never waits and never blocks a worker.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils.data import get_worker_info
+from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate, default_collate_fn_map
+
+_ALIGN = 64
+_LIVE: dict[str, "BatchSlots"] = {}  # main process: the slots of each open loader, by token
+_WORKER: dict[tuple[str, int], "_WorkerArenas"] = {}  # worker process: its arenas, by (token, slot)
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """Where one collated tensor lies in its slot's arena."""
+
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class _WorkerArenas:
+    pid: int
+    generation: int = 0
+    arena: torch.Tensor | None = None  # uint8, in shared memory
+    sent: int = -1  # the generation the main process has been sent
+    wanted: int = 0  # bytes the last batch needed: the next arena's size when it did not fit
+
+
+def _map(fn: Callable[[Any], Any], obj: Any, leaf: type) -> Any:
+    if isinstance(obj, leaf):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_map(fn, o, leaf) for o in obj))
+    if type(obj) in (tuple, list):
+        return type(obj)(_map(fn, o, leaf) for o in obj)
+    if type(obj) is dict:
+        return {k: _map(fn, v, leaf) for k, v in obj.items()}
+    return obj
+
+
+class _Bump:
+    """Hands out consecutive aligned pieces of an arena to the collated tensors of one batch."""
+
+    def __init__(self, arena: torch.Tensor | None):
+        self.arena, self.offset, self.needed = arena, 0, 0
+        self.placed: dict[int, _Leaf] = {}  # id(tensor) -> where it lies
+
+    def stack(self, batch, *, collate_fn_map=None):
+        elem = batch[0]
+        if elem.layout != torch.strided or elem.device.type != "cpu" or any(t.shape != elem.shape for t in batch):
+            return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # torch's path (and its errors)
+        shape = (len(batch), *elem.shape)
+        nbytes = elem.numel() * len(batch) * elem.element_size()
+        start = -(-self.offset // _ALIGN) * _ALIGN
+        self.needed = start + nbytes
+        size = 0 if self.arena is None else self.arena.numel()
+        if start + nbytes > size:
+            self.offset = start + nbytes  # counted, so the next arena holds the whole batch
+            return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+        out = self.arena[start : start + nbytes].view(elem.dtype).view(shape)
+        torch.stack(batch, 0, out=out)
+        self.offset = start + nbytes
+        self.placed[id(out)] = _Leaf(start, shape, elem.dtype)
+        return out
+
+
+class SlotBatch:
+    """A batch collated into a worker's slot; un-pickled in the main process, it is the plain batch."""
+
+    def __init__(self, token: str, worker: int, slot: int, state: _WorkerArenas, layout: Any):
+        self.token, self.worker, self.slot, self.state, self.layout = token, worker, slot, state, layout
+
+    def __reduce__(self):
+        state = self.state
+        arena = state.arena if state.sent != state.generation else None  # once per arena, by fd
+        state.sent = state.generation
+        args = (self.token, self.worker, self.slot, state.pid, state.generation, arena, self.layout)
+        return _rebuild, args
+
+
+def _rebuild(token, worker, slot, pid, generation, arena, layout):
+    slots = _LIVE.get(token)
+    if slots is None:
+        raise RuntimeError("a worker's batch arrived for a DataLoader that is closed")
+    if arena is not None:
+        slots.arenas[worker, slot] = (pid, generation, arena)
+    have_pid, have_generation, arena = slots.arenas[worker, slot]
+    if (have_pid, have_generation) != (pid, generation):
+        raise RuntimeError(f"worker {worker}'s slot {slot}: arena {pid}/{generation} was never received")
+
+    def copy_out(leaf: _Leaf) -> torch.Tensor:
+        nbytes = leaf.dtype.itemsize * int(torch.Size(leaf.shape).numel())
+        view = arena[leaf.offset : leaf.offset + nbytes].view(leaf.dtype).view(leaf.shape)
+        return torch.empty(leaf.shape, dtype=leaf.dtype, pin_memory=slots.pin).copy_(view)
+
+    batch = _map(copy_out, layout, _Leaf)
+    slots.flags[worker, slot] = 0  # copied: the worker may fill it again
+    return batch
+
+
+class BatchSlots:
+    """Made in the main process before the workers start; ``collate`` runs in the workers.
+
+    ``slots`` per worker: torch keeps up to ``prefetch_factor`` results of a worker in flight,
+    and a slot is freed as soon as the main process un-pickles its batch, so that many plus
+    one never runs short in steady state.
+    """
+
+    def __init__(self, num_workers: int, slots: int, pin: bool):
+        self.token = uuid.uuid4().hex
+        self.flags = torch.zeros(max(1, num_workers), slots, dtype=torch.uint8).share_memory_()  # 1: in use
+        self.pin = pin
+        self.arenas: dict[tuple[int, int], tuple[int, int, torch.Tensor]] = {}  # main process only
+        _LIVE[self.token] = self
+
+    def __getstate__(self) -> dict[str, Any]:  # to spawned workers: not the main process's arenas
+        return {"token": self.token, "flags": self.flags, "pin": self.pin, "arenas": {}}
+
+    def close(self) -> None:
+        _LIVE.pop(self.token, None)
+        self.arenas.clear()
+
+    def collate(self, samples: list) -> Any:
+        info = get_worker_info()
+        if info is None:
+            return default_collate(samples)  # main process: private memory, nothing to send
+        worker = info.id
+        free = (self.flags[worker] == 0).nonzero()
+        if not len(free):
+            return default_collate(samples)
+        slot = int(free[0])
+        key = (self.token, slot)
+        state = _WORKER.get(key)
+        if state is None or state.pid != os.getpid():  # a new worker process: new arenas
+            state = _WORKER[key] = _WorkerArenas(pid=os.getpid())
+        if state.wanted > (0 if state.arena is None else state.arena.numel()):
+            size = -(-state.wanted * 5 // 4 // 4096) * 4096  # headroom for batches a little larger
+            state.arena = torch.empty(size, dtype=torch.uint8).share_memory_()
+            state.generation += 1
+        self.flags[worker, slot] = 1
+        bump = _Bump(state.arena)
+        batch = collate(samples, collate_fn_map={**default_collate_fn_map, torch.Tensor: bump.stack})
+        state.wanted = max(state.wanted, bump.offset)
+        if not bump.placed:
+            self.flags[worker, slot] = 0
+            return batch
+        placed = dict(bump.placed)
+        layout = _map(lambda t: placed.pop(id(t), t), batch, torch.Tensor)
+        if placed:  # a tensor inside a container we do not rebuild: torch's own path, slot unused
+            self.flags[worker, slot] = 0
+            return default_collate(samples)
+        return SlotBatch(self.token, worker, slot, state, layout)

@@ -1,0 +1,109 @@
+"""Workers' batches through reused shared-memory slots: the values of every batch held to the end,
+arenas that grow with the batch, nested structures, and the fallbacks that keep torch's path."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import pytest
+import torch
+
+from trainmesh.data import DataLoader, GlobalBatchSampler
+
+pytestmark = pytest.mark.timeout(120)
+
+Pair = namedtuple("Pair", "image label")
+
+
+class Varied(torch.utils.data.Dataset):
+    """Sample i: a dict with a namedtuple; its image's length grows every 8 samples (one batch)."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        image = torch.full((4 + 3 * (i // 8),), float(i))
+        return {"x": Pair(image, i), "half": torch.tensor([i, -i], dtype=torch.float16), "name": f"s{i}"}
+
+
+def sampler(n=64, gbs=8):
+    return GlobalBatchSampler(n, global_batch_size=gbs, data_parallel_size=1, data_index=0, shuffle=False)
+
+
+def expected(data, indices):
+    return torch.utils.data.default_collate([data[i] for i in indices])
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_batches_kept_to_the_end_keep_their_values_across_slot_reuse():
+    # 8 batches through 2 workers x 3 slots: every slot is refilled while earlier batches are still
+    # held here, so a batch that aliased its slot would read a later batch's numbers.
+    data = Varied()
+    with DataLoader(data, sampler(), num_workers=2) as loader:
+        got = list(loader)
+        assert loader._slots.arenas, "no batch came through a slot"
+        used = {key for key in loader._slots.arenas}
+    for j, batch in enumerate(got):
+        assert same(batch, expected(data, range(8 * j, 8 * j + 8))), f"batch {j}"
+    assert {w for w, _ in used} == {0, 1}
+    assert got[-1]["x"].image.shape == (8, 4 + 3 * 7)  # larger than any earlier arena held: grown
+
+
+def test_second_epoch_and_resume_through_slots():
+    data = Varied()
+    with DataLoader(data, sampler(), num_workers=2) as loader:
+        first = list(loader)
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        state = loader.state_dict()
+        del it
+        loader.load_state_dict(state)
+        rest = list(loader)
+    assert len(first) == 8 and len(rest) == 5
+    for j, batch in enumerate(rest, start=3):
+        assert same(batch, expected(data, range(8 * j, 8 * j + 8))), f"batch {j}"
+
+
+def test_slots_are_freed_as_the_main_process_receives_batches():
+    data = Varied()
+    with DataLoader(data, sampler(), num_workers=2) as loader:
+        list(loader)
+        assert int(loader._slots.flags.sum()) == 0
+        token = loader._slots.token
+    from trainmesh.data import batch_slots
+
+    assert token not in batch_slots._LIVE  # closed: the main process's arena mappings are dropped
+
+
+def test_user_collate_and_no_workers_keep_their_own_path():
+    data = Varied()
+    with DataLoader(data, sampler(), num_workers=0) as loader:
+        assert loader._slots is None
+        assert same(next(iter(loader)), expected(data, range(8)))
+    collate = torch.utils.data.default_collate
+    with DataLoader(data, sampler(), num_workers=1, collate_fn=collate) as loader:
+        assert loader._slots is None
+        assert same(next(iter(loader)), expected(data, range(8)))
+
+
+def test_ragged_samples_raise_torchs_error_from_the_worker():
+    class Ragged(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return torch.zeros(i + 1)
+
+    with DataLoader(Ragged(), sampler(8, 4), num_workers=1) as loader:
+        with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+            next(iter(loader))
