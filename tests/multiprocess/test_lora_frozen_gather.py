@@ -10,6 +10,9 @@ One launch of 2 gloo processes trains the tiny peft LoRA Llama of ``lora_cases``
   flat all-reduce a step, and the frozen base is gathered once, the adapters never; off, everything twice. Equal within 1% (FSDP2 pads each parameter to the world size);
 * parity: every tensor after 3 AdamW steps equals a plain one-process peft loop (fp32, 1e-5), all three
   ways, and the frozen base is unchanged;
+* the frozen input embedding is its own unit, gathered for its forward only: the gathered bytes alive when
+  the loss is computed (between forward and backward) are the kept groups and the root without it, and
+  its all-gather happens once a step (none in backward), all three ways;
 * the choice is reported in ``_trainmesh_memory``; a wrong value is refused before any collective.
 """
 
@@ -29,12 +32,27 @@ pytest.importorskip("peft")
 
 
 def _sizes(model: torch.nn.Module) -> dict:
-    """fp32 bytes of the blocks' frozen parameters, the blocks' adapters, and the rest (the root's)."""
+    """fp32 bytes of the blocks' frozen parameters, the blocks' adapters, and the rest (the root's), and of
+    the input embedding (a part of the root's)."""
     out = {"frozen_blocks": 0, "adapters": 0, "root": 0}
     for name, p in model.named_parameters():
         key = "root" if ".layers." not in name else ("adapters" if p.requires_grad else "frozen_blocks")
         out[key] += p.numel() * 4
+    out["embedding"] = model.get_input_embeddings().weight.numel() * 4
     return out
+
+
+def _gathered_bytes(model: torch.nn.Module) -> int:
+    """Bytes of FSDP2 all-gather outputs alive now (a resharded unit's are freed to size 0)."""
+    from trainmesh._torch.zero import fsdp_units
+
+    return sum(
+        t.untyped_storage().nbytes()
+        for _, unit in fsdp_units(model)
+        for group in unit._get_fsdp_state()._fsdp_param_groups
+        for fsdp_param in group.fsdp_params
+        for t in getattr(fsdp_param, "all_gather_outputs", None) or []
+    )
 
 
 def _run(keep_values) -> dict:
@@ -54,10 +72,16 @@ def _run(keep_values) -> dict:
                 p.requires_grad_(p.requires_grad and "lora_A" not in name)
         sizes = _sizes(model)
         sizes["count"] = sum(p.requires_grad for p in model.parameters())
+        at_loss: list[int] = []  # gathered bytes between forward and backward, each step
+
+        def loss_fn(outputs, targets):
+            at_loss.append(_gathered_bytes(trainer.model))
+            return lm_loss(outputs, targets)
+
         trainer = tm.Trainer(
             model,
             make_optimizer,
-            lm_loss,
+            loss_fn,
             distribution=tm.DataParallel(zero_stage=3, keep_frozen_gathered=keep == "whole" or keep),
             progress=False,
         )
@@ -70,6 +94,7 @@ def _run(keep_values) -> dict:
         out[keep] = {
             "sizes": sizes,
             "gathered_per_step": gathered,
+            "gathered_at_loss": at_loss,
             "broadcasts": sum(kind == "broadcast" for kind, _ in calls),
             # gradient collectives: reduce-scatters, and all-reduces above the Trainer's few-byte loss and flags
             "grad_calls": [
@@ -116,6 +141,22 @@ def test_frozen_base_gathered_once_per_step_when_kept(results):
         assert sum(kind == "reduce_scatter" for kind, _ in on["grad_calls"]) == 2 * STEPS  # one per block
         assert on["memory"]["keep_frozen_gathered"].startswith("on (3 units")
         assert off["memory"]["keep_frozen_gathered"].startswith("off (keep_frozen_gathered=False")
+
+
+def test_frozen_embedding_released_after_forward(results):
+    """Between forward and backward (at the loss) the gathered bytes are the kept groups and the root without
+    the input embedding: it was freed after its forward (left in the root, it stayed gathered to the end of
+    backward). And it is never gathered in backward: the all-gather bytes a step above count it once."""
+    got, _ = results
+    for rank_result in got:
+        for keep, run in rank_result.items():
+            sizes = run["sizes"]
+            root_rest = sizes["root"] - sizes["embedding"]  # the final norm and the head
+            kept_blocks = 0 if keep is False else sizes["frozen_blocks"]
+            assert len(run["gathered_at_loss"]) >= STEPS  # the Trainer's first call may be a probe outside a step
+            for nbytes in run["gathered_at_loss"][-STEPS:]:
+                assert nbytes == pytest.approx(root_rest + kept_blocks, rel=0.01), (keep, nbytes, sizes)
+            assert run["memory"]["released_after_forward"].endswith("embed_tokens"), run["memory"]
 
 
 def test_parity_with_one_process_either_way(results):

@@ -22,6 +22,16 @@ optimizer steps plain tensors. (Measured on ``benchmarks/finetune.py --quick``, 
 20% of their base, so each block was mixed: three all-gathers and a reduce-scatter per block a step, more
 blocking collectives than regathering whole blocks, which is why the kept mode stepped slower there.)
 
+A frozen module whose backward reads nothing is not kept at all (``released_after_forward``): a frozen
+input embedding (``nn.Embedding``, its input token ids) computes no gradient, so autograd never calls back
+into it. It becomes its own FSDP2 unit, resharded after its forward and never gathered in backward
+(``set_unshard_in_backward(False)``, which also keeps FSDP2's implicit backward prefetch from the unit
+after it off it). Left in the root (where it sat before), it stayed gathered from the first forward op to
+the end of backward: at the peak (the loss's backward) with every kept block, and at a LoRA model's usual
+size the largest single tensor (``benchmarks/finetune.py --size medium``: the embedding and the head are 57%
+of the parameters). The other frozen units are kept: the head's backward needs its weight for the input
+gradient, the blocks' frozen linears theirs, and the norms are tiny.
+
 The choice is made from shapes and options only, so every process makes the same one (the units, and
 so the collectives, must match): ``True`` and ``False`` are the user's; ``"auto"`` keeps them gathered
 when the held bytes are at most ``KEEP_FROZEN_AUTO_BYTES``. The planner reads the resulting units
@@ -86,6 +96,24 @@ def frozen_groups(units: list, excluded: set[int]) -> dict[int, list[nn.Module]]
         if members:
             groups[id(unit)] = members
     return groups
+
+
+def released_after_forward(model: nn.Module, units: list, excluded: set[int]) -> list[nn.Module]:
+    """The wholly frozen ``nn.Embedding`` modules outside every shard unit (they sit in the root) and holding
+    no parameter in ``excluded`` (a tied weight, which the head's backward reads; one FSDP2 ignores). Its
+    output needs no gradient (integer input, frozen weight), so its backward reads nothing: gathered for its
+    forward only. Pre-order, the forward's order for transformers models."""
+    inside = {
+        id(sub) for unit in units for top in (unit if isinstance(unit, list) else [unit]) for sub in top.modules()
+    }
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.Embedding)
+        and id(m) not in inside
+        and _is_frozen(m)
+        and not any(id(p) in excluded for p in m.parameters())
+    ]
 
 
 def held_bytes(groups: dict[int, list[nn.Module]], gather_dtype) -> int:

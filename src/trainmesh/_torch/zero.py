@@ -51,7 +51,7 @@ from trainmesh import runtime
 from trainmesh.runtime import memory_trim
 from trainmesh.comm.allreduce_scatter import carries_reduce_scatter_by_all_reduce, install_all_reduce_scatter
 
-from .frozen_units import decide, frozen_groups, replicated_trainables
+from .frozen_units import decide, frozen_groups, released_after_forward, replicated_trainables
 from .materialize import has_meta_tensors
 from .replicated_grads import FlatGradAllReduce
 from .shard_units import (
@@ -165,9 +165,14 @@ def apply_fsdp(
     kept: dict[int, list[nn.Module]] = {}
     keep_state = "n/a (stages 1-2 keep every unit gathered)"
     replicated: list[str] = []
+    released: list[nn.Module] = []
     if zero_stage == 3:
         excluded = _excluded_from_groups(model, experts if replica_mesh is None else set())
-        candidates = frozen_groups([*units, model], excluded)  # the root's too: FSDP2 regathers it in backward
+        # a frozen input embedding: its own unit, gathered for its forward only (``frozen_units.py``)
+        released = released_after_forward(model, units, excluded)
+        candidates = frozen_groups([*units, *released, model], excluded)  # the root's too: FSDP2 regathers it
+        for module in released:  # in backward; the released ones are not kept (nothing reads them there)
+            candidates.pop(id(module), None)
         keep, keep_state = decide(keep_frozen_gathered, candidates, options["mp_policy"].param_dtype)
         kept = candidates if keep else {}
         replicated = _replicated(model, kept, excluded, group)
@@ -182,6 +187,9 @@ def apply_fsdp(
             fully_shard(members, **{**options, "reshard_after_forward": False})
         reshard = options["reshard_after_forward"] and members != [unit]  # a wholly frozen unit: kept itself
         fully_shard(unit, **{**options, "reshard_after_forward": reshard})
+    for module in released:  # resharded after forward (stage 3), and its backward reads nothing
+        fully_shard(module, **options)
+        module.set_unshard_in_backward(False)
     root_members = kept.get(id(model))
     if root_members is not None and root_members != [model]:
         fully_shard(root_members, **{**options, "reshard_after_forward": False})
@@ -208,16 +216,22 @@ def apply_fsdp(
             if zero_stage == 3:
                 following.set_modules_to_backward_prefetch([current])
         _prefetch_kept(model, units, kept)
+    if released:  # the root starts their gathers (and the first unit's) at once, not one after another
+        own = [s._modules[0] for s in model._get_fsdp_state()._states_to_forward_prefetch]
+        first = [first_of(units[0])] if ordered and units else []
+        model.set_modules_to_forward_prefetch(list({id(m): m for m in [*released, *first, *own]}.values()))
     if replicated:
         model._trainmesh_replicated_grads = FlatGradAllReduce(model, replicated, group)
     model._trainmesh_memory = {
         "zero_stage": zero_stage,
-        "shard_units": len(units) + 1,
+        "shard_units": len(units) + len(released) + 1,
         "cpu_offload": offload_state,
         "keep_frozen_gathered": keep_state,
     }
     if zero_stage == 3:
         model._trainmesh_memory["replicated_trainables"] = _replicated_state(model, replicated)
+        names = [n for n, m in model.named_modules() if any(m is r for r in released)]
+        model._trainmesh_memory["released_after_forward"] = ", ".join(names) or "none"
     return model
 
 
