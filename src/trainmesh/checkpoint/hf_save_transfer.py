@@ -1,9 +1,8 @@
-"""``save_pretrained``'s transfers: every planned piece moved to its file's writer and written there.
-
-Files with distinct writers whose tensors all travel in runs form a round: their pieces move at once
-(point to point over a gloo group) and the writers write side by side, each with at most one file in
-flight; a file with a tensor gathered whole is streamed tensor by tensor. Each writer fsyncs its closed
-files in a thread beside the next rounds. A writer that fails keeps receiving, so no process hangs.
+"""``save_pretrained``'s files with a tensor that must be gathered whole (a row-wise tensor-parallel
+weight): each file goes to one writer, which streams it tensor by tensor; a tensor held in runs
+travels to it point to point over a gloo group, a gathered one by ``full_tensor`` (a collective on
+its mesh). Each writer fsyncs its closed files in a thread beside the next ones. A writer that fails
+keeps receiving, so no process hangs. (Files held wholly in runs: ``hf_save_direct``.)
 """
 
 from __future__ import annotations
@@ -83,33 +82,24 @@ def _write_tensor(writer: hf_layout.SafetensorsWriter, entry: Entry, tensor: tor
 def gather_and_write(
     local, items: list[Item], files: list[FilePlan], staging: str, rank: int, group
 ) -> BaseException | None:
-    """Every process walks the same list of rounds; each takes part where it holds or writes a tensor.
-
-    A round is a run of files with distinct writers whose tensors all travel in runs: their
-    pieces move at once (each writer receives its own file while sending its pieces of the
-    others'), so the writers write in parallel and each holds at most one file in flight. A file
-    with a tensor that must be gathered whole (a collective) is a round of its own, streamed
-    tensor by tensor."""
+    """Files with a tensor that must be gathered whole (the others are written in place by
+    ``hf_save_direct``): every process walks the same files, each streamed by its writer tensor by
+    tensor, a collective per gathered tensor, and fsynced in a thread beside the next files."""
     error: BaseException | None = None
     syncer = _Syncer()
     try:  # a failed collective still waits for the fsyncs already handed to the thread
         start = 0
-        for round_files in _rounds(files, items):
-            count = sum(len(plan.entries) for plan in round_files)
-            round_items = items[start : start + count]
-            start += count
+        for plan in files:
+            file_items = items[start : start + len(plan.entries)]
+            start += len(plan.entries)
             sink = None
-            mine = next((plan for plan in round_files if plan.writer == rank), None)
-            if mine is not None:
+            if plan.writer == rank:
                 try:
-                    sink = _Sink(os.path.join(staging, mine.filename), mine)
+                    sink = _Sink(os.path.join(staging, plan.filename), plan)
                 except Exception as exc:
                     error = exc
-            if len(round_files) == 1 and any(item.pieces is None for item in round_items):
-                for item in round_items:
-                    _move(local, item, rank, group, sink)
-            else:
-                _exchange(local, round_items, rank, group, sink)
+            for item in file_items:
+                _move(local, item, rank, group, sink)
             if sink is not None:
                 closed = sink.close()
                 error = closed or error
@@ -118,48 +108,6 @@ def gather_and_write(
     finally:
         synced = syncer.finish()  # always waited for: nothing is published before the bytes are durable
     return error or synced
-
-
-def _rounds(files: list[FilePlan], items: list[Item]) -> list[list[FilePlan]]:
-    """Consecutive files grouped while their writers differ and every tensor travels in runs."""
-    rounds: list[tuple[list[FilePlan], bool]] = []
-    position = 0
-    for plan in files:
-        in_runs = all(item.pieces is not None for item in items[position : position + len(plan.entries)])
-        position += len(plan.entries)
-        if in_runs and rounds and rounds[-1][1] and all(other.writer != plan.writer for other in rounds[-1][0]):
-            rounds[-1][0].append(plan)
-        else:
-            rounds.append(([plan], in_runs))
-    return [plans for plans, _ in rounds]
-
-
-def _exchange(local, round_items: list[Item], rank: int, group, sink: _Sink | None) -> None:
-    """Every piece of a round at once: isend what this process holds for other writers, irecv what its
-    own file needs (posted in the same order on both ends, so gloo pairs them), then write its file
-    in order as the pieces arrive."""
-    from .._torch.shard_ranges import local_part
-
-    sends, incoming = [], []
-    for item in round_items:
-        for sender, start, count in item.pieces:
-            if rank == sender and rank != item.writer:
-                part = _piece(local_part(local[item.source]), item, rank, start, count).contiguous()
-                sends.append((dist.isend(part, dst=item.writer, group=group), part))
-            elif rank == item.writer:
-                if rank == sender:
-                    incoming.append(
-                        (item.entry, None, _piece(local_part(local[item.source]), item, rank, start, count))
-                    )
-                else:
-                    buffer = torch.empty(count, dtype=item.source_dtype)
-                    incoming.append((item.entry, dist.irecv(buffer, src=sender, group=group), buffer))
-    for entry, request, tensor in incoming:
-        if request is not None:
-            request.wait()
-        _put(sink, entry, tensor)
-    for request, _ in sends:
-        request.wait()
 
 
 def _piece(flat: torch.Tensor, item: Item, rank: int, start: int, count: int) -> torch.Tensor:
