@@ -6,8 +6,9 @@ the same global batches (the global token mean, plus 0.1 x the auxiliary loss wh
 With padding the Trainer weights each process's loss by its share of the real tokens; the auxiliary loss
 (``trainmesh.moe.load_balancing_loss``, over the real tokens: its mask is ``targets != -100``) must keep
 the weight 1, its gradient being one process's share already (``_torch/moe_balance.py``). Weighted with
-the rest, the three cases with it failed: the losses of steps 2-3 were 1.7e-5 (right padding, ring),
-9.8e-6 (left padding, Ulysses) and 2.0e-5 (ZeRO-3) from one process. Cases: the auxiliary loss with right
+the rest, the three cases with it failed: first-step gradients 6.8e-5 (right padding, ring), 6.1e-5 (left
+padding, Ulysses) and 2.1e-5 (ZeRO-3, clipped) from one process, parameters after 3 steps 1.8e-3, 1.9e-3
+and 1.3e-3, losses of steps 2-3 up to 1.7e-5, 9.8e-6 and 2.0e-5. Cases: the auxiliary loss with right
 padding (ring) and left padding (Ulysses); ZeRO-3 with right padding, the auxiliary loss and clipping to a
 global norm of 0.5 (the first step's is 1.6); experts over "seq" itself with left padding and clipping.
 Checked: losses, first-step gradients (as the optimizer sees them, clipped) and parameters after 3 steps
@@ -25,7 +26,16 @@ import torch
 
 from trainmesh.testing import run_distributed
 
-from moe_cases import DictInputs, aux_lm_loss, fit_recording, lm_loss, moe_model, padded_batches, padded_reference
+from moe_cases import (
+    NUM_EXPERTS,
+    DictInputs,
+    aux_lm_loss,
+    fit_recording,
+    lm_loss,
+    moe_model,
+    padded_batches,
+    padded_reference,
+)
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 pytest.importorskip("transformers")
@@ -116,13 +126,15 @@ def _eight() -> dict:
     trainer, params, grads, logs = fit_recording(
         model, distribution, loss_fn=aux_lm_loss(distribution, masked=True), batches=padded_batches(False)
     )
-    q_proj = [p for n, p in trainer.model.named_parameters() if n.endswith("q_proj.weight")][0]
-    local = q_proj.to_local() if hasattr(q_proj, "to_local") else q_proj
+    named = dict(trainer.model.named_parameters())
+    q_proj = next(p for n, p in named.items() if n.endswith("q_proj.weight"))
+    experts = next(p for n, p in named.items() if ".experts." in n)
     return {
         "losses": [float(r["loss"]) for r in logs],
         "grads": grads,
         "params": params,
-        "q_rows": (local.shape[0], q_proj.shape[0]),
+        "q_rows": (q_proj.to_local().shape[0], q_proj.shape[0]),
+        "local_experts": experts.to_local().shape[0],
     }
 
 
@@ -131,6 +143,7 @@ def test_experts_beside_a_sequence_and_a_model_axis_match_one_process():
     want = padded_reference(False, aux=True, masked=True)
     for rank, got in enumerate(results):
         assert got["q_rows"][0] * 2 == got["q_rows"][1], got["q_rows"]  # attention is tensor-parallel
+        assert got["local_experts"] == NUM_EXPERTS // 2, got["local_experts"]  # 2 of the 4 experts: EP 2 over data
         grads = _max_diff(got["grads"], want["grads"])
         params = _max_diff(got["params"], want["params"])
         print(f"data 2 x seq 2 x model 2 rank {rank}: first-step grads {grads:.3g}, params after 3 steps {params:.3g}")

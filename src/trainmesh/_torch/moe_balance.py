@@ -83,7 +83,10 @@ def load_balancing_loss(
     ``2 * num_experts + 1`` numbers) before the product, so the value equals one
     process on the whole batch; transformers computes it per process. The gradient reaches the router
     through this process's own tokens, scaled by the number of those processes, so that the gradient
-    averaging over them gives one process's gradient.
+    averaging over them gives one process's gradient. Called inside the Trainer's forward or loss
+    function, its part of the loss keeps the weight 1 beside a sequence axis's token weighting (module
+    docstring); with padding, pass the mask of the real tokens (e.g. ``targets != -100``, this process's
+    chunk), as ring attention is exact for real tokens only.
 
     ``router_logits``: the model output's ``router_logits`` (``output_router_logits=True``), a tuple of
     ``(tokens, num_experts)`` tensors. ``distribution``: default the current one (``tm.distribution()``);
