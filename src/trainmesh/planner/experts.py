@@ -46,6 +46,13 @@ unit gathered at once (``dry_run._unsharded_buffers``): the experts' share of th
 (nothing when FSDP2 leaves them out, ``1/EP`` of them gathered over the replicas otherwise).
 ``ModelParallel`` (which EP needs) refuses ZeRO-1 alone, so the plan does too.
 
+With a model axis (EP x TP): ``LayoutMap.auto(..., expert_axis=<batch axis>)`` gives the experts an EP
+entry in place of any TP one, so each process holds ``num_experts / EP`` whole experts, replicated over the
+model axis, whose processes route the same tokens; the dry run's model-axis layout (``LayoutMap.auto`` with
+the model axis) has no TP entry for them either, so its expert bytes are the batch axis's alone, as above.
+Each model-axis process dispatches its copy of the tokens within its EP group of the batch axis: the same
+all-to-alls per process as without a model axis.
+
 Found by the same structure ``LayoutMap.auto`` uses (``distribution.expert_layout.find_experts``).
 """
 
@@ -132,13 +139,6 @@ def expert_bytes(
 def check_plan(meta_model: nn.Module, spec: MeshSpec, expert_parallel_size: int, zero_stage: int) -> None:
     """ValueError, before any dry run, for an EP plan this module cannot count: naming what is wrong."""
     axis = spec.batch_axis
-    model_axis = spec.model_axis
-    if model_axis and spec.size(model_axis) > 1:  # EP x TP is trained, not yet planned
-        raise ValueError(
-            f"expert_parallel_size is planned over the batch axis {axis!r} of a mesh without a model axis "
-            f"(a pipe axis may be there); this mesh has {model_axis}={spec.size(model_axis)}. "
-            f"Received: mesh={spec.text()!r}"
-        )
     if zero_stage == 1:  # as training: _torch.parallelize refuses ModelParallel(zero_stage=1)
         raise ValueError(
             "expert_parallel_size trains under ModelParallel, which shards optimizer state with the parameters "
