@@ -9,8 +9,9 @@ and ``fit(resume=True)``. One uninterrupted run is the reference. Every other ru
 chosen with ``--seed`` (kind, step, rank), in the first attempt:
 
 * ``sigkill``: SIGKILL of a random rank after a random step;
-* ``sigstop``: SIGSTOP of a random rank after a random step, SIGCONT 2 collective timeouts
-  later (a long pause, not a death). Its peers block in the next collective until the collective
+* ``sigstop``: SIGSTOP of a random rank after a random step, SIGCONT once a peer has reported the
+  hang (its ``CollectiveTimeoutError`` in the job's stderr), 2 collective timeouts after the stop at
+  the latest (a long pause, not a death). Its peers block in the next collective until the collective
   timeout, when the hang detector (``comm/diagnosis.py``) names it; they exit, the agent stops the
   group and restarts it. (A rank left stopped would hold the agent in its 30 s grace period
   before SIGKILL: a stopped process does not act on SIGTERM.)
@@ -256,8 +257,8 @@ def plan_runs(
 
 
 def _launch(out: str, ckpt: str, plan: dict, timeout_s: float, nproc: int) -> dict:
-    """One `trainmesh run -n nproc` job (with restarts) until it exits; a stopped rank gets SIGCONT
-    2 collective timeouts after it stopped."""
+    """One `trainmesh run -n nproc` job (with restarts) until it exits; a stopped rank gets SIGCONT once a
+    peer's CollectiveTimeoutError is in the job's stderr, or 2 collective timeouts after it stopped."""
     hang_timeout = HANG_TIMEOUT_S if plan["kind"] == "sigstop" else TIMEOUT_S
     cmd = [
         sys.executable,
@@ -290,7 +291,7 @@ def _launch(out: str, ckpt: str, plan: dict, timeout_s: float, nproc: int) -> di
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC"))}
     env.update(TRAINMESH_TIMEOUT_S=str(hang_timeout), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     started = time.monotonic()
-    stopped_at, continued = None, False
+    stopped_at, continued, continued_after = None, False, None
     with open(os.path.join(out, "stdout.txt"), "w") as so, open(os.path.join(out, "stderr.txt"), "w") as se:
         proc = subprocess.Popen(cmd, env=env, stdout=so, stderr=se, start_new_session=True)
         try:
@@ -299,8 +300,16 @@ def _launch(out: str, ckpt: str, plan: dict, timeout_s: float, nproc: int) -> di
                 pid_file = os.path.join(out, "stopped.pid")
                 if stopped_at is None and os.path.exists(pid_file):
                     stopped_at = time.monotonic()
-                if stopped_at is not None and not continued and time.monotonic() - stopped_at > 2 * hang_timeout:
+                # Continued as soon as the hang is reported: waiting on to 2 timeouts held the agent that long in
+                # its SIGTERM grace period for the stopped rank (~10 s a sigstop run), and proved nothing more.
+                if (
+                    stopped_at is not None
+                    and not continued
+                    and (time.monotonic() - stopped_at > 2 * hang_timeout or _hang_reported(out))
+                ):
                     continued = _continue(pid_file)
+                    if continued:  # seconds the rank stayed stopped (as seen by this loop)
+                        continued_after = round(time.monotonic() - stopped_at, 1)
                 if time.monotonic() - started > timeout_s:
                     raise subprocess.TimeoutExpired(cmd, timeout_s)
             timed_out = False
@@ -322,6 +331,7 @@ def _launch(out: str, ckpt: str, plan: dict, timeout_s: float, nproc: int) -> di
         "timed_out": timed_out,
         "seconds": round(time.monotonic() - started, 1),
         "sigcont_sent": continued,
+        "sigcont_after_s": continued_after,
         "stdout": stdout,
         "stderr": stderr,
     }
@@ -364,6 +374,15 @@ def _kill(pid: int, only_if: str | None = None) -> None:
         os.kill(pid, signal.SIGKILL)
     except (OSError, ValueError):
         pass
+
+
+def _hang_reported(out: str) -> bool:
+    """A peer of the stopped rank has raised its CollectiveTimeoutError (printed to the job's stderr)."""
+    try:
+        with open(os.path.join(out, "stderr.txt")) as fh:
+            return "CollectiveTimeoutError" in fh.read()
+    except OSError:
+        return False
 
 
 def _continue(pid_file: str) -> bool:
@@ -464,6 +483,7 @@ def analyse(plan: dict, launch: dict, logs: dict, reference: dict | None, out: s
         "max_abs_diff": max_abs_diff,
         "hang_named": hang_named,
         "sigcont_sent": launch["sigcont_sent"],
+        "sigcont_after_s": launch["sigcont_after_s"],
         "commit_lag_steps": logs["commit_lag"],
         "skipped_warnings": len(re.findall(r"Skipping checkpoint", launch["stderr"])),
         "no_valid_checkpoint_error": "NoValidCheckpointError" in launch["stderr"],
