@@ -51,10 +51,10 @@ def test_batches_kept_to_the_end_keep_their_values_across_slot_reuse():
     with DataLoader(data, sampler(), num_workers=2) as loader:
         got = list(loader)
         assert loader._slots.arenas, "no batch came through a slot"
-        used = {key for key in loader._slots.arenas}
+        workers = {worker for worker, *_ in loader._slots.arenas.values()}
     for j, batch in enumerate(got):
         assert same(batch, expected(data, range(8 * j, 8 * j + 8))), f"batch {j}"
-    assert {w for w, _ in used} == {0, 1}
+    assert workers == {0, 1}
     assert got[-1]["x"].image.shape == (8, 4 + 3 * 7)  # larger than any earlier arena held: grown
 
 
@@ -74,11 +74,23 @@ def test_second_epoch_and_resume_through_slots():
         assert same(batch, expected(data, range(8 * j, 8 * j + 8))), f"batch {j}"
 
 
+def test_workers_started_anew_each_pass_bring_their_own_slots():
+    # Non-persistent workers: new processes each pass; the main process drops the previous ones' arenas.
+    data = Varied()
+    with DataLoader(data, sampler(), num_workers=2, persistent_workers=False) as loader:
+        passes = [list(loader) for _ in range(2)]
+        pids = {pid for pid, _ in loader._slots.arenas}
+    assert len(pids) == 2  # this pass's two workers only
+    for got in passes:
+        for j, batch in enumerate(got):
+            assert same(batch, expected(data, range(8 * j, 8 * j + 8))), f"batch {j}"
+
+
 def test_slots_are_freed_as_the_main_process_receives_batches():
     data = Varied()
     with DataLoader(data, sampler(), num_workers=2) as loader:
         list(loader)
-        assert int(loader._slots.flags.sum()) == 0
+        assert loader._slots.busy() == 0
         token = loader._slots.token
     from trainmesh.data import batch_slots
 

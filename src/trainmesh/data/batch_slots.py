@@ -28,7 +28,7 @@ from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_
 
 _ALIGN = 64
 _LIVE: dict[str, "BatchSlots"] = {}  # main process: the slots of each open loader, by token
-_WORKER: dict[tuple[str, int], "_WorkerArenas"] = {}  # worker process: its arenas, by (token, slot)
+_WORKER: dict[str, "_WorkerSlots"] = {}  # worker process: its slots, by loader token
 
 
 @dataclass(frozen=True)
@@ -42,11 +42,21 @@ class _Leaf:
 
 @dataclass
 class _WorkerArenas:
-    pid: int
     generation: int = 0
     arena: torch.Tensor | None = None  # uint8, in shared memory
     sent: int = -1  # the generation the main process has been sent
     wanted: int = 0  # bytes the last batch needed: the next arena's size when it did not fit
+
+
+class _WorkerSlots:
+    """One worker process's slots. Its flags are its own (not a row per worker id, made before the
+    workers start): a worker that outlives its iterator beside its successor of the same id (a
+    non-persistent worker whose shutdown is late) must not free or fill the other's slots."""
+
+    def __init__(self, count: int):
+        self.pid = os.getpid()
+        self.flags = torch.zeros(count, dtype=torch.uint8).share_memory_()  # 1: in use
+        self.arenas = [_WorkerArenas() for _ in range(count)]
 
 
 def _map(fn: Callable[[Any], Any], obj: Any, leaf: type) -> Any:
@@ -90,26 +100,30 @@ class _Bump:
 class SlotBatch:
     """A batch collated into a worker's slot; un-pickled in the main process, it is the plain batch."""
 
-    def __init__(self, token: str, worker: int, slot: int, state: _WorkerArenas, layout: Any):
-        self.token, self.worker, self.slot, self.state, self.layout = token, worker, slot, state, layout
+    def __init__(self, token: str, worker: int, slot: int, slots: _WorkerSlots, layout: Any):
+        self.token, self.worker, self.slot, self.slots, self.layout = token, worker, slot, slots, layout
 
     def __reduce__(self):
-        state = self.state
-        arena = state.arena if state.sent != state.generation else None  # once per arena, by fd
+        state = self.slots.arenas[self.slot]
+        sent = state.sent != state.generation  # the arena (and the flags) once per arena, by fd
         state.sent = state.generation
-        args = (self.token, self.worker, self.slot, state.pid, state.generation, arena, self.layout)
+        arena, flags = (state.arena, self.slots.flags) if sent else (None, None)
+        args = (self.token, self.worker, self.slot, self.slots.pid, state.generation, arena, flags, self.layout)
         return _rebuild, args
 
 
-def _rebuild(token, worker, slot, pid, generation, arena, layout):
+def _rebuild(token, worker, slot, pid, generation, arena, flags, layout):
     slots = _LIVE.get(token)
     if slots is None:
         raise RuntimeError("a worker's batch arrived for a DataLoader that is closed")
     if arena is not None:
-        slots.arenas[worker, slot] = (pid, generation, arena)
-    have_pid, have_generation, arena = slots.arenas[worker, slot]
-    if (have_pid, have_generation) != (pid, generation):
-        raise RuntimeError(f"worker {worker}'s slot {slot}: arena {pid}/{generation} was never received")
+        for key in [k for k, v in slots.arenas.items() if v[0] == worker and k[0] != pid]:
+            del slots.arenas[key]  # a previous process of this worker id: its slots are gone with it
+        slots.arenas[pid, slot] = (worker, generation, arena, flags)
+    have = slots.arenas.get((pid, slot))
+    if have is None or have[1] != generation:
+        raise RuntimeError(f"worker {worker} (pid {pid}): the arena of its slot {slot} was never received")
+    _, _, arena, flags = have
 
     def copy_out(leaf: _Leaf) -> torch.Tensor:
         nbytes = leaf.dtype.itemsize * int(torch.Size(leaf.shape).numel())
@@ -117,7 +131,7 @@ def _rebuild(token, worker, slot, pid, generation, arena, layout):
         return torch.empty(leaf.shape, dtype=leaf.dtype, pin_memory=slots.pin).copy_(view)
 
     batch = _map(copy_out, layout, _Leaf)
-    slots.flags[worker, slot] = 0  # copied: the worker may fill it again
+    flags[slot] = 0  # copied: the worker may fill it again
     return batch
 
 
@@ -131,13 +145,17 @@ class BatchSlots:
 
     def __init__(self, num_workers: int, slots: int, pin: bool):
         self.token = uuid.uuid4().hex
-        self.flags = torch.zeros(max(1, num_workers), slots, dtype=torch.uint8).share_memory_()  # 1: in use
-        self.pin = pin
-        self.arenas: dict[tuple[int, int], tuple[int, int, torch.Tensor]] = {}  # main process only
+        self.count, self.pin = slots, pin
+        # main process only: (pid, slot) -> (worker id, generation, arena, that process's flags)
+        self.arenas: dict[tuple[int, int], tuple[int, int, torch.Tensor, torch.Tensor]] = {}
         _LIVE[self.token] = self
 
     def __getstate__(self) -> dict[str, Any]:  # to spawned workers: not the main process's arenas
-        return {"token": self.token, "flags": self.flags, "pin": self.pin, "arenas": {}}
+        return {"token": self.token, "count": self.count, "pin": self.pin, "arenas": {}}
+
+    def busy(self) -> int:
+        """Slots whose batch the main process has not received yet (0 once a pass is drained)."""
+        return sum(int(v[3].sum()) for v in {id(v[3]): v for v in self.arenas.values()}.values())
 
     def close(self) -> None:
         _LIVE.pop(self.token, None)
@@ -148,28 +166,28 @@ class BatchSlots:
         if info is None:
             return default_collate(samples)  # main process: private memory, nothing to send
         worker = info.id
-        free = (self.flags[worker] == 0).nonzero()
+        slots = _WORKER.get(self.token)
+        if slots is None or slots.pid != os.getpid():  # a new worker process (or one forked with a parent's)
+            slots = _WORKER[self.token] = _WorkerSlots(self.count)
+        free = (slots.flags == 0).nonzero()
         if not len(free):
             return default_collate(samples)
         slot = int(free[0])
-        key = (self.token, slot)
-        state = _WORKER.get(key)
-        if state is None or state.pid != os.getpid():  # a new worker process: new arenas
-            state = _WORKER[key] = _WorkerArenas(pid=os.getpid())
+        state = slots.arenas[slot]
         if state.wanted > (0 if state.arena is None else state.arena.numel()):
             size = -(-state.wanted * 5 // 4 // 4096) * 4096  # headroom for batches a little larger
             state.arena = torch.empty(size, dtype=torch.uint8).share_memory_()
             state.generation += 1
-        self.flags[worker, slot] = 1
+        slots.flags[slot] = 1
         bump = _Bump(state.arena)
         batch = collate(samples, collate_fn_map={**default_collate_fn_map, torch.Tensor: bump.stack})
         state.wanted = max(state.wanted, bump.offset)
         if not bump.placed:
-            self.flags[worker, slot] = 0
+            slots.flags[slot] = 0
             return batch
         placed = dict(bump.placed)
         layout = _map(lambda t: placed.pop(id(t), t), batch, torch.Tensor)
         if placed:  # a tensor inside a container we do not rebuild: torch's own path, slot unused
-            self.flags[worker, slot] = 0
+            slots.flags[slot] = 0
             return default_collate(samples)
-        return SlotBatch(self.token, worker, slot, state, layout)
+        return SlotBatch(self.token, worker, slot, slots, layout)
