@@ -86,6 +86,8 @@ def forward_backward(
             losses.add(loss, batch_rows(targets))
             if final and before_last_backward is not None:
                 before_last_backward()
+            if on_outputs is None:  # nothing reads them after backward, which does not need them either:
+                del outputs  # the logits (tokens x vocabulary) are not held through backward's peak
             scaled.backward()
         if on_outputs is not None:
             if sharded:  # metrics see whole logits, as from any other layout
