@@ -73,6 +73,8 @@ FOUR = [  # (name, family, mesh shape, axes, method, padding, distribution kind,
     ("seq2 x model2 ring (TP + SP)", "llama", (1, 2, 2), ["data", "seq", "model"], "ring", None, "sp", 0),
     ("data2xseq2 ulysses left+right padding", "llama", (2, 2), ["data", "seq"], "ulysses", "left", "dp", 0),
     ("data2xseq2 ring right padding", "llama", (2, 2), ["data", "seq"], "ring", "right", "dp", 0),
+    # ring's kernels take no mask: padding before real tokens all-gathers the K/V (ring_masked.py)
+    ("data2xseq2 ring left+right padding", "llama", (2, 2), ["data", "seq"], "ring", "left", "dp", 0),
 ]
 
 
@@ -270,16 +272,6 @@ def _errors(tm, mesh) -> dict:
         "sliding window": lambda: _train(
             build_model("mistral", sliding_window=8), tm.DataParallel(mesh, sequence_dim_name="seq"), data()
         ),
-        "packed, ring": lambda: _train(
-            Padded(build_model(use_cache=False)),
-            tm.DataParallel(mesh, sequence_dim_name="seq", context_parallel="ring"),
-            _global_batches(*packed_data()),
-        ),
-        "left padding, ring": lambda: _train(
-            Padded(build_model()),
-            tm.DataParallel(mesh, sequence_dim_name="seq", context_parallel="ring"),
-            _global_batches(*padded_data(left=True)),
-        ),
     }
     for name, run in cases.items():
         try:
@@ -290,7 +282,7 @@ def _errors(tm, mesh) -> dict:
 
 
 PARITY_TWO = [("ulysses", "llama"), ("ring", "llama"), ("ring", "qwen3"), ("ulysses", "gpt2")]
-PACKED = [("ulysses", False), ("ring", True)]
+PACKED = [("ulysses", False), ("ring", True), ("ring", False)]
 
 
 def _two() -> dict:
@@ -317,12 +309,12 @@ def _two() -> dict:
         out["saved"][method] = _saved_bytes(model, *local)
     x, y = data(seq=256, rows=2)
     out["saved"]["one process"] = _saved_bytes(build_model(), x, y)
-    # packed sequences: Ulysses with transformers' document mask (use_cache off); ring where no document
-    # mask applies (use_cache on: the restarting positions change only the rotary embeddings)
+    # packed sequences: both methods with transformers' document mask (use_cache off; ring all-gathers the
+    # K/V for it), and ring where no document mask applies (use_cache on: only the rotary embeddings change)
     for method, use_cache in PACKED:
         distribution = tm.DataParallel(mesh, sequence_dim_name="seq", context_parallel=method)
         model = Padded(build_model(use_cache=use_cache))
-        out["packed", method] = _train(model, distribution, _global_batches(*packed_data()))[:2]
+        out["packed", method, use_cache] = _train(model, distribution, _global_batches(*packed_data()))[:2]
     out["errors"] = _errors(tm, mesh)
     out["sp"] = _sequence_parallel(tm)
     out["predict"] = _predictions(tm, mesh)
@@ -351,8 +343,8 @@ def _predictions(tm, mesh) -> dict:
             "predict": _predict_counting(trainer, [(inputs,) for inputs, _ in batches]),
             "evaluate": trainer.evaluate(batches)["loss"],
         }
-    # what the split does not take runs whole (no collective in attention): ring with left padding, and a
-    # length that does not divide into 2 x axis chunks (the ring trainer of the last round, its weights)
+    # ring with left padding is split (its K/V all-gathered for the mask); a length that does not divide into
+    # 2 x axis chunks runs whole (no collective in attention). The ring trainer of the last round, its weights
     out["whole"] = {
         "left padding": _predict_counting(trainer, [(inputs,) for inputs, _ in _batches("left")]),
         "length 30": _predict_counting(trainer, (data(seq=30, rows=4)[0],), batch_size=GLOBAL_BATCH),
@@ -443,8 +435,6 @@ def test_bad_inputs_are_clear_errors(two):
     assert "divisible by 2 x the axis size (4)" in errors["length"] and "30" in errors["length"]
     assert "3 heads do not divide over 2" in errors["heads"]
     assert "sliding window" in errors["sliding window"]
-    assert "padding at the end" in errors["left padding, ring"]
-    assert "Packed sequences" in errors["packed, ring"] and "ulysses" in errors["packed, ring"]
     assert errors == two[1]["errors"]  # every process raised the same, none waited in a collective
 
 
@@ -491,8 +481,8 @@ def test_qwen3_head_norms_under_tensor_parallelism(two):
 @pytest.mark.parametrize("method,use_cache", PACKED)
 def test_packed_sequences_match_one(two, method, use_cache):
     """position_ids that restart inside rows: one process's numbers (transformers masks across documents
-    only without a cache, which Ulysses reproduces with a document mask; ring refuses that case)."""
-    state, loss = two[0]["packed", method]
+    only without a cache, which both methods reproduce with a document mask)."""
+    state, loss = two[0]["packed", method, use_cache]
     inputs, targets = packed_data()
     expected, losses = reference(Padded(build_model(use_cache=use_cache)), inputs, targets)
     assert abs(loss - sum(losses) / len(losses)) <= TOLERANCE
@@ -528,8 +518,9 @@ def test_predict_and_evaluate_after_fit_match_one_process(two, method, padding):
 
 
 def test_what_the_split_cannot_take_is_predicted_whole(two):
-    """Ring attention refuses left padding, and 30 tokens do not divide into 4 chunks: predict then runs
-    those sequences whole on each process (no attention collective), still one process's logits."""
+    """30 tokens do not divide into 4 chunks: predict runs those sequences whole on each process (no
+    attention collective), still one process's logits. Ring with left padding is split (one K/V all-gather
+    per layer, ring_masked.py) and gives one process's logits too."""
     result = two[0]["predict"]["ring"]
     model = Logits(build_model())
     model.load_state_dict(result["state"])
@@ -539,7 +530,10 @@ def test_what_the_split_cannot_take_is_predicted_whole(two):
     real = torch.cat([inputs["attention_mask"] for inputs, _ in _batches("left")]).bool()
     for name, expected, keep in (("left padding", left, real), ("length 30", short, None)):
         predicted, calls = two[0]["predict"]["whole"][name]
-        assert calls == {}, (name, calls)
+        if name == "length 30":
+            assert calls == {}, (name, calls)
+        else:  # split: per layer and forward the K/V all-gather the ring's forward makes too
+            assert calls == _split_forward_calls("ring", forwards=len(_batches("left"))), (name, calls)
         assert predicted.shape == expected.shape, name
         diff = (predicted[keep] - expected[keep]) if keep is not None else predicted - expected
         assert diff.abs().max().item() <= PREDICT_TOLERANCE, name

@@ -7,7 +7,8 @@ The first stage gets the tokens, every stage the mask and positions (torch's sch
 arguments to every stage, cut into microbatches), and each stage's copy of the model builds the causal +
 padding mask, the packed sequences' document mask and the rotary positions from them, as one process does.
 Two launches: pipe 2 on 2 processes (GPipe and 1F1B, ``evaluate`` after fit, the refusals) and pipe 2 x
-seq 2 on 4 (Ulysses with left padding and packed sequences, ring with right padding).
+seq 2 on 4 (Ulysses and ring with left padding and with packed sequences, ring with right padding; ring's
+masked cases all-gather the K/V, ``ring_masked.py``).
 
 Tolerance: 1e-6 absolute on the mean loss, the first step's gradients and the parameters after 3 AdamW
 steps at lr 1e-3 (``cp_cases.make_optimizer``). The data make the side inputs matter: one process's
@@ -26,7 +27,7 @@ from trainmesh.testing import run_distributed
 
 from cp_cases import GLOBAL_BATCH, Padded, build_model, lm_loss, make_optimizer, max_diff, packed_data, padded_data
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(450)]
 pytest.importorskip("transformers")
 
 TOLERANCE = 1e-6
@@ -41,6 +42,9 @@ PIPE_SEQ = [  # (name, family, schedule, data, method)
     ("gpipe ulysses left padding", "llama", "gpipe", "left", "ulysses"),
     ("1f1b ring right padding", "llama", "1f1b", "right", "ring"),
     ("1f1b ulysses packed", "llama", "1f1b", "packed", "ulysses"),
+    # ring's kernels take no mask: left padding and documents all-gather the K/V (ring_masked.py)
+    ("1f1b ring left padding", "llama", "1f1b", "left", "ring"),
+    ("gpipe ring packed", "llama", "gpipe", "packed", "ring"),
 ]
 
 
@@ -139,8 +143,6 @@ def _four() -> dict:
         result = _fit(family, kind, _distribution(tm, schedule, method))
         result.pop("trainer")
         out[name] = result
-    inputs = {k: v[:GLOBAL_BATCH] for k, v in padded_data(left=True)[0].items()}
-    out["ring left padding"] = _refusal(tm, inputs, _distribution(tm, "1f1b", "ring"))
     return out
 
 
@@ -151,7 +153,7 @@ def two():
 
 @pytest.fixture(scope="module")
 def four():
-    return run_distributed(_four, world_size=4, timeout=280)
+    return run_distributed(_four, world_size=4, timeout=400)
 
 
 def _reference(family: str, kind: str, *, side: bool = True):
@@ -227,11 +229,3 @@ def test_pipe2_refuses_what_cannot_reach_the_stages(two, key, words):
 def test_pipe2_x_seq2_dict_batches_match_one_process(four, case):
     name, family, _, kind, _ = case
     _check(four, name, _reference(family, kind))
-
-
-def test_pipe2_x_seq2_ring_left_padding_is_refused_everywhere(four):
-    """Ring attention takes padding at the end only; under a pipeline the refusal comes on every process
-    before the schedule (from the stage's forward, the later stages would wait for the first's activations)."""
-    message = four[0]["ring left padding"]
-    assert "Ring attention takes padding at the end of sequences only" in message, message
-    assert all(rank["ring left padding"] == message for rank in four)

@@ -16,9 +16,10 @@ makes the model compute exactly what one process computes on the whole sequence:
   **the loss** is weighted so that it is the global token mean (:func:`token_weighted_loss`).
 
 Refused by name before the first step (``context_parallel_checks.py``): sliding-window attention,
-attention sinks, attention dropout, a custom 4-D mask, and under ring attention packed sequences that
-need a document mask and padding that is not at the end. Ulysses takes both: the pre-hook hands it a
-``[B, 1, S, S]`` mask.
+attention sinks, attention dropout, a custom 4-D mask. Padding masks and packed sequences' documents
+reach attention as a ``[B, 1, S, S]`` mask built once per forward: Ulysses applies it, and ring
+attention, whose kernels take none, all-gathers the K/V for it where more than the causal mask is
+needed (``ring_masked.py``).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def _prepare(context: SequenceContext, module, args, kwargs, batch: int, seq_len
     device = (args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))).device
     given = kwargs.get("position_ids")
     padding = kwargs.pop("attention_mask", None)
-    documents = _documents(module, kwargs, given, padding, seq_len, batch, context.method)
+    documents = _documents(module, kwargs, given, padding, seq_len, batch)
     if padding is not None:
         if padding.dim() != 2 or padding.shape[1] != seq_len:
             raise ValueError(
@@ -133,12 +134,6 @@ def _prepare(context: SequenceContext, module, args, kwargs, batch: int, seq_len
         padding = padding.bool()
         if bool(padding.all()):
             padding = None
-        elif context.method == "ring" and bool((padding[:, 1:] & ~padding[:, :-1]).any()):
-            raise ValueError(
-                "Ring attention takes padding at the end of sequences only (it is then exactly "
-                "the causal mask for every real token); use context_parallel='ulysses' for "
-                "left padding. Received: an attention_mask with padding before real tokens"
-            )
     positions, _, _ = context.layout(seq_len, device)
     if given is None:
         kwargs["position_ids"] = positions.unsqueeze(0).expand(batch, -1)
@@ -149,7 +144,7 @@ def _prepare(context: SequenceContext, module, args, kwargs, batch: int, seq_len
     return args, kwargs
 
 
-def _documents(module, kwargs, given, padding, seq_len: int, batch: int, method: str) -> torch.Tensor | None:
+def _documents(module, kwargs, given, padding, seq_len: int, batch: int) -> torch.Tensor | None:
     """Packed sequences' document index ``[B, S]`` where one process's transformers would mask across
     documents, else None. transformers does so (``masking_utils.find_packed_sequence_indices``) only when
     no attention mask is passed and no cache is in use: ``use_cache`` (the config's by default) off, or
@@ -172,14 +167,7 @@ def _documents(module, kwargs, given, padding, seq_len: int, batch: int, method:
         return None
     from transformers.masking_utils import find_packed_sequence_indices
 
-    documents = find_packed_sequence_indices(given.expand(batch, -1))
-    if documents is not None and method == "ring":
-        raise ValueError(
-            "Packed sequences (position_ids that restart, without an attention mask or cache) need a "
-            "document mask, which ring attention does not take; use context_parallel='ulysses'. "
-            "Received: position_ids restarting inside a row"
-        )
-    return documents
+    return find_packed_sequence_indices(given.expand(batch, -1))
 
 
 def _inner_mask(module, args, kwargs):

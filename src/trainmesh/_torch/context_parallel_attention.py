@@ -32,6 +32,15 @@ class _Call:
     documents: torch.Tensor | None = None  # [B, S] packed sequences' document index, or None
     gather: bool = False  # evaluate / predict: outputs gathered back into the whole sequence
     _mask: torch.Tensor | None = None
+    _needs: bool | None = None
+
+    def needs_mask(self) -> bool:
+        """Whether attention needs more than the causal mask: padding before a real token, or documents
+        (right padding needs none: a real token never sees a later pad). Decided once per forward."""
+        if self._needs is None:
+            left = self.padding is not None and bool((self.padding[:, 1:] & ~self.padding[:, :-1]).any())
+            self._needs = left or self.documents is not None
+        return self._needs
 
     def mask(self, device) -> torch.Tensor | None:
         """Causal AND (key not padding OR the diagonal) AND (same document): a padding query attends to
@@ -86,6 +95,14 @@ def context_parallel_attention(
             restore=restore,
             scale=scaling,
             mask=call.mask(query.device),
+        )
+    elif call.needs_mask():  # padding before real tokens, packed documents: the ring's kernels take no mask
+        from .ring_masked import masked_ring_attention
+
+        positions, order, _ = context.layout(call.seq_len, query.device)
+        mask = call.mask(query.device)
+        out = masked_ring_attention(
+            query, key, value, group=context.group, positions=positions, order=order, mask=mask, scale=scaling
         )
     else:
         from .ring_attention import ring_attention

@@ -18,8 +18,8 @@ same positions, sums the loss over them and all-reduces that sum and the token c
 What the split does not take runs on the whole sequence, as one process (and as before): a length
 that does not divide into ``2 x axis`` chunks, an empty share, a cache (generation), ``labels`` inside
 the inputs (the model would shift each chunk on its own), hidden states or attentions asked for,
-and what ring attention refuses in training (padding before real tokens, packed sequences needing a
-document mask). Every process of the axis sees the same rows, so all take the same branch.
+and what the pre-hook refuses in training. Every process of the axis sees the same rows, so all take
+the same branch.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ keyword arguments; each stage (``StageModule``) rebuilds the dict, with placehol
 and calls the model's own forward with it. That forward builds the causal + padding mask, the packed
 sequences' document mask (transformers' ``find_packed_sequence_indices``) and the rotary tables from them
 on every stage, exactly as on one process; over a sequence axis its context-parallel pre-hook gets them
-as without a pipeline (what that refuses, ring attention with left padding or packed documents, is checked
-up front by ``check_sequence_rules``).
+as without a pipeline (what that refuses, masks of the wrong shape, is checked up front by
+``check_sequence_rules``).
 
 What still cannot work is refused here, by every process alike, before the schedule's first message (a
 refusal on the first stage only would leave the others waiting for its shapes): other keys (a custom
@@ -84,8 +84,8 @@ def split_inputs(inputs: Any, *, sequential: bool, seq_factor: int = 1) -> tuple
 
 
 def check_sequence_rules(stage_model, context, tokens: torch.Tensor, side: dict[str, Any]) -> None:
-    """Over a sequence axis, what the context-parallel pre-hook refuses (ring attention with left padding
-    or packed documents, masks of the wrong shape), raised here on every process: in a stage's forward
+    """Over a sequence axis, what the context-parallel pre-hook refuses (masks or positions of the wrong
+    shape), raised here on every process: in a stage's forward
     it would fire on the first stage only, the later ones left waiting for its activations. The pre-hook's
     own preparation, run dry on the whole batch (a small mask scan, no collective)."""
     from .context_parallel import _prepare
