@@ -142,3 +142,29 @@ def reference(model: torch.nn.Module, inputs, targets, *, steps: int = STEPS, ba
 def max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def check_ranks(result: list, name: str, expected, tolerance: float = 1e-6, grad_tolerance: float | None = None):
+    """A ``tm.Trainer`` run's per-process records (``result[rank][name]``: ``loss``, ``grads``, ``state``, names
+    behind ``Padded``'s ``lm.`` allowed) against one process's ``(state, loss, grads)``: every process's
+    loss, its parameters' recorded gradients and (main process) every parameter; together the processes
+    hold a gradient of every parameter."""
+    state, loss, expected_grads = expected
+    grad_tolerance = tolerance if grad_tolerance is None else grad_tolerance
+    got = result[0][name]
+    assert abs(got["loss"] - loss) <= tolerance, (name, got["loss"], loss)
+    strip = lambda d: {k.removeprefix("lm."): v for k, v in d.items()}  # noqa: E731 - Padded's prefix
+    diff = max_diff(strip(got["state"]), state)
+    assert diff <= tolerance, f"{name}: parameters differ by {diff:.3g}"
+    held = set()
+    for rank, rank_result in enumerate(result):
+        mine = rank_result[name]
+        assert mine["loss"] == got["loss"], (name, rank)  # every process reports the global loss
+        assert mine["grads"], f"{name}: rank {rank} holds no gradients"
+        for key, grad in strip(mine["grads"]).items():
+            gdiff = (grad - expected_grads[key]).abs().max().item()
+            assert gdiff <= grad_tolerance, f"{name}: rank {rank} gradient of {key} differs by {gdiff:.3g}"
+        held |= strip(mine["grads"]).keys()
+    assert held == expected_grads.keys(), (name, expected_grads.keys() - held)
+    worst = max((g - expected_grads[k]).abs().max().item() for r in result for k, g in strip(r[name]["grads"]).items())
+    print(f"{name}: loss {abs(got['loss'] - loss):.2g}, parameters {diff:.2g}, gradients {worst:.2g} from one process")

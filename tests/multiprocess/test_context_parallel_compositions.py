@@ -22,7 +22,17 @@ from trainmesh.testing import run_distributed
 
 from test_context_parallel_pipe import _distribution as _pipe_distribution
 
-from cp_cases import GLOBAL_BATCH, Padded, build_model, data, lm_loss, make_optimizer, max_diff, padded_data
+from cp_cases import (
+    GLOBAL_BATCH,
+    Padded,
+    build_model,
+    check_ranks,
+    data,
+    lm_loss,
+    make_optimizer,
+    max_diff,
+    padded_data,
+)
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 transformers = pytest.importorskip("transformers")
@@ -110,30 +120,6 @@ def _reference(padding=None, *, autocast: bool = False, layers: int = 2):
     return state, sum(losses) / len(losses), grads
 
 
-def _check(result: list, name: str, expected, tolerance: float = TOLERANCE, grad_tolerance: float | None = None):
-    """Every process's loss, its parameters' last gradients and (main process) every parameter against one
-    process's; together the processes hold a gradient of every parameter."""
-    state, loss, expected_grads = expected
-    grad_tolerance = tolerance if grad_tolerance is None else grad_tolerance
-    got = result[0][name]
-    assert abs(got["loss"] - loss) <= tolerance, (name, got["loss"], loss)
-    strip = lambda d: {k.removeprefix("lm."): v for k, v in d.items()}  # noqa: E731 - Padded's prefix
-    diff = max_diff(strip(got["state"]), state)
-    assert diff <= tolerance, f"{name}: parameters differ by {diff:.3g}"
-    held = set()
-    for rank, rank_result in enumerate(result):
-        mine = rank_result[name]
-        assert mine["loss"] == got["loss"], (name, rank)  # every process reports the global loss
-        assert mine["grads"], f"{name}: rank {rank} holds no gradients"
-        for key, grad in strip(mine["grads"]).items():
-            gdiff = (grad - expected_grads[key]).abs().max().item()
-            assert gdiff <= grad_tolerance, f"{name}: rank {rank} gradient of {key} differs by {gdiff:.3g}"
-        held |= strip(mine["grads"]).keys()
-    assert held == expected_grads.keys(), (name, expected_grads.keys() - held)
-    worst = max((g - expected_grads[k]).abs().max().item() for r in result for k, g in strip(r[name]["grads"]).items())
-    print(f"{name}: loss {abs(got['loss'] - loss):.2g}, parameters {diff:.2g}, gradients {worst:.2g} from one process")
-
-
 # --- 2 processes: torch.compile over a sequence axis ----------------------------------------------
 def _compiled() -> dict:
     import torch._dynamo
@@ -167,7 +153,7 @@ def compiled():
 def test_compiled_seq2_matches_one_eager_process(compiled, method):
     """Regional compile (each decoder layer, ``aot_eager``) at seq 2: one eager process's numbers (measured
     2e-8 (Ulysses) and 1.2e-7 (ring) on the parameters), no graph break; 17 s of CPU per process for both."""
-    _check(compiled, method, _reference())
+    check_ranks(compiled, method, _reference())
     print(f"compile, {method}: CPU s per process {[round(rank['cpu s'], 1) for rank in compiled]}")
     for rank in compiled:
         assert rank[method]["mode"] == "regional"
@@ -225,7 +211,7 @@ def pipe():
 @pytest.mark.parametrize("case", [c for c in PIPE if "bf16" not in c[0]], ids=lambda c: c[0])
 def test_pipe2_x_seq2_compositions_match_one_process(pipe, case):
     name, *_, padding, _ = case
-    _check(pipe, name, _reference(padding))
+    check_ranks(pipe, name, _reference(padding))
     print(f"pipe 2 x seq 2: CPU s per process {[round(rank['cpu s'], 1) for rank in pipe]}")
 
 
@@ -252,7 +238,7 @@ def test_pipe2_x_seq2_bf16_mixed_near_one_bf16_process(pipe, method):
         f"{name}: loss {abs(got['loss'] - loss):.3g} off, parameters {max_diff(got['state'], state):.3g}, "
         f"gradients {max((g - grads[k]).abs().max().item() for r in pipe for k, g in r[name]['grads'].items()):.3g}"
     )
-    _check(pipe, name, (state, loss, grads), BF16_PARAM_TOLERANCE, BF16_GRAD_TOLERANCE)
+    check_ranks(pipe, name, (state, loss, grads), BF16_PARAM_TOLERANCE, BF16_GRAD_TOLERANCE)
     assert abs(got["loss"] - loss) <= BF16_LOSS_TOLERANCE
     fp32_state, fp32_loss, _ = _reference()
     assert max_diff(got["state"], fp32_state) > 1e-6  # autocast did apply: not fp32's numbers
@@ -294,5 +280,5 @@ def eight():
 
 @pytest.mark.parametrize("case", EIGHT, ids=[c[0] for c in EIGHT])
 def test_eight_processes_match_one(eight, case):
-    _check(eight, case[0], _reference())
+    check_ranks(eight, case[0], _reference())
     print(f"8 processes: CPU s per process {[round(rank['cpu s'], 1) for rank in eight]}")

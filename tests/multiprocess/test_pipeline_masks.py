@@ -25,7 +25,18 @@ import torch
 
 from trainmesh.testing import run_distributed
 
-from cp_cases import GLOBAL_BATCH, Padded, build_model, lm_loss, make_optimizer, max_diff, packed_data, padded_data
+from test_context_parallel_pipe import _distribution as _pipe_seq_distribution
+
+from cp_cases import (
+    GLOBAL_BATCH,
+    Padded,
+    build_model,
+    check_ranks,
+    lm_loss,
+    make_optimizer,
+    packed_data,
+    padded_data,
+)
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(450)]
 pytest.importorskip("transformers")
@@ -79,19 +90,12 @@ def _recording_optimizer(params):
 
 
 def _distribution(tm, schedule: str, method: str | None = None):
-    if method is None:
-        mesh = tm.DeviceMesh((2, 1), ["pipe", "data"], devices=tm.list_devices())
-        return tm.ModelParallel(
-            layout_map=tm.LayoutMap(mesh),
-            batch_dim_name="data",
-            pipeline=tm.Pipeline(axis="pipe", schedule=schedule, microbatches=2),
-        )
-    mesh = tm.DeviceMesh((2, 1, 2), ["pipe", "data", "seq"], devices=tm.list_devices())
+    if method is not None:
+        return _pipe_seq_distribution(tm, schedule, method)
+    mesh = tm.DeviceMesh((2, 1), ["pipe", "data"], devices=tm.list_devices())
     return tm.ModelParallel(
         layout_map=tm.LayoutMap(mesh),
         batch_dim_name="data",
-        sequence_dim_name="seq",
-        context_parallel=method,
         pipeline=tm.Pipeline(axis="pipe", schedule=schedule, microbatches=2),
     )
 
@@ -174,32 +178,13 @@ def _reference(family: str, kind: str, *, side: bool = True):
     return state, sum(losses) / len(losses), first
 
 
-def _check(result: list, name: str, expected) -> None:
-    state, loss, expected_grads = expected
-    strip = lambda d: {k.removeprefix("lm."): v for k, v in d.items()}  # noqa: E731 - Padded's prefix
-    got = result[0][name]
-    assert abs(got["loss"] - loss) <= TOLERANCE, (name, got["loss"], loss)
-    diff = max_diff(strip(got["state"]), state)
-    assert diff <= TOLERANCE, f"{name}: parameters differ by {diff:.3g}"
-    held = set()
-    for rank, rank_result in enumerate(result):
-        mine = rank_result[name]
-        assert mine["loss"] == got["loss"], (name, rank)  # every process reports the global loss
-        assert mine["grads"], f"{name}: rank {rank} holds no gradients"
-        for key, grad in strip(mine["grads"]).items():
-            gdiff = (grad - expected_grads[key]).abs().max().item()
-            assert gdiff <= TOLERANCE, f"{name}: rank {rank} first-step gradient of {key} differs by {gdiff:.3g}"
-        held |= strip(mine["grads"]).keys()
-    assert held == expected_grads.keys(), (name, expected_grads.keys() - held)
-
-
 @pytest.mark.parametrize("case", PIPE, ids=lambda c: c[0])
 def test_pipe2_dict_batches_match_one_process(two, case):
     name, family, _, kind = case
     expected = _reference(family, kind)
     unmasked = _reference(family, kind, side=False)[2]  # the mask / positions matter: measured 1.8e-2 to 2.4e-2
     assert max((unmasked[k] - g).abs().max().item() for k, g in expected[2].items()) > 1e3 * TOLERANCE
-    _check(two, name, expected)
+    check_ranks(two, name, expected)
 
 
 def test_pipe2_evaluate_with_mask_is_one_process(two):
@@ -228,4 +213,4 @@ def test_pipe2_refuses_what_cannot_reach_the_stages(two, key, words):
 @pytest.mark.parametrize("case", PIPE_SEQ, ids=lambda c: c[0])
 def test_pipe2_x_seq2_dict_batches_match_one_process(four, case):
     name, family, _, kind, _ = case
-    _check(four, name, _reference(family, kind))
+    check_ranks(four, name, _reference(family, kind))
