@@ -183,7 +183,8 @@ def main(argv=None) -> int:
                     "supply_ms_per_batch": supply_ms,
                     "supply_bound": bound == "supply-bound",
                     # trainmesh's loader: time blocked on the next batch / wall time, at a 30 ms step and
-                    # 2 workers (the demo's loader settings on this 2-core machine)
+                    # 2 workers decoding images. Not the demo's setting: the demo's Trainer reads memory-mapped
+                    # token shards with no workers and a prefetch thread (its log's data_wait_s / step_time_s)
                     "figures": {"data_wait_fraction": summary["trainmesh"]["median_wait_fraction"]},
                 },
                 fh,
