@@ -111,15 +111,21 @@ def test_zero3_working_buffers_gather_the_base_as_stored_and_unshard_trainable_g
             if p.requires_grad or not trainable_only
         )
 
+    # the frozen input embedding is its own unit, freed after its forward (zero.py): not held while the
+    # blocks run, and smaller than the two blocks gathered beside the root then
+    embedding = model.get_input_embeddings().weight
+    in_layers.add(id(embedding))
     root = unsharded(p for p in model.parameters() if id(p) not in in_layers)
     blocks = sorted((unsharded(layer.parameters()) for layer in layers), reverse=True)
+    assert unsharded([embedding]) < blocks[1]
     largest_grad = max(unsharded(layer.parameters(), trainable_only=True) for layer in layers)
     # the root and the two largest units gathered (computing + prefetched), one unit's unsharded gradient
     assert row.buffers == root + sum(blocks[:2]) + largest_grad
     # the same model all fp32 (LoRA on an fp32 base): gathered in bf16, as bf16-mixed always did
     fp32 = lora(torch.float32)
     _, row32 = _row(fp32, 3)
-    gathered = unsharded(fp32.parameters(), itemsize=2)
+    kept = [p for p in fp32.parameters() if p is not fp32.get_input_embeddings().weight]  # all but the embedding
+    gathered = unsharded(kept, itemsize=2)
     assert row32.buffers == gathered + largest_grad
 
 
