@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .context_parallel import global_token_count, sequence_context, token_weighted_loss
+from .context_parallel import _token_count, global_token_count, sequence_context, token_weighted_loss
 from .pipeline_experts import average_expert_replicas, data_averaged
 from .pipeline_inputs import check_sequence_rules, split_inputs
 from .pipeline_receives import ReceivePlan, posts_receives_ahead
@@ -122,7 +122,7 @@ class PipelineRunner:
         ]
         self._loss_fn: list[Callable | None] = [None]
         self._step_tokens: list[float | None] = [None]  # a sequence axis: the schedule step's global tokens
-        self._replica_tokens: list[int | None] = [None]  # no sequence axis: the step's tokens, where some are -100
+        self._replica_tokens: list[float | None] = [None]  # no sequence axis: the step's tokens, where some are -100
         self.schedule = self._build_schedule()
         self.receive_plan = ReceivePlan(self.stages) if posts_receives_ahead(self.stages, pipe_group) else None
 
@@ -199,7 +199,7 @@ class PipelineRunner:
             args = (tokens,) if self.holds_first else ()
             if self.holds_last:  # before the schedule: every process of the last stage's data x seq group
                 self._step_tokens[0] = global_token_count(self._last_stage_model(), targets)
-                self._replica_tokens[0] = _ignored_tokens(targets)
+                self._replica_tokens[0] = _real_tokens_if_padded(targets)
             if self.receive_plan is not None:
                 self.receive_plan.before_step(self.schedule)
             with self._step_context():
@@ -347,16 +347,17 @@ def _whole_sequences(stage_models: list[nn.Module]):
             c.split_whole = value
 
 
-def _ignored_tokens(targets) -> int | None:
-    """The targets other than -100 (cross-entropy's ``ignore_index``) of a step's integer targets where
-    some are -100, else None (every microbatch then holds as many tokens: the plain mean is the mean)."""
+def _real_tokens_if_padded(targets) -> float | None:
+    """The targets other than -100 (cross-entropy's ``ignore_index``, counted as ``token_weighted_loss``
+    counts them) of a step's integer targets where some are -100, else None (every microbatch then holds
+    as many tokens: the plain mean is the mean)."""
     if not torch.is_tensor(targets) or targets.is_floating_point():
         return None
-    ignored = targets == -100
-    return int(targets.numel() - ignored.sum()) if bool(ignored.any()) else None
+    count = _token_count(targets).item()
+    return count if count < targets.numel() else None
 
 
-def _microbatch_weighted(loss: torch.Tensor, targets, total: int | None, parts: int) -> torch.Tensor:
+def _microbatch_weighted(loss: torch.Tensor, targets, total: float | None, parts: int) -> torch.Tensor:
     """A microbatch's mean loss times ``its tokens x parts / the step's tokens``: the schedule's mean over
     the microbatches is then the token mean over the whole batch, as one process computes it on that
     batch, when padding (-100 targets, a left-padding mask) leaves the microbatches unequal counts. A
@@ -365,7 +366,7 @@ def _microbatch_weighted(loss: torch.Tensor, targets, total: int | None, parts: 
         return loss
     if total == 0:
         return loss * 0.0
-    return loss * (int((targets != -100).sum()) * parts / total)
+    return loss * (_token_count(targets).item() * parts / total)
 
 
 def _under(precision, loss_fn: Callable, output, target) -> torch.Tensor:
