@@ -2,32 +2,32 @@
 
 Where tensors live comes from the distribution (DDP or DTensor underneath); how to run a
 step from ``step.py``; precision from ``precision.py``; the rest are callbacks, metrics and
-logs. Read ``fit`` top to bottom: that is the whole algorithm.
+logs. Read ``fit`` top to bottom: that is the whole algorithm. Its parts, one module each:
+an epoch's steps (``epoch.py``), one optimizer step (``optimizer_step.py``), what the
+constructor checks and binds (``construction.py``), evaluation (``evaluation.py``) and the
+state a checkpoint holds (``trainer_state.py``).
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import sys
-import time
-import warnings
 from typing import Any, Callable, Iterable
 
 import torch
 
 from trainmesh import runtime
 from trainmesh._torch.parallelize import parallelize
-from trainmesh._torch.reduce import all_reduce_small
 from trainmesh._torch.sync import unwrap
 from trainmesh.checkpoint.survey import check_on_invalid
 from trainmesh.comm import ProgressBeacon
-from trainmesh.distribution import DataParallel, Distribution, distribution as current_distribution
 from trainmesh.distribution.adapters import check_lora_targets
 from trainmesh.ft.trainer_hook import TrainerReplicaGroups, check_fault_tolerance
 
 from .callbacks import Callback, CallbackList
 from .communication import install_communication
+from .construction import bind_optimizer, resolve_distribution
+from .epoch import EpochLoop
 from .expert_load import ExpertLoad
 from .config import Plan, TrainerConfig
 from .data_input import TrainSteps
@@ -35,31 +35,15 @@ from .evaluation import run_evaluation, run_prediction
 from .history import History
 from .log_writer import LogWriter
 from .metrics import Metric, resolve_metric
+from .optimizer_step import OptimizerStep
 from .precision import build_precision
-from .progress import ProgressBar
 from .schedules import scale_lr
-from .loss_tracking import LossAccumulator
-from .step import (
-    clip_gradients_,
-    forward_backward,
-    global_grad_norm,
-    local_grad_square_sum,
-    set_optimizer_implementation,
-)
+from .step import set_optimizer_implementation
 from .throughput import ThroughputMeter, meta_copy
 from .trainer_state import TrainerState
 
 
-def _resolve_distribution(distribution: Any) -> Distribution:
-    if distribution is None:
-        distribution = current_distribution() or DataParallel()
-    distribution = getattr(distribution, "distribution", distribution)  # a Strategy adapts a Distribution
-    if not isinstance(distribution, Distribution):
-        raise TypeError(f"distribution must be a trainmesh Distribution or Strategy. Received: {distribution!r}")
-    return distribution
-
-
-class Trainer(TrainerState):
+class Trainer(EpochLoop, OptimizerStep, TrainerState):
     """Keras-``fit``-style training on any trainmesh distribution.
 
     >>> trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.MSELoss(),
@@ -92,7 +76,7 @@ class Trainer(TrainerState):
             raise TypeError(f"loss_fn must be callable. Received: {loss_fn!r}")
         check_lora_targets(model)  # local, before any process group exists
         runtime.initialize()
-        self.distribution = _resolve_distribution(distribution)
+        self.distribution = resolve_distribution(distribution)
         self._device_type = runtime.torch_device_type()
         self.precision = build_precision(self.config.precision, self._device_type)
         names_before = {id(p): name for name, p in model.named_parameters()}
@@ -116,7 +100,7 @@ class Trainer(TrainerState):
             )
         self.communication = install_communication(self.model, self.config)  # compression, hierarchical
         self._expert_load = ExpertLoad(self.model, self.distribution)  # MoE tokens per expert (expert_load.py)
-        self.optimizer = self._bind_optimizer(optimizer, names_before)
+        self.optimizer = bind_optimizer(optimizer, self.model, self.distribution, names_before, self._canonical)
         set_optimizer_implementation(self.optimizer, self.config.optimizer_implementation)  # fused / foreach kernels
         self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.scheduler = None  # built in fit, after any lr scaling, so it starts from the scaled lr
@@ -263,223 +247,6 @@ class Trainer(TrainerState):
         self.callbacks.on_train_end(self.history.last_epoch())
         return self.history
 
-    def _end_of_resumed_epoch(self, epochs: int) -> dict[str, float]:
-        """A checkpoint taken after an epoch's last step but before its end (one written by
-        ``ModelCheckpoint``/``ShardedCheckpoint`` before they saved that step at the epoch's end
-        only, or a user's own save): the epoch's batches are done, so none is trained again; the
-        end-of-epoch work (evaluation, history, callbacks) runs once, now. The epoch's training
-        loss is not in such a checkpoint and is recorded as nan."""
-        if self.is_main_process:
-            warnings.warn(
-                f"resumed after the last step of epoch {self.epoch + 1} and before its end: running its "
-                f"end-of-epoch work now; its training loss is not in the checkpoint (nan)",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        self._bar = ProgressBar(0, epoch=self.epoch + 1, epochs=epochs, enabled=False)
-        return {"loss": math.nan}
-
-    def _train_epoch(self, steps: TrainSteps, epochs: int, writer: LogWriter | None) -> dict[str, float]:
-        self.model.train()
-        for metric in self.metrics:
-            metric.reset()
-        steps.set_epoch(self.epoch)
-        self.callbacks.on_epoch_begin(self.epoch, {})
-        self._bar = ProgressBar(
-            len(steps) if steps.has_length() else None,
-            epoch=self.epoch + 1,
-            epochs=epochs,
-            enabled=self._show_progress(),
-        )
-        losses = LossAccumulator()  # since the last sync
-        epoch_loss_sum, epoch_samples = 0.0, 0.0
-        sized = steps.has_length()
-        num_steps = len(steps) if sized else None
-        skipped_before = self._skipped()
-        iterator = iter(steps)
-        step = 0
-        self._meter.restart()
-        while True:
-            started = time.perf_counter()
-            if self._ft is not None:
-                self._ft.position()  # before the fetch: where this step's batch starts, if it must come again
-            micro_batches = next(iterator, None)
-            data_wait = time.perf_counter() - started
-            if micro_batches is None:
-                break
-            if self._ft is not None and self._ft.begin_step():  # quorum; True: healed to a peer's state
-                iterator = iter(steps)  # at the peers' data position: their batch for this step
-                micro_batches, num_steps = next(iterator), step + 1 + len(steps)
-            self._meter.observe(micro_batches, self.loss_fn)  # FLOPs per sample, the first time only
-            self.callbacks.on_train_batch_begin(step, {})
-            self._beacon.mark(self.global_step + 1)
-            try:
-                record = self._optimizer_step(micro_batches, losses)
-                if record is None:  # a fault-tolerant step that did not commit: its batch comes again
-                    iterator = iter(steps)
-                    continue
-            except RuntimeError as error:  # a collective failed: name who did not arrive
-                diagnosed = self._beacon.diagnose(error)
-                if diagnosed is None:
-                    raise
-                raise diagnosed from error
-            last = sized and step + 1 == num_steps
-            logged = (self.global_step % self.config.log_every_n_steps == 0) or last
-            record.update(
-                epoch=self.epoch,
-                step=step,
-                data_wait_s=data_wait,
-                step_time_s=time.perf_counter() - started,
-                **self.communication.step_record(),
-                **self._expert_load.step_record(logged),
-                **(self._ft.step_record() if self._ft is not None else {}),
-            )
-            if logged:
-                loss, samples = self._sync(losses)
-                if samples:  # a window of skipped steps only has no loss (nan), and adds nothing
-                    epoch_loss_sum, epoch_samples = epoch_loss_sum + loss * samples, epoch_samples + samples
-                rates = self._meter.report(samples)  # over the wall time since the last log, the whole job's
-                record.update(loss=loss, **rates)
-                self.history.record_step(record)
-                if writer:
-                    writer.log_step(record)
-                shown = {"loss": loss}
-                if self.precision.scaler is not None:
-                    shown["skipped"] = self._skipped() - skipped_before
-                if "comm_bytes" in record:  # this rank's gradient bytes sent / uncompressed (ratio)
-                    shown["comm"] = self.communication.progress_text(record)
-                if "moe_imbalance" in record:  # the busiest expert's tokens over the mean (expert_load.py)
-                    shown["moe"] = record["moe_imbalance"]
-                shown.update(self._meter.progress_values(rates))
-                self._bar.update(step + 1, shown, record["samples_per_s"])
-            self.callbacks.on_train_batch_end(step, record)
-            step += 1
-            if self.stop_requested:
-                break
-        if losses.pending:  # steps after the last sync point (unsized data)
-            loss, samples = self._sync(losses)
-            if samples:
-                epoch_loss_sum, epoch_samples = epoch_loss_sum + loss * samples, epoch_samples + samples
-        logs = {"loss": epoch_loss_sum / epoch_samples if epoch_samples else math.nan}
-        logs.update(self._reduced_metrics(self.metrics))
-        if self.nonfinite_steps:
-            logs["nonfinite_steps"] = self.nonfinite_steps
-        if self.precision.scaler is not None:
-            logs["skipped_steps"] = self._skipped() - skipped_before
-            logs["loss_scale"] = self.precision.scaler.scale_value
-        return logs
-
-    def _optimizer_step(self, micro_batches: list, losses: LossAccumulator) -> dict[str, Any] | None:
-        guard = self.config.nonfinite_loss
-        scaler = self.precision.scaler
-        # Without a loss scaler the gradients are final after backward: their norm rides on the loss
-        # check's all-reduce (one collective per step instead of two). A scaler unscales them first, below.
-        ft = self._ft  # replica groups: the gradients change (cross-group average) after backward
-        ride = guard is not None and scaler is None and self.config.max_grad_norm is not None and ft is None
-        # Otherwise the check needs only the losses: on CPU it starts before the last backward and runs
-        # beside it (loss_tracking.py); on an accelerator reading the loss early would stall the device.
-        early = guard is not None and not ride and self._device_type == "cpu" and ft is None
-        self._beacon.phase = "forward/backward and gradient reduction"
-        on_outputs = self._update_metrics if ft is None else ft.defer(self._update_metrics)
-        forward_backward(
-            self.model,
-            micro_batches if ft is None else ft.share(micro_batches),
-            self.loss_fn,
-            self.precision,
-            losses,
-            on_outputs=on_outputs if self.metrics else None,
-            before_last_backward=(lambda: losses.start_check(stop_local=self._stop_local)) if early else None,
-        )
-        if ft is not None and not ft.commit():  # should_commit gates all that follows
-            losses.discard_step()
-            return None
-        self._beacon.phase = "loss all-reduce (non-finite check, stop request)"
-        nonfinite, stop = losses.end_step(
-            check=guard is not None,
-            stop_local=self._stop_local,
-            grad_square=local_grad_square_sum(self.params) if ride else None,
-        )
-        self.stop_requested = self.stop_requested or stop
-        if nonfinite and scaler is None:
-            return self._nonfinite_step(guard)
-        # Under fp16 a non-finite loss is an overflow like any other: the scaler skips and backs off.
-        found_inf = nonfinite or (scaler.unscale_(self.params) if scaler is not None else False)
-        grad_norm = None
-        self._beacon.phase = "gradient clipping and optimizer step"
-        if self.config.max_grad_norm is not None and not found_inf:
-            grad_norm = losses.grad_norm if ride else global_grad_norm(self.params)
-            clip_gradients_(self.params, self.config.max_grad_norm, grad_norm)
-        if not found_inf:
-            self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.update(found_inf)
-        self.global_step += 1
-        record: dict[str, Any] = {
-            "global_step": self.global_step,
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "skipped": bool(found_inf),
-        }
-        if grad_norm is not None:
-            record["grad_norm"] = grad_norm
-        if scaler is not None:
-            record["loss_scale"] = scaler.scale_value
-        return record
-
-    def _nonfinite_step(self, policy: str) -> dict[str, Any]:
-        """A non-finite loss somewhere: every process takes the same branch (the flag was all-reduced)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self.nonfinite_steps += 1
-        self.global_step += 1
-        if policy == "stop":
-            self.request_stop(f"non-finite loss at step {self.global_step}")
-            self.stop_requested = True
-        elif policy == "rollback":
-            self._rollback()
-        if self.is_main_process and self.nonfinite_steps <= 5:
-            print(f"[trainmesh] non-finite loss at step {self.global_step}: {policy}", file=sys.stderr, flush=True)
-        return {
-            "global_step": self.global_step,
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "skipped": True,
-            "nonfinite": True,
-        }
-
-    def _sync(self, losses: LossAccumulator) -> tuple[float, float]:
-        """One small all-reduce: the loss since the last sync, and whether anyone wants to stop."""
-        loss, samples, stop = losses.sync(self._stop_local)
-        self.stop_requested = self.stop_requested or stop
-        return loss, samples
-
-    def _agree_on_stop(self) -> None:
-        if self.stop_requested:
-            return
-        reduced = all_reduce_small(torch.tensor([1.0 if self._stop_local else 0.0], dtype=torch.float64))
-        self.stop_requested = bool(reduced[0] > 0)
-
-    # --- metrics ------------------------------------------------------------------------
-    def _update_metrics(self, outputs: Any, targets: Any) -> None:
-        from trainmesh._torch.tensor_parallel import batch_to_local
-
-        outputs, targets = batch_to_local(outputs, self.distribution), batch_to_local(targets, self.distribution)
-        for metric in self.metrics:
-            metric.update(outputs.float() if torch.is_tensor(outputs) else outputs, targets)
-
-    @staticmethod
-    def _reduced_metrics(metrics: list[Metric]) -> dict[str, float]:
-        """Exact across processes: sums of states are reduced, never means of per-process results."""
-        if not metrics:
-            return {}
-        states = [m.state().to(torch.float64) for m in metrics]
-        reduced = all_reduce_small(torch.cat(states))
-        out, offset = {}, 0
-        for metric, state in zip(metrics, states):
-            out[metric.name] = metric.compute(reduced[offset : offset + len(state)])
-            offset += len(state)
-        return out
-
     # --- evaluate / predict -------------------------------------------------------------
     def evaluate(self, data: Any, *, batch_size: int | None = None) -> dict[str, float]:
         """Loss and metrics over every sample exactly once; the same number on 1 or N processes."""
@@ -501,48 +268,9 @@ class Trainer(TrainerState):
         return result
 
     # --- helpers ------------------------------------------------------------------------
-    def _bind_optimizer(self, optimizer: Any, names_before: dict[int, str]) -> torch.optim.Optimizer:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            if not callable(optimizer):
-                raise TypeError(
-                    f"optimizer must be a torch Optimizer or a callable params -> Optimizer. Received: {optimizer!r}"
-                )
-            # Frozen parameters (``requires_grad=False``: a fine-tuned base under LoRA) get no optimizer
-            # state and, under ZeRO-1, no partition or broadcast: the optimizer sees the trainable ones.
-            trainable = [p for p in self.model.parameters() if p.requires_grad]
-            return self.distribution.prepare_optimizer(optimizer(trainable), self.model)
-        # A distribution may replace parameters (DTensor); point the optimizer at the new ones. A pipeline
-        # stage holds some of them only (under any of their names: a tied head's weight on the last stage).
-        pipelined = getattr(self.model, "_trainmesh_pipeline", None) is not None
-        new_by_name: dict[str, list] = {}
-        for name, param in unwrap(self.model).named_parameters():
-            new_by_name.setdefault(self._canonical.get(name, name) if pipelined else name, []).append(param)
-        for group in optimizer.param_groups:
-            rebound = []
-            for param in group["params"]:
-                name = names_before.get(id(param))
-                if name is None or (name not in new_by_name and not pipelined):
-                    raise ValueError(
-                        "The optimizer holds parameters that are not the model's. Build it from "
-                        "model.parameters(), or pass a callable params -> optimizer."
-                    )
-                rebound.extend(new_by_name.get(name, []))
-            if any(p is not q for p, q in zip(group["params"], rebound)) and optimizer.state:
-                raise ValueError("The optimizer already has state; pass a fresh one (or a callable) to the Trainer.")
-            group["params"] = rebound
-        return self.distribution.prepare_optimizer(optimizer, self.model)  # ZeRO-1 shards its state
-
     def _apply_lr_scaling(self, batch_size: int | None) -> None:
         if self.config.lr_scaling is None or batch_size is None:
             return
         for group, base in zip(self.optimizer.param_groups, self._base_lrs):
             group["lr"] = scale_lr(base, batch_size, self.config.base_batch_size, rule=self.config.lr_scaling)
             group.pop("initial_lr", None)  # a scheduler built later takes the scaled lr as its base
-
-    def _skipped(self) -> int:
-        return self.precision.scaler.skipped_steps if self.precision.scaler is not None else 0
-
-    def _show_progress(self) -> bool:
-        if not self.is_main_process or self.config.progress is False:
-            return False
-        return True if self.config.progress is True else (sys.stdout is not None)
