@@ -256,7 +256,17 @@ def token_weighted_loss(
         total = count.clone()
         dist.all_reduce(total, group=context.grad_group)
         total = total.item()
-    weight = 0.0 if total == 0 else count.item() * context.grad_size * parts / total
+    return weighted_to_token_mean(loss, count.item(), total, processes=context.grad_size, parts=parts, aux=aux)
+
+
+def weighted_to_token_mean(
+    loss: torch.Tensor, count: float, total: float, *, processes: int = 1, parts: int = 1, aux: list = ()
+) -> torch.Tensor:
+    """``loss`` (a mean over ``count`` tokens) times ``count x processes x parts / total``: averaged over
+    the ``processes x parts`` pieces of ``total`` tokens, the weighted losses give the token mean.
+    :func:`token_weighted_loss` over a sequence axis; a pipeline's microbatches without one
+    (``pipeline_loss``). A weight of exactly 1 returns ``loss`` itself."""
+    weight = 0.0 if total == 0 else count * processes * parts / total
     if math.isclose(weight, 1.0, rel_tol=0, abs_tol=0):
         return loss
     weighted = loss * weight

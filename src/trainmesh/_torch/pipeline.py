@@ -5,7 +5,8 @@
 ``PipelineRunner`` runs a step through torch's schedule. What the runner adds around it:
 
 * the loss of each microbatch is divided by their number (``scale_grads=False``): a step's
-  gradient is the mean over its microbatches, as one batch on one process gives;
+  gradient is the mean over its microbatches, as one batch on one process gives (each weighted
+  by its tokens where padding leaves them unequal: ``pipeline_loss``);
 * gradients over the data axis: FSDP2 (ZeRO 2-3) reduces them itself; otherwise one flattened
   all-reduce per dtype after the schedule (no per-microbatch traffic);
 * a weight shared by the first and last stage (a tied embedding and head) lives on both; their
@@ -16,7 +17,7 @@
 * on CPU (gloo), each step's receives are posted when it starts (``pipeline_receives``), not
   when each microbatch is due;
 * evaluation and prediction pass activations stage to stage with plain send/recv, one
-  microbatch, no schedule (batches there may be uneven or empty);
+  microbatch, no schedule (batches there may be uneven or empty: ``pipeline_forward``);
 * the loss function gets the model's own output type, rebuilt around the last stage's tensor
   (``pipeline_output``): ``outputs.logits`` and ``outputs[0]`` read as they do without a pipeline;
 * the loss exists on the last stage; the Trainer's loss all-reduce reports it everywhere.
@@ -24,16 +25,17 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .context_parallel import _token_count, global_token_count, sequence_context, token_weighted_loss
+from .context_parallel import global_token_count, sequence_context, token_weighted_loss
 from .pipeline_experts import average_expert_replicas, data_averaged
+from .pipeline_forward import forward_only
 from .pipeline_inputs import check_sequence_rules, split_inputs
+from .pipeline_loss import loss_under_precision, microbatch_weighted, real_tokens_if_padded, scaled_loss
 from .pipeline_receives import ReceivePlan, posts_receives_ahead
 from .pipeline_split import KeyedBlocks, assign_blocks, build_stage_model, split_at
 from .pipeline_stage import StageModule, make_pipeline_stage  # noqa: F401 - StageModule is imported from here too
@@ -187,8 +189,8 @@ class PipelineRunner:
         k = len(micro_batches)
         self._context[0] = precision.forward_context
         scaler = precision.scaler
-        self._loss_fn[0] = lambda out, y: _scaled(
-            self._token_weighted(_under(precision, loss_fn, out, y), y), k, scaler
+        self._loss_fn[0] = lambda out, y: scaled_loss(
+            self._token_weighted(loss_under_precision(precision, loss_fn, out, y), y), k, scaler
         )
         self._follow_mode()
         for batch in micro_batches:
@@ -199,7 +201,7 @@ class PipelineRunner:
             args = (tokens,) if self.holds_first else ()
             if self.holds_last:  # before the schedule: every process of the last stage's data x seq group
                 self._step_tokens[0] = global_token_count(self._last_stage_model(), targets)
-                self._replica_tokens[0] = _real_tokens_if_padded(targets)
+                self._replica_tokens[0] = real_tokens_if_padded(targets)
             if self.receive_plan is not None:
                 self.receive_plan.before_step(self.schedule)
             with self._step_context():
@@ -244,9 +246,9 @@ class PipelineRunner:
         whole schedule step (``token_weighted_loss``, with the step's tokens counted by one 8-byte
         all-reduce over data x seq before the schedule): microbatches with more padding weigh less, as
         their tokens do in one process's mean over the batch. Without one, the same weighting to the token
-        mean of this data replica's batch (``_microbatch_weighted``, no collective)."""
+        mean of this data replica's batch (``pipeline_loss.microbatch_weighted``, no collective)."""
         if sequence_context(self._last_stage_model()) is None:
-            return _microbatch_weighted(loss, targets, self._replica_tokens[0], self.pipeline.microbatches)
+            return microbatch_weighted(loss, targets, self._replica_tokens[0], self.pipeline.microbatches)
         return token_weighted_loss(
             self._last_stage_model(), loss, targets, total=self._step_tokens[0], parts=self.pipeline.microbatches
         )
@@ -293,128 +295,20 @@ class PipelineRunner:
     # --- forward only ----------------------------------------------------------------------
     def forward_only(self, inputs: Any, *, everywhere: bool = False) -> torch.Tensor | None:
         """The last stage's output for ``inputs`` (whole batch, one microbatch), by send/recv along the
-        stages; on every pipeline process when ``everywhere``, else on the last stage's only."""
+        stages (``pipeline_forward``); on every pipeline process when ``everywhere``, else on the last
+        stage's only."""
         self._follow_mode()
-        with _whole_sequences(self.stage_models):
-            return self._forward_only(inputs, everywhere=everywhere)
+        return forward_only(self, inputs, everywhere=everywhere)
 
-    def _forward_only(self, inputs: Any, *, everywhere: bool) -> torch.Tensor | None:
-        tokens, side = self._split_inputs(inputs, training=False)
-        x = None
-        last_out = None
-        for index in range(self.num_stages):
-            owner = stage_owner(index, self.pipe_size, self.pipeline.schedule)
-            if owner != self.pipe_rank:
-                continue
-            module = self.modules[self.indices.index(index)]
-            if index == 0:
-                x = tokens
-            else:
-                prev = stage_owner(index - 1, self.pipe_size, self.pipeline.schedule)
-                if prev != self.pipe_rank or x is None:
-                    x = _recv_tensor(self.pipe_group, prev, self.device)
-            x = module(x, **side)
-            if index == self.num_stages - 1:
-                last_out = x
-            else:
-                nxt = stage_owner(index + 1, self.pipe_size, self.pipeline.schedule)
-                if nxt != self.pipe_rank:
-                    _send_tensor(x, self.pipe_group, nxt)
-        if not everywhere:
-            return last_out
-        src = stage_owner(self.num_stages - 1, self.pipe_size, self.pipeline.schedule)
-        if self.pipe_rank == src:
-            for peer in range(self.pipe_size):
-                if peer != src:
-                    _send_tensor(last_out, self.pipe_group, peer)
-            return last_out
-        return _recv_tensor(self.pipe_group, src, self.device)
-
-
-@contextlib.contextmanager
-def _whole_sequences(stage_models: list[nn.Module]):
-    """Forward-only passes run whole sequences on every process of a sequence axis: the stages pass one
-    activation tensor, and a stage's split forward would gather its output back to whole sequences
-    (``context_parallel_eval``) that the next stage's split would not take apart again."""
-    contexts = [c for c in (getattr(m, "_trainmesh_sequence", None) for m in stage_models) if c is not None]
-    saved = [c.split_whole for c in contexts]
-    for c in contexts:
-        c.split_whole = 0
-    try:
-        yield
-    finally:
-        for c, value in zip(contexts, saved):
-            c.split_whole = value
-
-
-def _real_tokens_if_padded(targets) -> float | None:
-    """The targets other than -100 (cross-entropy's ``ignore_index``, counted as ``token_weighted_loss``
-    counts them) of a step's integer targets where some are -100, else None (every microbatch then holds
-    as many tokens: the plain mean is the mean)."""
-    if not torch.is_tensor(targets) or targets.is_floating_point():
-        return None
-    count = _token_count(targets).item()
-    return count if count < targets.numel() else None
-
-
-def _microbatch_weighted(loss: torch.Tensor, targets, total: float | None, parts: int) -> torch.Tensor:
-    """A microbatch's mean loss times ``its tokens x parts / the step's tokens``: the schedule's mean over
-    the microbatches is then the token mean over the whole batch, as one process computes it on that
-    batch, when padding (-100 targets, a left-padding mask) leaves the microbatches unequal counts. A
-    pipeline's microbatches are its own cut of the batch, not the user's accumulation steps."""
-    if total is None or not torch.is_tensor(targets):
-        return loss
-    if total == 0:
-        return loss * 0.0
-    return loss * (_token_count(targets).item() * parts / total)
-
-
-def _under(precision, loss_fn: Callable, output, target) -> torch.Tensor:
-    # Inside autocast, as the Trainer computes a loss without a pipeline (step.py): the schedule calls
-    # the loss outside the stage's forward, where cross-entropy on bf16 logits ran in bf16 (a bf16-rounded loss).
-    with precision.forward_context():
-        return loss_fn(output, target)
-
-
-def _scaled(loss: torch.Tensor, k: int, scaler) -> torch.Tensor:
-    if not torch.is_tensor(loss) or loss.dim() != 0:
-        raise ValueError(
-            f"loss_fn must return a scalar tensor. Received: {type(loss).__name__} "
-            f"with shape {tuple(getattr(loss, 'shape', ()))}"
-        )
-    loss = loss.float() / k
-    return scaler.scale(loss) if scaler is not None else loss
+    def owner_of(self, stage: int) -> int:
+        """The pipeline rank holding ``stage``."""
+        return stage_owner(stage, self.pipe_size, self.pipeline.schedule)
 
 
 def _null_context():
     import contextlib
 
     return contextlib.nullcontext()
-
-
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool]
-
-
-def _send_tensor(t: torch.Tensor, group, peer: int) -> None:
-    t = t.detach().contiguous()
-    header = torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape], dtype=torch.int64)
-    size = torch.tensor([header.numel()], dtype=torch.int64)
-    dst = dist.get_global_rank(group, peer)
-    dist.send(size, dst, group=group)
-    dist.send(header, dst, group=group)
-    dist.send(t, dst, group=group)
-
-
-def _recv_tensor(group, peer: int, device) -> torch.Tensor:
-    src = dist.get_global_rank(group, peer)
-    size = torch.empty(1, dtype=torch.int64)
-    dist.recv(size, src, group=group)
-    header = torch.empty(int(size.item()), dtype=torch.int64)
-    dist.recv(header, src, group=group)
-    dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-    out = torch.empty([int(s) for s in header[2 : 2 + ndim]], dtype=dtype, device=device)
-    dist.recv(out, src, group=group)
-    return out
 
 
 def _average_grads(params: list[nn.Parameter], group, size: int) -> None:
