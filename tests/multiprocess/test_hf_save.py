@@ -195,3 +195,26 @@ def test_export_cli_round_trip(saved, tmp_path):
     )
     with pytest.raises(SystemExit):  # a folder that is no checkpoint: a usage error naming it
         cli.main(["export", str(tmp_path), str(tmp_path / "x")])
+
+
+def _save_unstorable(root: str) -> tuple[str, str, bool]:
+    """A complex tensor, which safetensors cannot store: the first process plans the save alone and
+    must hand its error to the others (who would otherwise wait for a plan), before any folder exists."""
+    import trainmesh as tm
+
+    model = torch.nn.Linear(2, 2)
+    model.register_buffer("phase", torch.ones(3, dtype=torch.complex64))
+    path = os.path.join(root, "unstorable")
+    try:
+        tm.save_pretrained(model, path)
+    except Exception as exc:  # noqa: BLE001  its type and text are the test's
+        return type(exc).__name__, str(exc), os.path.exists(path)
+    return "", "", os.path.exists(path)
+
+
+@pytest.mark.timeout(120)
+def test_a_plan_error_reaches_every_process(tmp_path):
+    results = run_distributed(_save_unstorable, world_size=2, args=(str(tmp_path),), timeout=100)
+    for kind, message, exists in results:
+        assert kind == "ValueError" and "cannot store 'phase'" in message, (kind, message)
+        assert not exists

@@ -1,8 +1,8 @@
 """``save_pretrained``: any trainmesh model, any layout, to the Hugging Face checkpoint layout.
 
 Collective: every process calls it. The plan (which tensors, under which names, in which file,
-written by which process) is made from every process's list of what it holds, so it is the same
-everywhere. The file layout is transformers' own (its split by ``max_shard_size``, safetensors'
+written by which process) is made by the first process from every process's list of what it holds,
+and broadcast with the staging folder's name. The file layout is transformers' own (its split by ``max_shard_size``, safetensors'
 order of tensors inside a file), so the files are byte for byte what its ``save_pretrained`` writes.
 
 * A file whose tensors are all held in contiguous runs of their row-major elements (ZeRO-3's dim-0
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import shutil
 from typing import Any
 
@@ -33,7 +34,7 @@ from torch import nn
 from .. import runtime
 from . import hf_layout
 from .hf_save_direct import in_runs, write_in_place
-from .hf_save_plan import make_plan as _plan
+from .hf_save_plan import by_file, make_plan as _plan
 from .hf_save_transfer import gather_and_write as _gather_and_write
 
 
@@ -87,22 +88,10 @@ def _save(model, directory, max_bytes, dtype, group, view=None) -> str:
     rank = dist.get_rank() if group is not None else 0
     local = _local_state(model) if view is None else view.local_state(model, _local_state(model))
     described = _all_gather(_describe(model, local), group)
-    items, files = _plan(
-        described,
-        max_bytes if view is None else view.max_bytes(max_bytes),
-        dtype,
-        hf_layout.tied_target_patterns(_unwrap(model)),
-        _unwrap(model) if view is None else None,
-    )
-    if view is not None:
-        view.rename(items, files)
-    staging, problem = None, None
-    if rank == 0:
-        try:
-            staging = hf_layout.prepare_staging(directory)
-        except Exception as exc:  # told to everyone, before any tensor moves
-            problem = f"{type(exc).__name__}: {exc}"
-    staging, problem = _broadcast((staging, problem), group)
+    planned = _plan_and_stage(model, described, directory, max_bytes, dtype, view) if rank == 0 else None
+    items, files, staging, problem = _broadcast(planned, group)
+    if isinstance(problem, BaseException):  # the plan's own error (a dtype safetensors cannot store), as is
+        raise problem
     if problem is not None:
         raise RuntimeError(f"save_pretrained could not prepare {directory!r}: {problem}")
     error = _write_files(local, items, files, staging, rank, group)
@@ -130,13 +119,40 @@ def _save(model, directory, max_bytes, dtype, group, view=None) -> str:
     return directory
 
 
+def _plan_and_stage(model, described, directory, max_bytes, dtype, view) -> tuple:
+    """The plan and the staging folder, made on the first process only and broadcast with the folder's
+    name in the one object broadcast the save had before: the plan is a pure function of ``described``,
+    so every process made the same one, and a first save in a process spent ~1.2 s of CPU in
+    transformers' conversion tables (``hf_expert_names.none_converted``) on every process at once.
+    A failure is told to everyone before any tensor moves: (None, None, None, the error)."""
+    try:
+        items, files = _plan(
+            described,
+            max_bytes if view is None else view.max_bytes(max_bytes),
+            dtype,
+            hf_layout.tied_target_patterns(_unwrap(model)),
+            _unwrap(model) if view is None else None,
+        )
+        if view is not None:
+            view.rename(items, files)
+    except Exception as exc:  # raised on every process, with its type where it pickles
+        try:
+            pickle.loads(pickle.dumps(exc))
+        except Exception:  # noqa: BLE001  an unpicklable error would fail the broadcast on this process only
+            exc = RuntimeError(f"{type(exc).__name__}: {exc}")
+        return None, None, None, exc
+    try:
+        staging = hf_layout.prepare_staging(directory)
+    except Exception as exc:
+        return None, None, None, f"{type(exc).__name__}: {exc}"
+    return items, files, staging, None
+
+
 def _write_files(local, items, files, staging, rank, group) -> BaseException | None:
     """Files whose tensors are all held in runs: each process writes its runs in place
     (``hf_save_direct``, no transfer); the rest: pieces moved to each file's writer."""
-    direct, moved, position = ([], []), ([], []), 0
-    for plan in files:
-        file_items = items[position : position + len(plan.entries)]
-        position += len(plan.entries)
+    direct, moved = ([], []), ([], [])
+    for plan, file_items in by_file(items, files):
         side = direct if in_runs(file_items) else moved
         side[0].extend(file_items)
         side[1].append(plan)

@@ -24,7 +24,7 @@ import torch
 
 from . import hf_layout
 from .hf_layout import Entry, FilePlan
-from .hf_save_plan import Item
+from .hf_save_plan import Item, by_file
 
 
 class _Placed:
@@ -67,11 +67,8 @@ def write_in_place(
 
     error: BaseException | None = None
     written, opened = 0, []
-    position = 0
     try:
-        for plan in files:
-            file_items = items[position : position + len(plan.entries)]
-            position += len(plan.entries)
+        for plan, file_items in by_file(items, files):
             mine = [(item, piece) for item in file_items for piece in item.pieces if piece[0] == rank]
             if error is not None or not (mine or plan.writer == rank):
                 continue

@@ -1,11 +1,11 @@
 """``save_pretrained``'s plan: which tensors, under which names, in which file, written by which process,
 and which process sends which run of each tensor to its writer. Made from every process's list of what
-it holds (``hf_save._describe``), so it is identical everywhere without a word more between them."""
+it holds (``hf_save._describe``); the first process makes it and broadcasts it (``hf_save._plan_and_stage``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -78,6 +78,15 @@ def make_plan(
     for item in ordered:
         item.pieces = _pieces(item)
     return ordered, files
+
+
+def by_file(items: list[Item], files: list[FilePlan]) -> Iterator[tuple[FilePlan, list[Item]]]:
+    """Each file with its items: ``items`` lists every file's entries in file order (``make_plan``'s
+    order), so a file's items are the next ``len(plan.entries)`` of them."""
+    start = 0
+    for plan in files:
+        yield plan, items[start : start + len(plan.entries)]
+        start += len(plan.entries)
 
 
 def _assign_writers(items: list[Item], files: list[FilePlan], world_size: int) -> None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from . import hf_layout
 from .hf_layout import Entry, FilePlan
-from .hf_save_plan import Item
+from .hf_save_plan import Item, by_file
 
 
 class _Sink:
@@ -88,10 +88,7 @@ def gather_and_write(
     error: BaseException | None = None
     syncer = _Syncer()
     try:  # a failed collective still waits for the fsyncs already handed to the thread
-        start = 0
-        for plan in files:
-            file_items = items[start : start + len(plan.entries)]
-            start += len(plan.entries)
+        for plan, file_items in by_file(items, files):
             sink = None
             if plan.writer == rank:
                 try:
