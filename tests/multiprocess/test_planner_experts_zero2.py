@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from trainmesh.testing import run_distributed
+from trainmesh.testing.tiny_models import tiny_qwen3_moe_config
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]  # ~3 min at load 25 on 2 cores
 transformers = pytest.importorskip("transformers")
@@ -27,29 +28,12 @@ transformers = pytest.importorskip("transformers")
 TOLERANCE_BYTES = 64
 
 
-def _config():
-    return transformers.Qwen3MoeConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        moe_intermediate_size=8,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=8,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
-
-
 def _held(ep: int, shape=(4,), axes=("data",), zero_stage: int = 2) -> dict:
     import trainmesh as tm
     from trainmesh.planner.dry_run import _storage_bytes
 
     torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(_config())
+    model = transformers.Qwen3MoeForCausalLM(tiny_qwen3_moe_config())
     mesh = tm.DeviceMesh(shape, list(axes), devices=tm.list_devices())
     layout_map = tm.LayoutMap.auto(model, mesh, expert_axis="data", expert_parallel_size=ep, verbose=False)
     distribution = tm.ModelParallel(layout_map=layout_map, batch_dim_name="data", zero_stage=zero_stage)
@@ -87,7 +71,7 @@ def test_ep_by_zero2_and_by_tp_plans_count_what_each_process_holds():
 
     def meta():
         with torch.device("meta"):
-            return transformers.Qwen3MoeForCausalLM(_config()).to(torch.bfloat16)
+            return transformers.Qwen3MoeForCausalLM(tiny_qwen3_moe_config()).to(torch.bfloat16)
 
     dry = plan_parallel(
         meta(), world_size=4, mesh="data=4", seq_len=8, hardware=None, precision="bf16-true", zero_stage=2

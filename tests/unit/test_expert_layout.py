@@ -9,6 +9,7 @@ import torch
 
 import trainmesh as tm
 from trainmesh.distribution.expert_layout import build_expert_plan, find_experts
+from trainmesh.testing.tiny_models import tiny_qwen3_moe_config
 
 pytestmark = pytest.mark.timeout(120)
 transformers = pytest.importorskip("transformers")
@@ -16,21 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 def _qwen3_moe(num_experts: int = 4):
     torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        moe_intermediate_size=8,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=num_experts,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
-    return transformers.Qwen3MoeForCausalLM(config)
+    return transformers.Qwen3MoeForCausalLM(tiny_qwen3_moe_config(num_experts))
 
 
 def _mesh(*shape, axes=("data",)):

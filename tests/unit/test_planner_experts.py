@@ -10,30 +10,17 @@ import torch
 from trainmesh.planner.experts import check_plan, expert_bytes, stage_expert_paths
 from trainmesh.planner.mesh_spec import MeshSpec
 from trainmesh.planner.parallel import plan_parallel
+from trainmesh.testing.tiny_models import tiny_qwen3_moe_config
 
 pytestmark = pytest.mark.timeout(120)
 transformers = pytest.importorskip("transformers")
 
-HIDDEN, MOE_INTERMEDIATE, LAYERS = 16, 8, 2
+HIDDEN, MOE_INTERMEDIATE, LAYERS = 16, 8, 2  # tiny_qwen3_moe_config's
 
 
 def _qwen3_moe(num_experts: int = 8):
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=32,
-        hidden_size=HIDDEN,
-        intermediate_size=32,
-        moe_intermediate_size=MOE_INTERMEDIATE,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=num_experts,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
     with torch.device("meta"):
-        return transformers.Qwen3MoeForCausalLM(config).float()
+        return transformers.Qwen3MoeForCausalLM(tiny_qwen3_moe_config(num_experts)).float()
 
 
 def test_expert_bytes_per_process():
