@@ -59,6 +59,13 @@ def torchrec_unavailable() -> str | None:
 
 
 def _torchrec_step(ids: torch.Tensor):
+    import logging
+    import warnings
+
+    # The planner warns about a hand-built Topology and its storage-reservation heuristic; neither
+    # applies to one table on CPU, and the warnings would bury the benchmark's own table.
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torchrec")
     import torchrec
     from torchrec.distributed.comm_ops import set_gradient_division
     from torchrec.distributed.model_parallel import DistributedModelParallel
