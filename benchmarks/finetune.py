@@ -327,6 +327,54 @@ def _malloc_free_bytes() -> int | None:
         return None
 
 
+def _peak_census_class():
+    """A ``LiveTensorBytes`` that also keeps, at its peak, the size of every live storage and the operator that
+    reached it: what makes up a side's peak (gathered units, saved activations, loss buffers, optimizer state),
+    read by size (a census, not names: storages carry none)."""
+    from trainmesh.testing.memory import LiveTensorBytes
+
+    class PeakCensus(LiveTensorBytes):
+        census: tuple[str, list[int]] = ("", [])
+        op = "outside an operator"
+
+        def track(self, storage):
+            before = self.peak
+            super().track(storage)
+            if self.live > before:  # a new peak: a copy of the sizes (a few hundred), sorted once at the end
+                self.census = (self.op, list(self._sizes.values()))
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.op = str(func)
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def reset_peak(self):
+            super().reset_peak()
+            self.census = (self.op, list(self._sizes.values()))
+
+        def summary(self, top: int = 8) -> dict:
+            """The peak's operator, its largest storage sizes (MiB x count) and the rest."""
+            op, sizes = self.census
+            counts: dict[float, int] = {}
+            for size in sorted(sizes, reverse=True):
+                if size >= 2**18:
+                    counts[round(size / 2**20, 2)] = counts.get(round(size / 2**20, 2), 0) + 1
+            largest = sorted(counts.items(), reverse=True)[:top]
+            shown = sum(mib * 2**20 * n for mib, n in largest)
+            return {"op": op, "largest_mib_x_count": largest, "rest_bytes": sum(sizes) - shown}
+
+    return PeakCensus
+
+
+def _rss_file_bytes() -> int:
+    """Resident pages mapped from files (``RssFile``: code of the libraries a step first runs, e.g. libtorch's
+    kernels): a fixed cost every side pays, in its RSS growth, that no tensor explains."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def memory_worker(cfg: dict, side: str) -> dict:
     """One side in fresh processes: peak RSS growth and live tensor bytes over build + M steps, then the
     bytes of one more step's collectives, counted at the dispatcher."""
@@ -335,7 +383,6 @@ def memory_worker(cfg: dict, side: str) -> dict:
 
     import trainmesh  # noqa: F401
     from trainmesh.planner.collectives import CollectiveCounter, CollectiveLog
-    from trainmesh.testing.memory import LiveTensorBytes
     from trainmesh.testing.rss import PeakRSSGrowth, current_rss_bytes, peak_rss_bytes
 
     class CallLog(CollectiveLog):
@@ -349,10 +396,10 @@ def memory_worker(cfg: dict, side: str) -> dict:
     steps = cfg["mem_steps"]
     x, y = token_data(cfg["size"], steps + 1, cfg["seed"] + 1)
     batch = cfg["size"]["rows"] * WORLD
-    out = {"rss_start": current_rss_bytes()}
+    out = {"rss_start": current_rss_bytes(), "rss_file_start": _rss_file_bytes()}
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with PeakRSSGrowth() as growth, LiveTensorBytes("cpu") as live:
+        with PeakRSSGrowth() as growth, _peak_census_class()("cpu") as live:
             runner = build_side(cfg, side)
             out.update(
                 live_after_build=live.live, live_peak_build=live.peak, rss_growth_build=peak_rss_bytes() - growth.start
@@ -364,6 +411,8 @@ def memory_worker(cfg: dict, side: str) -> dict:
             live_peak=max(live.peak, out["live_peak_build"]),
             live_peak_steps=live.peak,
             malloc_free=_malloc_free_bytes(),
+            rss_file_growth=_rss_file_bytes() - out["rss_file_start"],
+            peak_census=live.summary(),
         )
         log = CallLog()
         with CollectiveCounter({}, log=log):
@@ -543,6 +592,8 @@ def summarize(cfg: dict, memory: dict, timing: list[dict], parity: dict, counts:
             "live_after_build": worst("live_after_build"),
             "vmhwm": worst("vmhwm"),
             "malloc_free": worst("malloc_free") if launches[0][0]["malloc_free"] is not None else None,
+            "rss_file_growth": worst("rss_file_growth"),
+            "peak_census_rank0": launches[0][0]["peak_census"],
             "grad_bytes": _median([ranks[0]["grad_bytes"] for ranks in launches]),
             "gather_bytes": _median([ranks[0]["gather_bytes"] for ranks in launches]),
             "collectives_rank0": launches[0][0]["collectives"],
@@ -678,6 +729,14 @@ def print_report(report: dict) -> None:
         "grad / gather MB: one process's gradient collectives (ZeRO-3 reduce-scatters, DDP all-reduces) and "
         "parameter all-gathers per step, full buffers, counted at the dispatcher"
     )
+    for side, m in report["memory"].items():
+        census = m["peak_census_rank0"]
+        largest = ", ".join(f"{mib:g}x{n}" for mib, n in census["largest_mib_x_count"])
+        print(
+            f"{side} step peak (rank 0, first launch) at {census['op']}: largest storages MiB x count {largest}; "
+            f"the rest {census['rest_bytes'] / mb:.1f} MiB; file-backed RSS growth (library code) "
+            f"{m['rss_file_growth'] / mb:.1f} MiB"
+        )
     p = report["parity"]
     print(
         f"parity ({PARITY_STEPS} steps of SGD lr 0.5 momentum 0.9, fp32, adapters vs one process): "
