@@ -170,3 +170,20 @@ def test_versions_survive_a_new_page_and_a_forget(monkeypatch):
     store.forget(0)
     store.apply(torch.tensor([16, 64]), torch.ones(2, DIM), shards.__getitem__)  # 4 takes 0's slot
     assert [shards[i].version for i in (0, 1, 4)] == [2, 2, 1]
+
+
+def test_ids_in_any_order_update_each_touched_range_once():
+    # A push's ids arrive increasing (the touched slots are then read off the runs of ranges);
+    # ids in any other order take the general path. Both must advance each range's version once
+    # and update the same rows as one update per range.
+    packed, reference = _ranges(OPTIMIZERS[1]), _ranges(OPTIMIZERS[1])
+    store = RowStore("t", ROWS, PER_RANGE)
+    gen = torch.Generator().manual_seed(1)
+    for ids in (torch.tensor([3, 40, 41, 165, 17, 5]), torch.tensor([0, 1, 2, 16, 80, 81, 160, 165])):
+        grads = torch.randn(ids.numel(), DIM, generator=gen)
+        store.apply(ids, grads, packed.__getitem__)
+        _per_range_apply(reference, ids, grads, None)
+    for index, shard in packed.items():
+        assert shard.version == reference[index].version, index
+        assert torch.equal(shard.value, reference[index].value), index
+    assert [packed[i].version for i in (0, 1, 2, 5, 10)] == [2, 2, 1, 1, 2]
