@@ -122,8 +122,8 @@ def _save(model, directory, max_bytes, dtype, group, view=None) -> str:
 def _plan_and_stage(model, described, directory, max_bytes, dtype, view) -> tuple:
     """The plan and the staging folder, made on the first process only and broadcast with the folder's
     name in the one object broadcast the save had before: the plan is a pure function of ``described``,
-    so every process made the same one, and a first save in a process spent ~1.2 s of CPU in
-    transformers' conversion tables (``hf_expert_names.none_converted``) on every process at once.
+    so every process made the same one, and a process's first save builds transformers' conversion
+    tables (``hf_expert_names.none_converted``: 0.05 s of CPU for the 0.09B Llama) on every process at once.
     A failure is told to everyone before any tensor moves: (None, None, None, the error)."""
     try:
         items, files = _plan(
