@@ -119,3 +119,58 @@ def test_ragged_samples_raise_torchs_error_from_the_worker():
     with DataLoader(Ragged(), sampler(8, 4), num_workers=1) as loader:
         with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
             next(iter(loader))
+
+
+class Numbers(torch.utils.data.Dataset):
+    """Sample i: an image, and Python numbers of each kind torch's collate turns into a tensor."""
+
+    def __len__(self):
+        return 96
+
+    def __getitem__(self, i):
+        return torch.full((16,), float(i)), i, i / 4, i % 3 == 0
+
+
+def test_python_numbers_travel_in_the_slot_with_torchs_dtypes():
+    # int -> int64, float -> float64, bool -> bool, as default_collate makes them. A batch through a
+    # slot (its image copied out, not shared memory) has its numbers there too, not each tensor in a
+    # shared-memory block of its own; a slot's first batch (no arena yet) takes torch's path whole.
+    data = Numbers()
+    with DataLoader(data, sampler(96, 8), num_workers=2) as loader:
+        got = list(loader)
+    for j, batch in enumerate(got):
+        assert same(batch, expected(data, range(8 * j, 8 * j + 8))), f"batch {j}"
+    assert [t.dtype for t in got[-1]] == [torch.float32, torch.int64, torch.float64, torch.bool]
+    through_slots = [batch for batch in got if not batch[0].is_shared()]
+    assert len(through_slots) >= 6, "fewer batches through slots than expected"
+    assert not any(t.is_shared() for batch in through_slots for t in batch[1:])
+    assert all(t.is_shared() for t in got[0])  # the first batch: no arena yet, torch's own path
+
+
+def test_dropped_batches_memory_is_reused_and_anything_still_referring_keeps_its_values():
+    data = Numbers()
+    kept, pointers = [], set()
+    with DataLoader(data, sampler(96, 8), num_workers=2) as loader:
+        for j, batch in enumerate(loader):
+            pointers.add(batch[0].data_ptr())
+            if j % 3 == 0:
+                kept.append((j, batch[0][2:5]))  # a view: keeps its batch's memory out of reuse
+            elif j % 3 == 1:
+                kept.append((j, batch[2].numpy()))  # a numpy array over the float64 labels
+            del batch
+        pool = loader._slots.outputs
+        assert len(pool.storages[8 * 16 * 4]) <= 16
+    for j, held in kept:
+        whole = expected(data, range(8 * j, 8 * j + 8))
+        want = whole[0][2:5] if j % 3 == 0 else whole[2].numpy()
+        assert (torch.as_tensor(held) == torch.as_tensor(want)).all(), f"batch {j}"
+    # 12 batches, 4 of them held by a view: the 8 others came through memory a dropped batch left
+    assert len(pointers) < 12
+
+
+def test_pinned_batches_do_not_reuse_memory():
+    # An asynchronous copy to the GPU may still read a pinned batch after its holder dropped it.
+    from trainmesh.data.batch_slots import BatchSlots
+
+    assert BatchSlots(2, 3, pin=True).outputs is None
+    assert BatchSlots(2, 3, pin=False).outputs is not None

@@ -11,7 +11,8 @@ stacks the batch's tensors into one whose flag is free. What travels is the layo
 shapes, dtypes), plus the arena itself the first time the main process sees it. Un-pickling in the
 main process copies the tensors out (straight into pinned memory when the loader pins) and frees
 the slot. The copy is what makes reuse safe: the training step may hold a batch for as long as it
-likes. Whatever does not fit, a custom collate function, or no free slot (a result dropped unread
+likes. Unpinned, it copies into memory of earlier batches that nothing refers to any more
+(``OutputPool``), not into fresh pages. Whatever does not fit, a custom collate function, or no free slot (a result dropped unread
 at shutdown) takes torch's own path, so this never waits and never blocks a worker.
 """
 
@@ -75,26 +76,44 @@ class _Bump:
     """Hands out consecutive aligned pieces of an arena to the collated tensors of one batch."""
 
     def __init__(self, arena: torch.Tensor | None):
-        self.arena, self.offset, self.needed = arena, 0, 0
+        self.arena, self.offset = arena, 0
         self.placed: dict[int, _Leaf] = {}  # id(tensor) -> where it lies
+
+    def _piece(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """The next piece of the arena for a tensor of ``shape``; None where the arena is too small
+        (its size is still counted, so the next arena holds the whole batch)."""
+        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+        start = -(-self.offset // _ALIGN) * _ALIGN
+        self.offset = start + nbytes
+        if self.arena is None or start + nbytes > self.arena.numel():
+            return None
+        out = self.arena[start : start + nbytes].view(dtype).view(shape)
+        self.placed[id(out)] = _Leaf(start, shape, dtype)
+        return out
 
     def stack(self, batch, *, collate_fn_map=None):
         elem = batch[0]
         if elem.layout != torch.strided or elem.device.type != "cpu" or any(t.shape != elem.shape for t in batch):
             return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # torch's path (and its errors)
-        shape = (len(batch), *elem.shape)
-        nbytes = elem.numel() * len(batch) * elem.element_size()
-        start = -(-self.offset // _ALIGN) * _ALIGN
-        self.needed = start + nbytes
-        size = 0 if self.arena is None else self.arena.numel()
-        if start + nbytes > size:
-            self.offset = start + nbytes  # counted, so the next arena holds the whole batch
+        out = self._piece((len(batch), *elem.shape), elem.dtype)
+        if out is None:
             return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
-        out = self.arena[start : start + nbytes].view(elem.dtype).view(shape)
         torch.stack(batch, 0, out=out)
-        self.offset = start + nbytes
-        self.placed[id(out)] = _Leaf(start, shape, elem.dtype)
         return out
+
+    # Python numbers (labels, indices) as torch's collate_int_fn / collate_float_fn make them. Why in
+    # the slot: a tensor left out of it travels as its own shared-memory block and file descriptor,
+    # which cost the main process 0.42 ms a batch for 64 int labels (1.64 against 1.22 ms of the
+    # prefetch thread's CPU per batch, the dataloader benchmark's decode setting, load 19).
+    def ints(self, batch, *, collate_fn_map=None):
+        return self._copy_in(torch.tensor(batch))
+
+    def floats(self, batch, *, collate_fn_map=None):
+        return self._copy_in(torch.tensor(batch, dtype=torch.float64))
+
+    def _copy_in(self, made: torch.Tensor) -> torch.Tensor:
+        out = self._piece(tuple(made.shape), made.dtype)
+        return made if out is None else out.copy_(made)
 
 
 class SlotBatch:
@@ -110,6 +129,43 @@ class SlotBatch:
         arena, flags = (state.arena, self.slots.flags) if sent else (None, None)
         args = (self.token, self.worker, self.slot, self.slots.pid, state.generation, arena, flags, self.layout)
         return _rebuild, args
+
+
+# c10's count of references to a storage (tensors, views, storage objects); None where torch lacks it
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class OutputPool:
+    """Main process: the memory that batches are copied out into, reused once nothing refers to it.
+
+    Why: a fresh tensor of a few MiB is fresh pages (glibc gives large blocks back to the kernel on
+    free), and faulting them in was most of the copy-out: in a probe, 0.67 ms to allocate and copy a
+    3 MiB batch against 0.07 ms to copy it into memory already touched. A storage is handed out again
+    only when this pool holds its one reference: a batch, a view of it, a numpy array over it or
+    autograd's record of it keeps its memory out of reuse, so a step can hold a batch as long as it
+    likes. Not for pinned memory: an asynchronous copy to the GPU may still read a pinned batch its
+    holder has dropped; torch's caching host allocator tracks that, this pool could not.
+    """
+
+    def __init__(self, per_size: int):
+        self.per_size = per_size  # storages kept per byte size; beyond, a batch gets its own memory
+        self.storages: dict[int, list[torch.UntypedStorage]] = {}
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if _STORAGE_USE_COUNT is None:
+            return torch.empty(shape, dtype=dtype)
+        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+        kept = self.storages.setdefault(nbytes, [])
+        # One reference (this list's) means unused: nothing can take a new one but this pool.
+        storage = next((s for s in kept if _STORAGE_USE_COUNT(s._cdata) == 1), None)
+        if storage is None:
+            storage = torch.UntypedStorage(nbytes)
+            if len(kept) < self.per_size:
+                kept.append(storage)
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+    def clear(self) -> None:
+        self.storages.clear()
 
 
 def _rebuild(token, worker, slot, pid, generation, arena, flags, layout):
@@ -128,7 +184,9 @@ def _rebuild(token, worker, slot, pid, generation, arena, flags, layout):
     def copy_out(leaf: _Leaf) -> torch.Tensor:
         nbytes = leaf.dtype.itemsize * int(torch.Size(leaf.shape).numel())
         view = arena[leaf.offset : leaf.offset + nbytes].view(leaf.dtype).view(leaf.shape)
-        return torch.empty(leaf.shape, dtype=leaf.dtype, pin_memory=slots.pin).copy_(view)
+        if slots.outputs is None:
+            return torch.empty(leaf.shape, dtype=leaf.dtype, pin_memory=slots.pin).copy_(view)
+        return slots.outputs.empty(leaf.shape, leaf.dtype).copy_(view)
 
     batch = _map(copy_out, layout, _Leaf)
     flags[slot] = 0  # copied: the worker may fill it again
@@ -148,10 +206,12 @@ class BatchSlots:
         self.count, self.pin = slots, pin
         # main process only: (pid, slot) -> (worker id, generation, arena, that process's flags)
         self.arenas: dict[tuple[int, int], tuple[int, int, torch.Tensor, torch.Tensor]] = {}
+        # It grows only to the most batches alive at once (read ahead, in the step, kept by the caller)
+        self.outputs = None if pin else OutputPool(per_size=16)
         _LIVE[self.token] = self
 
     def __getstate__(self) -> dict[str, Any]:  # to spawned workers: not the main process's arenas
-        return {"token": self.token, "count": self.count, "pin": self.pin, "arenas": {}}
+        return {"token": self.token, "count": self.count, "pin": self.pin, "arenas": {}, "outputs": None}
 
     def busy(self) -> int:
         """Slots whose batch the main process has not received yet (0 once a pass is drained)."""
@@ -160,6 +220,8 @@ class BatchSlots:
     def close(self) -> None:
         _LIVE.pop(self.token, None)
         self.arenas.clear()
+        if self.outputs is not None:
+            self.outputs.clear()
 
     def collate(self, samples: list) -> Any:
         info = get_worker_info()
@@ -180,7 +242,8 @@ class BatchSlots:
             state.generation += 1
         slots.flags[slot] = 1
         bump = _Bump(state.arena)
-        batch = collate(samples, collate_fn_map={**default_collate_fn_map, torch.Tensor: bump.stack})
+        kinds = {torch.Tensor: bump.stack, int: bump.ints, float: bump.floats}
+        batch = collate(samples, collate_fn_map={**default_collate_fn_map, **kinds})
         state.wanted = max(state.wanted, bump.offset)
         if not bump.placed:
             slots.flags[slot] = 0
