@@ -67,7 +67,9 @@ SMOKES = {
     ),
     "checkpoint": Smoke(["--rounds", "1", "--layers", "2", "--width", "256"], ["async_ckpt_block_vs_sync"], needs=()),
     "dataloader": Smoke(
-        ["--rounds", "1", "--steps", "2", "--batch", "16", "--step-ms", "5"], ["data_wait_fraction"], needs=()
+        ["--rounds", "1", "--steps", "2", "--batch", "16", "--step-ms", "5"],
+        ["data_wait_fraction", "data_wait_fraction_decode_workers"],
+        needs=(),
     ),
     # the transport part (the figures'); its compression and straggler parts cost ~50 s of CPU more
     "ps": Smoke(
