@@ -130,9 +130,9 @@ class DemoProcessShare(tm.DataParallel):
 
 
 def demo_part(args) -> dict:
-    from trainmesh.demo.char_gpt import CharGPT, GPTConfig, lm_loss
+    from trainmesh.demo.char_gpt import CharGPT, lm_loss
     from trainmesh.demo.corpus import build_corpus
-    from trainmesh.demo.job import DemoSettings, _token_shard_datasets, build_optimizer
+    from trainmesh.demo.job import DemoSettings, _token_shard_datasets, build_optimizer, model_config
     from trainmesh.trainer.data_input import TrainSteps
     from trainmesh.trainer.precision import build_precision, fastest_precision
     from trainmesh.trainer.step import set_optimizer_implementation
@@ -167,13 +167,7 @@ def demo_part(args) -> dict:
             "torch": ([next(plain_iter) for _ in range(settings.grad_accum_steps)] for _ in itertools.count()),
         }
         torch.manual_seed(settings.seed)
-        config = GPTConfig(
-            vocab_size=len(corpus.vocab),
-            block_size=settings.block_size,
-            n_layer=settings.n_layer,
-            n_head=settings.n_head,
-            d_model=settings.d_model,
-        )
+        config = model_config(corpus, settings)
         precision_name = fastest_precision()[0]
         precision = build_precision(precision_name)
         model = precision.convert_module(CharGPT(config))

@@ -167,19 +167,25 @@ def _token_shard_datasets(out: Path, corpus, settings: DemoSettings):
     )
 
 
-def train(out: Path, settings: DemoSettings) -> dict[str, Any]:
-    """Run the whole job on this process (collectives with the others); the summary on every process."""
-    started = time.perf_counter()
-    tm.initialize()
-    corpus = build_corpus(settings.char_budget, max_file_chars=settings.max_file_chars)
-    train_ds, heldout_ds = _token_shard_datasets(out, corpus, settings)
-    config = GPTConfig(
+def model_config(corpus, settings: DemoSettings) -> GPTConfig:
+    """The demo's CharGPT shape: its settings over the corpus's vocabulary (benchmarks/dataloader.py
+    builds the same model to time the demo's step)."""
+    return GPTConfig(
         vocab_size=len(corpus.vocab),
         block_size=settings.block_size,
         n_layer=settings.n_layer,
         n_head=settings.n_head,
         d_model=settings.d_model,
     )
+
+
+def train(out: Path, settings: DemoSettings) -> dict[str, Any]:
+    """Run the whole job on this process (collectives with the others); the summary on every process."""
+    started = time.perf_counter()
+    tm.initialize()
+    corpus = build_corpus(settings.char_budget, max_file_chars=settings.max_file_chars)
+    train_ds, heldout_ds = _token_shard_datasets(out, corpus, settings)
+    config = model_config(corpus, settings)
     # The same seed on every process gives the same initial weights (DDP would broadcast rank 0's
     # anyway; equal seeds also keep dropout-free runs reproducible from 1 to N processes).
     torch.manual_seed(settings.seed)
