@@ -6,7 +6,8 @@ which owns every socket (ZeroMQ sockets are not thread-safe). Each call returns 
 ``concurrent.futures.Future``. The I/O thread numbers requests per server, resends any
 unanswered one with the same seq after ``retry_after_s`` (the server's dedup applies it once,
 also after a server restart), sends heartbeats and fails requests with no answer for
-``request_timeout_s``. See docs/parameter_server.md and the message layout in server.py.
+``request_timeout_s``. See docs/parameter_server.md and the message layout in server.py. The
+sparse-row calls (``pull_rows``, ``push_rows``) are in client_rows.py.
 """
 
 from __future__ import annotations
@@ -21,15 +22,16 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from .client_io import ClientIO
+from .client_rows import SparseRows
 from .param_entries import normalize_entry
-from .placement import HashRing, Partitioner, shard_id
+from .placement import HashRing, Partitioner
 from .protocol import Message, MessageType
 from .row_routing import RowRouter
 
 DEFAULT_OPTIMIZER = {"name": "sgd", "lr": 0.01}
 
 
-class PSClient:
+class PSClient(SparseRows):
     """One worker's client. ``servers``: addresses (``"tcp://127.0.0.1:5555"``), or ``transports``:
     ready ``ClientTransport`` objects (tests), one per server, in the same order everywhere.
 
@@ -283,60 +285,6 @@ class PSClient:
             )
         return self._track_push(self.io.submit(messages))
 
-    # -- sparse rows ------------------------------------------------------------------------
-
-    def pull_rows(self, name: str, ids: torch.Tensor) -> Future:
-        """Future of the rows ``ids`` of table ``name``, shape ``(len(ids), dim)``."""
-        spec = self._table(name)
-        unique, inverse = torch.unique(_check_ids(name, ids), return_inverse=True)
-        clock = self.clock_value
-        messages, placed = [], []
-        for server, positions in self._router(name, spec).split_pull(unique):
-            messages.append(
-                (
-                    server,
-                    Message(
-                        MessageType.PULL,
-                        self.worker_id,
-                        0,
-                        tensors={"ids": unique[positions]},
-                        meta={"clock": clock, "shards": [], "rows": {name: "ids"}},
-                    ),
-                )
-            )
-            placed.append(positions)
-
-        def assemble(replies: list[Message]) -> torch.Tensor:
-            self._note_pull(clock)
-            rows = torch.empty(unique.numel(), spec["shape"][1])
-            for positions, reply in zip(placed, replies):
-                rows[positions] = reply.tensors[name]
-            return rows[inverse]
-
-        return self.io.submit(messages, assemble)
-
-    def push_rows(self, name: str, ids: torch.Tensor, grads: torch.Tensor, *, lr: float | None = None) -> Future:
-        """Send gradients of rows ``ids`` (duplicates summed); only those rows change on the servers."""
-        spec = self._table(name)
-        ids = _check_ids(name, ids)
-        dim = spec["shape"][1]
-        if not isinstance(grads, torch.Tensor) or tuple(grads.shape) != (ids.numel(), dim):
-            raise ValueError(
-                f"push_rows({name!r}): grads must have shape {(ids.numel(), dim)}, "
-                f"got {tuple(grads.shape) if isinstance(grads, torch.Tensor) else type(grads).__name__}"
-            )
-        grads = grads.detach()
-        if grads.dtype != torch.float32 or grads.device.type != "cpu":
-            grads = grads.to("cpu", torch.float32)
-        meta: dict[str, Any] = {"shards": [], "rows": {name: ["ids", "grads"]}, "round": self.clock_value}
-        if lr is not None:
-            meta["lr"] = float(lr)
-        messages = [
-            (server, Message(MessageType.PUSH, self.worker_id, 0, meta=dict(meta), tensors={"ids": i, "grads": g}))
-            for server, i, g in self._router(name, spec).split_push(ids, grads, len(self.server_ids))
-        ]
-        return self._track_push(self.io.submit(messages))
-
     # -- clocks, stats, shutdown ----------------------------------------------------------------
 
     def clock(self, wait_for_pushes: bool = True) -> Future:
@@ -419,22 +367,6 @@ class PSClient:
             raise ValueError(f"pull({name!r}): not a dense parameter passed to init; known: {sorted(self.params)}")
         return self._dense_shards(name, math.prod(spec["shape"]))
 
-    def _table(self, name: str) -> dict:
-        spec = self.params.get(name)
-        if spec is None or spec["kind"] != "sparse":
-            raise ValueError(f"{name!r} is not a sparse table passed to init; known: {sorted(self.params)}")
-        return spec
-
-    def _router(self, name: str, spec: dict) -> RowRouter:
-        router = self._routers.get(name)
-        if router is None:
-            rows, dim = spec["shape"]
-            rows_per_shard = self.partitioner.rows_per_shard
-            router = self._routers[name] = RowRouter(
-                name, rows, dim, rows_per_shard, lambda index: self._owner(shard_id(name, index))
-            )
-        return router
-
     def _batches(self, items):
         """Group ``(server, tensors, info)`` per server into messages of at most ``batch_bytes``."""
         per_server: dict[int, list[list]] = {}
@@ -483,9 +415,3 @@ def _make_compressor(compression: Any):
             f"Received: {compression!r}"
         )
     return compressor
-
-
-def _check_ids(name: str, ids: Any) -> torch.Tensor:
-    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise TypeError(f"row ids for {name!r} must be an integer tensor, got {ids!r:.80}")
-    return ids.reshape(-1).to("cpu", torch.int64)
