@@ -90,10 +90,8 @@ def _save(model, directory, max_bytes, dtype, group, view=None) -> str:
     described = _all_gather(_describe(model, local), group)
     planned = _plan_and_stage(model, described, directory, max_bytes, dtype, view) if rank == 0 else None
     items, files, staging, problem = _broadcast(planned, group)
-    if isinstance(problem, BaseException):  # the plan's own error (a dtype safetensors cannot store), as is
+    if problem is not None:  # made on the first process: the same error on every process
         raise problem
-    if problem is not None:
-        raise RuntimeError(f"save_pretrained could not prepare {directory!r}: {problem}")
     error = _write_files(local, items, files, staging, rank, group)
     extra: list[str] = []
     if rank == 0 and error is None:
@@ -124,7 +122,7 @@ def _plan_and_stage(model, described, directory, max_bytes, dtype, view) -> tupl
     name in the one object broadcast the save had before: the plan is a pure function of ``described``,
     so every process made the same one, and a process's first save builds transformers' conversion
     tables (``hf_expert_names.none_converted``: 0.05 s of CPU for the 0.09B Llama) on every process at once.
-    A failure is told to everyone before any tensor moves: (None, None, None, the error)."""
+    A failure is told to everyone before any tensor moves: (None, None, None, the error to raise)."""
     try:
         items, files = _plan(
             described,
@@ -144,7 +142,12 @@ def _plan_and_stage(model, described, directory, max_bytes, dtype, view) -> tupl
     try:
         staging = hf_layout.prepare_staging(directory)
     except Exception as exc:
-        return None, None, None, f"{type(exc).__name__}: {exc}"
+        return (
+            None,
+            None,
+            None,
+            RuntimeError(f"save_pretrained could not prepare {directory!r}: {type(exc).__name__}: {exc}"),
+        )
     return items, files, staging, None
 
 
