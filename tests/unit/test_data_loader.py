@@ -100,23 +100,35 @@ def test_plain_index_batches_and_torch_batch_sampler():
         assert [b[0].tolist() for b in loader] == [[4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]
 
 
-def test_prefetch_overlaps_a_slow_dataset_with_a_slow_step():
-    n, per_sample, per_step = 16, 0.01, 0.04  # 4 steps of 4 samples: 0.04 s to read, 0.04 s to train
+class SignalsNextBatch(Squares):
+    """Sets an event when a sample of the second batch (index >= first_of_next) is read."""
 
-    def run(prefetch):
-        with DataLoader(Squares(n, delay=per_sample), sampler(n=n, gbs=4, shuffle=False), prefetch=prefetch) as loader:
-            started = time.perf_counter()
-            for _ in loader:
-                time.sleep(per_step)
-            return time.perf_counter() - started, loader.stats.wait_s
+    def __init__(self, n, first_of_next):
+        super().__init__(n)
+        self.first_of_next, self.next_batch_read = first_of_next, threading.Event()
 
-    serial, _ = run(0)
-    overlapped, wait = run(2)
-    read_plus_train = 4 * (4 * per_sample + per_step)
-    assert serial >= 0.9 * read_plus_train
-    # Overlapped: about max(read, train) per step plus the first read; generous margin for a busy CI box.
-    assert overlapped < 0.8 * read_plus_train, (overlapped, serial)
-    assert wait < 0.5 * 4 * 4 * per_sample
+    def __getitem__(self, i):
+        if i >= self.first_of_next:
+            self.next_batch_read.set()
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_prefetch_reads_the_next_batch_while_the_step_runs(prefetch):
+    # Ordered by events, not timed: while the step holds batch 0, a prefetching loader reads batch 1 in the
+    # background; a loader without prefetch reads nothing until the step asks. (A timed version of this test
+    # failed under load: overlap is a speed figure, which lives in benchmarks/dataloader.py.)
+    data = SignalsNextBatch(16, first_of_next=4)
+    with DataLoader(data, sampler(n=16, gbs=4, shuffle=False), prefetch=prefetch) as loader:
+        it = iter(loader)
+        first = next(it)
+        assert first[0].tolist() == [0.0, 1.0, 2.0, 3.0]
+        if prefetch:
+            assert data.next_batch_read.wait(timeout=60), "the prefetch thread never read batch 1"
+        else:
+            assert not data.next_batch_read.wait(timeout=0.3), "batch 1 was read before the step asked for it"
+        assert [b[0].tolist() for b in it] == [[4.0, 5.0, 6.0, 7.0], [8.0, 9.0, 10.0, 11.0], [12.0, 13.0, 14.0, 15.0]]
+        assert data.next_batch_read.is_set()
 
 
 def test_transient_errors_are_retried(tmp_path):
