@@ -22,173 +22,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
 import os
-import socket
-import struct
 import sys
-from pathlib import Path
 from typing import Iterator, Mapping
 
 from . import replica_groups
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1. Received: {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0. Received: {value}")
-    return value
-
-
-def node_range(text: str) -> str:
-    """``--nnodes``: ``N`` or ``MIN:MAX`` (elastic, as torchrun takes it); returned as given, checked."""
-    parts = str(text).split(":")
-    try:
-        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, 0)
-    except ValueError:
-        low = high = 0
-    if len(parts) > 2 or not 1 <= low <= high:
-        raise argparse.ArgumentTypeError(f"must be N or MIN:MAX with 1 <= MIN <= MAX. Received: {text}")
-    return str(low) if low == high else f"{low}:{high}"
-
-
-def nodes_min_max(nnodes: str | int) -> tuple[int, int]:
-    """``"2"`` -> (2, 2); ``"1:2"`` -> (1, 2)."""
-    parts = str(nnodes).split(":")
-    return int(parts[0]), int(parts[-1])
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0. Received: {value}")
-    return value
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``trainmesh run``."""
-    parser = subparsers.add_parser(
-        "run",
-        help="launch a training script on N processes per node (via torchrun)",
-        description="Launch SCRIPT on N processes per node with torchrun's elastic agent "
-        "and c10d rendezvous. Arguments after SCRIPT are passed to it untouched.",
-    )
-    parser.add_argument(
-        "-n", "--nproc-per-node", type=positive_int, required=True, metavar="N", help="worker processes on this node"
-    )
-    parser.add_argument(
-        "--nnodes",
-        type=node_range,
-        default="1",
-        metavar="N|MIN:MAX",
-        help="number of nodes, or MIN:MAX for an elastic job that goes on with as few as "
-        "MIN nodes when others are lost (default: 1)",
-    )
-    parser.add_argument(
-        "--node-rank",
-        type=_non_negative_int,
-        default=None,
-        metavar="R",
-        help="this node's index; node 0 hosts the rendezvous store at --rdzv-endpoint",
-    )
-    parser.add_argument(
-        "--rdzv-endpoint",
-        default=None,
-        metavar="HOST:PORT",
-        help="rendezvous address, required when --nnodes > 1 (default on one node: a free local port)",
-    )
-    parser.add_argument(
-        "--local-addr",
-        default=None,
-        metavar="ADDR",
-        help="address of this node that the other nodes can reach (default with "
-        "--nnodes > 1: the address of the interface that routes to the rendezvous host)",
-    )
-    parser.add_argument(
-        "--rdzv-id",
-        default=None,
-        metavar="ID",
-        help="job id shared by all nodes of one job (ignored on a standalone node)",
-    )
-    parser.add_argument(
-        "--rdzv-conf",
-        default=None,
-        metavar="KEY=VALUE,...",
-        help="extra c10d rendezvous settings, as torchrun takes them (e.g. "
-        "join_timeout=600,last_call_timeout=30,close_timeout=30)",
-    )
-    parser.add_argument(
-        "--max-restarts",
-        type=_non_negative_int,
-        default=None,
-        metavar="K",
-        help="restart the worker group up to K times after a failure (default: 0)",
-    )
-    parser.add_argument(
-        "--monitor-interval",
-        type=_positive_float,
-        default=None,
-        metavar="S",
-        help="seconds between worker health checks",
-    )
-    parser.add_argument(
-        "--servers",
-        type=positive_int,
-        default=None,
-        metavar="K",
-        help="also start K local parameter servers for tm.ParameterServerStrategy "
-        "(addresses passed to the workers in TRAINMESH_PS_SERVERS; one node only)",
-    )
-    replica_groups.add_arguments(parser)  # --replica-group(s), --lighthouse: trainmesh.ft (issue 45)
-    parser.add_argument("-m", "--module", action="store_true", help="treat SCRIPT as a module name, like `python -m`")
-    parser.add_argument("script", metavar="SCRIPT", help="training script path (or module with -m)")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments for SCRIPT")
-    return parser
-
-
-# A Kubeflow PyTorchJob sets these on every pod (torchrun reads them as its defaults, PET_ for
-# "PyTorch elastic"): node count, this pod's node rank, and where node 0 listens.
-_PET = ("PET_NNODES", "PET_NODE_RANK", "PET_RDZV_ENDPOINT", "PET_MASTER_ADDR", "PET_MASTER_PORT", "PET_RDZV_ID")
-
-
-def apply_pytorchjob_env(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> list[str]:
-    """Fill ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint`` and ``--rdzv-id`` that the command
-    line left unset from a PyTorchJob's ``PET_*`` variables; returns what was taken, for the log.
-
-    Explicit options win. ``PET_RDZV_ENDPOINT`` (elastic jobs) is preferred, else
-    ``PET_MASTER_ADDR:PET_MASTER_PORT`` (node 0's pod): trainmesh always uses the c10d rendezvous,
-    which node 0 serves there.
-    """
-    env = os.environ if environ is None else environ
-    taken = []
-    if str(args.nnodes) == "1" and env.get("PET_NNODES"):
-        args.nnodes = node_range(env["PET_NNODES"])
-        taken.append(f"--nnodes {args.nnodes}")
-    if args.node_rank is None and env.get("PET_NODE_RANK"):
-        args.node_rank = _non_negative_int(env["PET_NODE_RANK"])
-        taken.append(f"--node-rank {args.node_rank}")
-    if args.rdzv_endpoint is None and nodes_min_max(args.nnodes)[1] > 1:
-        endpoint = env.get("PET_RDZV_ENDPOINT")
-        if endpoint:
-            check_endpoint(endpoint, "PET_RDZV_ENDPOINT")
-        elif env.get("PET_MASTER_ADDR"):
-            from trainmesh.runtime.addresses import env_host, env_port
-
-            endpoint = f"{env_host(env, ('PET_MASTER_ADDR',))}:{env_port(env, ('PET_MASTER_PORT',)) or 29400}"
-        if endpoint:
-            args.rdzv_endpoint = endpoint
-            taken.append(f"--rdzv-endpoint {endpoint}")
-    if getattr(args, "rdzv_id", None) is None and env.get("PET_RDZV_ID"):
-        args.rdzv_id = env["PET_RDZV_ID"]
-        taken.append(f"--rdzv-id {args.rdzv_id}")
-    return taken
+from .node_address import _is_loopback, choose_local_addr, interface_of
+from .pytorchjob_env import _PET, apply_pytorchjob_env
+from .run_options import _validate, add_parser, check_endpoint, node_range, nodes_min_max, positive_int
 
 
 def torchrun_argv(args: argparse.Namespace) -> list[str]:
@@ -217,67 +58,6 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     if args.module:
         argv.append("--module")
     return argv + [args.script, *args.script_args]
-
-
-def choose_local_addr(rdzv_endpoint: str) -> str:
-    """The address of this machine's interface that routes to the rendezvous host.
-
-    A UDP socket's ``connect()`` only asks the kernel for a route; no packet is sent.
-
-    >>> choose_local_addr("127.0.0.1:29400")
-    '127.0.0.1'
-    """
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-
-    host, port = parse_rendezvous_endpoint(rdzv_endpoint, default_port=29400)
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
-    except socket.gaierror as exc:
-        raise ValueError(
-            f"cannot resolve the rendezvous host {host!r} ({exc}). Received: --rdzv-endpoint {rdzv_endpoint}"
-        ) from None
-    errors = []
-    for family, kind, proto, _, sockaddr in infos:
-        with socket.socket(family, kind, proto) as probe:
-            try:
-                probe.connect(sockaddr)
-            except OSError as exc:
-                errors.append(f"{sockaddr[0]}: {exc}")
-                continue
-            return probe.getsockname()[0]
-    raise ValueError(
-        f"no route from this machine to the rendezvous host ({'; '.join(errors)}). "
-        f"Received: --rdzv-endpoint {rdzv_endpoint}"
-    )
-
-
-def interface_of(address: str) -> str | None:
-    """The name of the local interface holding IPv4 ``address`` (Linux), or None."""
-    try:
-        import fcntl
-    except ImportError:  # not a Unix
-        return None
-    try:
-        address = socket.gethostbyname(address)
-    except OSError:
-        return None
-    siocgifaddr = 0x8915  # <linux/sockios.h>: read an interface's IPv4 address
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for _, name in socket.if_nameindex():
-            try:
-                raw = fcntl.ioctl(sock.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
-            except OSError:
-                continue  # an interface without an IPv4 address
-            if socket.inet_ntoa(raw[20:24]) == address:
-                return name
-    return None
-
-
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False  # a host name
 
 
 def resolve_local_addr(args: argparse.Namespace) -> str | None:
@@ -331,79 +111,6 @@ def _environ_added(extra: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    max_nodes = nodes_min_max(args.nnodes)[1]
-    if args.node_rank is not None and args.node_rank >= max_nodes:
-        parser.error(f"--node-rank must be < --nnodes. Received: --node-rank {args.node_rank} --nnodes {args.nnodes}")
-    if max_nodes > 1 and args.rdzv_endpoint is None:
-        parser.error(f"--rdzv-endpoint HOST:PORT is required when --nnodes > 1. Received: --nnodes {args.nnodes}")
-    if args.rdzv_conf is not None and not all("=" in item for item in args.rdzv_conf.split(",")):
-        parser.error(f"--rdzv-conf must be KEY=VALUE[,KEY=VALUE...]. Received: --rdzv-conf {args.rdzv_conf}")
-    if args.servers is not None and max_nodes > 1:
-        parser.error(
-            "--servers starts servers on this machine, bound to 127.0.0.1, which other nodes cannot "
-            "reach; on several nodes start them with `trainmesh ps-server` and set TRAINMESH_PS_SERVERS. "
-            f"Received: --servers {args.servers} --nnodes {args.nnodes}"
-        )
-    if not args.module and not Path(args.script).is_file():
-        parser.error(f"script not found: {args.script!r}")
-    if args.rdzv_endpoint is not None:
-        try:
-            check_endpoint(args.rdzv_endpoint, "--rdzv-endpoint")
-        except ValueError as exc:
-            parser.error(str(exc))
-    if args.local_addr is not None:
-        _check_local_addr(args.local_addr, parser)
-    _check_ps_servers(args, parser)
-
-
-def check_endpoint(endpoint: str, name: str) -> tuple[str, int]:
-    """A rendezvous ``HOST:PORT`` (port 29400 when left out): an empty host or a port outside
-    1..65535 is a ValueError naming ``name`` and the value; torch's own parser must accept it too."""
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-
-    from trainmesh.runtime.addresses import split_host_port
-
-    received = f"{name} {endpoint}" if name.startswith("--") else f"{name}={endpoint!r}"
-    try:
-        host, port = split_host_port(endpoint, 29400)
-        parse_rendezvous_endpoint(endpoint, default_port=29400)
-    except ValueError as exc:
-        raise ValueError(f"{name} must be HOST:PORT ({exc}). Received: {received}") from None
-    return host, port
-
-
-def _check_ps_servers(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Parameter-server addresses handed to the workers are checked here, before any worker starts."""
-    from trainmesh.runtime.addresses import parse_server_list
-
-    raw = os.environ.get("TRAINMESH_PS_SERVERS")
-    if raw is not None and raw.strip() and args.servers is None:
-        try:
-            parse_server_list(raw, name="TRAINMESH_PS_SERVERS")
-        except ValueError as exc:
-            parser.error(str(exc))
-
-
-def _check_local_addr(address: str, parser: argparse.ArgumentParser) -> None:
-    """An address no local interface holds would hang the other nodes until their timeout."""
-    try:
-        infos = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        parser.error(f"--local-addr does not resolve ({exc}). Received: --local-addr {address}")
-    for family, kind, proto, _, sockaddr in infos:
-        with socket.socket(family, kind, proto) as probe:
-            try:
-                probe.bind((sockaddr[0], 0))
-                return
-            except OSError:
-                continue
-    parser.error(
-        f"--local-addr must be an address of this machine (no local interface holds it). "
-        f"Received: --local-addr {address}"
-    )
 
 
 def _exit_status(exitcode: int) -> int:
@@ -476,3 +183,20 @@ def _parameter_servers(count: int | None, num_workers: int) -> Iterator[dict[str
         yield {SERVERS_ENV: ",".join(cluster.addresses), **({} if given else {SECRET_ENV: cluster.secret})}
     finally:
         cluster.stop()
+
+
+# Kept importable from here, where callers and tests have always found them.
+__all__ = [
+    "add_parser",
+    "apply_pytorchjob_env",
+    "check_endpoint",
+    "choose_local_addr",
+    "handle",
+    "interface_of",
+    "node_range",
+    "nodes_min_max",
+    "positive_int",
+    "resolve_local_addr",
+    "torchrun_argv",
+    "worker_env",
+]
