@@ -15,73 +15,28 @@ Every method except ``latest``/``best``/``checkpoints`` is collective: all ranks
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 import warnings
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
 from .. import runtime
 from .._torch import dcp as _dcp
 from .._torch import trainable_state
 from . import integrity, retention, rng
-from .single_file import load_plain, save_plain
-from .survey import Survey, survey_directory
+from .single_file import save_plain
 from . import async_save as _async
 from .async_save import PendingSave, all_ranks_finished
+from .commit_rider import CommitRider
+from .manager_reads import CheckpointReads
+from .state_split import PER_RANK_KEYS, _layout_info, _split
 
-# State that differs per rank: its sampler cursor / worker state, its compressor's error-feedback
-# residuals. An object with ``load_resharded_state(states)`` gets every saved rank's state when
-# the world size changed (residuals are redistributed, not taken from one rank).
-PER_RANK_KEYS = ("data", "compression")
 FORMAT_VERSION = integrity.FORMAT_VERSION
 
 
-def _is_stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-def _split(state: dict[str, Any]):
-    """-> (model, optimizer, per-rank stateful, shared stateful, plain values)."""
-    if not isinstance(state, dict):
-        raise ValueError(f"state must be a dict of stateful objects and plain values. Received: {type(state).__name__}")
-    modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
-    optims = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
-    if len(modules) > 1 or len(optims) > 1:
-        raise ValueError(
-            f"A checkpoint holds one model and one optimizer. Received modules={modules}, optimizers={optims}"
-        )
-    model = state[modules[0]] if modules else None
-    optimizer = state[optims[0]] if optims else None
-    if optimizer is not None and model is None:
-        raise ValueError("state has an optimizer but no nn.Module: the optimizer state is keyed by the model's FQNs.")
-    per_rank, shared, plain = {}, {}, {}
-    for key, value in state.items():
-        if key in modules or key in optims or value is None:
-            continue
-        target = (per_rank if key in PER_RANK_KEYS else shared) if _is_stateful(value) else plain
-        target[key] = value
-    return model, optimizer, per_rank, shared, plain
-
-
-def _layout_info(model: nn.Module | None, optimizer: Any) -> dict[str, Any]:
-    memory = {}
-    for module in model.modules() if model is not None else ():
-        memory = getattr(module, "_trainmesh_memory", None) or memory
-        if memory:
-            break
-    return {
-        "zero_stage": memory.get("zero_stage", 1 if type(optimizer).__name__ == "ZeroRedundancyOptimizer" else 0),
-        "model_class": type(model).__name__ if model is not None else None,
-        "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
-    }
-
-
-class CheckpointManager:
+class CheckpointManager(CheckpointReads):
     """Sharded, crash-safe checkpoints under ``directory``. Constructing it is collective.
 
     >>> manager = CheckpointManager("ckpt", keep_last=3, keep_best=("val_loss", "min"))   # doctest: +SKIP
@@ -278,109 +233,7 @@ class CheckpointManager:
     def close(self) -> None:
         self.wait()
 
-    # --- discovery ----------------------------------------------------------------------
-    def checkpoints(self) -> list[str]:
-        """Committed checkpoint directories, oldest first (markers only; no checksum pass)."""
-        return [e.path for e in retention.complete_entries(self.directory)]
-
-    def latest(self) -> str | None:
-        """The newest checkpoint that passes validation; a broken one is skipped with a warning
-        (so is a directory without a complete marker). Collective: see :meth:`survey`."""
-        return self.survey().chosen
-
-    def survey(self) -> Survey:
-        """The newest valid checkpoint and every rejected one with why (warned about on rank 0).
-
-        Rank 0 checks and tells the others, so every rank resumes from the same one, or raises
-        the same error, before any training collective.
-        """
-
-        def look() -> Survey:
-            found = survey_directory(self.directory, checksums=self.verify_checksums)
-            if self._pending is not None:  # this save is in flight, not abandoned
-                found = dataclasses.replace(
-                    found,
-                    unfinished=tuple(
-                        p for p in found.unfinished if os.path.abspath(p) != os.path.abspath(self._pending.tmp_dir)
-                    ),
-                )
-            found.warn(stacklevel=5)
-            return found
-
-        return self._rank0_decides(look)
-
-    def set_aside(self, paths) -> list[str]:
-        """Rename each of ``paths`` (rejected checkpoints) to ``<path>.rejected`` (collective; rank 0
-        renames): a fresh start then neither reads nor prunes them, and nothing is deleted."""
-
-        def rename() -> list[str]:
-            moved = []
-            for path in paths:
-                if os.path.isdir(path):
-                    os.replace(path, path + ".rejected")
-                    moved.append(path + ".rejected")
-            return moved
-
-        return self._rank0_decides(rename)
-
-    def best(self) -> str | None:
-        entry = retention.best_entry(retention.complete_entries(self.directory), self.keep_best)
-        return entry.path if entry else None
-
-    # --- load ---------------------------------------------------------------------------
-    def load(self, path: str | os.PathLike | None, state: dict[str, Any]) -> dict[str, Any] | None:
-        """Load ``path`` (or the latest complete checkpoint for ``None``/``"latest"``) into ``state``.
-
-        Model and optimizer are read as they are laid out now (any world size, ZeRO stage or
-        mesh). Rank r restores saved rank ``r % saved_world_size``'s RNG and ``data`` state
-        (see ``rng``). Returns the saved plain values (e.g. ``{"trainer": {...}}``) plus
-        ``"step"`` and ``"metrics"``, or None when there is no checkpoint yet.
-        """
-        if path is None or path == "latest":
-            path = self.latest()
-            if path is None:
-                return None
-        path = os.fspath(path)
-        marker = integrity.read_marker(path)
-        if marker is None:
-            raise ValueError(f"{path!r} is not a complete checkpoint (no {integrity.MARKER}).")
-        model, optimizer, per_rank, shared, _ = _split(state)
-        if model is not None:
-            if optimizer is not None and not marker.get("has_optimizer", True):
-                raise ValueError(f"{path} holds no optimizer state, but state has an optimizer.")
-            trainable_state.check_same_frozen(model, marker, path, self._group)
-            _dcp.load_sharded(
-                model,
-                optimizer,
-                os.path.join(path, "dcp"),
-                self._group,
-                trainable_only=trainable_state.trainable_only_keys(marker),
-            )
-        saved_world = int(marker["world_size"])
-        source = rng.source_rank(runtime.rank(), saved_world)
-        # Our own files, checksummed at commit, and read with weights_only=True all the same.
-        extras = self._rank_extras(path, source)
-        rng.restore_for_rank(extras["rng"], runtime.rank(), saved_world)
-        every_rank: list[dict[str, Any]] | None = None  # all saved ranks' extras, read once if needed
-        for key, obj in per_rank.items():
-            if saved_world != runtime.world_size() and callable(getattr(obj, "load_resharded_state", None)):
-                if every_rank is None:
-                    every_rank = [extras if r == source else self._rank_extras(path, r) for r in range(saved_world)]
-                obj.load_resharded_state([saved.get(key) for saved in every_rank])
-            elif key in extras:
-                obj.load_state_dict(extras[key])
-        common = load_plain(os.path.join(path, "shared.pt"))
-        for key, obj in shared.items():
-            if key in common["stateful"]:
-                obj.load_state_dict(common["stateful"][key])
-        self._barrier()
-        return {**common["plain"], "step": marker["step"], "metrics": marker.get("metrics", {})}
-
     # --- helpers ------------------------------------------------------------------------
-    @staticmethod
-    def _rank_extras(path: str, rank: int) -> dict[str, Any]:
-        return load_plain(os.path.join(path, f"rank_{rank:05d}.pt"))
-
     def _barrier(self) -> None:
         if self._distributed and self._group is not None:
             dist.barrier(group=self._group)
@@ -417,25 +270,4 @@ def _guard_disk(write) -> BaseException | None:
     return None
 
 
-class CommitRider:
-    """Asks, within another collective, whether every rank's write of the save in flight is done."""
-
-    def __init__(self, manager: CheckpointManager) -> None:
-        self.manager = manager
-        self._asked: PendingSave | None = None
-
-    def local_value(self) -> float:
-        self._asked = self.manager._pending
-        return 1.0 if self._asked is not None and self._asked.ask(self.manager.commit_within_steps) else 0.0
-
-    def receive(self, total: float) -> None:
-        if self._asked is None:
-            return
-        world = dist.get_world_size() if self.manager._distributed else 1
-        if total >= world and self._asked is self.manager._pending:
-            # Committed here, inside the step, as soon as every rank heard that every write is done
-            # (every rank is at this same point): not at the step's end, so a crash during the step
-            # no longer costs it a checkpoint (with the step after a save: a loss of interval + 1).
-            self.manager.wait()
-        else:
-            self.manager._heard = (self._asked, total >= world)
+__all__ = ["CheckpointManager", "CommitRider", "PER_RANK_KEYS", "FORMAT_VERSION"]
