@@ -1,13 +1,14 @@
-"""ZeRO-3 over a frozen LoRA base: ``keep_frozen_gathered`` gathers the base once per step, not twice.
+"""ZeRO-3 over a frozen LoRA base: ``keep_frozen_gathered`` gathers the base once, not twice a step.
 
 One launch of 2 gloo processes trains the tiny peft LoRA Llama of ``lora_cases`` under
 ``DataParallel(zero_stage=3, keep_frozen_gathered=...)`` with the option on and off, and checks:
 
 * the all-gather bytes of one step, counted at the dispatcher (``CollectiveCounter``: the full
-  buffer of each c10d call, over 3 steps): with the option on, the frozen base once and the adapters
-  twice (r=4 adapters are 22% of this tiny base: the blocks keep only their base layers gathered);
+  buffer of each c10d call, over 3 steps): with the option on, the frozen base once in all (its wholly
+  frozen units stay gathered between steps; the released input embedding once a step) and the adapters
+  twice a step (r=4 adapters are 22% of this tiny base: the blocks keep only their base layers gathered);
   with lora_A frozen too (the model is then mostly frozen) the adapters are replicated, their gradients one
-  flat all-reduce a step, and the frozen base is gathered once, the adapters never; off, everything twice. Equal within 1% (FSDP2 pads each parameter to the world size);
+  flat all-reduce a step, and the frozen base is gathered once in all, the adapters never; off, everything twice. Equal within 1% (FSDP2 pads each parameter to the world size);
 * parity: every tensor after 3 AdamW steps equals a plain one-process peft loop (fp32, 1e-5), all three
   ways, and the frozen base is unchanged;
 * the frozen input embedding is its own unit, gathered for its forward only: the gathered bytes alive when
@@ -119,16 +120,22 @@ def test_frozen_base_gathered_once_per_step_when_kept(results):
         assert sizes["frozen_blocks"] > 3 * sizes["adapters"] > 0
         # r=4 adapters on a 32-wide model are 22% of its base (> MOSTLY_FROZEN): only the base layers kept
         assert sizes["adapters"] > MOSTLY_FROZEN * sizes["frozen_blocks"]
-        expected_on = sizes["root"] + sizes["frozen_blocks"] + 2 * sizes["adapters"]
+        # kept, the wholly frozen groups (the blocks' base layers, the root's norm and head) are gathered by the
+        # first forward only and stay gathered between steps (``keep_between_steps``); the released input
+        # embedding once a step, the ZeRO-3 adapters twice a step
+        once = sizes["root"] - sizes["embedding"] + sizes["frozen_blocks"]
+        expected_on = once / STEPS + sizes["embedding"] + 2 * sizes["adapters"]
         # the root (embedding, norm, head) stays gathered from forward to backward either way (``zero.py``)
         expected_off = sizes["root"] + 2 * (sizes["frozen_blocks"] + sizes["adapters"])
         assert on["gathered_per_step"] == pytest.approx(expected_on, rel=0.01), (on["gathered_per_step"], sizes)
         assert off["gathered_per_step"] == pytest.approx(expected_off, rel=0.01), (off["gathered_per_step"], sizes)
         # lora_A frozen too: the model is mostly frozen (adapters at most MOSTLY_FROZEN of the frozen bytes), so
-        # the adapters are replicated, never gathered, and every unit is kept whole: the frozen base once a step
+        # the adapters are replicated, never gathered, and every unit is kept whole: the frozen base once in all
+        # (the first forward), the released embedding once a step
         whole = rank_result["whole"]
-        assert whole["sizes"]["adapters"] <= MOSTLY_FROZEN * (whole["sizes"]["frozen_blocks"] + whole["sizes"]["root"])
-        expected_whole = whole["sizes"]["frozen_blocks"] + whole["sizes"]["root"]
+        ws = whole["sizes"]
+        assert ws["adapters"] <= MOSTLY_FROZEN * (ws["frozen_blocks"] + ws["root"])
+        expected_whole = (ws["frozen_blocks"] + ws["root"] - ws["embedding"]) / STEPS + ws["embedding"]
         assert whole["gathered_per_step"] == pytest.approx(expected_whole, rel=0.01), whole["gathered_per_step"]
         # their gradients: one flat all-reduce per step (the adapters and a flag each), no reduce-scatter
         assert [kind for kind, _ in whole["grad_calls"]] == ["all_reduce"] * STEPS, whole["grad_calls"]
@@ -140,6 +147,13 @@ def test_frozen_base_gathered_once_per_step_when_kept(results):
         assert on["memory"]["replicated_trainables"] == "none"  # 18% of the frozen bytes: adapters stay ZeRO-3
         assert sum(kind == "reduce_scatter" for kind, _ in on["grad_calls"]) == 2 * STEPS  # one per block
         assert on["memory"]["keep_frozen_gathered"].startswith("on (3 units")
+        assert whole["memory"]["kept_between_steps"].split(", ") == [
+            "<root>",
+            "base_model.model.model.layers.0",
+            "base_model.model.model.layers.1",
+        ], whole["memory"]
+        assert len(on["memory"]["kept_between_steps"].split(", ")) == 3  # the two blocks' base layers, the root's
+        assert off["memory"]["kept_between_steps"] == "none"
         assert off["memory"]["keep_frozen_gathered"].startswith("off (keep_frozen_gathered=False")
 
 

@@ -22,6 +22,15 @@ optimizer steps plain tensors. (Measured on ``benchmarks/finetune.py --quick``, 
 20% of their base, so each block was mixed: three all-gathers and a reduce-scatter per block a step, more
 blocking collectives than regathering whole blocks, which is why the kept mode stepped slower there.)
 
+A kept unit that holds no trainable parameter as FSDP2 sees it (every one when the adapters are replicated;
+otherwise the grouped frozen sub-modules) is also kept *between* steps (``keep_between_steps``: FSDP2's
+``set_reshard_after_backward(False)``): its weights never change, so the copy gathered by the first forward
+stays valid, and later steps gather nothing for it, as a DDP replica is never gathered. The step's peak is
+unchanged: at the loss the whole kept base is gathered already. What holds it between steps too is the
+sentence ``decide`` writes. A ``state_dict``/``load_state_dict`` (checkpoints, the frozen fingerprint) reshards
+first (FSDP2's own hooks), so a load into the shards is gathered again by the next forward; between steps
+``model.parameters()`` shows these units' full tensors, not their shards.
+
 A frozen module whose backward reads nothing is not kept at all (``released_after_forward``): a frozen
 input embedding (``nn.Embedding``, its input token ids) computes no gradient, so autograd never calls back
 into it. It becomes its own FSDP2 unit, resharded after its forward and never gathered in backward
@@ -132,6 +141,10 @@ def held_bytes(groups: dict[int, list[nn.Module]], gather_dtype) -> int:
     return total
 
 
+# held_bytes counts the kept groups whole; those without a trainable parameter also stay between steps
+_BETWEEN = "; the wholly frozen ones also between steps"
+
+
 def decide(choice, groups: dict[int, list[nn.Module]], gather_dtype) -> tuple[bool, str]:
     """Whether to keep the frozen groups gathered, and the sentence that says so (``_trainmesh_memory``,
     the planner's notes)."""
@@ -140,15 +153,34 @@ def decide(choice, groups: dict[int, list[nn.Module]], gather_dtype) -> tuple[bo
     held = held_bytes(groups, gather_dtype)
     mib = f"{held / 2**20:.1f} MiB"
     if choice is True:
-        return True, f"on ({len(groups)} units, {mib} held from forward to backward)"
+        return True, f"on ({len(groups)} units, {mib} held from forward to backward{_BETWEEN})"
     if choice is False:
         return False, f"off (keep_frozen_gathered=False; the frozen base is gathered again in backward, {mib})"
     if held <= KEEP_FROZEN_AUTO_BYTES:
-        return True, f"on (auto: {mib} held from forward to backward, <= {KEEP_FROZEN_AUTO_BYTES / 2**30:.0f} GiB)"
+        return True, (
+            f"on (auto: {mib} held from forward to backward{_BETWEEN}, <= {KEEP_FROZEN_AUTO_BYTES / 2**30:.0f} GiB)"
+        )
     return False, (
         f"off (auto: keeping it would hold {mib}, > {KEEP_FROZEN_AUTO_BYTES / 2**30:.0f} GiB; the frozen base "
         f"is gathered again in backward; keep_frozen_gathered=True overrides)"
     )
+
+
+def keep_between_steps(units: list[tuple[str, nn.Module]]) -> list[str]:
+    """Keep gathered between steps every FSDP2 unit of ``units`` (``zero.fsdp_units``: name, module) that is
+    not resharded after its forward (a kept unit, or the root) and holds no trainable parameter: a frozen
+    weight gathered once stays what its shards hold. Its names. Called only when the kept choice is on; a unit
+    with a trainable parameter is left as it is (its optimizer steps the shards, its gathered copy goes stale)."""
+    names = []
+    for name, unit in units:
+        groups = unit._get_fsdp_state()._fsdp_param_groups
+        if not groups or any(g._reshard_after_forward for g in groups):
+            continue  # nothing of its own, or a ZeRO-3 unit (a released embedding, a trainable unit)
+        if any(fp.sharded_param.requires_grad for g in groups for fp in g.fsdp_params):
+            continue
+        unit.set_reshard_after_backward(False, recurse=False)
+        names.append(name or "<root>")
+    return names
 
 
 def replicated_trainables(model: nn.Module, kept: dict[int, list[nn.Module]], excluded: set[int]) -> list[str]:

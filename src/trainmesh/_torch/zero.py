@@ -51,7 +51,7 @@ from trainmesh import runtime
 from trainmesh.runtime import memory_trim
 from trainmesh.comm.allreduce_scatter import carries_reduce_scatter_by_all_reduce, install_all_reduce_scatter
 
-from .frozen_units import decide, frozen_groups, released_after_forward, replicated_trainables
+from .frozen_units import decide, frozen_groups, keep_between_steps, released_after_forward, replicated_trainables
 from .materialize import has_meta_tensors
 from .replicated_grads import FlatGradAllReduce
 from .shard_units import (
@@ -220,6 +220,8 @@ def apply_fsdp(
         own = [s._modules[0] for s in model._get_fsdp_state()._states_to_forward_prefetch]
         first = [first_of(units[0])] if ordered and units else []
         model.set_modules_to_forward_prefetch(list({id(m): m for m in [*released, *first, *own]}.values()))
+    # frozen units gathered by the first forward stay gathered (``frozen_units.keep_between_steps``)
+    between = keep_between_steps(fsdp_units(model)) if kept else []
     if replicated:
         model._trainmesh_replicated_grads = FlatGradAllReduce(model, replicated, group)
     model._trainmesh_memory = {
@@ -232,6 +234,7 @@ def apply_fsdp(
         model._trainmesh_memory["replicated_trainables"] = _replicated_state(model, replicated)
         names = [n for n, m in model.named_modules() if any(m is r for r in released)]
         model._trainmesh_memory["released_after_forward"] = ", ".join(names) or "none"
+        model._trainmesh_memory["kept_between_steps"] = ", ".join(between) or "none"
     return model
 
 
