@@ -33,7 +33,15 @@ Sides (``--sides``):
 
 ``--memory-sides`` may add ``tm-full-notrim`` and ``tm-lora-notrim`` (the same launches with
 ``TRAINMESH_MALLOC_TRIM=0``: no ``malloc_trim`` between steps, ``runtime/memory_trim.py``) and
-``tm-lora-regather``: figures ``lora_peak_vs_full_ft_without_trim`` and ``lora_regather_peak_vs_full_ft``.
+``tm-lora-regather``: figures ``lora_peak_vs_full_ft_without_trim`` and ``lora_regather_peak_vs_full_ft``;
+``tm-full-upcast`` and ``tm-lora-upcast``: the loss before issue 47 (below), figures
+``lora_peak_vs_full_ft_upcast_loss`` and ``lora_peak_live_vs_full_ft_upcast_loss``.
+
+The loss, on every side (both trainmesh sides and the peers, so the same work everywhere): trainmesh's
+``lm_cross_entropy`` on whole logits, which computes the fp32 mean a block of rows at a time and writes the
+gradient in the logits' dtype (``trainmesh/chunked_cross_entropy.py``). Until issue 47 it was
+``F.cross_entropy(logits.float())``, which under bf16-mixed holds three fp32 buffers of the logits' size at its
+backward (24 MiB a process at 128 tokens x 16k vocabulary): the same values, a lower peak on every side.
 
 Precision: ``--precision auto`` (the default) takes ``fastest_precision("cpu")`` as the demo does;
 bf16-mixed means autocast on both sides (the peer: ``torch.autocast("cpu", torch.bfloat16)`` around its
@@ -97,6 +105,8 @@ import torch.nn.functional as F
 
 from trainer_overhead import round_order  # rotating, reversing rounds, as the other step-time benchmarks
 
+from trainmesh.losses import lm_cross_entropy
+
 WORLD = 4
 SIZES = {
     "full": dict(hidden=768, layers=12, intermediate=2048, heads=12, kv_heads=4, vocab=16384, seq=128, rows=1),
@@ -114,7 +124,15 @@ ALL_SIDES = ("tm-full", "tm-lora", "peft-ddp", "accelerate", "tm-lora-dp", "tm-l
 MEMORY_SIDES = ("tm-full", "tm-lora", "peft-ddp")
 # --memory-sides may add: the same runs without the allocator trim (memory_trim.py), and LoRA with the frozen
 # base gathered again in backward (keep_frozen_gathered=False, the behaviour before issue 47)
-EXTRA_MEMORY_SIDES = ("tm-full-notrim", "tm-lora-notrim", "tm-lora-regather")
+EXTRA_MEMORY_SIDES = (
+    "tm-full-notrim",
+    "tm-lora-notrim",
+    "tm-lora-regather",
+    # the loss before issue 47's chunked one: F.cross_entropy(logits.float()), three fp32 logits-size buffers
+    "tm-full-upcast",
+    "tm-lora-upcast",
+)
+UPCAST_LOSS = False  # set in the fresh processes of an "-upcast" memory side
 LOSS_TOLERANCE = {"fp32": 1e-5, "bf16-mixed": 2e-2}
 SMALL_COLLECTIVE = 1024  # bytes: control all-reduces (loss, flags) are below, gradient buckets far above
 GOALS = {  # figure -> (text, test)
@@ -170,8 +188,14 @@ def lora_config(init=True):
 
 
 def lm_loss(outputs, targets: torch.Tensor) -> torch.Tensor:
-    logits = outputs.logits
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    """Every side's loss (the Trainer's and the peers' loops): trainmesh's ``lm_cross_entropy`` on whole logits,
+    fp32 a block of rows at a time (no fp32 copy of the logits). A plain function, not ``lm_cross_entropy``
+    itself, so the TP parity run computes it on whole logits as the one-process reference does. ``-upcast``
+    memory sides use the path it replaced, ``F.cross_entropy(logits.float())``."""
+    if UPCAST_LOSS:
+        logits = outputs.logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return lm_cross_entropy(outputs, targets)
 
 
 def make_adamw(params) -> torch.optim.Optimizer:
@@ -393,6 +417,10 @@ def memory_worker(cfg: dict, side: str) -> dict:
     if side.endswith("-notrim"):  # read by memory_trim at each step; these are fresh processes
         os.environ["TRAINMESH_MALLOC_TRIM"] = "0"
         side = side.removesuffix("-notrim")
+    if side.endswith("-upcast"):
+        global UPCAST_LOSS
+        UPCAST_LOSS = True
+        side = side.removesuffix("-upcast")
     steps = cfg["mem_steps"]
     x, y = token_data(cfg["size"], steps + 1, cfg["seed"] + 1)
     batch = cfg["size"]["rows"] * WORLD
@@ -669,6 +697,13 @@ def summarize(cfg: dict, memory: dict, timing: list[dict], parity: dict, counts:
     if "tm-lora-notrim" in mem and "tm-full-notrim" in mem:
         figures["lora_peak_vs_full_ft_without_trim"] = (
             mem["tm-lora-notrim"]["rss_growth"] / mem["tm-full-notrim"]["rss_growth"]
+        )
+    if "tm-lora-upcast" in mem and "tm-full-upcast" in mem:
+        figures["lora_peak_vs_full_ft_upcast_loss"] = (
+            mem["tm-lora-upcast"]["rss_growth"] / mem["tm-full-upcast"]["rss_growth"]
+        )
+        figures["lora_peak_live_vs_full_ft_upcast_loss"] = (
+            mem["tm-lora-upcast"]["live_peak"] / mem["tm-full-upcast"]["live_peak"]
         )
     if "tm-lora-regather" in mem and "tm-full" in mem:
         figures["lora_regather_peak_vs_full_ft"] = mem["tm-lora-regather"]["rss_growth"] / mem["tm-full"]["rss_growth"]
