@@ -4,7 +4,8 @@ A safetensors file's layout is fixed by its tensors' names, shapes and dtypes, w
 knows from the plan, so every tensor's byte offset is known everywhere before any data exists. A
 tensor held in contiguous runs of its row-major elements (ZeRO-3's dim-0 shards, a column-wise
 tensor-parallel weight, a pipeline stage's whole tensors, a replicated one) is then written by the
-process holding each run, with ``os.pwrite`` at the run's offset: nothing travels between processes
+process holding each run, at the run's offset (its whole pages with ``O_DIRECT``, around the page
+cache: ``direct_write``): nothing travels between processes
 and nobody holds more than its own shards. The bytes are those the streaming writer
 (``hf_layout.SafetensorsWriter``) puts there: the same header, each run at its place.
 
@@ -14,6 +15,15 @@ before writing. Each process fsyncs the files it wrote before it reports, so the
 before the commit publishes them, on a local disk and on a shared file system alike (each client
 flushes its own writes). A failure is kept and returned, never raised here: there is no collective
 in this module, so the others finish theirs and the caller's all-reduce tells everyone.
+
+Each process walks the files from a different one (``turns``): process p writes its runs of file
+(p + k) mod F at its k-th turn, so while there are at least as many files as processes, no two
+write one file at once. On ext4 (and most local file systems) a buffered write holds the file's
+inode lock, and a new page cache page is allocated under it; every process writing the same file
+in the same order serialized on that lock (measured, 4 processes x 88 MB into fresh pages: 2.0-2.6 s
+into one file, 0.9-2.0 s rotated over 4 files, 1.4-2.1 s for one process writing all 352 MB). No
+barrier keeps the turns: each process's share of a file is about the same, so they stay in step.
+(ext4 holds that lock for a direct write into a not yet written part of a file too.)
 """
 
 from __future__ import annotations
@@ -23,15 +33,17 @@ import os
 import torch
 
 from . import hf_layout
+from .direct_write import DirectWriter
 from .hf_layout import Entry, FilePlan
 from .hf_save_plan import Item, by_file
 
 
 class _Placed:
-    """One file this process writes into: its descriptor and every tensor's byte offset."""
+    """One file this process writes into: its writer (whole pages around the page cache,
+    ``direct_write``) and every tensor's byte offset."""
 
-    def __init__(self, fd: int, offsets: dict[str, int]):
-        self.fd, self.offsets = fd, offsets
+    def __init__(self, writer: DirectWriter, offsets: dict[str, int]):
+        self.writer, self.offsets = writer, offsets
         self.written = 0  # bytes this process wrote into it
 
 
@@ -48,9 +60,14 @@ class _Run:
         data = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
         at = self.placed.offsets[name] + self.start * self.entry.dtype.itemsize
         self.placed.written += len(data)
-        while len(data):  # pwrite may write less than asked (large runs, signals)
-            done = os.pwrite(self.placed.fd, data, at)
-            data, at = data[done:], at + done
+        self.placed.writer.write(data, at)
+
+
+def turns(planned: list, rank: int) -> list:
+    """The files in this process's order: from file ``rank mod F`` on, wrapping around, so at every
+    turn the processes are spread over different files (the same file only when F < processes)."""
+    first = rank % len(planned) if planned else 0
+    return planned[first:] + planned[:first]
 
 
 def in_runs(items: list[Item]) -> bool:
@@ -68,18 +85,17 @@ def write_in_place(
     error: BaseException | None = None
     written, opened = 0, []
     try:
-        for plan, file_items in by_file(items, files):
+        for plan, file_items in turns(list(by_file(items, files)), rank):
             mine = [(item, piece) for item in file_items for piece in item.pieces if piece[0] == rank]
             if error is not None or not (mine or plan.writer == rank):
                 continue
             try:
                 head, offsets = hf_layout.header_bytes(plan)
-                fd = os.open(os.path.join(staging, plan.filename), os.O_WRONLY | os.O_CREAT, 0o666)
-                placed = _Placed(fd, offsets)
+                placed = _Placed(DirectWriter(os.path.join(staging, plan.filename)), offsets)
                 opened.append(placed)
                 if plan.writer == rank:  # the header, and the full length (runs beyond it fill in)
-                    os.pwrite(fd, head, 0)
-                    os.ftruncate(fd, len(head) + plan.nbytes)
+                    os.pwrite(placed.writer.fd, head, 0)
+                    os.ftruncate(placed.writer.fd, len(head) + plan.nbytes)
                 for item, (_, start, count) in mine:
                     run = _Run(placed, item.entry, start)
                     _write_tensor(run, item.entry, _piece(local_part(local[item.source]), item, rank, start, count))
@@ -88,11 +104,11 @@ def write_in_place(
         for placed in opened:  # durable before this process reports success
             try:
                 if error is None:
-                    os.fsync(placed.fd)
+                    placed.writer.fsync()
             except Exception as exc:
                 error = exc
     finally:
         for placed in opened:
             written += placed.written
-            os.close(placed.fd)
+            placed.writer.close()
     return error, written
