@@ -42,7 +42,7 @@ whole axis; under EP the experts are held as at ZeRO-3 (EP the whole axis: FSDP2
 experts at ``1/EP``; EP smaller: each experts module its own FSDP2 unit over the ``batch / EP``
 replicas), their gradients and AdamW state with the same shards. A stage-2 unit stays gathered from its
 forward to its backward (one all-gather a step, not ``microbatches + 1``), and the dry run counts every
-unit gathered at once (``dry_run._unsharded_buffers``): the experts' share of that is replaced by EP's
+unit gathered at once (``step_measurement._unsharded_buffers``): the experts' share of that is replaced by EP's
 (nothing when FSDP2 leaves them out, ``1/EP`` of them gathered over the replicas otherwise).
 ``ModelParallel`` (which EP needs) refuses ZeRO-1 alone, so the plan does too.
 

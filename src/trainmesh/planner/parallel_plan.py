@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .dry_run import RankResult
+from .rank_result import RankResult
 from .hardware import Hardware
 from .mesh_spec import MeshSpec
 from .report import format_bytes

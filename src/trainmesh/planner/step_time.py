@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .dry_run import RankResult
+from .rank_result import RankResult
 from .experts import expert_axis_strides
 from .hardware import Hardware, axis_seconds
 from .mesh_spec import MeshSpec
