@@ -117,15 +117,17 @@ class FlatGradAllReduce:
             if compressed is not None:
                 compressed = self._compressed(dtype)
             flat = self._all_reduce(torch.cat(parts), compressed)
-            offset = 0
-            for i in indices:
-                numel = params[i].numel()
-                mean = flat[offset : offset + numel].view_as(params[i]).div_(self.size)
-                offset += numel
+            # one division and one foreach copy for the whole buffer, not three ops per parameter (the same
+            # values: the division is elementwise either way)
+            numels = [params[i].numel() for i in indices]
+            offset = sum(numels)
+            means = [m.view_as(params[i]) for m, i in zip(flat[:offset].div_(self.size).split(numels), indices)]
+            present = [(params[i].grad, m) for m, i in zip(means, indices) if params[i].grad is not None]
+            if present:
+                torch._foreach_copy_([g for g, _ in present], [m for _, m in present])
+            for m, i in zip(means, indices):
                 if params[i].grad is None:
-                    params[i].grad = mean.clone()
-                else:
-                    params[i].grad.copy_(mean)
+                    params[i].grad = m.clone()
             if n == 0 and compressed is None:
                 flags = flat[offset:].float()
         if compressed is not None:  # a lossy compressor must not drop a flag: these travel as they are
