@@ -35,14 +35,21 @@ def aligned_split(at: int, size: int, page: int = PAGE) -> tuple[int, int]:
     return (start, stop) if start < stop else (at, at)
 
 
+def bounce_buffer() -> mmap.mmap:
+    """A page-aligned buffer (as ``O_DIRECT`` wants the memory) for ``DirectWriter``s to share: one
+    per process, not one per file, so a save's memory grows by one buffer (8 MB) whatever its files."""
+    return mmap.mmap(-1, BOUNCE)
+
+
 class DirectWriter:
     """One file, opened twice: a buffered descriptor (header, edges, fallback) and, where the file
-    system allows, an ``O_DIRECT`` one for whole pages. ``fd`` is the buffered descriptor."""
+    system allows, an ``O_DIRECT`` one for whole pages. ``fd`` is the buffered descriptor. ``bounce``:
+    a shared ``bounce_buffer()``, which the caller closes; None: its own, made when first needed."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, bounce: mmap.mmap | None = None):
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
         self._direct: int | None = None
-        self._bounce: mmap.mmap | None = None
+        self._bounce, self._owns_bounce = bounce, bounce is None
         if hasattr(os, "O_DIRECT"):
             try:
                 self._direct = os.open(path, os.O_WRONLY | os.O_DIRECT)
@@ -59,7 +66,7 @@ class DirectWriter:
 
     def _write_direct(self, data: memoryview, at: int) -> None:
         if self._bounce is None:
-            self._bounce = mmap.mmap(-1, BOUNCE)  # page aligned, as O_DIRECT wants the memory
+            self._bounce = bounce_buffer()
         bounce = memoryview(self._bounce)
         try:
             for first in range(0, len(data), BOUNCE):
@@ -83,9 +90,9 @@ class DirectWriter:
 
     def close(self) -> None:
         self._close_direct()
-        if self._bounce is not None:
+        if self._bounce is not None and self._owns_bounce:
             self._bounce.close()
-            self._bounce = None
+        self._bounce = None
         os.close(self.fd)
 
     def _close_direct(self) -> None:

@@ -33,7 +33,7 @@ import os
 import torch
 
 from . import hf_layout
-from .direct_write import DirectWriter
+from .direct_write import DirectWriter, bounce_buffer
 from .hf_layout import Entry, FilePlan
 from .hf_save_plan import Item, by_file
 
@@ -84,6 +84,7 @@ def write_in_place(
 
     error: BaseException | None = None
     written, opened = 0, []
+    bounce = bounce_buffer()  # one for every file this process writes
     try:
         for plan, file_items in turns(list(by_file(items, files)), rank):
             mine = [(item, piece) for item in file_items for piece in item.pieces if piece[0] == rank]
@@ -91,7 +92,7 @@ def write_in_place(
                 continue
             try:
                 head, offsets = hf_layout.header_bytes(plan)
-                placed = _Placed(DirectWriter(os.path.join(staging, plan.filename)), offsets)
+                placed = _Placed(DirectWriter(os.path.join(staging, plan.filename), bounce), offsets)
                 opened.append(placed)
                 if plan.writer == rank:  # the header, and the full length (runs beyond it fill in)
                     os.pwrite(placed.writer.fd, head, 0)
@@ -111,4 +112,5 @@ def write_in_place(
         for placed in opened:
             written += placed.written
             placed.writer.close()
+        bounce.close()
     return error, written
