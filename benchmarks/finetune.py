@@ -358,14 +358,23 @@ def _peak_census_class():
     from trainmesh.testing.memory import LiveTensorBytes
 
     class PeakCensus(LiveTensorBytes):
-        census: tuple[str, list[int]] = ("", [])
+        census: tuple[str, list[int], list[tuple[int, str]]] = ("", [], [])
         op = "outside an operator"
 
         def track(self, storage):
-            before = self.peak
+            before, key = self.peak, storage._cdata
+            counted = self._sizes.get(key)
             super().track(storage)
+            size = self._sizes.get(key, 0)
+            if size >= 2**20 and size != counted:  # which operator made (or resized) each large storage
+                self._made = getattr(self, "_made", {})
+                self._made[key] = self.op
             if self.live > before:  # a new peak: a copy of the sizes (a few hundred), sorted once at the end
-                self.census = (self.op, list(self._sizes.values()))
+                self.census = (self.op, list(self._sizes.values()), self._large())
+
+        def _large(self) -> list[tuple[int, str]]:
+            made = getattr(self, "_made", {})
+            return [(n, made.get(k, "?")) for k, n in self._sizes.items() if n >= 2**20]
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.op = str(func)
@@ -373,18 +382,21 @@ def _peak_census_class():
 
         def reset_peak(self):
             super().reset_peak()
-            self.census = (self.op, list(self._sizes.values()))
+            self.census = (self.op, list(self._sizes.values()), self._large())
 
         def summary(self, top: int = 8) -> dict:
-            """The peak's operator, its largest storage sizes (MiB x count) and the rest."""
-            op, sizes = self.census
+            """The peak's operator, its largest storage sizes (MiB x count), the rest, and the storages of at least
+            1 MiB with the operator that made them (a storage FSDP2 resizes outside the dispatcher shows the last
+            operator before it)."""
+            op, sizes, large = self.census
             counts: dict[float, int] = {}
             for size in sorted(sizes, reverse=True):
                 if size >= 2**18:
                     counts[round(size / 2**20, 2)] = counts.get(round(size / 2**20, 2), 0) + 1
             largest = sorted(counts.items(), reverse=True)[:top]
             shown = sum(mib * 2**20 * n for mib, n in largest)
-            return {"op": op, "largest_mib_x_count": largest, "rest_bytes": sum(sizes) - shown}
+            made = sorted(((round(n / 2**20, 2), by) for n, by in large), reverse=True)
+            return {"op": op, "largest_mib_x_count": largest, "rest_bytes": sum(sizes) - shown, "made_by": made}
 
     return PeakCensus
 
@@ -770,7 +782,8 @@ def print_report(report: dict) -> None:
         print(
             f"{side} step peak (rank 0, first launch) at {census['op']}: largest storages MiB x count {largest}; "
             f"the rest {census['rest_bytes'] / mb:.1f} MiB; file-backed RSS growth (library code) "
-            f"{m['rss_file_growth'] / mb:.1f} MiB"
+            f"{m['rss_file_growth'] / mb:.1f} MiB; made by: "
+            + ", ".join(f"{mib:g} {by}" for mib, by in census.get("made_by", [])[:10])
         )
     p = report["parity"]
     print(
