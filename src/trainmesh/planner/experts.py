@@ -54,86 +54,37 @@ Each model-axis process dispatches its copy of the tokens within its EP group of
 all-to-alls per process as without a model axis.
 
 Found by the same structure ``LayoutMap.auto`` uses (``distribution.expert_layout.find_experts``).
+The counts live in ``expert_holdings`` (bytes held) and ``expert_traffic`` (collectives); this module
+checks a plan and applies them to a dry run's result.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from torch import nn
 
 from trainmesh.distribution.expert_layout import check_divisible, check_expert_parallel_size, find_experts
 
-from .collectives import CollectiveLog
+from .expert_holdings import _whole_expert_bytes, expert_bytes, stage_expert_paths
+from .expert_traffic import (
+    dispatch_traffic,
+    expert_axes,
+    expert_axis_strides,
+    expert_gradient_traffic,
+)
 from .mesh_spec import MeshSpec
 
-
-def _rows(rows: int, shards: int) -> int:
-    return math.ceil(rows / shards)
-
-
-def stage_expert_paths(
-    meta_model: nn.Module, spec: MeshSpec, rank: int, *, microbatches: int, schedule: str
-) -> set[str] | None:
-    """The paths of the experts modules in ``rank``'s pipeline stages, or None without a pipe axis (all of
-    them). The split is the one the dry run's ``tm.Pipeline(axis, schedule, microbatches)`` makes (its
-    defaults: blocks balanced by parameter count); experts outside the repeated blocks count on every stage."""
-    from trainmesh._torch.pipeline import plan_split, stage_indices
-    from trainmesh.distribution.pipeline import Pipeline
-
-    pipe = spec.pipe_axis
-    if not pipe or spec.size(pipe) <= 1:
-        return None
-    pipeline = Pipeline(axis=pipe, schedule=schedule, microbatches=microbatches)
-    container, parts = plan_split(meta_model, pipeline, spec.size(pipe))
-    mine = stage_indices(spec.coords(rank)[pipe], spec.size(pipe), pipeline.stages_per_rank, schedule)
-    prefix = f"{container}." if container else ""
-    held = tuple(f"{prefix}{block}." for i in mine for block in parts[i])
-    blocks = tuple(f"{prefix}{block}." for part in parts for block in part)
-    return {
-        e.path
-        for e in find_experts(meta_model)[0]
-        if e.path.startswith(held) or not e.path.startswith(blocks)  # outside every block: on each stage
-    }
-
-
-def _experts_in(meta_model: nn.Module, only: set[str] | None):
-    return [e for e in find_experts(meta_model)[0] if only is None or e.path in only]
-
-
-def expert_bytes(
-    meta_model: nn.Module,
-    spec: MeshSpec,
-    *,
-    expert_parallel_size: int | None,
-    zero_stage: int,
-    precision: str,
-    only: set[str] | None = None,
-) -> dict[str, tuple[int, int]]:
-    """``{"all": (dry, held), "trainable": (dry, held), "numel": (dry, held)}``: bytes of the expert parameters the dry run's rank
-    holds and the bytes it holds under EP, for the rank with the largest shards (coordinate 0); the
-    trainable ones alone have gradients and optimizer state; "numel" counts elements. EP None or 1: dry == held.
-    ``only``: the experts modules counted (a pipeline stage's, ``stage_expert_paths``); None: all."""
-    batch = spec.size(spec.batch_axis)
-    ep = expert_parallel_size or 1
-    zero = zero_stage >= 2  # FSDP2's dim-0 shards at stages 2 and 3 alike (stage 1 is refused under EP)
-    totals = {"all": [0, 0], "trainable": [0, 0], "numel": [0, 0]}
-    for experts in _experts_in(meta_model, only):
-        module = meta_model.get_submodule(experts.path)
-        for name in experts.param_names:
-            param = getattr(module, name)
-            element = 2 if precision == "bf16-true" else param.element_size()
-            row = param[0].numel() * element  # one expert's bytes
-            rows = param.shape[0]
-            dry = _rows(rows, batch if zero else 1) * row
-            held = _rows(rows // ep, batch // ep if zero else 1) * row
-            for key in ("all", "trainable") if param.requires_grad else ("all",):
-                totals[key][0] += dry
-                totals[key][1] += held
-            totals["numel"][0] += dry // element
-            totals["numel"][1] += held // element
-    return {key: (dry, held) for key, (dry, held) in totals.items()}
+__all__ = [
+    "apply_expert_parallel",
+    "check_plan",
+    "dispatch_traffic",
+    "expert_axes",
+    "expert_axis_strides",
+    "expert_bytes",
+    "expert_gradient_traffic",
+    "stage_expert_paths",
+]
 
 
 def check_plan(meta_model: nn.Module, spec: MeshSpec, expert_parallel_size: int, zero_stage: int) -> None:
@@ -154,113 +105,6 @@ def check_plan(meta_model: nn.Module, spec: MeshSpec, expert_parallel_size: int,
         )
     for experts in found:
         check_divisible(experts, axis, ep, spec.size(axis))
-
-
-def dispatch_traffic(
-    meta_model: nn.Module, *, tokens: int, expert_parallel_size: int, precision: str, only: set[str] | None = None
-) -> tuple[int, int]:
-    """``(calls, full-buffer bytes)`` of one micro-batch's dispatch all-to-alls on one process, at uniform
-    routing: per MoE layer 1 count exchange + 4 token exchanges of ``tokens x top_k x hidden`` elements.
-    ``only``: the MoE layers counted (a pipeline stage's); None: all."""
-    from trainmesh.distribution.expert_layout import _TOP_K_NAMES
-
-    if expert_parallel_size <= 1:
-        return 0, 0
-    element = 2 if precision in ("bf16-true", "bf16-mixed", "fp16-mixed") else 4
-    calls = nbytes = 0
-    for experts in _experts_in(meta_model, only):
-        module = meta_model.get_submodule(experts.path)
-        router = meta_model.get_submodule(experts.router_path) if experts.router_path else None
-        top_k = next((getattr(router, n) for n in _TOP_K_NAMES if isinstance(getattr(router, n, None), int)), 1)
-        config_hidden = getattr(getattr(meta_model, "config", None), "hidden_size", None)
-        # transformers' down_proj: (experts, hidden, intermediate)
-        hidden = config_hidden or getattr(module, experts.param_names[-1]).shape[1]
-        calls += 5
-        nbytes += experts.num_experts * 8 + 4 * tokens * top_k * hidden * element
-    return calls, nbytes
-
-
-def expert_axes(spec: MeshSpec, expert_parallel_size: int) -> tuple[str, str | None]:
-    """The names the rank's collectives file EP's traffic under: the EP group's (the batch axis when EP is
-    the whole axis) and the group of processes holding the same experts (None when there is one)."""
-    batch = spec.batch_axis
-    if expert_parallel_size >= spec.size(batch):
-        return batch, None
-    return f"{batch}_expert", f"{batch}_expert_replica"
-
-
-def expert_axis_strides(spec: MeshSpec, group_sizes: dict[str, int]) -> dict[str, int]:
-    """Rank strides of ``expert_axes``'s groups, for pricing their links: EP takes neighbouring processes of
-    the batch axis (``_torch.expert_parallel``), so its group has the axis's stride and the replicas' group
-    that stride times EP."""
-    batch = spec.batch_axis
-    stride, size = spec.stride(batch), spec.size(batch)
-    out = {}
-    if f"{batch}_expert" in group_sizes:
-        out[f"{batch}_expert"] = stride
-    if f"{batch}_expert_replica" in group_sizes:
-        out[f"{batch}_expert_replica"] = stride * (size // group_sizes[f"{batch}_expert_replica"])
-    return out
-
-
-def _whole_expert_bytes(meta_model: nn.Module, only: set[str] | None, element) -> tuple[int, int]:
-    """(all, trainable) bytes of the counted experts, unsharded, at ``element(param)`` bytes an element."""
-    total = trainable = 0
-    for experts in _experts_in(meta_model, only):
-        module = meta_model.get_submodule(experts.path)
-        for name in experts.param_names:
-            param = getattr(module, name)
-            nbytes = param.numel() * element(param)
-            total += nbytes
-            trainable += nbytes if param.requires_grad else 0
-    return total, trainable
-
-
-def _take(log: CollectiveLog, axis: str, kind: str, nbytes: int) -> None:
-    entry = log.traffic.get((axis, kind))
-    if entry is not None:
-        entry.bytes = max(0, entry.bytes - nbytes)
-
-
-def expert_gradient_traffic(
-    log: CollectiveLog,
-    meta_model: nn.Module,
-    spec: MeshSpec,
-    *,
-    expert_parallel_size: int,
-    zero_stage: int,
-    precision: str,
-    microbatches: int,
-    only: set[str] | None = None,
-) -> None:
-    """``log`` (a dry run's collectives) with the experts' gradient and parameter traffic as EP makes it
-    (see the module docstring): out of the batch axis, onto the replicas' group where there is one."""
-    batch = spec.batch_axis
-    ep = expert_parallel_size
-    if ep <= 1:
-        return
-    stored = 2 if precision == "bf16-true" else None  # the dry run casts every parameter then
-    gathered = 2 if precision in ("bf16-true", "bf16-mixed", "fp16-mixed") else None  # FSDP2's compute dtype
-    _, grad_bytes = _whole_expert_bytes(meta_model, only, lambda p: stored or p.element_size())
-    _, replica_axis = expert_axes(spec, ep)
-    modules = len(_experts_in(meta_model, only))
-    if zero_stage == 0:
-        _take(log, batch, "all_reduce", grad_bytes)
-        if replica_axis and grad_bytes:  # one flattened all-reduce of the held experts' gradients
-            log.add(replica_axis, "all_reduce", grad_bytes // ep, 1)
-    elif zero_stage >= 2:
-        gather_bytes, _ = _whole_expert_bytes(meta_model, only, lambda p: gathered or p.element_size())
-        # ZeRO-3 gathers each microbatch's forward and once more for the backward; a stage-2 unit stays
-        # gathered from its forward to its backward: once a step, with or without a pipe (the dry run's counts)
-        gathers = microbatches + 1 if zero_stage == 3 else 1
-        _take(log, batch, "all_gather", gathers * gather_bytes)
-        _take(log, batch, "reduce_scatter", grad_bytes)
-        if replica_axis:  # each experts module its own FSDP2 unit over the replicas
-            log.add(replica_axis, "all_gather", gathers * gather_bytes // ep, gathers * modules)
-            if grad_bytes:
-                log.add(replica_axis, "reduce_scatter", grad_bytes // ep, modules)
-    if replica_axis:
-        log.group_sizes[replica_axis] = spec.size(batch) // ep
 
 
 def apply_expert_parallel(
