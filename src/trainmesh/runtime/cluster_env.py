@@ -16,59 +16,29 @@ source ``"existing"``.)
 
 Everything here is a pure function of its arguments and an environment mapping, so it
 is unit-tested without starting a single process.
+
+The record lives in ``cluster_place`` and the TF_CONFIG and Slurm sources in ``tf_config_env`` and
+``slurm_env``; this module keeps the order they are tried in and the argument and torchrun sources.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
-from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from . import addresses as _addresses
+from .cluster_place import DEFAULT_PORT, ClusterEnv, _int_env
+from .slurm_env import _from_slurm, first_slurm_host
+from .tf_config_env import _from_tf_config
 
-DEFAULT_PORT = 29500
-
-
-@dataclass(frozen=True)
-class ClusterEnv:
-    """This process's place in the job, as detected before any connection is made."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
-    master_addr: str
-    master_port: int
-    source: str  # "arguments" | "trainmesh" | "torchrun" | "tf_config" | "slurm" | "single" | "existing"
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1. Received: world_size={self.world_size}")
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(
-                f"rank must be in [0, world_size). Received: rank={self.rank}, "
-                f"world_size={self.world_size} (from {self.source})"
-            )
-        if not 0 <= self.local_rank < max(self.local_world_size, 1):
-            raise ValueError(
-                f"local_rank must be in [0, local_world_size). Received: local_rank={self.local_rank}, "
-                f"local_world_size={self.local_world_size} (from {self.source})"
-            )
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def init_method(self) -> str:
-        return f"tcp://{_bracket_ipv6(self.master_addr)}:{self.master_port}"
-
-
-def _bracket_ipv6(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+__all__ = [
+    "DEFAULT_PORT",
+    "ClusterEnv",
+    "detect_cluster_env",
+    "first_slurm_host",
+    "parse_address",
+    "split_job_addresses",
+]
 
 
 def parse_address(address: str, name: str = "job_addresses") -> tuple[str, int]:
@@ -86,16 +56,6 @@ def split_job_addresses(job_addresses: str | Sequence[str] | None) -> list[str]:
         parts = list(job_addresses)
     parts = [p.strip() for p in parts if p and p.strip()]
     return parts
-
-
-def _int_env(env: Mapping[str, str], name: str) -> int | None:
-    value = env.get(name)
-    if value is None or value == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"Environment variable {name} must be an integer. Received: {name}={value!r}") from None
 
 
 def _from_arguments(job_addresses, num_processes, process_id, env) -> ClusterEnv | None:
@@ -175,120 +135,6 @@ def _from_torchrun(env: Mapping[str, str], prefix: str, source: str) -> ClusterE
         master_addr=_addresses.env_host(env, (prefix + "MASTER_ADDR", "MASTER_ADDR")) or "127.0.0.1",
         master_port=_addresses.env_port(env, (prefix + "MASTER_PORT", "MASTER_PORT")) or DEFAULT_PORT,
         source=source,
-    )
-
-
-_TF_CONFIG_SHAPE = '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}'
-
-
-def _tf_config_error(raw: str, why: str) -> ValueError:
-    return ValueError(f"TF_CONFIG {why}; expected JSON like {_TF_CONFIG_SHAPE}. Received: TF_CONFIG={raw!r}")
-
-
-def _tf_config_members(spec: dict, role: str, raw: str) -> list[tuple[str, int]]:
-    entries = spec["cluster"].get(role, [])
-    if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
-        raise _tf_config_error(raw, f"cluster.{role} must be a list of 'host:port' strings")
-    members = []
-    for i, entry in enumerate(entries):
-        try:
-            members.append(_addresses.split_host_port(entry, DEFAULT_PORT))
-        except ValueError as exc:
-            raise _tf_config_error(raw, f"has a bad address cluster.{role}[{i}]={entry!r}: {exc}") from None
-    return members
-
-
-def _check_tf_config_addresses(spec: dict, raw: str) -> None:
-    """Every role's addresses (ps and evaluator too): well formed, and no address used twice."""
-    if not isinstance(spec["cluster"], dict):
-        raise _tf_config_error(raw, "cluster must be an object of role -> addresses")
-    labelled = []
-    for role in spec["cluster"]:
-        labelled += [(f"cluster.{role}[{i}]", pair) for i, pair in enumerate(_tf_config_members(spec, role, raw))]
-    try:
-        _addresses.check_distinct(labelled, name="TF_CONFIG", value=raw)
-    except ValueError as exc:
-        raise _tf_config_error(raw, str(exc).split(". Received")[0]) from None
-
-
-def _from_tf_config(env: Mapping[str, str]) -> ClusterEnv | None:
-    raw = env.get("TF_CONFIG")
-    if not raw:
-        return None
-    try:
-        spec = json.loads(raw)
-        spec["cluster"]["worker"]
-        task = spec.get("task", {})
-        task_type = task.get("type", "worker")
-        index = int(task.get("index", 0))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise _tf_config_error(raw, f"cannot be read ({type(exc).__name__}: {exc})") from None
-    if task_type not in ("worker", "chief"):
-        raise _tf_config_error(raw, f"task type {task_type!r} is not a training task (only 'worker' and 'chief' train)")
-    _check_tf_config_addresses(spec, raw)
-    # A "chief", when present, is rank 0 and the workers follow it (TF's convention).
-    chief = _tf_config_members(spec, "chief", raw)
-    workers = _tf_config_members(spec, "worker", raw)
-    own_list = chief if task_type == "chief" else workers
-    if not 0 <= index < len(own_list):
-        raise _tf_config_error(raw, f"task index {index} is outside cluster.{task_type} ({len(own_list)} entries)")
-    members = chief + workers
-    rank = index if task_type == "chief" else len(chief) + index
-    my_host = members[rank][0]
-    same_host = [i for i, (host, _) in enumerate(members) if host == my_host]
-    hosts_in_order = list(dict.fromkeys(host for host, _ in members))
-    return ClusterEnv(
-        rank=rank,
-        world_size=len(members),
-        local_rank=same_host.index(rank),
-        local_world_size=len(same_host),
-        node_rank=hosts_in_order.index(my_host),
-        master_addr=members[0][0],
-        master_port=members[0][1],
-        source="tf_config",
-    )
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """First host of a Slurm node list such as ``node[003-005,9],gpu1`` -> ``node003``."""
-    nodelist = nodelist.strip()
-    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
-    if m is None:
-        raise ValueError(f"Cannot parse Slurm node list. Received: {nodelist!r}")
-    prefix, ranges = m.group(1), m.group(2)
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
-
-
-_SLURM_NODELISTS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
-
-
-def _from_slurm(env: Mapping[str, str]) -> ClusterEnv | None:
-    rank = _int_env(env, "SLURM_PROCID")
-    world_size = _int_env(env, "SLURM_NTASKS")
-    if rank is None or world_size is None:
-        return None
-    nodelist_var = next((name for name in _SLURM_NODELISTS if env.get(name)), None)
-    hosts = _addresses.expand_slurm_nodelist(env[nodelist_var], name=nodelist_var) if nodelist_var else ["127.0.0.1"]
-    host = _addresses.env_host(env, ("MASTER_ADDR",)) or hosts[0]
-    job_id = _int_env(env, "SLURM_JOB_ID") or 0
-    # A port derived from the job id keeps two jobs sharing a node apart.
-    port = _addresses.env_port(env, ("MASTER_PORT",)) or 20000 + job_id % 10000
-    # SLURM_NTASKS_PER_NODE may read "2(x3)" (2 tasks on each of 3 nodes): its leading count is ours.
-    per_node = re.match(r"\d+", env.get("SLURM_NTASKS_PER_NODE", ""))
-    num_nodes = _int_env(env, "SLURM_NNODES") or 1
-    local_world = int(per_node.group()) if per_node else max(world_size // num_nodes, 1)
-    return ClusterEnv(
-        rank=rank,
-        world_size=world_size,
-        local_rank=_int_env(env, "SLURM_LOCALID") or 0,
-        local_world_size=max(local_world, 1),
-        node_rank=_int_env(env, "SLURM_NODEID") or 0,
-        master_addr=host,
-        master_port=port,
-        source="slurm",
     )
 
 
