@@ -172,6 +172,13 @@ ELSEWHERE = {
 # ps.py's part "embedding", against TorchRec, which CI does not install; ds_ulysses is long_context.py's
 # DeepSpeed side, run with its --deepspeed).
 NOT_BENCHMARKS = {"run_all", "render_tables", "ssp_straggler", "ps_embedding", "ds_ulysses"}
+# A benchmark split by concept: its parts (``<script>_<concept>.py``), imported by the script, not run alone.
+NOT_BENCHMARKS |= {
+    "zero_memory_setup",
+    "zero_memory_instruments",
+    "zero_memory_worker",
+    "zero_memory_report",
+}
 
 
 def _scripts() -> set[str]:
