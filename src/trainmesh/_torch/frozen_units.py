@@ -44,7 +44,7 @@ gradient, the blocks' frozen linears theirs, and the norms are tiny.
 The choice is made from shapes and options only, so every process makes the same one (the units, and
 so the collectives, must match): ``True`` and ``False`` are the user's; ``"auto"`` keeps them gathered
 when the held bytes are at most ``KEEP_FROZEN_AUTO_BYTES``. The planner reads the resulting units
-(``planner/dry_run.py`` counts kept groups whole) and says when the choice was off.
+(``planner/step_measurement.py`` counts kept groups whole) and says when the choice was off.
 """
 
 from __future__ import annotations
