@@ -178,6 +178,9 @@ NOT_BENCHMARKS |= {
     "zero_memory_instruments",
     "zero_memory_worker",
     "zero_memory_report",
+    "chaos_job",
+    "chaos_launch",
+    "chaos_analysis",
 }
 
 
