@@ -181,6 +181,10 @@ NOT_BENCHMARKS |= {
     "chaos_job",
     "chaos_launch",
     "chaos_analysis",
+    "plan_accuracy_setup",
+    "plan_accuracy_measure",
+    "plan_accuracy_plan",
+    "plan_accuracy_compare",
 }
 
 
