@@ -185,6 +185,9 @@ NOT_BENCHMARKS |= {
     "plan_accuracy_measure",
     "plan_accuracy_plan",
     "plan_accuracy_compare",
+    "trainer_overhead_setup",
+    "trainer_overhead_worker",
+    "trainer_overhead_report",
 }
 
 
