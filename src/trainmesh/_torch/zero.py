@@ -51,6 +51,7 @@ from trainmesh import runtime
 from trainmesh.runtime import memory_trim
 from trainmesh.comm.allreduce_scatter import carries_reduce_scatter_by_all_reduce, install_all_reduce_scatter
 
+from . import gather_buffer_release
 from .frozen_units import decide, frozen_groups, keep_between_steps, released_after_forward, replicated_trainables
 from .materialize import has_meta_tensors
 from .replicated_grads import FlatGradAllReduce
@@ -201,6 +202,7 @@ def apply_fsdp(
     fully_shard(model, **{**options, "reshard_after_forward": False})
     if runtime.local_torch_device().type == "cpu":
         memory_trim.install(model)  # freed gather buffers back to the system between steps (RSS ~ live)
+        gather_buffer_release.install(model)  # no all-gather buffer held past its copy-out (no streams)
     if carries_reduce_scatter_by_all_reduce(group, runtime.local_torch_device()):
         install_all_reduce_scatter(model)  # gloo's own reduce-scatter: same bytes, 3x the time (see module)
     if ordered and units:
