@@ -1,6 +1,6 @@
 """Run every benchmark and write one results file.
 
-    python benchmarks/run_all.py [--quick] [--only a,b] --json PATH
+    python benchmarks/run_all.py [--quick] [--only a,b] [--resume] --json PATH
 
 Each benchmark in ``REGISTRY`` runs as its own subprocess, one after another (never two at once:
 they time things), with ``--json`` pointing at a temporary file and one thread per process. The
@@ -257,12 +257,38 @@ def write_report(report: dict, path: str, unfinished: list[str]) -> None:
     os.replace(partial, path)
 
 
+def resumed_report(path: str, fresh: dict) -> dict:
+    """The report at ``path`` with only its finished benchmarks, to be continued by this run.
+
+    A long full run can be cut (a session's end, a reboot). Its figures stay one run's only if the code
+    measured is the same: the commit must match and neither tree may be dirty, else this exits naming
+    the difference. Benchmarks that failed, were invalid or were not reached run again."""
+    if not os.path.exists(path):
+        raise SystemExit(f"--resume: {path} does not exist; run without --resume to start one")
+    with open(path) as fh:
+        old = json.load(fh)
+    for key in ("commit", "mode"):
+        if old.get(key) != fresh[key]:
+            raise SystemExit(f"--resume: {path} has {key} {old.get(key)!r}, this run {fresh[key]!r}")
+    if old.get("dirty") or fresh["dirty"]:
+        raise SystemExit("--resume: a dirty tree (uncommitted changes to tracked files) cannot be resumed")
+    kept = {n: r for n, r in old.get("benchmarks", {}).items() if r.get("status") in ("ok", "skipped")}
+    resumed = old.get("resumed", []) + [{"date": fresh["date"], "load_avg_start": fresh["load_avg_start"]}]
+    return {**old, "benchmarks": kept, "resumed": resumed}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="PATH", required=True, help="write the merged results here")
     parser.add_argument("--quick", action="store_true", help="every benchmark's --quick (a smoke run each)")
     parser.add_argument("--only", default="", help="comma list of benchmark names (default: all)")
-    parser.add_argument("--timeout", type=float, help="seconds per benchmark (default 900; --quick 600)")
+    parser.add_argument("--timeout", type=float, help="seconds per benchmark (default 3600; --quick 600)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run written to --json PATH (same commit, clean tree, same mode): keep what it "
+        "finished, run what it did not reach or what failed",
+    )
     args = parser.parse_args(argv)
     names = [e["name"] for e in REGISTRY]
     only = [n for n in args.only.split(",") if n]
@@ -280,8 +306,12 @@ def main(argv: list[str] | None = None) -> int:
         "load_avg_start": os.getloadavg(),
         "benchmarks": {},
     }
+    if args.resume:
+        report = resumed_report(args.json, report)
     chosen = [entry for entry in REGISTRY if not only or entry["name"] in only]
     for done, entry in enumerate(chosen, 1):
+        if entry["name"] in report["benchmarks"]:
+            continue  # finished by the run this one resumes
         report["benchmarks"][entry["name"]] = run_one(entry, args.quick, timeout)
         # Written after every benchmark: a run cut short (a session's end, a kill) still leaves the
         # figures it measured, with ``unfinished`` naming what it did not reach.
