@@ -54,6 +54,7 @@ def ssp_cache_worker() -> dict:
     strategy.pull_dense()
     final = model.w.detach().clone()
     servers = strategy.stats()["servers"]
+    tm.barrier()  # both read the final value before either pushes again (worker 1's next push is valid)
     # A refused push surfaces: worker 0 pushes with lr -1 (the servers refuse it) while both take
     # the same extra steps (so neither gate waits on a worker that stopped). At most staleness + 1
     # steps stay in flight, so the first refusal raises by extra step staleness + 2.
