@@ -295,7 +295,11 @@ class ClientIO:
         return self._commands.popleft() if self._commands else None
 
     def _loop(self) -> None:
-        last_heartbeat = next_resend_check = 0.0
+        # The first heartbeat goes out one interval after the thread starts, never before the first
+        # request: a server that refuses us answers one refused frame per peer per quarter second,
+        # and it must be the request's (a client without the secret then fails at once, not after
+        # a resend, 1 s later).
+        last_heartbeat, next_resend_check = time.monotonic(), 0.0
         poller = self._socket_poller()
         while True:
             busy = poller is None and any(s.pending for s in self._servers)
