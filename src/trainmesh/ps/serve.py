@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads",
         type=_non_negative,
         default=1,
-        help="torch intra-op threads for applying updates (default 1; 0 keeps torch's default, one per core)",
+        help="torch intra-op threads for applying updates (default 1; 0 keeps torch's setting: OMP_NUM_THREADS, else one per core)",
     )
     parser.add_argument("--log-level", default="WARNING")
     return parser
