@@ -37,7 +37,7 @@ def test_quick_finetune_run(tmp_path):
         cwd=ROOT,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     report = json.loads(out.read_text())
     figures = report["figures"]
     assert set(FIGURES) <= set(figures), figures

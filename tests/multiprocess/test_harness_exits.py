@@ -44,6 +44,23 @@ def _rank0_dies_before_returning() -> dict:
     return {"rank": tm.rank()}
 
 
+def _rank1_raises() -> dict:
+    import trainmesh as tm
+
+    if tm.rank() == 1:
+        raise ValueError("rank 1's own mistake")
+    time.sleep(60)
+    return {"rank": tm.rank()}
+
+
+def test_the_message_ends_with_each_rank_s_last_line_and_names_the_first_to_fail():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_rank1_raises, world_size=2, timeout=60)
+    summary = str(info.value).rsplit("summary:", 1)[1]
+    assert "rank 1 (failed first): ValueError: rank 1's own mistake" in summary, summary
+    assert "rank 0: exited with code -9 (SIGKILL)" in summary, summary
+
+
 def test_a_rank_that_aborts_after_returning_does_not_cut_its_peer_short():
     results = run_distributed(_rank0_aborts_after_returning, world_size=2, timeout=60)
     assert [r["rank"] for r in results] == [0, 1]
@@ -56,4 +73,8 @@ def test_a_rank_that_dies_before_returning_stops_its_peers():
         run_distributed(_rank0_dies_before_returning, world_size=2, timeout=60)
     assert "rank 0: exited with code" in str(info.value) and "left no result" in str(info.value)
     assert "rank 1: exited with code" in str(info.value)  # stopped, not waited for
+    # The message ends with one line a rank, the first to fail marked: a log cut to its tail shows the cause
+    summary = str(info.value).rsplit("summary:", 1)[1]
+    assert "rank 0 (failed first): exited with code -6 (SIGABRT)" in summary, summary
+    assert "rank 1: exited with code -9 (SIGKILL)" in summary, summary
     assert time.monotonic() - started < 30

@@ -177,8 +177,8 @@ def run_distributed(
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
             else:
                 os.environ["CUDA_VISIBLE_DEVICES"] = hidden
-        _wait(procs, timeout, tmp)
-        return _collect(tmp, procs)
+        first_failed = _wait(procs, timeout, tmp)
+        return _collect(tmp, procs, first_failed)
 
 
 def _context(device: str):
@@ -191,19 +191,25 @@ def _context(device: str):
     return ctx
 
 
-def _wait(procs, timeout: float, result_dir: str) -> None:
+def _wait(procs, timeout: float, result_dir: str) -> list[int]:
+    """Wait for every rank, or stop them all once one failed; return the ranks seen failing first
+    (their peers' errors are usually consequences: a reset connection, a timed-out collective)."""
     deadline = time.monotonic() + timeout
-    returned = set()  # ranks that failed at exit after returning (their result read once)
+    returned: set[int] = set()  # ranks that ended having returned their result
+    first_failed: list[int] = []
     while time.monotonic() < deadline:
         codes = [p.exitcode for p in procs]
         if all(code is not None for code in codes):
-            return
-        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0) and rank not in returned]
-        returned.update(rank for rank in failed if getattr(_read_outcome(result_dir, rank), "ok", False))
+            return first_failed
+        ended = [rank for rank, code in enumerate(codes) if code is not None and rank not in returned]
         # A rank that returned its result and then died at interpreter exit (a C++ thread torn down
         # with a collective still pending on a stalled peer aborts the process) has done its part;
-        # its peers must not be cut short for it.
-        if any(rank not in returned for rank in failed):
+        # its peers must not be cut short for it. A rank that raised exits cleanly, having written
+        # its error: that is a failure, as a crash is.
+        returned.update(rank for rank in ended if getattr(_read_outcome(result_dir, rank), "ok", False))
+        failed = [rank for rank in ended if rank not in returned]
+        if failed:
+            first_failed = failed
             # One process failed: its peers may be blocked in a collective with it. Give them
             # a moment to write their own error, then stop them.
             time.sleep(2.0)
@@ -219,18 +225,35 @@ def _wait(procs, timeout: float, result_dir: str) -> None:
         raise DistributedTestError(
             f"run_distributed timed out after {timeout:.0f}s; ranks {still_running} were still running"
         )
+    return first_failed
 
 
-def _collect(result_dir: str, procs) -> list[Any]:
-    results, errors = [], []
+def _collect(result_dir: str, procs, first_failed: list[int]) -> list[Any]:
+    results, errors, summary = [], [], []
     for rank, proc in enumerate(procs):
         outcome = _read_outcome(result_dir, rank)
+        first = " (failed first)" if rank in first_failed else ""
         if outcome is None:
             errors.append(f"rank {rank}: exited with code {proc.exitcode} and left no result")
+            summary.append(f"rank {rank}{first}: exited with code {proc.exitcode}{_signal_name(proc.exitcode)}")
         elif outcome.ok:
             results.append(outcome.value)
         else:
             errors.append(f"rank {rank} raised:\n{outcome.error}")
+            last_line = outcome.error.strip().splitlines()[-1] if outcome.error.strip() else "?"
+            summary.append(f"rank {rank}{first}: {last_line[:300]}")
     if errors:
-        raise DistributedTestError("\n".join(errors))
+        # The summary comes last, so a log cut to its tail (a subprocess's stderr in a test report)
+        # still shows every rank's end, and which one failed first: usually the cause.
+        raise DistributedTestError("\n".join(errors) + "\nsummary:\n  " + "\n  ".join(summary))
     return results
+
+
+def _signal_name(exitcode: int | None) -> str:
+    """`` (SIGKILL)`` for a process ended by a signal (multiprocessing's negative exit codes)."""
+    if exitcode is None or exitcode >= 0:
+        return ""
+    try:
+        return f" ({signal.Signals(-exitcode).name})"
+    except ValueError:
+        return ""
