@@ -1,6 +1,6 @@
 """Run every benchmark and write one results file.
 
-    python benchmarks/run_all.py [--quick] [--only a,b] [--resume] --json PATH
+    python benchmarks/run_all.py [--quick] [--only a,b] [--resume | --refresh] --json PATH
 
 Each benchmark in ``REGISTRY`` runs as its own subprocess, one after another (never two at once:
 they time things), with ``--json`` pointing at a temporary file and one thread per process. The
@@ -245,6 +245,10 @@ def merge_figures(benchmarks: dict) -> tuple[dict, dict]:
 
 
 def write_report(report: dict, path: str, unfinished: list[str]) -> None:
+    # In the registry's order, whatever order they ran in (a resumed or refreshed run appends): where two
+    # benchmarks report one figure name, the first keeps it (merge_figures), so the order must not move.
+    order = {entry["name"]: i for i, entry in enumerate(REGISTRY)}
+    report["benchmarks"] = dict(sorted(report["benchmarks"].items(), key=lambda item: order.get(item[0], len(order))))
     report["load_avg_end"] = os.getloadavg()
     report["figures"], report["figure_sources"] = merge_figures(report["benchmarks"])
     report["invalid"] = [n for n, r in report["benchmarks"].items() if r["status"] == "invalid"]
@@ -277,6 +281,64 @@ def resumed_report(path: str, fresh: dict) -> dict:
     return {**old, "benchmarks": kept, "resumed": resumed}
 
 
+def changed_files(old: str, new: str) -> list[str] | None:
+    """The files under src/ and benchmarks/ (the measured code and its benchmarks; not the results or
+    their tables) that differ between two commits, or None when git cannot say."""
+    if old in ("", "unknown") or new in ("", "unknown"):
+        return None
+    try:
+        proc = subprocess.run(
+            ["git", "diff", "--name-only", f"{old}..{new}", "--", "src", "benchmarks"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode != 0:
+        return None
+    return [f for f in proc.stdout.split() if not f.startswith("benchmarks/results/") and f != "benchmarks/README.md"]
+
+
+def refreshed_report(path: str, fresh: dict, names: list[str]) -> dict:
+    """The report at ``path``, its ``names`` to be measured again at this commit, the rest kept.
+
+    For a benchmark whose measured code changed after a full run (the run takes two hours): each entry
+    says the commit it was measured at, the file's ``commit`` stays the full run's, and ``refreshed`` records,
+    for every older commit still in the file, which files of src/ and benchmarks/ changed since, so a
+    reader can check that the entries kept measure the same code. Same mode and a clean tree only."""
+    if not names:
+        raise SystemExit("--refresh needs --only: the benchmarks to measure again")
+    if not os.path.exists(path):
+        raise SystemExit(f"--refresh: {path} does not exist; run without --refresh to start one")
+    with open(path) as fh:
+        old = json.load(fh)
+    if old.get("mode") != fresh["mode"]:
+        raise SystemExit(f"--refresh: {path} has mode {old.get('mode')!r}, this run {fresh['mode']!r}")
+    if old.get("dirty") or fresh["dirty"]:
+        raise SystemExit("--refresh: a dirty tree (uncommitted changes to tracked files) cannot be refreshed")
+    kept = {}
+    for name, entry in old.get("benchmarks", {}).items():
+        if name not in names:
+            kept[name] = {**entry, "commit": entry.get("commit", old.get("commit"))}
+    older = sorted({entry["commit"] for entry in kept.values() if entry.get("commit") != fresh["commit"]})
+    record = {
+        "date": fresh["date"],
+        "commit": fresh["commit"],
+        "benchmarks": names,
+        "load_avg_start": fresh["load_avg_start"],
+        "machine": fresh["machine"],
+        "versions": fresh["versions"],
+        "changed_since": {commit: changed_files(commit, fresh["commit"]) for commit in older},
+    }
+    return {
+        **old,  # its commit and date stay the full run's: most entries are that run's
+        "benchmarks": kept,
+        "refreshed": old.get("refreshed", []) + [record],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="PATH", required=True, help="write the merged results here")
@@ -288,6 +350,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="continue the run written to --json PATH (same commit, clean tree, same mode): keep what it "
         "finished, run what it did not reach or what failed",
+    )
+    parser.add_argument(
+        "--refresh",
+        action="store_true",
+        help="measure the --only benchmarks again at this commit into the results at --json PATH (same "
+        "mode, clean tree), keeping the others; each entry records its commit, and the file the files "
+        "changed since each older one",
     )
     args = parser.parse_args(argv)
     names = [e["name"] for e in REGISTRY]
@@ -306,13 +375,18 @@ def main(argv: list[str] | None = None) -> int:
         "load_avg_start": os.getloadavg(),
         "benchmarks": {},
     }
+    if args.resume and args.refresh:
+        parser.error("--resume and --refresh cannot be combined")
     if args.resume:
         report = resumed_report(args.json, report)
+    if args.refresh:
+        report = refreshed_report(args.json, report, only)
     chosen = [entry for entry in REGISTRY if not only or entry["name"] in only]
     for done, entry in enumerate(chosen, 1):
         if entry["name"] in report["benchmarks"]:
             continue  # finished by the run this one resumes
-        report["benchmarks"][entry["name"]] = run_one(entry, args.quick, timeout)
+        measured_at = commit_info()["commit"]
+        report["benchmarks"][entry["name"]] = {**run_one(entry, args.quick, timeout), "commit": measured_at}
         # Written after every benchmark: a run cut short (a session's end, a kill) still leaves the
         # figures it measured, with ``unfinished`` naming what it did not reach.
         write_report(report, args.json, [e["name"] for e in chosen[done:]])

@@ -82,3 +82,27 @@ def test_a_value_is_shown_with_the_digits_its_verdict_needs(render):
         )
     )
     assert "| 1.0004 |" in rows and "NOT MET" in rows
+
+
+@pytest.mark.timeout(30)
+def test_the_stamp_names_what_a_refresh_measured_again_and_what_changed_since(render):
+    results = {
+        "commit": "aaaaaaaaaaaa",
+        "date": "2026-11-28T00:00:00Z",
+        "mode": "full",
+        "refreshed": [
+            {
+                "commit": "bbbbbbbbbbbb",
+                "date": "2026-11-30T00:00:00Z",
+                "benchmarks": ["ps"],
+                "changed_since": {"aaaaaaaaaaaa": ["src/trainmesh/ps/client_io.py"]},
+            }
+        ],
+    }
+    text = render.stamp(results)
+    assert text.startswith("From `benchmarks/results/latest.json`: commit aaaaaaaaaaaa, 2026-11-28"), text
+    assert (
+        "Re-run at commit bbbbbbbbbbbb (2026-11-30T00:00:00Z): ps; files of src/ and benchmarks/ changed "
+        "since aaaaaaaaaaaa: `src/trainmesh/ps/client_io.py`." in text
+    ), text
+    assert "Re-run" not in render.stamp({**results, "refreshed": []})

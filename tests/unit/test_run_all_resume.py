@@ -83,3 +83,45 @@ def test_resume_refuses_another_commit_mode_or_dirty_tree(run_all, tmp_path, mon
         run_all.main(["--json", str(tmp_path / "none.json"), "--resume"])
     assert open(out).read() == before  # a refused resume leaves the results file as it was
     assert _runs(tmp_path, "second") == 0
+
+
+def test_refresh_measures_the_named_benchmarks_again_and_says_which_commit_measured_each(
+    run_all, tmp_path, monkeypatch
+):
+    out = str(tmp_path / "results.json")
+    assert run_all.main(["--json", out]) == 0
+    first = json.load(open(out))
+    assert {entry["commit"] for entry in first["benchmarks"].values()} == {"aaaaaaaaaaaa"}
+
+    monkeypatch.setattr(run_all, "commit_info", lambda: {"commit": "bbbbbbbbbbbb", "dirty": False})
+    monkeypatch.setattr(run_all, "changed_files", lambda old, new: ["src/trainmesh/ps/client_io.py"])
+    assert run_all.main(["--json", out, "--refresh", "--only", "second"]) == 0
+    report = json.load(open(out))
+    assert [_runs(tmp_path, n) for n in ("first", "second", "third")] == [1, 2, 1]
+    assert list(report["benchmarks"]) == ["first", "second", "third"]  # the registry's order, as merged
+    assert {n: e["commit"] for n, e in report["benchmarks"].items()} == {
+        "first": "aaaaaaaaaaaa",
+        "second": "bbbbbbbbbbbb",
+        "third": "aaaaaaaaaaaa",
+    }
+    assert report["commit"] == "aaaaaaaaaaaa" and report["date"] == first["date"]  # the full run's stamp
+    (record,) = report["refreshed"]
+    assert record["benchmarks"] == ["second"] and record["commit"] == "bbbbbbbbbbbb"
+    assert record["changed_since"] == {"aaaaaaaaaaaa": ["src/trainmesh/ps/client_io.py"]}
+    assert report["figures"] == {"first_figure": 1.5, "second_figure": 1.5, "third_figure": 1.5}
+
+
+def test_refresh_refuses_without_only_another_mode_or_a_dirty_tree(run_all, tmp_path, monkeypatch):
+    out = str(tmp_path / "results.json")
+    assert run_all.main(["--json", out, "--only", "first"]) == 0
+    before = open(out).read()
+    with pytest.raises(SystemExit, match="needs --only"):
+        run_all.main(["--json", out, "--refresh"])
+    with pytest.raises(SystemExit, match="mode"):
+        run_all.main(["--json", out, "--refresh", "--only", "first", "--quick"])
+    with pytest.raises(SystemExit):
+        run_all.main(["--json", out, "--refresh", "--resume", "--only", "first"])
+    monkeypatch.setattr(run_all, "commit_info", lambda: {"commit": "aaaaaaaaaaaa", "dirty": True})
+    with pytest.raises(SystemExit, match="dirty"):
+        run_all.main(["--json", out, "--refresh", "--only", "first"])
+    assert open(out).read() == before  # a refused refresh leaves the results file as it was
