@@ -5,6 +5,10 @@ answered (``assemble(replies)`` builds its result on this thread). Seqs start at
 (0 marks untracked heartbeats) and per client ``session``; each request carries ``floor``, the lowest seq still unanswered,
 so the server can forget older ones. An unanswered request is resent unchanged (same seq)
 after ``retry_after_s``, doubling up to 4x; after ``request_timeout_s`` it fails.
+
+The handshake and the servers' refusals are in client_handshake.py; the per-request records and
+what runs on a timer (resends, timeouts, heartbeats) in client_requests.py. This module keeps the
+thread itself: the callers' queue, the socket loop, numbering new requests and matching replies.
 """
 
 from __future__ import annotations
@@ -16,79 +20,22 @@ import select
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from .ack_codec import read_ack
-from .auth import UNAUTHENTICATED, refusal_text, rejection_code, rejection_in, resolve_secret
-from .errors import PSAuthError, PSError, PSTimeoutError
-from .protocol import Message, MessageType, ProtocolError, encode, encode_parts, frame_flags
+from .auth import rejection_code, rejection_in, resolve_secret
+from .client_handshake import ClientHandshake
+from .client_requests import Gather, RequestTimers, _Pending, _Server
+from .errors import PSError, PSTimeoutError
+from .protocol import Message, MessageType, ProtocolError, encode_parts, frame_flags
 from .frame_decode import decode
-from .session import HANDSHAKE_MAX_BYTES, ClientSession
-
-# Handshakes in a row that end refused, with no request served between them: then the refusal
-# is the server's word, not a lost session (a restarted server), and requests fail.
-_MAX_HANDSHAKES = 3
+from .session import ClientSession
 
 log = logging.getLogger(__name__)
 _STOP = object()
 
 
-class Gather:
-    """One API call: waits for a reply from each of its messages, then resolves ``future``."""
-
-    def __init__(self, count: int, assemble: Callable[[list[Message]], Any] | None):
-        self.future: Future = Future()
-        self.replies: list[Message | None] = [None] * count
-        self.missing = count
-        self.assemble = assemble
-        if count == 0:
-            self._finish()
-
-    def deliver(self, slot: int, reply: Message) -> None:
-        if self.future.done() or self.replies[slot] is not None:
-            return
-        self.replies[slot] = reply
-        self.missing -= 1
-        if self.missing == 0:
-            self._finish()
-
-    def fail(self, error: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(error)
-
-    def _finish(self) -> None:
-        try:
-            result = self.assemble(self.replies) if self.assemble else None
-        except BaseException as error:  # noqa: BLE001 - goes to the caller through the future
-            self.future.set_exception(error)
-        else:
-            self.future.set_result(result)
-
-
-@dataclass
-class _Pending:
-    gather: Gather
-    slot: int
-    kind: str
-    msg: Message
-    frame: list | None  # the encoded request's parts (large tensors are views of the caller's
-    # memory); None until the connection has authenticated (it is sealed with the session token)
-    first_sent: float
-    sent: float
-    interval: float
-
-
-@dataclass
-class _Server:
-    name: str
-    transport: Any = None
-    next_seq: int = 1
-    pending: dict[int, _Pending] = field(default_factory=dict)
-    session: ClientSession | None = None  # None: no secret, frames go unsealed (in-process tests)
-
-
-class ClientIO:
+class ClientIO(ClientHandshake, RequestTimers):
     """The thread behind ``PSClient``; ``endpoints`` are addresses (created on the thread) or transports."""
 
     def __init__(
@@ -194,54 +141,6 @@ class ClientIO:
             if self.key is not None:
                 server.session = ClientSession(self.key, self.sender)
                 self._hello(server, time.monotonic())
-
-    # -- the handshake (session.py): once per connection, then frames carry the session token --
-
-    def _hello(self, server: _Server, now: float) -> None:
-        server.transport.send(bytes(encode(server.session.hello(now))))
-
-    def _seal(self, server: _Server, msg: Message) -> list | None:
-        """``msg``'s parts sealed for ``server``'s connection; None while it is not authenticated."""
-        if server.session is None:
-            return encode_parts(msg)
-        if server.session.state != "ready":
-            return None
-        return encode_parts(msg, token=server.session.token)
-
-    def _on_unsealed(self, server: _Server, frame) -> None:
-        """A frame without a seal: the server's challenge, or a rejection (see auth.py)."""
-        try:
-            msg = decode(frame, None, HANDSHAKE_MAX_BYTES)
-        except ProtocolError as error:
-            self._stats["rejected_replies"] += 1
-            log.warning("PS client %s: dropped a malformed reply from %s: %s", self.sender, server.name, error)
-            return
-        session = server.session
-        if msg.type is MessageType.CHALLENGE:
-            auth, genuine = session.answer(msg)
-            if auth is None:
-                return  # the answer to an earlier HELLO of ours
-            server.transport.send(bytes(encode(auth)))  # a stranger's server still sees our AUTH fail: it logs it
-            if not genuine:
-                return self._refused(server, UNAUTHENTICATED)
-            for pending in server.pending.values():  # what waited for the handshake, sealed now
-                pending.frame = encode_parts(pending.msg, token=session.token)
-                pending.sent = time.monotonic()
-                server.transport.send(pending.frame)
-            return
-        code = rejection_in(msg)
-        if code is None:
-            self._stats["rejected_replies"] += 1
-            return
-        if code == UNAUTHENTICATED and session.state == "hello":
-            return  # refused frames sent before this handshake started
-        if code == UNAUTHENTICATED and session.attempts < _MAX_HANDSHAKES:
-            # The server does not know this connection's session: a restarted server, a forgotten
-            # session, or a challenge it no longer holds. Authenticate again; requests wait.
-            self._hello(server, time.monotonic())
-            return
-        session.state, session.token, session.attempts = "none", None, 0
-        self._refused(server, code)
 
     def _socket_poller(self):
         """A ``zmq.Poller`` over every server socket and the wake pipe, so the thread sleeps until a
@@ -387,47 +286,6 @@ class ClientIO:
             pending.gather.fail(error)
             return
         pending.gather.deliver(pending.slot, reply)
-
-    def _refused(self, server: _Server, code: str) -> None:
-        """The server rejected our frames (see auth.py): fail what waits on it, naming authentication,
-        instead of resending until the timeout. The words are ours, not the (unsigned) reply's."""
-        self._stats["refusals"] += 1
-        for seq, pending in list(server.pending.items()):
-            del server.pending[seq]
-            pending.gather.fail(
-                PSAuthError(
-                    f"{pending.kind} (seq {seq}) to server {server.name}: {refusal_text(code, server.name)}", code
-                )
-            )
-
-    def _resend_due(self, now: float) -> None:
-        for server in self._servers:
-            session = server.session
-            if session is not None and session.state == "hello" and now - session.hello_sent >= self.retry_after_s:
-                server.transport.send(bytes(encode(session.resend_hello(now))))  # lost (a server not up yet)
-            for seq, pending in list(server.pending.items()):
-                if pending.gather.future.done():  # failed elsewhere: stop trying
-                    del server.pending[seq]
-                elif now - pending.first_sent > self.request_timeout_s:
-                    del server.pending[seq]
-                    pending.gather.fail(
-                        PSTimeoutError(
-                            f"{pending.kind} (seq {seq}) to server {server.name}: no reply for "
-                            f"{now - pending.first_sent:.1f}s (request_timeout_s={self.request_timeout_s})"
-                        )
-                    )
-                elif pending.frame is not None and now - pending.sent >= pending.interval:
-                    pending.sent = now
-                    pending.interval = min(pending.interval * 2, 4 * self.retry_after_s)
-                    self._stats["resends"] += 1
-                    server.transport.send(pending.frame)
-
-    def _heartbeat(self) -> None:
-        msg = Message(MessageType.HEARTBEAT, self.sender, 0, meta={"clock": self._clock()})
-        for server in self._servers:
-            frame = self._seal(server, msg)
-            if frame is not None:  # (none while the connection authenticates)
-                server.transport.send(frame)
 
     def _fail_all(self, error: BaseException) -> None:
         for server in self._servers:

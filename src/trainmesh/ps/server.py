@@ -5,7 +5,8 @@ dispatched; a malformed or forged frame is counted and dropped (a request that d
 makes no sense gets an ``error`` reply), never crashing the loop. Pushes are applied exactly
 once per ``(worker, seq)`` and, with ``durability="wal"``, fsynced to the log before they are
 applied and acknowledged. Pulls wait in a queue until the SSP gate lets them through, while
-the loop keeps serving everyone else. See docs/parameter_server.md.
+the loop keeps serving everyone else. See docs/parameter_server.md. The request checks
+(server_checks.py) and the requests that wait (server_pending.py) are mixins in modules of their own.
 
 Message layout (both ends are this module and ``client.py``):
   pull  meta {"clock", "shards": [dense ids], "rows": {table: ids tensor name}, "floor"}
@@ -20,7 +21,6 @@ dedup table may forget it.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from typing import Any
@@ -28,9 +28,12 @@ from typing import Any
 from .ack_codec import AckWriter
 from .auth import MALFORMED, SECRET_ENV, UNAUTHENTICATED, RejectGuard, rejection_frame, resolve_secret
 from .clock import ClockTable
+from .dedup import _session
 from .durability import DURABILITY
 from .protocol import DEFAULT_MAX_BYTES, AuthenticationError, Message, MessageType, ProtocolError, encode
 from .frame_decode import decode
+from .server_checks import BadRequest, RequestChecks
+from .server_pending import PendingRequests, _clock_of, _enqueue_once
 from .server_state import ServerState
 from .session import ServerSessions
 from .sync_rounds import RoundClosed
@@ -39,15 +42,7 @@ from .transport import frame_nbytes
 log = logging.getLogger(__name__)
 
 
-class BadRequest(ValueError):
-    """A request that decoded but cannot be served; answered with an ``error`` reply."""
-
-    def __init__(self, message: str, code: str = "bad_request"):
-        super().__init__(message)
-        self.code = code
-
-
-class ParameterServer:
+class ParameterServer(RequestChecks, PendingRequests):
     """Serve one transport until ``shutdown`` (a message) or ``stop()``.
 
     ``directory`` holds the snapshot and write-ahead log (required unless durability is
@@ -232,32 +227,6 @@ class ParameterServer:
         else:
             raise BadRequest(f"a server does not accept {kind.value!r} messages")
 
-    def _expect_workers(self, msg: Message) -> None:
-        """A client that knows the job's worker count tells it at registration (PSClient(num_workers=))."""
-        count = msg.meta.get("num_workers")
-        if count is None:
-            return
-        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-            raise BadRequest(f"register: num_workers must be an int >= 1, got {count!r}")
-        if self.num_workers and count != self.num_workers:
-            raise BadRequest(
-                f"worker {msg.sender} says the job has {count} workers; this server was started "
-                f"with --num-workers {self.num_workers}"
-            )
-        self.clocks.expect(count)
-
-    def _check_sync_has_workers(self, msg: Message) -> None:
-        """A sync round closes when every worker clocked past it: a server that knows no worker count
-        would close round 0 as soon as the first worker clocked, before the others registered."""
-        specs = msg.meta.get("params") or []
-        sync = [s.get("name") for s in specs if isinstance(s, dict) and s.get("mode") == "sync"]
-        if sync and not self.clocks.expected:
-            raise BadRequest(
-                f"sync mode for {sync} needs the number of workers before the first round: start "
-                f"the server with --num-workers N, or pass num_workers= to PSClient "
-                f"(ParameterServerStrategy does). Received: num_workers=0 on server {self.server_id}"
-            )
-
     def _prepare(self, msg: Message):
         """Check a mutation completely (raising for a bad one) and return the call applying it.
         The one apply path, shared by live requests (after the WAL append) and WAL replay."""
@@ -289,118 +258,6 @@ class ParameterServer:
         if msg.type is MessageType.PUSH and self.state.dedup.is_done(_session(msg), msg.seq):
             return
         self._prepare(msg)()
-
-    # -- pulls and the SSP gate -------------------------------------------------------------
-
-    def _check_pull(self, msg: Message) -> None:
-        clock = msg.meta.get("clock", 0)
-        if not isinstance(clock, int) or isinstance(clock, bool) or clock < 0:
-            raise BadRequest(f"pull clock must be an int >= 0, got {clock!r}")
-        self.state.pull_consistency(msg)  # raises for unknown parameters, before queueing
-
-    # -- ordered requests: a pipelined clock or pull waits for the pushes sent before it --------
-
-    def _ordered(self, msg: Message) -> bool:
-        """Whether every push listed in ``meta["after_pushes"]`` (same session) was applied or
-        refused. A client pipelines push, clock and pull without waiting for acks; if the push
-        frame is lost and resent, this keeps the clock and the pull from overtaking it."""
-        after = msg.meta.get("after_pushes")
-        if after is None:
-            return True
-        if not isinstance(after, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in after):
-            raise BadRequest(f"after_pushes must be a list of push seqs, got {after!r:.200}")
-        session = _session(msg)
-        return all(self.state.dedup.is_done(session, seq) or (session, seq) in self.failed_pushes for seq in after)
-
-    def _answer_pending(self) -> None:
-        if self.pending_clocks:
-            still_waiting = []
-            for peer, msg in self.pending_clocks:
-                if self._ordered(msg):
-                    self.clocks.seen(msg.sender, _clock_of(msg))
-                    self._reply(
-                        peer, msg, MessageType.OK, meta={"num_workers": self.num_workers, "server_id": self.server_id}
-                    )
-                else:
-                    still_waiting.append((peer, msg))
-            self.pending_clocks = still_waiting
-        self._answer_pending_pulls()
-
-    def _apply_due_rounds(self) -> None:
-        """Close every sync round all live workers have clocked past and apply the open ones among
-        them (before any pull is answered), logged as one marker after the pushes they sum, so a
-        replay applies them at the same point and refuses the same late pushes."""
-        if not self.clocks.workers:  # no worker known yet: nobody finished anything
-            return
-        slowest = self.clocks.min_live_clock()
-        rounds = self.state.rounds
-        if math.isinf(slowest) or slowest <= rounds.closed_below:
-            return
-        closing = range(rounds.closed_below, int(slowest))
-        missing = sorted(w for w, s in self.clocks.workers.items() if s.clock < slowest and not self.clocks.is_live(w))
-        if missing and rounds.rounds.keys() & set(closing):
-            log.warning(
-                "ps %s: sync rounds %d-%d close without worker(s) %s (declared dead); their late pushes "
-                "for these rounds will be refused",
-                self.server_id,
-                closing.start,
-                closing.stop - 1,
-                missing,
-            )
-        due = rounds.close_below(slowest)
-        if not due:  # nothing to apply: no marker (a clock must not cost a log write, an fsync with
-            return  # "wal"); closed_below reaches the log with the next marker or snapshot, and a
-            # replay, lower until then, still accepts every push the live server accepted
-        marker = encode(
-            Message(
-                MessageType.CLOCK, self.server_id, 0, meta={"apply_rounds": due, "closed_below": rounds.closed_below}
-            ),
-            self.secret,
-        )
-        self.state.log_then(marker, lambda: [self.state.apply_round(r) for r in due])
-        self.counters["rounds_applied"] += len(due)
-
-    def _answer_pending_pulls(self) -> None:
-        # A waiting pull whose pushes are now in carries a clock that counts from now on. Count
-        # every such clock first, then close the rounds they complete, and only then answer: a
-        # pull must never be answered at a clock whose rounds are not applied yet (answering
-        # before applying let a pull at clock c miss round c - 1; issue 42).
-        ordered = [(peer, msg) for peer, msg in self.pending_pulls if self._ordered(msg)]
-        for _, msg in ordered:
-            self.clocks.seen(msg.sender, _clock_of(msg))
-        self._apply_due_rounds()
-        ready_to_gate = {id(msg) for _, msg in ordered}
-        still_waiting = []
-        for peer, msg in self.pending_pulls:
-            if id(msg) not in ready_to_gate:
-                still_waiting.append((peer, msg))
-                continue
-            staleness, sync = self.state.pull_consistency(msg)
-            clock = msg.meta.get("clock", 0)
-            decision = self.clocks.gate(clock, staleness, sync, self.drop_dead_workers)
-            if decision.error is not None:
-                self._error(peer, msg, decision.error, "dead_worker", worker=decision.dead_worker)
-            elif decision.ready:
-                if not math.isinf(staleness):
-                    self.clocks.record_answered(clock)
-                # The values include every update made at clocks < min_clock (a clock counts only
-                # after its worker's pushes): a client may reuse them while its clock - s <= it.
-                slowest = self.clocks.min_live_clock()
-                try:  # reading or encoding (e.g. a reply over max_message_bytes) fails this pull only
-                    tensors, versions = self.state.read(msg)
-                    self._reply(
-                        peer,
-                        msg,
-                        MessageType.PULL_REPLY,
-                        tensors,
-                        {"versions": versions, "min_clock": None if math.isinf(slowest) else int(slowest)},
-                    )
-                except Exception as error:  # noqa: BLE001 - answered, not fatal
-                    self.counters["rejected"] += 1
-                    self._error(peer, msg, f"{type(error).__name__}: {error}", "bad_request")
-            else:
-                still_waiting.append((peer, msg))
-        self.pending_pulls = still_waiting
 
     # -- replies ----------------------------------------------------------------------------
 
@@ -436,19 +293,3 @@ class ParameterServer:
             "durability": self.state.durability,
             "time": time.time(),
         }
-
-
-def _clock_of(msg: Message) -> int | None:
-    clock = msg.meta.get("clock")
-    return clock if isinstance(clock, int) and not isinstance(clock, bool) else None
-
-
-def _enqueue_once(queue: list[tuple[Any, Message]], peer, msg: Message) -> None:
-    """Queue ``msg`` unless a resend of it (same peer, sender and seq) is already waiting."""
-    if not any(p == peer and m.sender == msg.sender and m.seq == msg.seq for p, m in queue):
-        queue.append((peer, msg))
-
-
-def _session(msg: Message) -> str:
-    """The dedup key: seqs count per client instance (a restarted worker starts again at 1)."""
-    return f"{msg.sender}@{msg.meta.get('session', '')}"

@@ -2,7 +2,8 @@
 
 ``ParameterServer`` (server.py) runs the loop and the protocol; this module changes and reads
 the state. Every mutation (init, push, import) goes through ``ServerState`` so a WAL replay on
-restart takes exactly the path a live request took.
+restart takes exactly the path a live request took. The dedup table (dedup.py), the spec checks
+(spec_checks.py) and moving shards out and in (shard_moves.py) are in modules of their own.
 """
 
 from __future__ import annotations
@@ -15,80 +16,19 @@ from typing import Any, Callable
 
 import torch
 
-from .optimizers import make_optimizer
+from .dedup import DedupTable
 from .placement import shard_id, split_shard_id
 from .protocol import Message
 from .row_store import RowStore
 from .shard import Shard
+from .shard_moves import ShardMoves
+from .spec_checks import _check_spec, _staleness
 from .sync_rounds import SNAPSHOT_KEY, OpenRounds
 
 log = logging.getLogger(__name__)
 
 
-class DedupTable:
-    """Per worker: ``floor`` (every seq below it is finished) and the applied push seqs above it."""
-
-    def __init__(self) -> None:
-        self.floor: dict[str, int] = {}
-        self.applied: dict[str, set[int]] = {}
-
-    def advance_floor(self, worker: str, floor: Any) -> None:
-        if not isinstance(floor, int) or isinstance(floor, bool) or floor <= self.floor.get(worker, 0):
-            return
-        self.floor[worker] = floor
-        self.applied[worker] = {s for s in self.applied.get(worker, ()) if s >= floor}
-
-    def is_done(self, worker: str, seq: int) -> bool:
-        return seq < self.floor.get(worker, 0) or seq in self.applied.get(worker, ())
-
-    def mark(self, worker: str, seq: int) -> None:
-        self.applied.setdefault(worker, set()).add(seq)
-
-    def to_json(self) -> dict:
-        return {
-            w: {"floor": self.floor.get(w, 0), "applied": sorted(self.applied.get(w, ()))}
-            for w in sorted(set(self.floor) | set(self.applied))
-        }
-
-    def load_json(self, data: dict) -> None:
-        self.floor = {w: int(v["floor"]) for w, v in data.items()}
-        self.applied = {w: set(v["applied"]) for w, v in data.items()}
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _check_spec(spec: dict) -> None:
-    """Refuse a parameter spec the server could not serve, before it reaches the log."""
-    name = spec["name"]
-    if spec.get("mode") not in ("sync", "ssp", "async"):
-        raise ValueError(f"parameter {name!r}: mode must be sync, ssp or async, got {spec.get('mode')!r}")
-    staleness = spec.get("staleness")
-    if spec["mode"] != "async" and not (
-        isinstance(staleness, int) and not isinstance(staleness, bool) and staleness >= 0
-    ):
-        raise ValueError(f"parameter {name!r}: mode {spec['mode']!r} needs an int staleness >= 0, got {staleness!r}")
-    make_optimizer(spec.get("optimizer"))  # raises naming what is wrong
-    shape = spec.get("shape")
-    if spec.get("kind") == "sparse":
-        if not (isinstance(shape, list) and len(shape) == 2 and all(_positive_int(d) for d in shape)):
-            raise ValueError(f"table {name!r}: shape must be [rows, dim] of ints >= 1, got {shape!r}")
-        if not _positive_int(spec.get("rows_per_shard")) or not isinstance(spec.get("init"), dict):
-            raise ValueError(
-                f"table {name!r}: needs an int rows_per_shard >= 1 and an init dict, got "
-                f"{spec.get('rows_per_shard')!r}, {spec.get('init')!r}"
-            )
-        Shard.sparse(f"{name}#0", 1, shape[1], spec["optimizer"], spec["init"])  # checks the init spec
-    elif spec.get("kind") != "dense" or not isinstance(shape, list):
-        raise ValueError(f"parameter {name!r}: kind must be 'dense' (with a shape list) or 'sparse', got {spec!r:.200}")
-
-
-def _staleness(spec: dict) -> float:
-    return math.inf if spec["mode"] == "async" else float(spec["staleness"])
-
-
-class ServerState:
+class ServerState(ShardMoves):
     """Specs, shards and dedup table of one server, with their durability (see ``durability``)."""
 
     def __init__(self, durability: str, directory, secret, snapshot_every: int, snapshot_every_s: float):
@@ -352,47 +292,3 @@ class ServerState:
             else:
                 tensors[table], versions[table] = torch.empty(0, self.spec_of(table)["shape"][1]), 0
         return tensors, versions
-
-    # -- rebalancing --------------------------------------------------------------------------
-
-    def export(self, meta: dict) -> tuple[dict[str, torch.Tensor], dict]:
-        """Shard states for ``meta["shards"]`` (those this server holds) and every parameter spec.
-        With ``meta["remove"]`` the shards are dropped afterwards (after their import succeeded)."""
-        if meta.get("list"):
-            return {}, {"shard_ids": sorted(self.shards), "params": self.params}
-        tensors, shard_meta = {}, {}
-        for sid in meta.get("shards", []):
-            shard = self.shards.get(sid)
-            if shard is None:
-                continue  # a table range never touched: the new owner creates it identically
-            if meta.get("data", True):
-                own, shard_meta[sid] = shard.state_dict()
-                tensors.update({f"{sid}|{k}": t for k, t in own.items()})  # live: encoded before any update
-            if meta.get("remove"):
-                del self.shards[sid]
-                self.shards_generation += 1
-                table, index = split_shard_id(sid)
-                if table in self._row_stores:
-                    self._row_stores[table].forget(index)
-        return tensors, {"shards": shard_meta, "params": self.params}
-
-    def prepare_import(self, msg: Message) -> Callable[[], None]:
-        """Check moved-in shards (and specs); the returned call installs them."""
-        params = msg.meta.get("params") or {}
-        if not isinstance(params, dict) or not all(
-            isinstance(s, dict) and s.get("name") == n for n, s in params.items()
-        ):
-            raise ValueError(f"import meta 'params' must map names to their specs, got {params!r:.200}")
-        built = {}
-        for sid, shard_meta in (msg.meta.get("shards") or {}).items():
-            prefix = f"{sid}|"
-            own = {k[len(prefix) :]: t for k, t in msg.tensors.items() if k.startswith(prefix)}
-            built[sid] = Shard.from_state(own, shard_meta)
-
-        def apply() -> None:
-            for name, spec in params.items():
-                self.params.setdefault(name, spec)
-            self.shards.update(built)
-            self.shards_generation += 1
-
-        return apply

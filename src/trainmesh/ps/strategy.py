@@ -32,15 +32,17 @@ Buffers (e.g. BatchNorm statistics) and frozen parameters stay on the workers.
 With the Trainer, workers still meet at its per-step loss all-reduce (``nonfinite_loss`` check,
 ``log_every_n_steps=1``); for async/SSP workers to run apart, pass ``nonfinite_loss=None`` and a
 large ``log_every_n_steps``, or write a custom loop (``strategy.prepare``).
+
+Connecting to the servers (their addresses and secret, the local ones worker 0 starts) is in
+strategy_servers.py, binding a model and its optimizer to them (registration, the pulls after a
+step) in strategy_binding.py; this module keeps the construction, the modes, the scope and the
+custom-loop API.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import fnmatch
-import math
-import os
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -53,12 +55,12 @@ from trainmesh.distribution.mesh import DeviceMesh
 
 from .dense_cache import DenseCache
 from .embedding import PSEmbedding
-from .param_entries import dense_param, parse_mode, table_param
+from .param_entries import parse_mode
 from .durability import DURABILITY
-from .auth import resolve_secret
-from .worker_optimizer import PSOptimizer, server_optimizer_spec, spec_for_mode
+from .strategy_binding import ModelBinding
+from .strategy_servers import SERVERS_ENV, ServerConnection  # noqa: F401 - SERVERS_ENV is imported from here too
+from .worker_optimizer import PSOptimizer
 
-SERVERS_ENV = "TRAINMESH_PS_SERVERS"
 _open_scopes: list["ParameterServerStrategy"] = []
 
 
@@ -94,7 +96,7 @@ class PSDistribution(Distribution):
         return self.strategy.bind_optimizer(optimizer, model)
 
 
-class ParameterServerStrategy:
+class ParameterServerStrategy(ServerConnection, ModelBinding):
     """Data-parallel workers, parameters on K parameter servers (see the module docstring).
 
     >>> strategy = ParameterServerStrategy(num_servers=2, mode="sync")           # doctest: +SKIP
@@ -176,174 +178,6 @@ class ParameterServerStrategy:
         raise ValueError(
             f"No mode pattern matches parameter {name!r}; add a catch-all '*'. Received: mode={self._modes!r}"
         )
-
-    # --- servers ------------------------------------------------------------------------------
-    def _connect(self) -> None:
-        from .client import PSClient
-
-        addresses = self._server_addresses()
-        self._client = PSClient(
-            servers=addresses,
-            worker_id=self.worker_id,
-            num_workers=self.num_workers,
-            secret=self._secret_bytes(),
-            compression=self.compression,
-            **self.client_options,
-        )
-
-    def _secret_bytes(self) -> bytes | None:
-        """``secret=``, else the job's (``TRAINMESH_PS_SECRET``, set by ``trainmesh run --servers``,
-        or ``TRAINMESH_PS_SECRET_FILE``), else the one worker 0 made for the servers it started."""
-        return resolve_secret(self.secret) or self._started_secret
-
-    def _server_addresses(self) -> list[str]:
-        raw = os.environ.get(SERVERS_ENV, "")
-        if raw.strip():  # checked at the door: a bad port, empty host or repeat is named before any connection
-            from trainmesh.runtime.addresses import parse_server_list
-
-            return parse_server_list(raw, name=SERVERS_ENV)
-        if self.servers is not None:
-            return list(self.servers)
-        holder: list[Any] = [None]
-        if self.worker_id == 0:
-            try:
-                holder[0] = self._start_local_servers()
-            except Exception as error:  # the others must not wait forever in the broadcast
-                holder[0] = f"error: {type(error).__name__}: {error}"
-        if self.num_workers > 1:
-            import torch.distributed as dist
-
-            # The servers' secret (a new one unless the user gave one) goes only to the job's own
-            # processes, over their process group, with the addresses.
-            dist.broadcast_object_list(holder, src=0)
-        if isinstance(holder[0], str):
-            raise RuntimeError(f"worker 0 could not start the parameter servers ({holder[0]})")
-        addresses, secret = holder[0]
-        self._started_secret = secret.encode("utf-8")
-        return list(addresses)
-
-    def _start_local_servers(self) -> tuple[list[str], str]:
-        from .cluster import LocalCluster
-
-        self._cluster = LocalCluster(
-            self.num_servers or 1,
-            num_workers=self.num_workers,
-            durability=self.durability,
-            secret=resolve_secret(self.secret),
-            **self.server_options,
-        )
-        atexit.register(self._stop_cluster)
-        return list(self._cluster.addresses), self._cluster.secret
-
-    def _stop_cluster(self) -> None:
-        cluster, self._cluster = self._cluster, None
-        if cluster is not None:
-            cluster.stop()
-
-    # --- binding a model ------------------------------------------------------------------------
-    def bind_model(self, model: nn.Module) -> None:
-        """Collect ``model``'s trainable dense parameters and ``PSEmbedding`` tables."""
-        tables = [m for m in model.modules() if isinstance(m, PSEmbedding)]
-        names = [t.name for t in tables]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ValueError(f"Two PSEmbedding tables share a name; names are server keys. Received: {duplicates}")
-        dense = {name: p for name, p in model.named_parameters() if p.requires_grad}
-        clash = sorted(set(dense) & set(names))
-        if clash:
-            raise ValueError(f"A PSEmbedding name equals a parameter name: {clash}")
-        for name in list(dense) + names:
-            self.mode_of(name)  # every parameter needs a mode before anything is sent
-        self.client  # noqa: B018 -- connect now: on every worker, in the same order of collectives
-        self._dense.update(dense)
-        for table in tables:
-            self._tables[table.name] = table
-            table.attach(self.client, registered=False)
-
-    def attach_embedding(self, table: PSEmbedding) -> None:
-        """A table built in ``scope()`` and used before its model was distributed."""
-        self._tables.setdefault(table.name, table)
-        table.attach(self.client, registered=False)
-
-    def bind_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> PSOptimizer:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer. Received: {type(optimizer).__name__}")
-        names_by_id = {id(p): n for n, p in self._dense.items()}
-        groups = []
-        for group in optimizer.param_groups:
-            unknown = [p for p in group["params"] if id(p) not in names_by_id and p.requires_grad]
-            if unknown:
-                raise ValueError(
-                    "The optimizer holds parameters that are not the distributed model's; build it "
-                    f"from model.parameters(). Received: {len(unknown)} unknown parameter(s)"
-                )
-            spec = server_optimizer_spec(optimizer, group)  # weight decay per mode: see _register
-            groups.append((spec, [names_by_id[id(p)] for p in group["params"] if id(p) in names_by_id]))
-        table_spec = groups[0][0] if groups else server_optimizer_spec(optimizer, optimizer.param_groups[0])
-        self._register(groups, table_spec)
-        proxy = PSOptimizer(optimizer, self, groups, list(self._tables.values()))
-        self._optimizers.append(proxy)
-        return proxy
-
-    def _register(self, groups: list[tuple[dict, list[str]]], table_optimizer: dict) -> None:
-        """Worker 0 creates every key first (its values win), then the others declare the same
-        keys (acknowledged, not applied), then everybody pulls."""
-        params = []
-        self._served = [name for _, names in groups for name in names]  # not the optimizer's: stays local
-        for spec, names in groups:
-            for name in names:
-                mode, staleness = self.mode_of(name)
-                params.append(
-                    dense_param(
-                        name, self._dense[name].detach(), spec_for_mode(spec, mode, self.num_workers), mode, staleness
-                    )
-                )
-        for table in self._tables.values():
-            entry = table_param(table, self)
-            table.server_optimizer = entry["optimizer"] = spec_for_mode(
-                table_optimizer, entry["mode"], self.num_workers
-            )
-            params.append(entry)
-        client = self.client  # connecting may be a collective: before the barriers below
-        if self.worker_id != 0:
-            runtime.barrier()
-        client.init(params)
-        if self.worker_id == 0:
-            runtime.barrier()
-        for table in self._tables.values():
-            table.attach(self.client, registered=True)
-        modes = [self.mode_of(name) for name in self._served]
-        if modes and all(mode != "sync" for mode, _ in modes):
-            # SSP/async: a bounded-staleness copy, so step() need not wait for a pull every step.
-            staleness = min(math.inf if s is None else s for _, s in modes)
-            self.dense_cache = DenseCache(self.client, self._served, self._dense, staleness)
-            self.dense_cache.load()
-        else:
-            self.dense_cache = None
-            self.pull_dense()
-
-    def pull_dense(self) -> None:
-        """Overwrite the local dense parameters with the servers' values (waits for them)."""
-        if not self._served:
-            return
-        values = self.client.pull(self._served).result()
-        with torch.no_grad():
-            for name in self._served:
-                param = self._dense[name]
-                param.copy_(values[name].reshape(param.shape).to(param.dtype))
-
-    def refresh_dense(self) -> None:
-        """After a step: the servers' values when any served parameter is sync, else values
-        within the SSP bound, pulled only when the cached copy is too old (``dense_cache.py``)."""
-        if self.dense_cache is None:
-            self.pull_dense()
-        else:
-            self.dense_cache.refresh()
-
-    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, PSOptimizer]:
-        """For a custom loop: ``model, optimizer = strategy.prepare(model, optimizer)``."""
-        model = self._distribution.distribute_model(model)
-        return model, self._distribution.prepare_optimizer(optimizer, model)
 
     # --- scope and the custom-loop API (as MirroredStrategy) -------------------------------------
     @contextlib.contextmanager

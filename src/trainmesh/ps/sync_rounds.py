@@ -19,7 +19,7 @@ one: its round went ahead without it, and adding its push later would be an extr
 
 Why a round is complete when it closes: a worker's clock ``c`` counts on a server only once every
 push that worker sent to that server before announcing ``c`` has been applied or refused (the
-clock and pull messages carry ``after_pushes``, see server.py), so ``min live clock > r`` means
+clock and pull messages carry ``after_pushes``, see server_pending.py), so ``min live clock > r`` means
 every live worker's pushes of round ``r`` are in, whatever order the frames arrived in.
 """
 
