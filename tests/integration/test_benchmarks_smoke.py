@@ -191,6 +191,12 @@ NOT_BENCHMARKS |= {
     "trainer_overhead_setup",
     "trainer_overhead_worker",
     "trainer_overhead_report",
+    "finetune_sides",
+    "finetune_workers",
+    "finetune_parity",
+    "finetune_report",
+    "ps_transport",
+    "ps_straggler",
 }
 
 
