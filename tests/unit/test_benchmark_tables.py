@@ -95,7 +95,9 @@ def test_the_stamp_names_what_a_refresh_measured_again_and_what_changed_since(re
                 "commit": "bbbbbbbbbbbb",
                 "date": "2026-11-30T00:00:00Z",
                 "benchmarks": ["ps"],
-                "changed_since": {"aaaaaaaaaaaa": ["src/trainmesh/ps/client_io.py"]},
+                "changed_since": {
+                    "aaaaaaaaaaaa": ["benchmarks/ps.py", "src/trainmesh/ps/client_io.py", "src/trainmesh/ps/server.py"]
+                },
             }
         ],
     }
@@ -103,6 +105,6 @@ def test_the_stamp_names_what_a_refresh_measured_again_and_what_changed_since(re
     assert text.startswith("From `benchmarks/results/latest.json`: commit aaaaaaaaaaaa, 2026-11-28"), text
     assert (
         "Re-run at commit bbbbbbbbbbbb (2026-11-30T00:00:00Z): ps; files of src/ and benchmarks/ changed "
-        "since aaaaaaaaaaaa: `src/trainmesh/ps/client_io.py`." in text
+        "since aaaaaaaaaaaa: `benchmarks/ps.py`, `src/trainmesh/ps/` (2 files)." in text
     ), text
     assert "Re-run" not in render.stamp({**results, "refreshed": []})
