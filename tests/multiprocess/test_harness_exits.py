@@ -78,3 +78,31 @@ def test_a_rank_that_dies_before_returning_stops_its_peers():
     assert "rank 0 (failed first): exited with code -6 (SIGABRT)" in summary, summary
     assert "rank 1: exited with code -9 (SIGKILL)" in summary, summary
     assert time.monotonic() - started < 30
+
+
+_ABORTING_JOB = """
+import os, sys
+sys.path.insert(0, {here!r})
+from test_harness_exits import _rank0_dies_before_returning
+from trainmesh.testing import run_distributed
+
+if __name__ == "__main__":
+    try:
+        run_distributed(_rank0_dies_before_returning, world_size=2, timeout=60)
+    except Exception:
+        pass
+"""
+
+
+def test_a_rank_killed_by_a_signal_leaves_its_python_stack_on_stderr(tmp_path):
+    """faulthandler in every rank: a SIGABRT (glibc finding its heap corrupted) still says where the rank was.
+    In a fresh interpreter, so the ranks' stderr is this subprocess's (pytest's capture holds the forkserver's)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(_ABORTING_JOB.format(here=os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100)
+    assert "Fatal Python error: Aborted" in done.stderr, done.stderr[-3000:]
+    assert "_rank0_dies_before_returning" in done.stderr, done.stderr[-3000:]

@@ -8,6 +8,7 @@ the processes that were still running, so a hang costs seconds, not a CI run.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import signal
@@ -49,6 +50,10 @@ def _worker(fn, rank, world_size, init_file, result_dir, args, kwargs, collectiv
         OMP_NUM_THREADS="1",
         TRAINMESH_TIMEOUT_S=str(collective_timeout_s),
     )
+    # A rank killed by a signal (SIGABRT from glibc finding its heap corrupted, SIGSEGV) leaves no
+    # Python traceback; faulthandler writes every thread's stack to stderr first, which the caller's
+    # log keeps: where the rank was is the first clue to what broke it.
+    faulthandler.enable(all_threads=True)
     outcome = _Outcome(ok=False)
     try:
         import datetime
